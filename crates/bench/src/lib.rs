@@ -1,0 +1,1 @@
+//! pliant-bench (being written).

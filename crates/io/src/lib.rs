@@ -1,0 +1,1 @@
+//! pliant-io (being written).

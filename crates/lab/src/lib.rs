@@ -1,0 +1,1 @@
+//! pliant-lab (being written).

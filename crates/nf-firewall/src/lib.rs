@@ -1,0 +1,1 @@
+//! pliant-nf-firewall (being written).

@@ -1,0 +1,1 @@
+//! pliant-nf-ids (being written).

@@ -1,0 +1,1 @@
+//! pliant-nf-mbserv (being written).

@@ -1,0 +1,1 @@
+//! pliant-nf-nat (being written).

@@ -1,0 +1,19 @@
+//! pliant-state: the Split/Merge state API (seed 000, ch. 3, Fig 3.5; Pico ch. 4 adds `modified`).
+//!
+//! The library is the only allocator of *external* NF state:
+//! - partitioned per-flow state ([`FlowTable`]) with refcount transactions and per-flow timers,
+//!   exportable as bytes and importable on another instance ([`FlowTable::export_flow`]);
+//! - coherent shared state ([`SharedStore`]) with combiners (eventual consistency) or SYNCH
+//!   (strong consistency through a lock service).
+//!
+//! Time is always passed in (`now: Instant`) so that tests and simulations are deterministic.
+
+pub mod error;
+pub mod flow;
+pub mod key;
+pub mod shared;
+
+pub use error::StateError;
+pub use flow::{FlowRef, FlowState, FlowTable, TableConfig, TableStats, TimerId};
+pub use key::{Dir, FlowKey};
+pub use shared::{Combiner, GetFlags, PutFlags, SharedRef, SharedStore};
