@@ -1,1 +1,47 @@
-fn main() { println!("pliant (being written)"); }
+//! `pliant`: one binary, one subcommand per role. Each subcommand lives in its own module so
+//! that the packet path (replica), the lab and the benchmarks can be read separately.
+
+use clap::{Parser, Subcommand};
+
+mod cmd_bench;
+mod cmd_lab;
+mod cmd_replica;
+
+#[derive(Parser)]
+#[command(name = "pliant", version, about = "Elasticity and high availability for stateful network functions")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run one replica process (packet runtime + network function) from a TOML config.
+    Replica(cmd_replica::ReplicaArgs),
+    /// Ask a running replica for counters, flows or NF state over its control socket.
+    Stats(cmd_replica::StatsArgs),
+    /// Query NF-specific state of a running replica (e.g. IDS counts and alerts) as JSON.
+    Query(cmd_replica::QueryArgs),
+    /// Build, inspect and remove the namespace lab (client, fabric, replicas, server).
+    Lab(cmd_lab::LabArgs),
+    /// Benchmarks against kernel peers measured in the same run.
+    Bench(cmd_bench::BenchArgs),
+    /// The main demo: a lab with a pliant NAT and real traffic through it.
+    Demo(cmd_lab::DemoArgs),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let res = match cli.cmd {
+        Cmd::Replica(a) => cmd_replica::run(a),
+        Cmd::Stats(a) => cmd_replica::stats(a),
+        Cmd::Query(a) => cmd_replica::query(a),
+        Cmd::Lab(a) => cmd_lab::run(a),
+        Cmd::Bench(a) => cmd_bench::run(a),
+        Cmd::Demo(a) => cmd_lab::demo(a),
+    };
+    if let Err(e) = res {
+        eprintln!("pliant: error: {e}");
+        std::process::exit(1);
+    }
+}

@@ -4,6 +4,7 @@
 //! by the NF) -> `NetworkFunction::process` with a [`Ctx`] -> `pkt_write` / `pkt_write_direct` ->
 //! routing to the egress side (MAC rewrite, TTL) -> port.
 
+pub mod config;
 pub mod nf;
 
 pub use nf::{Ctx, NetworkFunction, Packet, Side};
