@@ -48,6 +48,69 @@ impl Packet {
     }
 }
 
+/// How a packet left the NF: the seam where Pico replication will hold `pkt_write` output per
+/// replication group until that group's checkpoint is acknowledged.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutputKind {
+    /// `pkt_write(key, ..)`: output that depends on the state of flow `key`.
+    Stateful(FlowKey),
+    /// `pkt_write_direct(..)`: exempt from output buffering by design.
+    Direct,
+}
+
+/// One packet written by the NF, waiting for the runtime to route it to its egress port.
+pub struct Output {
+    pub pkt: Packet,
+    pub kind: OutputKind,
+}
+
+/// A bounded set of named counters keyed by `&'static str` labels. NFs use a handful of stable
+/// labels, so a linear scan over a short vector beats hashing on the hot path; the bound keeps
+/// a buggy NF that invents labels from growing memory (excess labels land in `overflow`).
+#[derive(Clone, Debug, Default)]
+pub struct Counters {
+    entries: Vec<(&'static str, u64)>,
+    /// Increments whose label did not fit under [`Counters::MAX_LABELS`].
+    pub overflow: u64,
+}
+
+impl Counters {
+    /// Bound on distinct labels per counter set.
+    pub const MAX_LABELS: usize = 128;
+
+    pub fn add(&mut self, name: &'static str, n: u64) {
+        // Pointer equality first: labels are almost always the same literal.
+        if let Some(e) = self
+            .entries
+            .iter_mut()
+            .find(|(k, _)| std::ptr::eq(*k, name) || *k == name)
+        {
+            e.1 = e.1.saturating_add(n);
+            return;
+        }
+        if self.entries.len() >= Self::MAX_LABELS {
+            self.overflow = self.overflow.saturating_add(n);
+            return;
+        }
+        self.entries.push((name, n));
+    }
+
+    pub fn get(&self, name: &str) -> u64 {
+        self.entries.iter().find(|(k, _)| *k == name).map_or(0, |e| e.1)
+    }
+
+    /// All `(label, value)` pairs, sorted by label (stable output for metrics and tests).
+    pub fn snapshot(&self) -> Vec<(&'static str, u64)> {
+        let mut v = self.entries.clone();
+        v.sort_unstable_by_key(|e| e.0);
+        v
+    }
+
+    pub fn total(&self) -> u64 {
+        self.entries.iter().map(|e| e.1).sum::<u64>().saturating_add(self.overflow)
+    }
+}
+
 /// What an NF sees of the runtime while it processes one packet or timer.
 pub struct Ctx<S> {
     /// Partitioned per-flow state (the Split/Merge API).
@@ -55,32 +118,110 @@ pub struct Ctx<S> {
     /// Coherent shared state.
     pub shared: SharedStore,
     pub(crate) now: Instant,
+    /// Packets written since the runtime last drained (bounded by `max_output`).
+    pub(crate) out: Vec<Output>,
+    pub(crate) max_output: usize,
+    /// Drops by reason: NF drops (`pkt_drop`) and the runtime's own (parse errors, routing...).
+    pub(crate) drops: Counters,
+    /// NF-specific counters (`count`).
+    pub(crate) nf_counters: Counters,
+    /// Frame buffers handed back by drops, reused for received frames (bounded).
+    pub(crate) spare_bufs: Vec<Vec<u8>>,
 }
 
+/// Drop reason used when the NF writes more packets in one round than the output queue holds.
+pub const DROP_OUTPUT_FULL: &str = "output_queue_full";
+
 impl<S: FlowState> Ctx<S> {
+    /// Default bound on packets written between two drains of the output queue.
+    pub const DEFAULT_MAX_OUTPUT: usize = 4096;
+    /// Bound on recycled frame buffers kept for reuse.
+    const MAX_SPARE_BUFS: usize = 256;
+
+    pub fn new(flows: FlowTable<S>, shared: SharedStore, now: Instant) -> Self {
+        Ctx {
+            flows,
+            shared,
+            now,
+            out: Vec::with_capacity(256),
+            max_output: Self::DEFAULT_MAX_OUTPUT,
+            drops: Counters::default(),
+            nf_counters: Counters::default(),
+            spare_bufs: Vec::new(),
+        }
+    }
+
     pub fn now(&self) -> Instant {
         self.now
     }
+
+    /// Sets the runtime's notion of the current time (the engine does it once per round; the
+    /// test harness on `advance`).
+    pub fn set_now(&mut self, now: Instant) {
+        self.now = now;
+    }
+
     /// Output that depends on the state of flow `key` (Pico replication holds it until that
     /// flow's group checkpoint is acknowledged; without HA it leaves at the end of the batch).
     pub fn pkt_write(&mut self, key: &FlowKey, pkt: Packet) {
-        let _ = (key, pkt);
-        todo!()
+        self.push_output(Output { pkt, kind: OutputKind::Stateful(*key) });
     }
+
     /// Output that bypasses output buffering by design.
     pub fn pkt_write_direct(&mut self, pkt: Packet) {
-        let _ = pkt;
-        todo!()
+        self.push_output(Output { pkt, kind: OutputKind::Direct });
     }
+
+    fn push_output(&mut self, o: Output) {
+        if self.out.len() >= self.max_output {
+            self.pkt_drop(o.pkt, DROP_OUTPUT_FULL);
+            return;
+        }
+        self.out.push(o);
+    }
+
     /// Drops a packet, counted under `reason` (a stable snake_case label).
     pub fn pkt_drop(&mut self, pkt: Packet, reason: &'static str) {
-        let _ = (pkt, reason);
-        todo!()
+        self.drops.add(reason, 1);
+        self.recycle(pkt.buf);
     }
+
+    /// Counts a drop of something that never became a [`Packet`] (runtime use).
+    pub fn count_drop(&mut self, reason: &'static str, n: u64) {
+        self.drops.add(reason, n);
+    }
+
     /// Adds to an NF-specific counter exported as `pliant_nf_<name>_total`.
     pub fn count(&mut self, name: &'static str, n: u64) {
-        let _ = (name, n);
-        todo!()
+        self.nf_counters.add(name, n);
+    }
+
+    /// Drops by reason so far.
+    pub fn drops(&self) -> &Counters {
+        &self.drops
+    }
+
+    /// NF counters so far.
+    pub fn nf_counters(&self) -> &Counters {
+        &self.nf_counters
+    }
+
+    /// Moves the written packets out (in write order) into `dst`.
+    pub fn drain_output(&mut self, dst: &mut Vec<Output>) {
+        dst.append(&mut self.out);
+    }
+
+    /// Hands a frame buffer back for reuse.
+    pub fn recycle(&mut self, mut buf: Vec<u8>) {
+        if self.spare_bufs.len() < Self::MAX_SPARE_BUFS {
+            buf.clear();
+            self.spare_bufs.push(buf);
+        }
+    }
+
+    /// A cleared buffer (recycled if one is available).
+    pub fn take_buf(&mut self) -> Vec<u8> {
+        self.spare_bufs.pop().unwrap_or_else(|| Vec::with_capacity(2048))
     }
 }
 

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Installs what `make demo` / `make test` need on a fresh Debian 12 machine of this kind, once.
+# Idempotent: only calls apt-get when a package is missing.
+set -euo pipefail
+
+# Debian packages and why:
+#   iproute2 (ip, tc)        namespaces, veths, tc clsact filters of the lab and the runtime
+#   nftables                 the kernel NAT peer (masquerade) measured by the benchmark
+#   iperf3                   TCP throughput through each system
+#   nginx-light              HTTP server in the lab's server namespace
+#   netsniff-ng (trafgen)    64-byte packet generator (iperf3 tops out at ~190k pps here)
+#   curl                     HTTP client in the client namespace
+#   iputils-ping             RTT measurements
+#   cbindgen                 generates include/pliant.h from the ffi crate
+#   clang, llvm              libFuzzer-compatible sancov builds (and BPF programs later)
+#   ethtool, tcpdump         diagnostics used by tests when something fails
+#   fonts-dejavu-core        font for benchmark PNG charts
+pkgs=(iproute2 nftables iperf3 nginx-light netsniff-ng curl iputils-ping cbindgen clang llvm ethtool
+      tcpdump fonts-dejavu-core gcc make pkg-config)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "install-deps: installing ${missing[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  # Debian's nginx package may start a system nginx; pliant runs its own per lab.
+  if [ -f /run/nginx.pid ]; then kill "$(cat /run/nginx.pid)" 2>/dev/null || true; fi
+fi
+command -v cargo >/dev/null || { echo "install-deps: cargo not found (install Rust with rustup)" >&2; exit 1; }
+mkdir -p /run/pliant
