@@ -32,4 +32,28 @@ pub enum StateError {
     SharedMode { key: String, reason: &'static str },
     #[error("shared state {0:?} is locked by another replica")]
     Locked(String),
+    /// Added: a flow already carries the maximum number of aliases.
+    #[error("too many aliases for flow {key} ({max} per flow)")]
+    TooManyAliases { key: FlowKey, max: usize },
+    /// Added: the NF's state could not be serialised (the flow stays where it was).
+    #[error("cannot encode flow {key}: {reason}")]
+    Encode { key: FlowKey, reason: String },
+    /// Added: a transaction is open on the shared key in this store, so the requested operation
+    /// (PULL, SYNCH, delete, export) would read or remove a copy that is mid-update.
+    #[error("shared state {key:?} is busy (refcount {refcount})")]
+    SharedBusy { key: String, refcount: u32 },
+    /// Added: a bound of the shared store or of the coherence hub was hit (counted).
+    #[error("shared state {key:?}: {what} over the limit of {max}")]
+    SharedLimit {
+        key: String,
+        what: &'static str,
+        max: usize,
+    },
+    /// Added: the SYNCH lease ran out and another holder took the lock since; the write was
+    /// fenced off and not published.
+    #[error("shared state {0:?}: lock lease lost, write fenced off")]
+    LeaseLost(String),
+    /// Added: the coherence transport or lock service failed.
+    #[error("coherence transport failed for {key:?}: {reason}")]
+    Coherence { key: String, reason: String },
 }

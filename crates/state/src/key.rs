@@ -64,9 +64,20 @@ impl FlowKey {
         let family = if src.is_ipv4() { 4 } else { 6 };
         let a = (addr_bytes(src), sport);
         let b = (addr_bytes(dst), dport);
-        let (lo, hi, dir) = if a <= b { (a, b, Dir::LoToHi) } else { (b, a, Dir::HiToLo) };
+        let (lo, hi, dir) = if a <= b {
+            (a, b, Dir::LoToHi)
+        } else {
+            (b, a, Dir::HiToLo)
+        };
         (
-            FlowKey { family, proto, port_lo: lo.1, port_hi: hi.1, addr_lo: lo.0, addr_hi: hi.0 },
+            FlowKey {
+                family,
+                proto,
+                port_lo: lo.1,
+                port_hi: hi.1,
+                addr_lo: lo.0,
+                addr_hi: hi.0,
+            },
             dir,
         )
     }
@@ -139,8 +150,14 @@ mod tests {
         let (k2, d2) = FlowKey::v4(proto::TCP, s, 80, c, 40000);
         assert_eq!(k1, k2);
         assert_ne!(d1, d2);
-        assert_eq!(k1.endpoints(d1), ((IpAddr::V4(c), 40000), (IpAddr::V4(s), 80)));
-        assert_eq!(k1.endpoints(d2), ((IpAddr::V4(s), 80), (IpAddr::V4(c), 40000)));
+        assert_eq!(
+            k1.endpoints(d1),
+            ((IpAddr::V4(c), 40000), (IpAddr::V4(s), 80))
+        );
+        assert_eq!(
+            k1.endpoints(d2),
+            ((IpAddr::V4(s), 80), (IpAddr::V4(c), 40000))
+        );
     }
 
     #[test]

@@ -14,6 +14,13 @@ pub mod key;
 pub mod shared;
 
 pub use error::StateError;
-pub use flow::{FlowRef, FlowState, FlowTable, TableConfig, TableStats, TimerId};
+pub use flow::{
+    FlowRef, FlowState, FlowTable, TableConfig, TableStats, TimerId, EXPORT_FORMAT_VERSION,
+    MAX_ALIASES_PER_FLOW,
+};
 pub use key::{Dir, FlowKey};
-pub use shared::{Combiner, GetFlags, PutFlags, SharedRef, SharedStore};
+pub use shared::{
+    combiner_max_u64, combiner_sum_u64, decode_u64, Coherence, Combiner, GetFlags, HubConfig,
+    LocalCoherence, LockService, LockToken, MergeReport, PutFlags, ReplicaId, SharedConfig,
+    SharedExport, SharedRef, SharedStats, SharedStore,
+};
