@@ -16,7 +16,7 @@ set -euo pipefail
 #   ethtool, tcpdump         diagnostics used by tests when something fails
 #   fonts-dejavu-core        font for benchmark PNG charts
 pkgs=(iproute2 nftables iperf3 nginx-light netsniff-ng curl iputils-ping cbindgen clang llvm ethtool
-      tcpdump fonts-dejavu-core gcc make pkg-config)
+      tcpdump fonts-dejavu-core gcc g++ make pkg-config)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
