@@ -5,6 +5,7 @@ use clap::{Parser, Subcommand};
 
 mod cmd_bench;
 mod cmd_lab;
+mod cmd_pg;
 mod cmd_replica;
 
 #[derive(Parser)]
@@ -26,6 +27,8 @@ enum Cmd {
     Lab(cmd_lab::LabArgs),
     /// Benchmarks against kernel peers measured in the same run.
     Bench(cmd_bench::BenchArgs),
+    /// PostgreSQL high availability (RemusDB at the service boundary): cluster, proxy, failover.
+    Pg(cmd_pg::PgArgs),
     /// The main demo: a lab with a pliant NAT and real traffic through it.
     Demo(cmd_lab::DemoArgs),
 }
@@ -39,6 +42,7 @@ fn main() {
         Cmd::Lab(a) => cmd_lab::run(a),
         Cmd::Bench(a) => cmd_bench::run(a),
         Cmd::Demo(a) => cmd_lab::demo(a),
+        Cmd::Pg(a) => cmd_pg::run(a),
     };
     if let Err(e) = res {
         eprintln!("pliant: error: {e}");

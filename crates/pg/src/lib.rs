@@ -1,0 +1,1 @@
+//! pliant-pg (being written).
