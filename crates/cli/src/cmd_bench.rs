@@ -1,9 +1,103 @@
-//! `pliant bench forward` (owned by the bench work; placeholder).
-use clap::Args;
+//! `pliant bench forward`: kernel forwarding vs kernel NAT vs pliant NAT on the lab topology.
+//! Progress goes to stderr; the last line of stdout is one JSON object.
+
+use clap::{Args, Subcommand};
+use pliant_bench::{chart, run_forward, ForwardOpts};
+use std::path::PathBuf;
 
 #[derive(Args)]
-pub struct BenchArgs {}
+pub struct BenchArgs {
+    #[command(subcommand)]
+    cmd: BenchCmd,
+}
 
-pub fn run(_a: BenchArgs) -> Result<(), String> {
-    Err("not yet implemented".into())
+#[derive(Subcommand)]
+enum BenchCmd {
+    /// Forwarding/NAT throughput (iperf3), 64-byte packet rate (trafgen) and RTT (ping) for
+    /// kernel forwarding, kernel nftables NAT and pliant NAT, measured in one run.
+    Forward(ForwardArgs),
+}
+
+#[derive(Args)]
+struct ForwardArgs {
+    /// Print only the JSON object on stdout (no human-readable table before it).
+    #[arg(long)]
+    json: bool,
+    /// Also draw a bar chart to this PNG file.
+    #[arg(long)]
+    png: Option<PathBuf>,
+    /// Seconds per iperf3 run and per packet-rate window (1..=60).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=60))]
+    duration: u32,
+    /// Distinct UDP flows (source ports) in the 64-byte test.
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u16).range(1..=50000))]
+    flows: u16,
+    /// Run only these systems (comma-separated: kernel_forward,kernel_nat,pliant_nat).
+    #[arg(long, value_delimiter = ',', value_parser = pliant_bench::forward::SYSTEMS)]
+    only: Vec<String>,
+    /// Turn off checksum/segmentation offloads in every lab (same for all systems).
+    #[arg(long)]
+    disable_offloads: bool,
+}
+
+pub fn run(a: BenchArgs) -> Result<(), String> {
+    match a.cmd {
+        BenchCmd::Forward(f) => forward(f),
+    }
+}
+
+fn fmt(v: Option<f64>, digits: usize) -> String {
+    v.map_or_else(|| "-".to_string(), |x| format!("{x:.digits$}"))
+}
+
+fn forward(f: ForwardArgs) -> Result<(), String> {
+    let opts = ForwardOpts {
+        duration_s: f.duration,
+        flows: f.flows,
+        pliant_bin: std::env::current_exe().ok(),
+        only: f.only,
+        disable_offloads: f.disable_offloads,
+    };
+    // Ctrl-C stops the current measurement; labs are torn down and the partial report printed.
+    pliant_lab::cmd::defer_interrupts();
+    let report = run_forward(&opts);
+    if let Some(p) = &f.png {
+        match chart::draw_png(&report, p) {
+            Ok(()) => eprintln!("[bench] chart written to {}", p.display()),
+            Err(e) => eprintln!("[bench] chart not written: {e}"),
+        }
+    }
+    if !f.json {
+        println!(
+            "{:<15} {:>9} {:>9} {:>10} {:>9} {:>9}  note",
+            "system", "gbps_1st", "gbps_4st", "kpps_64b", "rtt_p50", "rtt_p99"
+        );
+        for (name, s) in report.systems() {
+            let note = s
+                .error
+                .clone()
+                .or_else(|| (!s.errors.is_empty()).then(|| format!("{:?}", s.errors)))
+                .unwrap_or_default();
+            println!(
+                "{name:<15} {:>9} {:>9} {:>10} {:>9} {:>9}  {note}",
+                fmt(s.gbps_1stream, 2),
+                fmt(s.gbps_4streams, 2),
+                fmt(s.pps_64b.map(|p| p / 1e3), 1),
+                fmt(s.rtt_us_p50, 1),
+                fmt(s.rtt_us_p99, 1),
+            );
+        }
+        println!(
+            "pliant vs kernel NAT: pps x{}, gbps(1 stream) x{}, added rtt p50 {} us",
+            fmt(report.ratio_pps_vs_kernel_nat, 2),
+            fmt(report.ratio_gbps_vs_kernel_nat, 2),
+            fmt(report.added_rtt_us_p50, 1)
+        );
+    }
+    let json = serde_json::to_string(&report).map_err(|e| format!("report to JSON: {e}"))?;
+    println!("{json}");
+    if pliant_lab::cmd::interrupted() {
+        return Err("interrupted: the report above is partial".into());
+    }
+    Ok(())
 }
