@@ -1,1 +1,601 @@
-//! pliant-nf-nat (being written).
+//! pliant-nf-nat: port-translating source NAT (NAPT) for TCP, UDP and ICMP echo, IPv4.
+//!
+//! Packets arriving on the inside port are translated to `external_ip` and an external port
+//! (the echo identifier for ICMP) taken from a per-protocol pool; replies arriving on the outside
+//! port find the same flow through an alias keyed by the translated tuple and are translated back.
+//!
+//! State lives in the Split/Merge flow table (one flow per mapping, keyed by the inside tuple,
+//! plus one alias for the external tuple) so that a mapping can later be moved or replicated.
+//! The port pool is per-replica state for now (partitioning it between replicas is issue 3).
+//!
+//! Expiry: one flow timer per mapping, re-armed lazily. The hot path only stamps `last_seen_ms`
+//! in the flow; when the timer fires the mapping is removed if it has been idle for its timeout,
+//! else the timer is re-armed for the remainder. So a busy flow touches the timer heap about once
+//! per timeout, not once per packet.
+//!
+//! ICMP errors (unreachable, time exceeded, parameter problem) about mapped flows are
+//! translated, quoted packet included (`icmp_err.rs`).
+//!
+//! Not handled (dropped and counted): IPv6 (`nat_ipv6_unsupported`), protocols other than
+//! TCP/UDP/ICMP (`nat_unsupported_proto`), other ICMP types (`nat_icmp_unsupported`),
+//! non-first fragments (`nat_fragment`).
+
+mod icmp_err;
+mod pool;
+mod xlate;
+
+pub use pool::PortPool;
+
+use pliant_net::{proto, FlowKey};
+use pliant_runtime::{Ctx, NetworkFunction, Packet, Side};
+use pliant_state::{StateError, TimerId};
+use serde::{Deserialize, Serialize};
+use std::net::{IpAddr, Ipv4Addr};
+use std::time::{Duration, Instant};
+
+/// `[nat]` section of the replica config.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Source address of translated packets (usually the replica's outside address).
+    pub external_ip: Ipv4Addr,
+    /// First external port (and ICMP identifier) handed out, inclusive.
+    #[serde(default = "d_port_min")]
+    pub port_min: u16,
+    /// Last external port handed out, inclusive.
+    #[serde(default = "d_port_max")]
+    pub port_max: u16,
+    /// Idle timeout of an established TCP mapping.
+    #[serde(default = "d_tcp_est")]
+    pub tcp_established_timeout_s: u64,
+    /// Idle timeout of a TCP mapping that is still opening (SYN seen, not yet established).
+    #[serde(default = "d_tcp_trans")]
+    pub tcp_transitory_timeout_s: u64,
+    /// Idle timeout of a TCP mapping after FIN or RST.
+    #[serde(default = "d_tcp_closing")]
+    pub tcp_closing_timeout_s: u64,
+    #[serde(default = "d_udp")]
+    pub udp_timeout_s: u64,
+    #[serde(default = "d_icmp")]
+    pub icmp_timeout_s: u64,
+}
+
+fn d_port_min() -> u16 {
+    20000
+}
+fn d_port_max() -> u16 {
+    59999
+}
+fn d_tcp_est() -> u64 {
+    7440
+}
+fn d_tcp_trans() -> u64 {
+    60
+}
+fn d_tcp_closing() -> u64 {
+    10
+}
+fn d_udp() -> u64 {
+    30
+}
+fn d_icmp() -> u64 {
+    30
+}
+
+impl Config {
+    /// A config with the defaults and the given external address.
+    pub fn with_external_ip(external_ip: Ipv4Addr) -> Config {
+        Config {
+            external_ip,
+            port_min: d_port_min(),
+            port_max: d_port_max(),
+            tcp_established_timeout_s: d_tcp_est(),
+            tcp_transitory_timeout_s: d_tcp_trans(),
+            tcp_closing_timeout_s: d_tcp_closing(),
+            udp_timeout_s: d_udp(),
+            icmp_timeout_s: d_icmp(),
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        if self.port_min == 0 || self.port_min > self.port_max {
+            return Err(format!(
+                "nat: port range {}-{} is empty or starts at 0",
+                self.port_min, self.port_max
+            ));
+        }
+        let timeouts = [
+            ("tcp_established_timeout_s", self.tcp_established_timeout_s),
+            ("tcp_transitory_timeout_s", self.tcp_transitory_timeout_s),
+            ("tcp_closing_timeout_s", self.tcp_closing_timeout_s),
+            ("udp_timeout_s", self.udp_timeout_s),
+            ("icmp_timeout_s", self.icmp_timeout_s),
+        ];
+        for (name, v) in timeouts {
+            // Zero would re-arm a timer at the same instant forever; a day-long bound keeps
+            // Instant arithmetic far from overflow.
+            if v == 0 || v > 30 * 24 * 3600 {
+                return Err(format!("nat: {name} = {v} must be between 1 and 2592000"));
+            }
+        }
+        if self.external_ip.is_unspecified() || self.external_ip.is_broadcast() {
+            return Err(format!(
+                "nat: external_ip {} is not a unicast address",
+                self.external_ip
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// TCP phase of a mapping, which selects its idle timeout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TcpPhase {
+    /// Not TCP.
+    None,
+    /// First packets seen; no reply with ACK yet.
+    Opening,
+    Established,
+    /// FIN or RST seen.
+    Closing,
+}
+
+/// Per-mapping flow state.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Mapping {
+    pub proto: u8,
+    pub inside_addr: Ipv4Addr,
+    pub inside_port: u16,
+    pub remote_addr: Ipv4Addr,
+    pub remote_port: u16,
+    /// External port (ICMP: echo identifier) on `external_ip`.
+    pub external_port: u16,
+    pub phase: TcpPhase,
+    /// Whether a packet from the outside has been seen.
+    pub replied: bool,
+    /// Last packet, in ms since the NF's epoch. Soft state: stamping it is not a modification
+    /// (put_flow(.., false)), so checkpoints do not ship flows just because they are busy.
+    pub last_seen_ms: u64,
+}
+
+/// The flow timer id of the idle-expiry timer.
+pub const TIMER_IDLE: TimerId = 1;
+
+const TCP_FIN: u8 = 0x01;
+const TCP_SYN: u8 = 0x02;
+const TCP_RST: u8 = 0x04;
+const TCP_ACK: u8 = 0x10;
+const ICMP_ECHO_REPLY: u8 = 0;
+const ICMP_ECHO_REQUEST: u8 = 8;
+
+pub struct Nat {
+    cfg: Config,
+    epoch: Instant,
+    tcp: PortPool,
+    udp: PortPool,
+    icmp: PortPool,
+}
+
+impl Nat {
+    pub fn new(cfg: Config) -> Result<Self, String> {
+        cfg.validate()?;
+        Ok(Nat {
+            tcp: PortPool::new(cfg.port_min, cfg.port_max),
+            udp: PortPool::new(cfg.port_min, cfg.port_max),
+            icmp: PortPool::new(cfg.port_min, cfg.port_max),
+            cfg,
+            epoch: Instant::now(),
+        })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    fn pool(&mut self, p: u8) -> &mut PortPool {
+        match p {
+            proto::TCP => &mut self.tcp,
+            proto::UDP => &mut self.udp,
+            _ => &mut self.icmp,
+        }
+    }
+
+    fn now_ms(&self, now: Instant) -> u64 {
+        u64::try_from(now.saturating_duration_since(self.epoch).as_millis()).unwrap_or(u64::MAX)
+    }
+
+    fn timeout(&self, m: &Mapping) -> Duration {
+        let s = match (m.proto, m.phase) {
+            (proto::TCP, TcpPhase::Established) => self.cfg.tcp_established_timeout_s,
+            (proto::TCP, TcpPhase::Closing) => self.cfg.tcp_closing_timeout_s,
+            (proto::TCP, _) => self.cfg.tcp_transitory_timeout_s,
+            (proto::UDP, _) => self.cfg.udp_timeout_s,
+            _ => self.cfg.icmp_timeout_s,
+        };
+        Duration::from_secs(s)
+    }
+
+    /// Checks what the NF can translate; returns the drop reason otherwise.
+    fn classify(pkt: &Packet) -> Result<(), &'static str> {
+        let m = &pkt.meta;
+        if !m.src.is_ipv4() {
+            return Err("nat_ipv6_unsupported");
+        }
+        if m.fragment {
+            return Err("nat_fragment");
+        }
+        match m.proto {
+            proto::TCP | proto::UDP => Ok(()),
+            proto::ICMP if m.icmp_type == ICMP_ECHO_REQUEST || m.icmp_type == ICMP_ECHO_REPLY => {
+                Ok(())
+            }
+            proto::ICMP if icmp_err::is_error(m.icmp_type) => Ok(()),
+            proto::ICMP => Err("nat_icmp_unsupported"),
+            _ => Err("nat_unsupported_proto"),
+        }
+    }
+
+    fn outbound(&mut self, ctx: &mut Ctx<Mapping>, mut pkt: Packet) {
+        let (IpAddr::V4(src), IpAddr::V4(dst)) = (pkt.meta.src, pkt.meta.dst) else {
+            return ctx.pkt_drop(pkt, "nat_ipv6_unsupported");
+        };
+        let key = pkt.key();
+        let now_ms = self.now_ms(ctx.now());
+        let flags = pkt.meta.tcp_flags;
+        let ext_port = match ctx.flows.get_flow(&key) {
+            Ok(r) => {
+                let m = ctx.flows.state_mut(&r);
+                // The key is direction-normalised: make sure this packet really is the inside
+                // endpoint of the mapping (not, say, an inside host spoofing the remote side).
+                if m.inside_addr != src || m.inside_port != pkt.meta.sport {
+                    ctx.flows.put_flow(r, false);
+                    return ctx.pkt_drop(pkt, "nat_direction_mismatch");
+                }
+                m.last_seen_ms = now_ms;
+                let before = m.phase;
+                if m.proto == proto::TCP {
+                    m.phase = next_phase(m.phase, flags, m.replied, Side::Inside);
+                }
+                let (after, port) = (m.phase, m.external_port);
+                let shorter = after != before
+                    && self.timeout_of(proto::TCP, after) < self.timeout_of(proto::TCP, before);
+                ctx.flows.put_flow(r, after != before);
+                if shorter {
+                    self.rearm(ctx, &key, after);
+                }
+                port
+            }
+            Err(StateError::NotFound(_)) => match self.create(ctx, &pkt, key, src, dst, now_ms) {
+                Ok(p) => p,
+                Err(reason) => return ctx.pkt_drop(pkt, reason),
+            },
+            Err(StateError::Migrated { .. }) => return ctx.pkt_drop(pkt, "nat_flow_migrated"),
+            Err(_) => return ctx.pkt_drop(pkt, "nat_flow_busy"),
+        };
+        if xlate::set_src(&mut pkt, self.cfg.external_ip, ext_port).is_err() {
+            // Classify admitted only translatable packets; a refusal means a frame/parse
+            // mismatch. The mapping stays (it expires normally).
+            return ctx.pkt_drop(pkt, "nat_rewrite_failed");
+        }
+        ctx.count("nat_translated_out", 1);
+        ctx.pkt_write(&key, pkt);
+    }
+
+    fn timeout_of(&self, p: u8, phase: TcpPhase) -> Duration {
+        let probe = Mapping {
+            proto: p,
+            inside_addr: Ipv4Addr::UNSPECIFIED,
+            inside_port: 0,
+            remote_addr: Ipv4Addr::UNSPECIFIED,
+            remote_port: 0,
+            external_port: 0,
+            phase,
+            replied: false,
+            last_seen_ms: 0,
+        };
+        self.timeout(&probe)
+    }
+
+    /// Re-arms the idle timer at the (shorter) timeout of a new phase, so a closing flow does
+    /// not hold its port until the established timeout's lazy re-check.
+    fn rearm(&self, ctx: &mut Ctx<Mapping>, key: &FlowKey, phase: TcpPhase) {
+        let after = self.timeout_of(proto::TCP, phase);
+        let now = ctx.now();
+        if ctx.flows.flow_timer(key, after, TIMER_IDLE, now).is_err() {
+            ctx.count("nat_timer_arm_failed", 1);
+        }
+    }
+
+    /// Creates the mapping of a new inside flow; returns its external port or a drop reason.
+    fn create(
+        &mut self,
+        ctx: &mut Ctx<Mapping>,
+        pkt: &Packet,
+        key: FlowKey,
+        src: Ipv4Addr,
+        dst: Ipv4Addr,
+        now_ms: u64,
+    ) -> Result<u16, &'static str> {
+        let p = pkt.meta.proto;
+        if p == proto::ICMP && pkt.meta.icmp_type != ICMP_ECHO_REQUEST {
+            // An echo reply from inside opens nothing.
+            return Err("nat_no_mapping");
+        }
+        let ext = self.pool(p).alloc().ok_or("nat_port_exhausted")?;
+        let phase = if p == proto::TCP {
+            next_phase(TcpPhase::Opening, pkt.meta.tcp_flags, false, Side::Inside)
+        } else {
+            TcpPhase::None
+        };
+        let m = Mapping {
+            proto: p,
+            inside_addr: src,
+            inside_port: pkt.meta.sport,
+            remote_addr: dst,
+            remote_port: pkt.meta.dport,
+            external_port: ext,
+            phase,
+            replied: false,
+            last_seen_ms: now_ms,
+        };
+        let timeout = self.timeout(&m);
+        if let Err(e) = ctx.flows.create_flow(key, m) {
+            self.pool(p).release(ext);
+            return Err(match e {
+                StateError::Full { .. } => "nat_flow_table_full",
+                StateError::Migrated { .. } => "nat_flow_migrated",
+                _ => "nat_flow_create_failed",
+            });
+        }
+        // ICMP echo keys carry the identifier as both "ports": the reply's key has the
+        // translated identifier on the remote side too.
+        let remote_port = if p == proto::ICMP {
+            ext
+        } else {
+            pkt.meta.dport
+        };
+        let (alias, _) = FlowKey::v4(p, self.cfg.external_ip, ext, dst, remote_port);
+        let now = ctx.now();
+        let armed = ctx
+            .flows
+            .add_alias(&key, alias)
+            .and_then(|()| ctx.flows.flow_timer(&key, timeout, TIMER_IDLE, now));
+        if armed.is_err() {
+            // Without an alias replies cannot find the flow, without a timer it would never
+            // expire: undo rather than keep a half-made mapping.
+            let _ = ctx.flows.delete_flow(&key);
+            self.pool(p).release(ext);
+            return Err("nat_alias_conflict");
+        }
+        ctx.count("nat_mappings_created", 1);
+        Ok(ext)
+    }
+
+    fn inbound(&mut self, ctx: &mut Ctx<Mapping>, mut pkt: Packet) {
+        let IpAddr::V4(dst) = pkt.meta.dst else {
+            return ctx.pkt_drop(pkt, "nat_ipv6_unsupported");
+        };
+        if dst != self.cfg.external_ip {
+            return ctx.pkt_drop(pkt, "nat_not_external_ip");
+        }
+        let now_ms = self.now_ms(ctx.now());
+        let flags = pkt.meta.tcp_flags;
+        let r = match ctx.flows.get_flow(&pkt.key()) {
+            Ok(r) => r,
+            Err(StateError::Migrated { .. }) => return ctx.pkt_drop(pkt, "nat_flow_migrated"),
+            Err(_) => return ctx.pkt_drop(pkt, "nat_no_mapping"),
+        };
+        let primary = r.key;
+        let m = ctx.flows.state_mut(&r);
+        if m.external_port != pkt.meta.dport || m.proto != pkt.meta.proto {
+            ctx.flows.put_flow(r, false);
+            return ctx.pkt_drop(pkt, "nat_no_mapping");
+        }
+        m.last_seen_ms = now_ms;
+        let before = (m.phase, m.replied);
+        m.replied = true;
+        if m.proto == proto::TCP {
+            m.phase = next_phase(m.phase, flags, true, Side::Outside);
+        }
+        let (inside_addr, inside_port, phase) = (m.inside_addr, m.inside_port, m.phase);
+        let changed = (phase, true) != before;
+        let shorter = phase != before.0
+            && self.timeout_of(proto::TCP, phase) < self.timeout_of(proto::TCP, before.0);
+        ctx.flows.put_flow(r, changed);
+        if shorter {
+            self.rearm(ctx, &primary, phase);
+        }
+        if xlate::set_dst(&mut pkt, inside_addr, inside_port).is_err() {
+            return ctx.pkt_drop(pkt, "nat_rewrite_failed");
+        }
+        ctx.count("nat_translated_in", 1);
+        ctx.pkt_write(&primary, pkt);
+    }
+
+    /// Translates an ICMP error about a mapped flow: the quoted packet and the outer address.
+    /// Errors never create or refresh a mapping (they are not traffic of the flow).
+    fn icmp_error(&mut self, ctx: &mut Ctx<Mapping>, mut pkt: Packet) {
+        let l4 = usize::from(pkt.meta.l4_off);
+        let Some(inner) = icmp_err::parse_inner(&pkt.buf, l4, pkt.meta.l4_end()) else {
+            return ctx.pkt_drop(pkt, "nat_icmp_error_unparsable");
+        };
+        let m = match ctx.flows.get_flow(&inner.key()) {
+            Ok(r) => {
+                let m = ctx.flows.state(&r).clone();
+                let primary = r.key;
+                ctx.flows.put_flow(r, false);
+                (primary, m)
+            }
+            Err(_) => return ctx.pkt_drop(pkt, "nat_no_mapping"),
+        };
+        let (primary, m) = m;
+        let ext = self.cfg.external_ip;
+        let ok = match pkt.ingress {
+            // Quotes a packet we translated out: external endpoint -> remote.
+            Side::Outside => {
+                pkt.meta.dst == IpAddr::V4(ext)
+                    && inner.src == ext
+                    && inner.sport == m.external_port
+                    && inner.dst == m.remote_addr
+            }
+            // Quotes a reply we delivered in: remote -> inside endpoint.
+            Side::Inside => {
+                inner.src == m.remote_addr
+                    && inner.dst == m.inside_addr
+                    && inner.dport == m.inside_port
+            }
+        };
+        if !ok || m.proto != inner.proto {
+            return ctx.pkt_drop(pkt, "nat_no_mapping");
+        }
+        let res = match pkt.ingress {
+            Side::Outside => {
+                icmp_err::rewrite_inner(
+                    &mut pkt.buf,
+                    l4,
+                    &inner,
+                    icmp_err::End::Src,
+                    m.inside_addr,
+                    m.inside_port,
+                );
+                pliant_net::rewrite::set_dst_ip(
+                    &mut pkt.buf,
+                    &mut pkt.meta,
+                    IpAddr::V4(m.inside_addr),
+                )
+            }
+            Side::Inside => {
+                icmp_err::rewrite_inner(
+                    &mut pkt.buf,
+                    l4,
+                    &inner,
+                    icmp_err::End::Dst,
+                    ext,
+                    m.external_port,
+                );
+                pliant_net::rewrite::set_src_ip(&mut pkt.buf, &mut pkt.meta, IpAddr::V4(ext))
+            }
+        };
+        if res.is_err() {
+            return ctx.pkt_drop(pkt, "nat_rewrite_failed");
+        }
+        ctx.count("nat_icmp_errors_translated", 1);
+        ctx.pkt_write(&primary, pkt);
+    }
+
+    fn expire(&mut self, ctx: &mut Ctx<Mapping>, key: FlowKey) {
+        let now = ctx.now();
+        let now_ms = self.now_ms(now);
+        let state = match ctx.flows.get_flow(&key) {
+            Ok(r) => {
+                let m = ctx.flows.state(&r).clone();
+                ctx.flows.put_flow(r, false);
+                m
+            }
+            // Deleted or moved meanwhile: nothing to do.
+            Err(_) => return,
+        };
+        let timeout = self.timeout(&state);
+        let idle = Duration::from_millis(now_ms.saturating_sub(state.last_seen_ms));
+        if idle < timeout {
+            if ctx
+                .flows
+                .flow_timer(&key, timeout - idle, TIMER_IDLE, now)
+                .is_err()
+            {
+                ctx.count("nat_timer_arm_failed", 1);
+            }
+            return;
+        }
+        match ctx.flows.delete_flow(&key) {
+            Ok(m) => {
+                self.pool(m.proto).release(m.external_port);
+                ctx.count("nat_mappings_expired", 1);
+            }
+            Err(_) => ctx.count("nat_expire_failed", 1),
+        }
+    }
+}
+
+/// TCP phase transitions (deliberately coarse, like a NAT's conntrack: the phase only selects
+/// a timeout). RST or FIN from either side -> Closing; an ACK without SYN after the outside
+/// has answered -> Established.
+fn next_phase(cur: TcpPhase, flags: u8, replied: bool, from: Side) -> TcpPhase {
+    if flags & (TCP_RST | TCP_FIN) != 0 {
+        return TcpPhase::Closing;
+    }
+    match cur {
+        TcpPhase::Opening | TcpPhase::None
+            if replied && flags & TCP_ACK != 0 && flags & TCP_SYN == 0 && from == Side::Inside =>
+        {
+            TcpPhase::Established
+        }
+        TcpPhase::None => TcpPhase::Opening,
+        other => other,
+    }
+}
+
+impl NetworkFunction for Nat {
+    type Flow = Mapping;
+    const NAME: &'static str = "nat";
+
+    fn process(&mut self, ctx: &mut Ctx<Mapping>, pkt: Packet) {
+        if let Err(reason) = Self::classify(&pkt) {
+            return ctx.pkt_drop(pkt, reason);
+        }
+        if pkt.meta.proto == proto::ICMP && icmp_err::is_error(pkt.meta.icmp_type) {
+            return self.icmp_error(ctx, pkt);
+        }
+        match pkt.ingress {
+            Side::Inside => self.outbound(ctx, pkt),
+            Side::Outside => self.inbound(ctx, pkt),
+        }
+    }
+
+    fn on_timer(&mut self, ctx: &mut Ctx<Mapping>, key: FlowKey, timer: TimerId) {
+        if timer == TIMER_IDLE {
+            self.expire(ctx, key);
+        }
+    }
+
+    fn query(&self, ctx: &Ctx<Mapping>) -> serde_json::Value {
+        const SAMPLE: usize = 16;
+        let pool = |p: &PortPool| {
+            serde_json::json!({
+                "in_use": p.in_use(), "capacity": p.capacity(), "exhausted": p.exhausted,
+            })
+        };
+        // `keys()` copies every key: fine for an operator query, not for the packet path.
+        let sample: Vec<serde_json::Value> = ctx
+            .flows
+            .keys()
+            .into_iter()
+            .filter_map(|k| ctx.flows.peek(&k))
+            .take(SAMPLE)
+            .map(|m| {
+                let p = match m.proto {
+                    proto::TCP => "tcp",
+                    proto::UDP => "udp",
+                    _ => "icmp",
+                };
+                serde_json::json!({
+                    "proto": p,
+                    "inside": format!("{}:{}", m.inside_addr, m.inside_port),
+                    "external": format!("{}:{}", self.cfg.external_ip, m.external_port),
+                    "remote": format!("{}:{}", m.remote_addr, m.remote_port),
+                    "tcp_phase": format!("{:?}", m.phase),
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "nf": "nat",
+            "external_ip": self.cfg.external_ip.to_string(),
+            "mappings": ctx.flows.len(),
+            "pools": { "tcp": pool(&self.tcp), "udp": pool(&self.udp), "icmp": pool(&self.icmp) },
+            "sample": sample,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -18,7 +18,7 @@
 //! addresses = ["10.77.2.1/24"]
 //!
 //! [nf]
-//! kind = "nat"                 # nat | firewall | ids | mbserv | forward
+//! kind = "nat"                 # nat | firewall | ids | mbserv | forward | c
 //!
 //! [nat]                        # the section named by nf.kind, parsed by that NF crate
 //! external_ip = "10.77.2.1"
@@ -60,4 +60,411 @@ pub struct PortConfig {
 #[serde(deny_unknown_fields)]
 pub struct NfSection {
     pub kind: String,
+}
+
+use serde::de::{DeserializeOwned, DeserializeSeed, IgnoredAny, MapAccess, Visitor};
+use std::fmt;
+use std::net::IpAddr;
+
+/// NF kinds the CLI knows how to build (`nf.kind`).
+/// `c` is a network function written in C against `pliant.h`: the C program opens the replica
+/// itself (`pliant_open`), so the `pliant replica` command does not run it.
+pub const NF_KINDS: &[&str] = &["nat", "firewall", "ids", "mbserv", "forward", "c"];
+
+/// A refused configuration: which file, where in it, and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub struct ConfigError {
+    pub file: String,
+    /// 1-based line, when known.
+    pub line: Option<usize>,
+    pub reason: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.line {
+            Some(l) => write!(f, "{}:{}: {}", self.file, l, self.reason),
+            None => write!(f, "{}: {}", self.file, self.reason),
+        }
+    }
+}
+
+/// 1-based line of byte offset `off` in `text`.
+fn line_of(text: &str, off: usize) -> usize {
+    text.as_bytes()
+        .iter()
+        .take(off)
+        .filter(|&&b| b == b'\n')
+        .count()
+        + 1
+}
+
+/// Line of the first line that mentions `needle` (used to place semantic errors).
+fn line_mentioning(text: &str, needle: &str) -> Option<usize> {
+    text.lines().position(|l| l.contains(needle)).map(|i| i + 1)
+}
+
+fn toml_error(file: &str, text: &str, e: &toml::de::Error) -> ConfigError {
+    ConfigError {
+        file: file.to_string(),
+        line: e.span().map(|s| line_of(text, s.start)),
+        // The message alone: toml's Display repeats the source snippet over several lines.
+        reason: e.message().trim().replace('\n', "; "),
+    }
+}
+
+/// An address on a port with its prefix length, e.g. `10.77.1.1/24`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Cidr {
+    pub addr: IpAddr,
+    pub prefix: u8,
+}
+
+impl Cidr {
+    pub fn parse(s: &str) -> Result<Cidr, String> {
+        let (a, p) = s
+            .split_once('/')
+            .ok_or_else(|| format!("{s:?}: expected ADDRESS/PREFIX"))?;
+        let addr: IpAddr = a
+            .trim()
+            .parse()
+            .map_err(|_| format!("{s:?}: bad address {a:?}"))?;
+        let prefix: u8 = p
+            .trim()
+            .parse()
+            .map_err(|_| format!("{s:?}: bad prefix {p:?}"))?;
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        if prefix > max {
+            return Err(format!("{s:?}: prefix {prefix} longer than {max}"));
+        }
+        Ok(Cidr { addr, prefix })
+    }
+
+    /// True when `ip` is in this subnet.
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        match (self.addr, ip) {
+            (IpAddr::V4(n), IpAddr::V4(a)) => {
+                let mask = u32::MAX
+                    .checked_shl(32 - u32::from(self.prefix))
+                    .unwrap_or(0);
+                u32::from(n) & mask == u32::from(a) & mask
+            }
+            (IpAddr::V6(n), IpAddr::V6(a)) => {
+                let mask = u128::MAX
+                    .checked_shl(128 - u32::from(self.prefix))
+                    .unwrap_or(0);
+                u128::from(n) & mask == u128::from(a) & mask
+            }
+            _ => false,
+        }
+    }
+}
+
+impl fmt::Display for Cidr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix)
+    }
+}
+
+impl PortConfig {
+    /// Parsed `addresses` (validated by `ReplicaConfig::parse`).
+    pub fn cidrs(&self) -> Result<Vec<Cidr>, String> {
+        self.addresses.iter().map(|s| Cidr::parse(s)).collect()
+    }
+
+    pub fn gateway_ip(&self) -> Result<Option<IpAddr>, String> {
+        self.gateway
+            .as_deref()
+            .map(|g| {
+                g.parse()
+                    .map_err(|_| format!("gateway {g:?} is not an IP address"))
+            })
+            .transpose()
+    }
+}
+
+/// Linux interface name rules (IFNAMSIZ and the characters `ip link` refuses).
+fn valid_ifname(n: &str) -> bool {
+    !n.is_empty()
+        && n.len() < 16
+        && n != "."
+        && n != ".."
+        && n.bytes()
+            .all(|b| b.is_ascii_graphic() && b != b'/' && b != b':')
+}
+
+impl ReplicaConfig {
+    /// Reads and validates a config file. Nothing is started; a bad file is refused with the
+    /// file, line and reason.
+    pub fn load(path: &str) -> Result<ReplicaConfig, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+            file: path.to_string(),
+            line: None,
+            reason: format!("cannot read: {e}"),
+        })?;
+        Self::parse(&text, path)
+    }
+
+    /// Parses and validates config text; `file` names it in errors.
+    pub fn parse(text: &str, file: &str) -> Result<ReplicaConfig, ConfigError> {
+        let cfg: ReplicaConfig = toml::from_str(text).map_err(|e| toml_error(file, text, &e))?;
+        cfg.validate().map_err(|(needle, reason)| ConfigError {
+            file: file.to_string(),
+            line: needle.and_then(|n| line_mentioning(text, &n)),
+            reason,
+        })?;
+        Ok(cfg)
+    }
+
+    pub fn to_toml(&self) -> Result<String, String> {
+        toml::to_string(self).map_err(|e| format!("cannot serialise replica config: {e}"))
+    }
+
+    /// Semantic checks; on error returns a string to locate the line by and the reason.
+    fn validate(&self) -> Result<(), (Option<String>, String)> {
+        let r = &self.replica;
+        if r.name.is_empty()
+            || !r
+                .name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        {
+            return Err((
+                Some("name".into()),
+                format!("replica.name {:?}: use [A-Za-z0-9_-]+", r.name),
+            ));
+        }
+        if !r.control_socket.starts_with('/') {
+            return Err((
+                Some("control_socket".into()),
+                format!(
+                    "replica.control_socket {:?} must be an absolute path",
+                    r.control_socket
+                ),
+            ));
+        }
+        if let Some(m) = &r.metrics_listen {
+            m.parse::<std::net::SocketAddr>().map_err(|_| {
+                (
+                    Some("metrics_listen".into()),
+                    format!("replica.metrics_listen {m:?} is not IP:PORT"),
+                )
+            })?;
+        }
+        for (side, p) in [("inside", &self.inside), ("outside", &self.outside)] {
+            if !valid_ifname(&p.ifname) {
+                return Err((
+                    Some(p.ifname.clone()),
+                    format!("{side}.ifname {:?} is not a valid interface name", p.ifname),
+                ));
+            }
+            let mut cidrs = Vec::with_capacity(p.addresses.len());
+            for a in &p.addresses {
+                cidrs.push(
+                    Cidr::parse(a)
+                        .map_err(|e| (Some(a.clone()), format!("{side}.addresses: {e}")))?,
+                );
+            }
+            if let Some(gw) = p
+                .gateway_ip()
+                .map_err(|e| (Some("gateway".into()), format!("{side}.{e}")))?
+            {
+                if !cidrs.iter().any(|c| c.contains(gw)) {
+                    return Err((
+                        Some(gw.to_string()),
+                        format!("{side}.gateway {gw} is in none of the {side} subnets"),
+                    ));
+                }
+            }
+        }
+        if self.inside.ifname == self.outside.ifname {
+            return Err((
+                Some("ifname".into()),
+                "inside and outside use the same interface".into(),
+            ));
+        }
+        if !NF_KINDS.contains(&self.nf.kind.as_str()) {
+            return Err((
+                Some("kind".into()),
+                format!(
+                    "nf.kind {:?} unknown; known kinds: {}",
+                    self.nf.kind,
+                    NF_KINDS.join(", ")
+                ),
+            ));
+        }
+        for name in self.nf_sections.keys() {
+            if !NF_KINDS.contains(&name.as_str()) {
+                return Err((
+                    Some(format!("[{name}")),
+                    format!("unknown section [{name}]"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks that both interfaces exist in this network namespace (run where the replica runs).
+    pub fn check_interfaces(&self) -> Result<(), String> {
+        for (side, p) in [("inside", &self.inside), ("outside", &self.outside)] {
+            if !std::path::Path::new("/sys/class/net")
+                .join(&p.ifname)
+                .exists()
+            {
+                return Err(format!(
+                    "{side}.ifname {:?}: no such interface in this namespace",
+                    p.ifname
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Deserialises section `name` of config text as the NF's own config type, so errors inside
+/// the section carry their line (the flattened `nf_sections` table has lost its spans). A
+/// missing section deserialises from an empty table (all defaults, or a "missing field" error).
+pub fn nf_section<T: DeserializeOwned>(
+    text: &str,
+    file: &str,
+    name: &str,
+) -> Result<T, ConfigError> {
+    struct Seed<'a, T>(&'a str, std::marker::PhantomData<T>);
+    impl<'de, T: DeserializeOwned> DeserializeSeed<'de> for Seed<'_, T> {
+        type Value = Option<T>;
+        fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Option<T>, D::Error> {
+            d.deserialize_map(self)
+        }
+    }
+    impl<'de, T: DeserializeOwned> Visitor<'de> for Seed<'_, T> {
+        type Value = Option<T>;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("a TOML document")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<Option<T>, A::Error> {
+            let mut found = None;
+            while let Some(k) = m.next_key::<String>()? {
+                if k == self.0 {
+                    found = Some(m.next_value::<T>()?);
+                } else {
+                    m.next_value::<IgnoredAny>()?;
+                }
+            }
+            Ok(found)
+        }
+    }
+    let de = toml::Deserializer::new(text);
+    match Seed::<T>(name, std::marker::PhantomData).deserialize(de) {
+        Ok(Some(v)) => Ok(v),
+        Ok(None) => T::deserialize(toml::Table::new()).map_err(|e| ConfigError {
+            file: file.to_string(),
+            line: None,
+            reason: format!("section [{name}]: {}", e.message()),
+        }),
+        Err(e) => Err(toml_error(file, text, &e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+[replica]
+name = "r1"
+control_socket = "/tmp/r1.sock"
+
+[inside]
+ifname = "r1in"
+addresses = ["10.77.1.1/24"]
+
+[outside]
+ifname = "r1out"
+addresses = ["10.77.2.1/24"]
+gateway = "10.77.2.254"
+
+[nf]
+kind = "nat"
+
+[nat]
+external_ip = "10.77.2.1"
+port_min = 1000
+"#;
+
+    #[derive(Deserialize, Debug)]
+    #[serde(deny_unknown_fields)]
+    struct NatLike {
+        external_ip: std::net::Ipv4Addr,
+        #[serde(default)]
+        port_min: u16,
+    }
+
+    #[test]
+    fn good_config_loads_and_round_trips() {
+        let c = ReplicaConfig::parse(GOOD, "t.toml").expect("valid");
+        assert_eq!(c.nf.kind, "nat");
+        assert_eq!(
+            c.outside.gateway_ip().unwrap(),
+            Some("10.77.2.254".parse().unwrap())
+        );
+        let again = ReplicaConfig::parse(&c.to_toml().unwrap(), "t2.toml").expect("round trip");
+        assert_eq!(again, c);
+        let n: NatLike = nf_section(GOOD, "t.toml", "nat").expect("nat section");
+        assert_eq!(n.port_min, 1000);
+        assert_eq!(n.external_ip, std::net::Ipv4Addr::new(10, 77, 2, 1));
+    }
+
+    #[test]
+    fn syntax_errors_carry_file_and_line() {
+        let bad = GOOD.replace("kind = \"nat\"", "kind = nat");
+        let e = ReplicaConfig::parse(&bad, "t.toml").unwrap_err();
+        assert_eq!(e.file, "t.toml");
+        assert_eq!(e.line, Some(16), "{e}");
+    }
+
+    #[test]
+    fn semantic_errors_are_located() {
+        let bad = GOOD.replace("10.77.1.1/24", "10.77.1.1/33");
+        let e = ReplicaConfig::parse(&bad, "t.toml").unwrap_err();
+        assert!(e.reason.contains("prefix 33"), "{e}");
+        assert_eq!(e.line, Some(8), "{e}");
+
+        let bad = GOOD.replace("10.77.2.254", "10.9.9.9");
+        let e = ReplicaConfig::parse(&bad, "t.toml").unwrap_err();
+        assert!(e.reason.contains("gateway"), "{e}");
+        assert_eq!(e.line, Some(13), "{e}");
+
+        let bad = GOOD.replace("kind = \"nat\"", "kind = \"nope\"");
+        let e = ReplicaConfig::parse(&bad, "t.toml").unwrap_err();
+        assert!(e.reason.contains("unknown"), "{e}");
+        assert_eq!(e.line, Some(16), "{e}");
+
+        let bad = GOOD.replace("[nat]", "[nta]");
+        assert!(ReplicaConfig::parse(&bad, "t.toml")
+            .unwrap_err()
+            .reason
+            .contains("[nta]"));
+    }
+
+    #[test]
+    fn nf_section_errors_carry_lines() {
+        let bad = GOOD.replace("port_min = 1000", "port_min = 1000\nbogus = 1");
+        let e = nf_section::<NatLike>(&bad, "t.toml", "nat").unwrap_err();
+        assert!(e.reason.contains("bogus"), "{e}");
+        assert_eq!(e.line, Some(21), "{e}");
+    }
+
+    #[test]
+    fn cidr_contains() {
+        let c = Cidr::parse("10.0.0.1/8").unwrap();
+        assert!(c.contains("10.200.1.1".parse().unwrap()));
+        assert!(!c.contains("11.0.0.1".parse().unwrap()));
+        assert!(Cidr::parse("0.0.0.0/0")
+            .unwrap()
+            .contains("1.2.3.4".parse().unwrap()));
+        assert!(Cidr::parse("fd00::1/64")
+            .unwrap()
+            .contains("fd00::99".parse().unwrap()));
+        assert!(Cidr::parse("10.0.0.1").is_err());
+    }
 }

@@ -1,5 +1,6 @@
 //! The contract between the runtime and a network function.
 
+use pliant_io::Offload;
 use pliant_net::{FlowKey, Parsed};
 use pliant_state::{FlowState, FlowTable, SharedStore, TimerId};
 use std::time::Instant;
@@ -34,9 +35,25 @@ pub struct Packet {
     pub egress: Side,
     /// Parse result; rewrite helpers keep it in sync with `buf`.
     pub meta: Parsed,
+    /// Checksum/segmentation offload state of the frame (ports with `vnet_hdr`). NFs leave it
+    /// alone: when `offload.csum_partial` is set, the L4 checksum field is not meaningful (the
+    /// runtime rewrites it from the final headers on output and the peer completes it), and
+    /// `offload.gso` marks a TCP/UDP super-frame larger than the MTU, segmented after output.
+    pub offload: Offload,
 }
 
 impl Packet {
+    /// A packet that arrived on `ingress`, leaving by the opposite side, without offloads.
+    pub fn new(buf: Vec<u8>, ingress: Side, meta: Parsed) -> Packet {
+        Packet {
+            buf,
+            ingress,
+            egress: ingress.opposite(),
+            meta,
+            offload: Offload::NONE,
+        }
+    }
+
     pub fn key(&self) -> FlowKey {
         self.meta.key
     }
@@ -96,7 +113,10 @@ impl Counters {
     }
 
     pub fn get(&self, name: &str) -> u64 {
-        self.entries.iter().find(|(k, _)| *k == name).map_or(0, |e| e.1)
+        self.entries
+            .iter()
+            .find(|(k, _)| *k == name)
+            .map_or(0, |e| e.1)
     }
 
     /// All `(label, value)` pairs, sorted by label (stable output for metrics and tests).
@@ -107,7 +127,11 @@ impl Counters {
     }
 
     pub fn total(&self) -> u64 {
-        self.entries.iter().map(|e| e.1).sum::<u64>().saturating_add(self.overflow)
+        self.entries
+            .iter()
+            .map(|e| e.1)
+            .sum::<u64>()
+            .saturating_add(self.overflow)
     }
 }
 
@@ -159,17 +183,25 @@ impl<S: FlowState> Ctx<S> {
     /// test harness on `advance`).
     pub fn set_now(&mut self, now: Instant) {
         self.now = now;
+        // The shared store times SYNCH lock leases with it.
+        self.shared.set_now(now);
     }
 
     /// Output that depends on the state of flow `key` (Pico replication holds it until that
     /// flow's group checkpoint is acknowledged; without HA it leaves at the end of the batch).
     pub fn pkt_write(&mut self, key: &FlowKey, pkt: Packet) {
-        self.push_output(Output { pkt, kind: OutputKind::Stateful(*key) });
+        self.push_output(Output {
+            pkt,
+            kind: OutputKind::Stateful(*key),
+        });
     }
 
     /// Output that bypasses output buffering by design.
     pub fn pkt_write_direct(&mut self, pkt: Packet) {
-        self.push_output(Output { pkt, kind: OutputKind::Direct });
+        self.push_output(Output {
+            pkt,
+            kind: OutputKind::Direct,
+        });
     }
 
     fn push_output(&mut self, o: Output) {
@@ -221,7 +253,9 @@ impl<S: FlowState> Ctx<S> {
 
     /// A cleared buffer (recycled if one is available).
     pub fn take_buf(&mut self) -> Vec<u8> {
-        self.spare_bufs.pop().unwrap_or_else(|| Vec::with_capacity(2048))
+        self.spare_bufs
+            .pop()
+            .unwrap_or_else(|| Vec::with_capacity(2048))
     }
 }
 

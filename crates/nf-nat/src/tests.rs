@@ -1,0 +1,461 @@
+//! NAT unit tests on the runtime's test harness (no I/O, fake clock).
+
+use super::*;
+use pliant_net::build::{self, tcp_flags, MAC_A, MAC_B};
+use pliant_net::{parse, Frame, Parsed};
+use pliant_runtime::testing::Harness;
+use std::collections::HashSet;
+
+const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 77, 1, 2);
+const SERVER: Ipv4Addr = Ipv4Addr::new(10, 77, 2, 2);
+const EXT: Ipv4Addr = Ipv4Addr::new(10, 77, 2, 1);
+
+fn v4(a: Ipv4Addr) -> IpAddr {
+    IpAddr::V4(a)
+}
+
+fn nat(cfg: Config) -> Harness<Nat> {
+    Harness::new(Nat::new(cfg).expect("valid config"))
+}
+
+fn default_nat() -> Harness<Nat> {
+    nat(Config::with_external_ip(EXT))
+}
+
+fn parsed(frame: &[u8]) -> Parsed {
+    match parse(frame) {
+        Ok(Frame::Ip(p)) => p,
+        other => panic!("not an IP frame: {other:?}"),
+    }
+}
+
+/// Parses an output frame and checks both checksums by full recomputation.
+fn check(frame: &[u8]) -> Parsed {
+    let p = parsed(frame);
+    assert!(
+        pliant_net::ipv4_header_ok(frame, &p),
+        "IPv4 header checksum"
+    );
+    assert!(pliant_net::l4_checksum_ok(frame, &p), "L4 checksum");
+    p
+}
+
+fn tcp_out(sport: u16, flags: u8, payload: &[u8]) -> Vec<u8> {
+    build::tcp(
+        MAC_A,
+        MAC_B,
+        v4(CLIENT),
+        sport,
+        v4(SERVER),
+        80,
+        flags,
+        1,
+        0,
+        payload,
+    )
+}
+
+fn tcp_in(dport: u16, flags: u8, payload: &[u8]) -> Vec<u8> {
+    build::tcp(
+        MAC_B,
+        MAC_A,
+        v4(SERVER),
+        80,
+        v4(EXT),
+        dport,
+        flags,
+        7,
+        2,
+        payload,
+    )
+}
+
+fn one_output(h: &mut Harness<Nat>) -> (Side, Vec<u8>) {
+    let mut out = h.take_output();
+    assert_eq!(out.len(), 1, "expected exactly one output frame");
+    out.remove(0)
+}
+
+#[test]
+fn tcp_translated_both_ways_with_valid_checksums() {
+    let mut h = default_nat();
+    h.inject(Side::Inside, &tcp_out(40000, tcp_flags::SYN, b""))
+        .unwrap();
+    let (side, f) = one_output(&mut h);
+    assert_eq!(side, Side::Outside);
+    let p = check(&f);
+    assert_eq!((p.src, p.dst, p.dport), (v4(EXT), v4(SERVER), 80));
+    let ext = p.sport;
+    assert!((20000..=59999).contains(&ext));
+
+    h.inject(
+        Side::Outside,
+        &tcp_in(ext, tcp_flags::SYN | tcp_flags::ACK, b"hello"),
+    )
+    .unwrap();
+    let (side, f) = one_output(&mut h);
+    assert_eq!(side, Side::Inside);
+    let p = check(&f);
+    assert_eq!(
+        (p.src, p.sport, p.dst, p.dport),
+        (v4(SERVER), 80, v4(CLIENT), 40000)
+    );
+    assert_eq!(&f[usize::from(p.payload_off)..], b"hello");
+
+    // Later packets of the flow reuse the mapping.
+    h.inject(Side::Inside, &tcp_out(40000, tcp_flags::ACK, b"data"))
+        .unwrap();
+    let p = check(&one_output(&mut h).1);
+    assert_eq!(p.sport, ext);
+    assert_eq!(h.counter("nat_mappings_created"), 1);
+    assert_eq!(h.ctx.flows.len(), 1);
+}
+
+#[test]
+fn udp_translated_both_ways() {
+    let mut h = default_nat();
+    let f = build::udp(MAC_A, MAC_B, v4(CLIENT), 5353, v4(SERVER), 53, b"query");
+    h.inject(Side::Inside, &f).unwrap();
+    let p = check(&one_output(&mut h).1);
+    assert_eq!(p.src, v4(EXT));
+    let reply = build::udp(MAC_B, MAC_A, v4(SERVER), 53, v4(EXT), p.sport, b"answer");
+    h.inject(Side::Outside, &reply).unwrap();
+    let p = check(&one_output(&mut h).1);
+    assert_eq!((p.dst, p.dport), (v4(CLIENT), 5353));
+}
+
+#[test]
+fn icmp_echo_identifier_translated() {
+    let mut h = default_nat();
+    let req = build::icmp_echo(
+        MAC_A,
+        MAC_B,
+        v4(CLIENT),
+        v4(SERVER),
+        0x1234,
+        1,
+        true,
+        b"ping",
+    );
+    h.inject(Side::Inside, &req).unwrap();
+    let p = check(&one_output(&mut h).1);
+    assert_eq!(p.src, v4(EXT));
+    assert_ne!(p.sport, 0x1234, "identifier must be translated");
+    let id = p.sport;
+    let reply = build::icmp_echo(MAC_B, MAC_A, v4(SERVER), v4(EXT), id, 1, false, b"ping");
+    h.inject(Side::Outside, &reply).unwrap();
+    let p = check(&one_output(&mut h).1);
+    assert_eq!(
+        (p.dst, p.sport, p.icmp_type),
+        (v4(CLIENT), 0x1234, ICMP_ECHO_REPLY)
+    );
+}
+
+#[test]
+fn thousand_concurrent_flows_get_distinct_mappings() {
+    let mut h = default_nat();
+    let mut ext = HashSet::new();
+    for i in 0..1500u16 {
+        h.inject(Side::Inside, &tcp_out(10000 + i, tcp_flags::SYN, b""))
+            .unwrap();
+        let p = check(&one_output(&mut h).1);
+        assert_eq!(p.src, v4(EXT));
+        assert!(
+            ext.insert(p.sport),
+            "external port {} handed out twice",
+            p.sport
+        );
+    }
+    assert_eq!(h.ctx.flows.len(), 1500);
+    // Every reply reaches its own client port.
+    for (i, port) in ext.iter().enumerate().take(50) {
+        h.inject(Side::Outside, &tcp_in(*port, tcp_flags::ACK, b""))
+            .unwrap();
+        let p = check(&one_output(&mut h).1);
+        assert!(
+            (10000..11500).contains(&p.dport),
+            "reply {i} went to port {}",
+            p.dport
+        );
+    }
+    assert_eq!(h.query()["mappings"], 1500);
+    let q = h.query();
+    let sample = q["sample"].as_array().expect("sample");
+    assert_eq!(sample.len(), 16, "bounded sample");
+    assert!(sample
+        .iter()
+        .all(|m| m["external"].as_str().unwrap().starts_with("10.77.2.1:")));
+    assert_eq!(h.query()["pools"]["tcp"]["in_use"], 1500);
+}
+
+#[test]
+fn idle_mappings_expire_and_return_their_ports() {
+    let mut cfg = Config::with_external_ip(EXT);
+    cfg.udp_timeout_s = 30;
+    let mut h = nat(cfg);
+    let f = build::udp(MAC_A, MAC_B, v4(CLIENT), 5353, v4(SERVER), 53, b"q");
+    h.inject(Side::Inside, &f).unwrap();
+    let ext = check(&one_output(&mut h).1).sport;
+    assert_eq!(h.query()["pools"]["udp"]["in_use"], 1);
+
+    // Traffic at 20 s keeps it alive past the first deadline (lazy re-arm).
+    h.advance(Duration::from_secs(20));
+    h.inject(Side::Inside, &f).unwrap();
+    h.take_output();
+    h.advance(Duration::from_secs(20));
+    assert_eq!(
+        h.ctx.flows.len(),
+        1,
+        "refreshed mapping must survive its first deadline"
+    );
+    assert_eq!(h.counter("nat_mappings_expired"), 0);
+
+    h.advance(Duration::from_secs(11));
+    assert_eq!(h.ctx.flows.len(), 0);
+    assert_eq!(h.counter("nat_mappings_expired"), 1);
+    assert_eq!(h.query()["pools"]["udp"]["in_use"], 0);
+    // The reply now finds nothing.
+    let reply = build::udp(MAC_B, MAC_A, v4(SERVER), 53, v4(EXT), ext, b"late");
+    h.inject(Side::Outside, &reply).unwrap();
+    assert!(h.take_output().is_empty());
+    assert_eq!(h.drop_count("nat_no_mapping"), 1);
+}
+
+#[test]
+fn tcp_fin_shortens_the_timeout() {
+    let mut cfg = Config::with_external_ip(EXT);
+    cfg.tcp_established_timeout_s = 1000;
+    cfg.tcp_closing_timeout_s = 5;
+    let mut h = nat(cfg);
+    h.inject(Side::Inside, &tcp_out(40000, tcp_flags::SYN, b""))
+        .unwrap();
+    let ext = check(&one_output(&mut h).1).sport;
+    h.inject(
+        Side::Outside,
+        &tcp_in(ext, tcp_flags::SYN | tcp_flags::ACK, b""),
+    )
+    .unwrap();
+    h.inject(Side::Inside, &tcp_out(40000, tcp_flags::ACK, b""))
+        .unwrap();
+    h.advance(Duration::from_secs(100));
+    assert_eq!(
+        h.ctx.flows.len(),
+        1,
+        "established flow outlives the transitory timeout"
+    );
+    h.inject(
+        Side::Inside,
+        &tcp_out(40000, tcp_flags::FIN | tcp_flags::ACK, b""),
+    )
+    .unwrap();
+    h.advance(Duration::from_secs(6));
+    assert_eq!(
+        h.ctx.flows.len(),
+        0,
+        "closing flow expires after the closing timeout"
+    );
+}
+
+#[test]
+fn exhaustion_is_a_counted_refusal() {
+    let mut cfg = Config::with_external_ip(EXT);
+    cfg.port_min = 30000;
+    cfg.port_max = 30003;
+    let mut h = nat(cfg);
+    for i in 0..6u16 {
+        h.inject(Side::Inside, &tcp_out(10000 + i, tcp_flags::SYN, b""))
+            .unwrap();
+    }
+    assert_eq!(h.take_output().len(), 4);
+    assert_eq!(h.drop_count("nat_port_exhausted"), 2);
+    assert_eq!(h.query()["pools"]["tcp"]["exhausted"], 2);
+    // UDP has its own pool.
+    let f = build::udp(MAC_A, MAC_B, v4(CLIENT), 5353, v4(SERVER), 53, b"q");
+    h.inject(Side::Inside, &f).unwrap();
+    assert_eq!(h.take_output().len(), 1);
+}
+
+#[test]
+fn unknown_inbound_is_dropped() {
+    let mut h = default_nat();
+    h.inject(Side::Outside, &tcp_in(25000, tcp_flags::SYN, b""))
+        .unwrap();
+    let stray = build::tcp(
+        MAC_B,
+        MAC_A,
+        v4(SERVER),
+        80,
+        v4(CLIENT),
+        40000,
+        tcp_flags::SYN,
+        1,
+        0,
+        b"",
+    );
+    h.inject(Side::Outside, &stray).unwrap();
+    assert!(h.take_output().is_empty());
+    assert_eq!(h.drop_count("nat_no_mapping"), 1);
+    assert_eq!(h.drop_count("nat_not_external_ip"), 1);
+    assert_eq!(h.ctx.flows.len(), 0);
+}
+
+#[test]
+fn inbound_to_a_mapped_port_of_another_remote_is_dropped() {
+    let mut h = default_nat();
+    h.inject(Side::Inside, &tcp_out(40000, tcp_flags::SYN, b""))
+        .unwrap();
+    let ext = check(&one_output(&mut h).1).sport;
+    let other = Ipv4Addr::new(10, 77, 2, 3);
+    let f = build::tcp(
+        MAC_B,
+        MAC_A,
+        v4(other),
+        80,
+        v4(EXT),
+        ext,
+        tcp_flags::SYN,
+        1,
+        0,
+        b"",
+    );
+    h.inject(Side::Outside, &f).unwrap();
+    assert!(h.take_output().is_empty(), "endpoint-dependent filtering");
+    assert_eq!(h.drop_count("nat_no_mapping"), 1);
+}
+
+#[test]
+fn ipv6_and_other_protocols_are_counted_drops() {
+    let mut h = default_nat();
+    let a: IpAddr = "fd00::2".parse().unwrap();
+    let b: IpAddr = "fd00:1::2".parse().unwrap();
+    h.inject(Side::Inside, &build::udp(MAC_A, MAC_B, a, 1, b, 2, b"x"))
+        .unwrap();
+    let gre = build::raw_ip(MAC_A, MAC_B, v4(CLIENT), v4(SERVER), 47, &[0; 8]);
+    h.inject(Side::Inside, &gre).unwrap();
+    assert!(h.take_output().is_empty());
+    assert_eq!(h.drop_count("nat_ipv6_unsupported"), 1);
+    assert_eq!(h.drop_count("nat_unsupported_proto"), 1);
+}
+
+#[test]
+fn bad_configs_are_refused() {
+    let mut c = Config::with_external_ip(EXT);
+    c.port_min = 100;
+    c.port_max = 99;
+    assert!(Nat::new(c).is_err());
+    let mut c = Config::with_external_ip(EXT);
+    c.udp_timeout_s = 0;
+    assert!(Nat::new(c).is_err());
+    assert!(Nat::new(Config::with_external_ip(Ipv4Addr::UNSPECIFIED)).is_err());
+}
+
+/// The IP header + L4 bytes of an Ethernet frame (what an ICMP error quotes).
+fn ip_part(frame: &[u8]) -> Vec<u8> {
+    frame[14..].to_vec()
+}
+
+/// Re-frames a quoted IP packet so it can be parsed and its checksums checked.
+fn reframe(quoted: &[u8]) -> Vec<u8> {
+    let mut f = vec![0u8; 12];
+    f.extend_from_slice(&[0x08, 0x00]);
+    f.extend_from_slice(quoted);
+    f
+}
+
+#[test]
+fn icmp_errors_about_mapped_flows_are_translated_with_their_quote() {
+    let mut h = default_nat();
+    let f = build::udp(MAC_A, MAC_B, v4(CLIENT), 5353, v4(SERVER), 53, b"query");
+    h.inject(Side::Inside, &f).unwrap();
+    let sent = one_output(&mut h).1;
+    let ext = check(&sent).sport;
+    assert_ne!(ext, 5353);
+    // A router on the way reports "port unreachable", quoting the translated datagram.
+    let router = Ipv4Addr::new(10, 77, 2, 254);
+    let err = build::icmp(
+        MAC_B,
+        MAC_A,
+        v4(router),
+        v4(EXT),
+        proto::ICMP,
+        3,
+        3,
+        [0, 0],
+        &ip_part(&sent),
+    );
+    h.inject(Side::Outside, &err).unwrap();
+    let (side, out) = one_output(&mut h);
+    assert_eq!(side, Side::Inside);
+    let p = check(&out);
+    assert_eq!((p.src, p.dst, p.icmp_type), (v4(router), v4(CLIENT), 3));
+    // The quote now shows the client's own datagram, with valid checksums.
+    let quoted = reframe(&out[usize::from(p.l4_off) + 8..]);
+    let q = check(&quoted);
+    assert_eq!(
+        (q.src, q.sport, q.dst, q.dport),
+        (v4(CLIENT), 5353, v4(SERVER), 53)
+    );
+    assert_eq!(
+        quoted,
+        reframe(&ip_part(&f)),
+        "quote restored to the original bytes"
+    );
+    assert_eq!(h.counter("nat_icmp_errors_translated"), 1);
+
+    // An error about a packet we never sent is dropped.
+    let mut stray = ip_part(&sent);
+    stray[20..22].copy_from_slice(&(ext.wrapping_add(1)).to_be_bytes());
+    let err = build::icmp(
+        MAC_B,
+        MAC_A,
+        v4(router),
+        v4(EXT),
+        proto::ICMP,
+        3,
+        3,
+        [0, 0],
+        &stray,
+    );
+    h.inject(Side::Outside, &err).unwrap();
+    assert!(h.take_output().is_empty());
+    assert_eq!(h.drop_count("nat_no_mapping"), 1);
+}
+
+#[test]
+fn outbound_icmp_errors_hide_the_inside_address() {
+    let mut h = default_nat();
+    h.inject(
+        Side::Inside,
+        &build::udp(MAC_A, MAC_B, v4(CLIENT), 5353, v4(SERVER), 53, b"q"),
+    )
+    .unwrap();
+    let ext = check(&one_output(&mut h).1).sport;
+    let reply = build::udp(MAC_B, MAC_A, v4(SERVER), 53, v4(EXT), ext, b"late answer");
+    h.inject(Side::Outside, &reply).unwrap();
+    let delivered = one_output(&mut h).1;
+    // The client's port is closed by now: it reports the delivered reply.
+    let err = build::icmp(
+        MAC_A,
+        MAC_B,
+        v4(CLIENT),
+        v4(SERVER),
+        proto::ICMP,
+        3,
+        3,
+        [0, 0],
+        &ip_part(&delivered),
+    );
+    h.inject(Side::Inside, &err).unwrap();
+    let out = one_output(&mut h).1;
+    let p = check(&out);
+    assert_eq!((p.src, p.dst), (v4(EXT), v4(SERVER)));
+    let q = check(&reframe(&out[usize::from(p.l4_off) + 8..]));
+    assert_eq!(
+        (q.src, q.sport, q.dst, q.dport),
+        (v4(SERVER), 53, v4(EXT), ext)
+    );
+    assert_eq!(
+        reframe(&out[usize::from(p.l4_off) + 8..]),
+        reframe(&ip_part(&reply))
+    );
+}

@@ -1,0 +1,401 @@
+//! The control socket (and optional HTTP metrics listener), served from their own threads.
+//!
+//! The packet thread owns all state, so these threads never touch it: they turn each request
+//! into a [`Request`] on a bounded channel, poke the packet thread awake through a socket pair
+//! it polls, and wait (bounded) for the answer. No locks on the hot path.
+//!
+//! Protocol: a unix stream socket, mode 0600, and the peer's uid (SO_PEERCRED) must be ours.
+//! One JSON object per line, `{"cmd":"stats"|"metrics"|"query"|"flows"|"shutdown"}`, answered
+//! by one JSON line: `{"ok":true,...}` or `{"ok":false,"error":"..."}`. Lines are bounded
+//! ([`MAX_REQUEST_BYTES`]); anything malformed gets an error and is counted, never a crash.
+
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Longest request line accepted.
+pub const MAX_REQUEST_BYTES: usize = 4096;
+/// Requests queued for the packet thread at most.
+const CHANNEL_BOUND: usize = 16;
+/// How long a client may take to send a line, and we wait for the packet thread.
+const IO_TIMEOUT: Duration = Duration::from_secs(3);
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cmd {
+    Stats,
+    Metrics,
+    Query,
+    Flows,
+    Shutdown,
+}
+
+impl Cmd {
+    fn parse(line: &str) -> Result<Cmd, String> {
+        let v: Value = serde_json::from_str(line).map_err(|e| format!("malformed JSON: {e}"))?;
+        let cmd = v
+            .get("cmd")
+            .and_then(Value::as_str)
+            .ok_or("missing string field \"cmd\"")?;
+        Ok(match cmd {
+            "stats" => Cmd::Stats,
+            "metrics" => Cmd::Metrics,
+            "query" => Cmd::Query,
+            "flows" => Cmd::Flows,
+            "shutdown" => Cmd::Shutdown,
+            other => {
+                let mut shown: String = other.chars().take(40).collect();
+                if shown.len() < other.len() {
+                    shown.push('…');
+                }
+                return Err(format!(
+                    "unknown cmd {shown:?} (known: stats, metrics, query, flows, shutdown)"
+                ));
+            }
+        })
+    }
+}
+
+/// A request for the packet thread; it answers on `reply`.
+pub struct Request {
+    pub cmd: Cmd,
+    pub reply: SyncSender<Value>,
+}
+
+/// The packet thread's end.
+pub struct ControlHandle {
+    pub requests: Receiver<Request>,
+    /// Readable when a request was queued; the packet thread polls it and drains it.
+    wake_rx: UnixStream,
+    /// Malformed/refused requests counted by the serving threads.
+    pub errors: Arc<AtomicU64>,
+}
+
+impl ControlHandle {
+    pub fn wake_fd(&self) -> RawFd {
+        self.wake_rx.as_raw_fd()
+    }
+
+    /// Empties the wake-up socket (non-blocking).
+    pub fn drain_wake(&self) {
+        let mut buf = [0u8; 64];
+        while matches!((&self.wake_rx).read(&mut buf), Ok(n) if n > 0) {}
+    }
+}
+
+/// The serving side: removing the socket file on drop.
+pub struct ControlServer {
+    path: String,
+    stop: Arc<AtomicBool>,
+    /// Bound address of the HTTP metrics listener (resolves a `:0` port).
+    pub metrics_addr: Option<std::net::SocketAddr>,
+}
+
+impl Drop for ControlServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+#[derive(Clone)]
+struct Shared {
+    tx: SyncSender<Request>,
+    wake_tx: Arc<UnixStream>,
+    errors: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Shared {
+    /// Hands `cmd` to the packet thread and waits (bounded) for its answer.
+    fn ask(&self, cmd: Cmd) -> Value {
+        let (rtx, rrx) = mpsc::sync_channel(1);
+        match self.tx.try_send(Request { cmd, reply: rtx }) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_)) => {
+                return self.error("replica busy: too many pending requests")
+            }
+            Err(TrySendError::Disconnected(_)) => return self.error("replica is shutting down"),
+        }
+        let _ = (&*self.wake_tx).write(&[1]);
+        rrx.recv_timeout(IO_TIMEOUT)
+            .unwrap_or_else(|_| self.error("the packet thread did not answer in time"))
+    }
+
+    fn error(&self, msg: &str) -> Value {
+        self.errors.fetch_add(1, Ordering::Relaxed);
+        json!({"ok": false, "error": msg})
+    }
+}
+
+/// Starts the control socket at `path` (and the HTTP metrics listener if `metrics_listen`).
+pub fn start(
+    path: &str,
+    metrics_listen: Option<&str>,
+) -> Result<(ControlServer, ControlHandle), String> {
+    // A socket file left by a crashed replica would make bind fail; remove only a socket.
+    if let Ok(md) = std::fs::symlink_metadata(path) {
+        if md.file_type().is_socket() {
+            let _ = std::fs::remove_file(path);
+        } else {
+            return Err(format!("control socket {path}: exists and is not a socket"));
+        }
+    }
+    if let Some(dir) = std::path::Path::new(path).parent() {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| format!("control socket dir {}: {e}", dir.display()))?;
+    }
+    let listener =
+        UnixListener::bind(path).map_err(|e| format!("control socket {path}: bind: {e}"))?;
+    // Only root (our uid) may talk to it: that is its authentication. SO_PEERCRED is checked
+    // as well, which also covers the instant between bind and chmod.
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .map_err(|e| format!("control socket {path}: chmod 0600: {e}"))?;
+
+    let (tx, rx) = mpsc::sync_channel(CHANNEL_BOUND);
+    let (wake_tx, wake_rx) = UnixStream::pair().map_err(|e| format!("socketpair: {e}"))?;
+    wake_rx
+        .set_nonblocking(true)
+        .map_err(|e| format!("socketpair: {e}"))?;
+    wake_tx
+        .set_nonblocking(true)
+        .map_err(|e| format!("socketpair: {e}"))?;
+    let errors = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let shared = Shared {
+        tx,
+        wake_tx: Arc::new(wake_tx),
+        errors: errors.clone(),
+        stop: stop.clone(),
+    };
+
+    let mut metrics_addr = None;
+    if let Some(addr) = metrics_listen {
+        let l = TcpListener::bind(addr).map_err(|e| format!("metrics_listen {addr}: bind: {e}"))?;
+        metrics_addr = l.local_addr().ok();
+        let sh = shared.clone();
+        std::thread::Builder::new()
+            .name("pliant-metrics".into())
+            .spawn(move || serve_http(l, sh))
+            .map_err(|e| format!("spawn metrics thread: {e}"))?;
+    }
+    let sh = shared;
+    std::thread::Builder::new()
+        .name("pliant-control".into())
+        .spawn(move || serve_unix(listener, sh))
+        .map_err(|e| format!("spawn control thread: {e}"))?;
+    Ok((
+        ControlServer {
+            path: path.to_string(),
+            stop,
+            metrics_addr,
+        },
+        ControlHandle {
+            requests: rx,
+            wake_rx,
+            errors,
+        },
+    ))
+}
+
+fn peer_uid(s: &UnixStream) -> Option<u32> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: valid fd, `cred` and `len` describe a writable ucred.
+    let rc = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    (rc == 0).then_some(cred.uid)
+}
+
+fn serve_unix(l: UnixListener, sh: Shared) {
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    for conn in l.incoming() {
+        if sh.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let Ok(mut s) = conn else { continue };
+        if peer_uid(&s) != Some(me) {
+            let e = sh.error("permission denied: peer uid differs from the replica's");
+            let _ = writeln!(s, "{e}");
+            continue;
+        }
+        // One client at a time: control traffic is rare, and a stuck client is cut off by the
+        // timeouts rather than holding a thread.
+        let _ = s.set_read_timeout(Some(IO_TIMEOUT));
+        let _ = s.set_write_timeout(Some(IO_TIMEOUT));
+        serve_conn(s, &sh);
+    }
+}
+
+fn serve_conn(s: UnixStream, sh: &Shared) {
+    let Ok(w) = s.try_clone() else { return };
+    let mut w = w;
+    let mut r = BufReader::new(s);
+    loop {
+        let mut line = Vec::new();
+        // Read one byte more than allowed to tell "exactly at the bound" from "over it".
+        match (&mut r)
+            .take(MAX_REQUEST_BYTES as u64 + 1)
+            .read_until(b'\n', &mut line)
+        {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+        if line.len() > MAX_REQUEST_BYTES {
+            let e = sh.error("request too long");
+            let _ = writeln!(w, "{e}");
+            return; // the rest of the line is garbage: close the connection
+        }
+        let text = String::from_utf8_lossy(&line);
+        let text = text.trim();
+        if text.is_empty() {
+            continue;
+        }
+        let answer = match Cmd::parse(text) {
+            Ok(cmd) => sh.ask(cmd),
+            Err(msg) => sh.error(&msg),
+        };
+        if writeln!(w, "{answer}").is_err() {
+            return;
+        }
+    }
+}
+
+fn serve_http(l: TcpListener, sh: Shared) {
+    for conn in l.incoming() {
+        if sh.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let Ok(mut s) = conn else { continue };
+        let _ = s.set_read_timeout(Some(IO_TIMEOUT));
+        let _ = s.set_write_timeout(Some(IO_TIMEOUT));
+        let mut head = Vec::new();
+        let mut buf = [0u8; 1024];
+        while head.len() < 8192 && !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            match s.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => head.extend_from_slice(&buf[..n]),
+            }
+        }
+        let (status, ctype, body) = if head.starts_with(b"GET /metrics ") {
+            let v = sh.ask(Cmd::Metrics);
+            match v.get("metrics").and_then(Value::as_str) {
+                Some(m) => ("200 OK", "text/plain; version=0.0.4", m.to_string()),
+                None => ("503 Service Unavailable", "application/json", v.to_string()),
+            }
+        } else {
+            (
+                "404 Not Found",
+                "text/plain",
+                "only GET /metrics is served\n".to_string(),
+            )
+        };
+        let _ = write!(
+            s,
+            "HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+    }
+}
+
+/// Sends one request line to a replica's control socket and returns its answer (the CLI side).
+pub fn client_request(path: &str, cmd: &str) -> Result<Value, String> {
+    let mut s = UnixStream::connect(path).map_err(|e| format!("connect {path}: {e}"))?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .map_err(|e| e.to_string())?;
+    writeln!(s, "{}", json!({ "cmd": cmd })).map_err(|e| format!("write {path}: {e}"))?;
+    let mut line = String::new();
+    BufReader::new(s)
+        .take(64 << 20)
+        .read_line(&mut line)
+        .map_err(|e| format!("read {path}: {e}"))?;
+    serde_json::from_str(&line).map_err(|e| format!("bad answer from {path}: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_known_commands_and_refuses_the_rest() {
+        assert_eq!(Cmd::parse(r#"{"cmd":"stats"}"#), Ok(Cmd::Stats));
+        assert_eq!(Cmd::parse(r#"{"cmd":"flows","x":1}"#), Ok(Cmd::Flows));
+        assert!(Cmd::parse(r#"{"cmd":"reboot"}"#)
+            .unwrap_err()
+            .contains("unknown cmd"));
+        assert!(Cmd::parse(r#"{"cmd":3}"#).is_err());
+        assert!(Cmd::parse("not json").unwrap_err().contains("malformed"));
+        assert!(
+            Cmd::parse(&format!(r#"{{"cmd":"{}"}}"#, "x".repeat(1000)))
+                .unwrap_err()
+                .len()
+                < 200
+        );
+    }
+
+    #[test]
+    fn socket_round_trip_errors_and_bounds() {
+        let dir = std::env::temp_dir().join(format!("pliant-ctl-{}", std::process::id()));
+        let path = dir.join("c.sock");
+        let path = path.to_str().unwrap().to_string();
+        let (server, handle) = start(&path, Some("127.0.0.1:0")).expect("start");
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        // A fake packet thread answering three requests.
+        let t = std::thread::spawn(move || {
+            for _ in 0..3 {
+                let r = handle.requests.recv().unwrap();
+                let metrics = format!("m_{:?} 1\n", r.cmd);
+                let v = json!({"ok": true, "cmd": format!("{:?}", r.cmd), "metrics": metrics});
+                r.reply.send(v).unwrap();
+            }
+            handle
+        });
+        // HTTP: GET /metrics answered with the exposition text, anything else 404.
+        let addr = server.metrics_addr.expect("metrics listener");
+        let get = |req: &str| {
+            let mut s = std::net::TcpStream::connect(addr).unwrap();
+            s.write_all(req.as_bytes()).unwrap();
+            let mut out = String::new();
+            s.read_to_string(&mut out).unwrap();
+            out
+        };
+        let ok = get("GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+        assert!(
+            ok.starts_with("HTTP/1.0 200") && ok.ends_with("m_Metrics 1\n"),
+            "{ok}"
+        );
+        assert!(get("GET /other HTTP/1.1\r\n\r\n").starts_with("HTTP/1.0 404"));
+        assert_eq!(client_request(&path, "stats").unwrap()["cmd"], "Stats");
+        assert_eq!(client_request(&path, "bogus").unwrap()["ok"], false);
+        // Oversized line: error, connection closed, server still alive.
+        let mut s = UnixStream::connect(&path).unwrap();
+        let _ = s.write_all(&vec![b'x'; MAX_REQUEST_BYTES + 10]);
+        let _ = s.write_all(b"\n");
+        let mut line = String::new();
+        BufReader::new(s).read_line(&mut line).unwrap();
+        assert!(line.contains("too long"), "{line}");
+        assert_eq!(client_request(&path, "query").unwrap()["cmd"], "Query");
+        let handle = t.join().unwrap();
+        assert_eq!(handle.errors.load(Ordering::Relaxed), 2);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}

@@ -1,0 +1,709 @@
+//! The packet thread: polls both ports, runs the NF, routes its output, fires timers, answers
+//! control requests. Generic over the NF and the port type, so the per-packet path has no
+//! dynamic dispatch; tests drive it with in-memory ports (`pliant_io::MemPort`).
+//!
+//! One round (`poll_once`):
+//! 1. receive up to `batch` frames per port (copied into recycled buffers);
+//! 2. for each: parse (malformed: counted by `ParseError::reason()`, dropped); ARP goes to the
+//!    router role (answer for our addresses, learn neighbours); non-IP is counted and dropped;
+//!    IP frames glean the neighbour table and go to `NetworkFunction::process`;
+//! 3. dispatch expired flow timers to `on_timer`;
+//! 4. route the NF's output to its egress port (see [`crate::output`]);
+//! 5. answer queued control requests; age the neighbour tables; flush the ports.
+//!
+//! `run` repeats rounds, blocking in poll(2) on the two port fds and the control wake-up fd
+//! with the next timer deadline as timeout, until asked to stop.
+
+use crate::control::{Cmd, ControlHandle};
+use crate::metrics::{self, EngineStats, SideStats, Snapshot};
+use crate::neigh::{NeighLimits, NeighTable};
+use crate::nf::{Ctx, NetworkFunction, Output, Packet, Side};
+use crate::route::SideNet;
+use pliant_io::{CsumPartial, FramePort, Offload};
+use pliant_net::{arp, proto, ArpInfo, Frame};
+use pliant_state::{FlowKey, FlowTable, SharedStore, TableConfig, TimerId};
+use serde_json::{json, Value};
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+#[derive(Clone, Debug)]
+pub struct EngineOptions {
+    /// Frames taken from each port per round.
+    pub batch: usize,
+    pub neigh: NeighLimits,
+    pub table: TableConfig,
+    /// Bound on packets the NF may write per round (beyond: `output_queue_full` drops).
+    pub max_output: usize,
+    /// Longest poll(2) sleep, so a stop request (signal) is noticed promptly.
+    pub max_sleep: Duration,
+    /// Flows listed by the `flows` control request at most.
+    pub max_listed_flows: usize,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            batch: 64,
+            neigh: NeighLimits::default(),
+            table: TableConfig::default(),
+            max_output: 4096,
+            max_sleep: Duration::from_millis(100),
+            max_listed_flows: 1000,
+        }
+    }
+}
+
+fn idx(s: Side) -> usize {
+    match s {
+        Side::Inside => 0,
+        Side::Outside => 1,
+    }
+}
+
+const SIDES: [Side; 2] = [Side::Inside, Side::Outside];
+
+/// A received frame waiting for processing in this round.
+struct Rx {
+    side: Side,
+    buf: Vec<u8>,
+    /// CHECKSUM_PARTIAL reported without vnet_hdr (no offload metadata to carry it on).
+    csum_not_ready: bool,
+    truncated: bool,
+    offload: Offload,
+}
+
+pub struct Engine<N: NetworkFunction, P: FramePort> {
+    name: String,
+    nf: N,
+    pub ctx: Ctx<N::Flow>,
+    ports: [P; 2],
+    nets: [SideNet; 2],
+    neigh: [NeighTable<(Vec<u8>, Offload)>; 2],
+    stats: EngineStats,
+    opts: EngineOptions,
+    control: Option<ControlHandle>,
+    rx: Vec<Rx>,
+    out: Vec<Output>,
+    timers: Vec<(FlowKey, TimerId)>,
+    arp_due: Vec<IpAddr>,
+    started: Instant,
+    last_housekeeping: Instant,
+    stop_requested: bool,
+}
+
+impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
+    pub fn new(
+        name: &str,
+        nf: N,
+        ports: [P; 2],
+        nets: [SideNet; 2],
+        opts: EngineOptions,
+        now: Instant,
+    ) -> Self {
+        let mut ctx = Ctx::new(
+            FlowTable::new(opts.table.clone()),
+            SharedStore::default(),
+            now,
+        );
+        ctx.max_output = opts.max_output;
+        Engine {
+            name: name.to_string(),
+            nf,
+            ctx,
+            ports,
+            nets,
+            neigh: [NeighTable::new(opts.neigh), NeighTable::new(opts.neigh)],
+            stats: EngineStats::default(),
+            opts,
+            control: None,
+            rx: Vec::new(),
+            out: Vec::new(),
+            timers: Vec::new(),
+            arp_due: Vec::new(),
+            started: now,
+            last_housekeeping: now,
+            stop_requested: false,
+        }
+    }
+
+    pub fn set_control(&mut self, c: ControlHandle) {
+        self.control = Some(c);
+    }
+
+    pub fn port_mut(&mut self, side: Side) -> &mut P {
+        &mut self.ports[idx(side)]
+    }
+
+    pub fn nf(&self) -> &N {
+        &self.nf
+    }
+
+    pub fn stats(&self) -> &EngineStats {
+        &self.stats
+    }
+
+    pub fn neighbours(&self, side: Side) -> &NeighTable<(Vec<u8>, Offload)> {
+        &self.neigh[idx(side)]
+    }
+
+    /// True once a `shutdown` control request was served.
+    pub fn stop_requested(&self) -> bool {
+        self.stop_requested
+    }
+
+    fn side_stats(&mut self, s: Side) -> &mut SideStats {
+        match s {
+            Side::Inside => &mut self.stats.inside,
+            Side::Outside => &mut self.stats.outside,
+        }
+    }
+
+    /// Runs rounds until `stop` is set (by a signal handler) or a `shutdown` request.
+    pub fn run(&mut self, stop: &AtomicBool) -> std::io::Result<()> {
+        while !stop.load(Ordering::SeqCst) && !self.stop_requested {
+            let now = Instant::now();
+            if self.poll_once(now) == 0 {
+                self.sleep(now)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Blocks in poll(2) until a port or the control socket is readable or the next timer is due.
+    fn sleep(&mut self, now: Instant) -> std::io::Result<()> {
+        let mut timeout = self.opts.max_sleep;
+        if let Some(dl) = self.ctx.flows.next_deadline() {
+            timeout = timeout.min(dl.saturating_duration_since(now));
+        }
+        let idle = libc::pollfd {
+            fd: -1,
+            events: 0,
+            revents: 0,
+        };
+        let mut fds = [idle; 3];
+        let mut n = 0;
+        for p in &self.ports {
+            if let Some(fd) = p.poll_fd() {
+                fds[n] = libc::pollfd {
+                    fd,
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
+                n += 1;
+            }
+        }
+        let wake = n;
+        if let Some(c) = &self.control {
+            fds[n] = libc::pollfd {
+                fd: c.wake_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            n += 1;
+        }
+        if n == 0 || timeout.is_zero() {
+            return Ok(());
+        }
+        // Round up so a deadline 0.4 ms away does not turn into a busy loop of 0 ms polls.
+        let ms = i32::try_from(timeout.as_micros().div_ceil(1000)).unwrap_or(i32::MAX);
+        // SAFETY: `fds` holds at least `n` valid pollfd structs.
+        let rc = unsafe { libc::poll(fds.as_mut_ptr(), n as libc::nfds_t, ms) };
+        if rc < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+        // Drain wake-ups here, not every round: a byte left unread would make every later
+        // poll return at once (a busy loop); the requests themselves are taken by
+        // `serve_control` in the next round.
+        if let Some(c) = &self.control {
+            if wake < n && fds[wake].revents & libc::POLLIN != 0 {
+                c.drain_wake();
+            }
+        }
+        Ok(())
+    }
+
+    /// One round at time `now`. Returns the number of frames received.
+    pub fn poll_once(&mut self, now: Instant) -> usize {
+        self.ctx.set_now(now);
+        self.stats.rounds += 1;
+        self.receive();
+        let received = self.rx.len();
+        let mut rx = std::mem::take(&mut self.rx);
+        for f in rx.drain(..) {
+            self.handle_frame(f, now);
+        }
+        self.rx = rx;
+        self.fire_timers(now);
+        self.route_output(now);
+        self.serve_control(now);
+        if now.saturating_duration_since(self.last_housekeeping) >= Duration::from_millis(100) {
+            self.housekeeping(now);
+        }
+        for s in SIDES {
+            // A failed flush leaves frames queued in the port; it retries next round.
+            let _ = self.ports[idx(s)].flush();
+        }
+        received
+    }
+
+    fn receive(&mut self) {
+        let batch = self.opts.batch;
+        for s in SIDES {
+            let Engine { ports, rx, ctx, .. } = self;
+            let port = &mut ports[idx(s)];
+            let res = port.recv_batch_meta(batch, &mut |frame, meta| {
+                let mut buf = ctx.take_buf();
+                buf.extend_from_slice(frame);
+                rx.push(Rx {
+                    side: s,
+                    buf,
+                    csum_not_ready: meta.csum_not_ready,
+                    truncated: meta.truncated,
+                    offload: meta.offload,
+                });
+            });
+            if res.is_err() {
+                self.ctx.count_drop("rx_error", 1);
+            }
+        }
+    }
+
+    fn handle_frame(&mut self, f: Rx, now: Instant) {
+        let side = f.side;
+        let st = self.side_stats(side);
+        st.frames_in += 1;
+        st.bytes_in += f.buf.len() as u64;
+        if f.truncated {
+            self.ctx.count_drop("rx_truncated", 1);
+            return self.ctx.recycle(f.buf);
+        }
+        let parsed = match pliant_net::parse(&f.buf) {
+            Ok(Frame::Ip(p)) => p,
+            Ok(Frame::Arp(a)) => {
+                self.handle_arp(side, &a, now);
+                return self.ctx.recycle(f.buf);
+            }
+            Ok(Frame::Other { .. }) => {
+                self.ctx.count_drop("not_ip", 1);
+                return self.ctx.recycle(f.buf);
+            }
+            Err(e) => {
+                self.ctx.count_drop(e.reason(), 1);
+                return self.ctx.recycle(f.buf);
+            }
+        };
+        if parsed.dst_mac[0] & 1 != 0 {
+            // Broadcast/multicast IP (IPv6 ND, mDNS, ...) is link-local traffic, not for an NF.
+            self.ctx.count_drop("l2_multicast", 1);
+            return self.ctx.recycle(f.buf);
+        }
+        let mut buf = f.buf;
+        let mut offload = f.offload;
+        offload.csum_valid = false;
+        let l4_partial_ok = matches!(parsed.proto, proto::TCP | proto::UDP) && !parsed.fragment;
+        if offload.csum_partial.is_some() && l4_partial_ok {
+            // Carried through: the field is rewritten from the final headers on output
+            // (`finish_offload`), so the NF's incremental updates of it do not matter and the
+            // payload is never summed here.
+        } else if offload.csum_partial.is_some() || f.csum_not_ready {
+            // CHECKSUM_PARTIAL (locally generated traffic over veth) that cannot be carried:
+            // the L4 field holds only the pseudo-header sum; complete it in software.
+            if offload.gso.is_some() || !pliant_net::recompute_checksums(&mut buf, &parsed) {
+                self.ctx.count_drop("csum_completion_failed", 1);
+                return self.ctx.recycle(buf);
+            }
+            offload.csum_partial = None;
+            self.side_stats(side).csum_completed += 1;
+        } else if offload.gso.is_some() {
+            // A super-frame with a complete checksum: segmentation needs a partial one.
+            offload.csum_partial = Some(CsumPartial {
+                start: 0,
+                offset: 0,
+            });
+            if !l4_partial_ok {
+                self.ctx.count_drop("gso_unsupported", 1);
+                return self.ctx.recycle(buf);
+            }
+        }
+        // Glean: a frame from a connected-subnet host tells us its MAC.
+        if self.nets[idx(side)].is_connected(parsed.src) && parsed.src_mac[0] & 1 == 0 {
+            let released = self.neigh[idx(side)].learn(parsed.src, parsed.src_mac, now);
+            self.send_released(side, released, parsed.src_mac);
+        }
+        // The router's own inside addresses host no service (pings to the gateway address are
+        // dropped, counted). Outside addresses are not filtered here: a NAT's external address
+        // is usually the outside address, and replies to it are for the NF.
+        if side == Side::Inside && self.nets[idx(side)].is_own(parsed.dst) {
+            // Except echo requests: answering pings of the gateway address is how hosts and
+            // health checks see that the router is alive.
+            if !self.answer_ping(side, &buf, &parsed) {
+                self.ctx.count_drop("to_router", 1);
+            }
+            return self.ctx.recycle(buf);
+        }
+        let mut pkt = Packet::new(buf, side, parsed);
+        pkt.offload = offload;
+        self.nf.process(&mut self.ctx, pkt);
+    }
+
+    /// Answers an ICMP echo request addressed to the router; false if `p` is not one.
+    fn answer_ping(&mut self, side: Side, frame: &[u8], p: &pliant_net::Parsed) -> bool {
+        if p.proto != proto::ICMP || p.icmp_type != 8 || p.fragment || p.vlan.is_some() {
+            return false;
+        }
+        let l4 = usize::from(p.l4_off);
+        let (Some(seq), Some(payload)) = (
+            frame
+                .get(l4 + 6..l4 + 8)
+                .map(|b| u16::from_be_bytes([b[0], b[1]])),
+            frame.get(l4 + 8..p.l4_end()),
+        ) else {
+            return false;
+        };
+        let mac = self.ports[idx(side)].mac();
+        let reply = pliant_net::build::icmp_echo(
+            mac, p.src_mac, p.dst, p.src, p.sport, seq, false, payload,
+        );
+        self.send_frame(side, &reply);
+        self.side_stats(side).echo_replies_sent += 1;
+        true
+    }
+
+    fn handle_arp(&mut self, side: Side, a: &ArpInfo, now: Instant) {
+        self.side_stats(side).arp_in += 1;
+        let i = idx(side);
+        let sender = IpAddr::V4(a.sender_ip);
+        if !a.sender_ip.is_unspecified()
+            && self.nets[i].is_connected(sender)
+            && a.sender_mac[0] & 1 == 0
+        {
+            let released = self.neigh[i].learn(sender, a.sender_mac, now);
+            self.send_released(side, released, a.sender_mac);
+        }
+        if a.op == 1 && self.nets[i].is_own(IpAddr::V4(a.target_ip)) {
+            let mac = self.ports[i].mac();
+            if let Some(reply) = arp::reply_to(a, mac) {
+                self.send_frame(side, &reply);
+                self.side_stats(side).arp_replies_sent += 1;
+            }
+        }
+    }
+
+    /// Sends frames that were waiting for `mac` (they are routed already; only the MAC).
+    fn send_released(
+        &mut self,
+        side: Side,
+        frames: std::collections::VecDeque<(Vec<u8>, Offload)>,
+        mac: [u8; 6],
+    ) {
+        for (mut f, off) in frames {
+            if f.len() >= 6 {
+                f[..6].copy_from_slice(&mac);
+            }
+            self.send_frame_offload(side, &f, &off);
+            self.ctx.recycle(f);
+        }
+    }
+
+    fn send_frame(&mut self, side: Side, frame: &[u8]) {
+        self.send_frame_offload(side, frame, &Offload::NONE);
+    }
+
+    fn send_frame_offload(&mut self, side: Side, frame: &[u8], offload: &Offload) {
+        let port = &mut self.ports[idx(side)];
+        let res = if offload.is_none() {
+            port.send(frame)
+        } else {
+            port.send_offload(frame, offload)
+        };
+        match res {
+            Ok(()) => {
+                let st = self.side_stats(side);
+                st.frames_out += 1;
+                st.bytes_out += frame.len() as u64;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                self.ctx.count_drop("tx_full", 1)
+            }
+            Err(_) => self.ctx.count_drop("tx_error", 1),
+        }
+    }
+
+    fn fire_timers(&mut self, now: Instant) {
+        self.timers.clear();
+        self.ctx.flows.expired_timers(now, &mut self.timers);
+        let timers = std::mem::take(&mut self.timers);
+        for (key, id) in &timers {
+            self.stats.timers_fired += 1;
+            self.nf.on_timer(&mut self.ctx, *key, *id);
+        }
+        self.timers = timers;
+    }
+
+    fn route_output(&mut self, now: Instant) {
+        let mut out = std::mem::take(&mut self.out);
+        self.ctx.drain_output(&mut out);
+        for o in out.drain(..) {
+            // Both kinds leave now. The seam for Pico replication: `OutputKind::Stateful`
+            // output will be held per replication group until its checkpoint is acknowledged.
+            self.route_one(o.pkt, now);
+        }
+        self.out = out;
+    }
+
+    fn route_one(&mut self, mut pkt: Packet, now: Instant) {
+        let side = pkt.egress;
+        let i = idx(side);
+        let dst = pkt.meta.dst;
+        if self.nets[i].is_own(dst) || self.nets[idx(side.opposite())].is_own(dst) {
+            return self.ctx.pkt_drop(pkt, "local_destination");
+        }
+        let Some(nh) = self.nets[i].next_hop(dst) else {
+            return self.ctx.pkt_drop(pkt, "no_route");
+        };
+        if !pliant_net::rewrite::dec_ttl(&mut pkt.buf, &mut pkt.meta) {
+            return self.ctx.pkt_drop(pkt, "ttl_exceeded");
+        }
+        let our_mac = self.ports[i].mac();
+        if pliant_net::rewrite::set_src_mac(&mut pkt.buf, &mut pkt.meta, our_mac).is_err() {
+            return self.ctx.pkt_drop(pkt, "rewrite_failed");
+        }
+        if !pkt.offload.is_none() {
+            if let Err(reason) = self.finish_offload(&mut pkt, i) {
+                return self.ctx.pkt_drop(pkt, reason);
+            }
+        }
+        if let Some(mac) = self.neigh[i].lookup(nh) {
+            let _ = pliant_net::rewrite::set_dst_mac(&mut pkt.buf, &mut pkt.meta, mac);
+            self.send_frame_offload(side, &pkt.buf, &pkt.offload);
+            return self.ctx.recycle(pkt.buf);
+        }
+        let IpAddr::V4(nh4) = nh else {
+            // No NDP yet: IPv6 next hops are usable only once gleaned.
+            return self.ctx.pkt_drop(pkt, "neigh_v6_unknown");
+        };
+        let mut frame = Some((pkt.buf, pkt.offload));
+        match self.neigh[i].resolve(nh, &mut frame, now) {
+            crate::neigh::Resolve::Mac(mac) => {
+                // Raced with a learn in this round: send directly.
+                if let Some((mut f, off)) = frame {
+                    f[..6].copy_from_slice(&mac);
+                    self.send_frame_offload(side, &f, &off);
+                    self.ctx.recycle(f);
+                }
+            }
+            crate::neigh::Resolve::Queued { request } => {
+                if request {
+                    self.send_arp_request(side, nh4);
+                }
+            }
+            crate::neigh::Resolve::Dropped(reason) => {
+                self.ctx.count_drop(reason, 1);
+                if let Some((f, _)) = frame {
+                    self.ctx.recycle(f);
+                }
+            }
+        }
+    }
+
+    /// Makes a frame that carries offload state sendable on port `i`: a partial checksum is
+    /// rewritten from the final headers (the pseudo-header sum the peer completes), so what the
+    /// NF changed is covered without summing the payload. Ports without offloads get a
+    /// software-completed checksum instead; super-frames cannot go there.
+    fn finish_offload(&mut self, pkt: &mut Packet, i: usize) -> Result<(), &'static str> {
+        let m = &pkt.meta;
+        let field = match m.proto {
+            proto::TCP => 16,
+            proto::UDP => 6,
+            _ => return Err("offload_unsupported_proto"),
+        };
+        if !self.ports[i].offloads_enabled() {
+            if pkt.offload.gso.is_some() {
+                return Err("gso_unsupported");
+            }
+            if !pliant_net::recompute_checksums(&mut pkt.buf, m) {
+                return Err("csum_completion_failed");
+            }
+            pkt.offload = Offload::NONE;
+            return Ok(());
+        }
+        let l4 = usize::from(m.l4_off);
+        let l4_len = m.l4_end().saturating_sub(l4);
+        let off = l4 + field;
+        if off + 2 > pkt.buf.len() || l4_len < field + 2 {
+            return Err("offload_bad_offsets");
+        }
+        let sum = pliant_net::checksum::pseudo_header_sum(m.src, m.dst, m.proto, l4_len as u32);
+        let partial = pliant_net::checksum::fold(sum);
+        pkt.buf[off..off + 2].copy_from_slice(&partial.to_be_bytes());
+        pkt.offload.csum_partial = Some(CsumPartial {
+            start: m.l4_off,
+            offset: field as u16,
+        });
+        Ok(())
+    }
+
+    fn send_arp_request(&mut self, side: Side, target: std::net::Ipv4Addr) {
+        let i = idx(side);
+        let Some(src) = self.nets[i].source_for(target).or_else(|| {
+            // Gateway outside our subnets cannot happen (config validation); be safe anyway.
+            self.nets[i].addrs.iter().find_map(|c| match c.addr {
+                IpAddr::V4(a) => Some(a),
+                IpAddr::V6(_) => None,
+            })
+        }) else {
+            self.ctx.count_drop("arp_no_source_address", 1);
+            return;
+        };
+        let req = arp::request(self.ports[i].mac(), src, target, None);
+        self.send_frame(side, &req);
+        self.side_stats(side).arp_requests_sent += 1;
+    }
+
+    fn housekeeping(&mut self, now: Instant) {
+        self.last_housekeeping = now;
+        for s in SIDES {
+            let i = idx(s);
+            self.neigh[i].age(now);
+            let dropped = self.neigh[i].take_dropped();
+            if dropped > 0 {
+                self.ctx.count_drop("neigh_unresolved", dropped);
+            }
+            let mut due = std::mem::take(&mut self.arp_due);
+            due.clear();
+            self.neigh[i].due_requests(now, &mut due);
+            for ip in &due {
+                if let IpAddr::V4(v4) = ip {
+                    self.send_arp_request(s, *v4);
+                }
+            }
+            self.arp_due = due;
+        }
+    }
+
+    fn serve_control(&mut self, now: Instant) {
+        let Some(c) = &self.control else { return };
+        // Bounded per round so a flood of requests cannot starve the packet path.
+        let mut reqs = Vec::new();
+        while reqs.len() < 4 {
+            match c.requests.try_recv() {
+                Ok(r) => reqs.push(r),
+                Err(_) => break,
+            }
+        }
+        for r in reqs {
+            self.stats.control_requests += 1;
+            let answer = self.answer(r.cmd, now);
+            let _ = r.reply.try_send(answer);
+        }
+    }
+
+    /// The answer to one control request (also used by tests without a socket).
+    pub fn answer(&mut self, cmd: Cmd, now: Instant) -> Value {
+        match cmd {
+            Cmd::Stats => {
+                let mut v = self.stats_json(now);
+                v["ok"] = json!(true);
+                v
+            }
+            Cmd::Metrics => json!({"ok": true, "metrics": self.metrics(now)}),
+            Cmd::Query => json!({"ok": true, "nf": N::NAME, "query": self.nf.query(&self.ctx)}),
+            Cmd::Flows => {
+                let keys = self.ctx.flows.keys();
+                let listed: Vec<String> = keys
+                    .iter()
+                    .take(self.opts.max_listed_flows)
+                    .map(|k| k.to_string())
+                    .collect();
+                json!({"ok": true, "total": keys.len(), "listed": listed.len(), "flows": listed})
+            }
+            Cmd::Shutdown => {
+                self.stop_requested = true;
+                json!({"ok": true, "shutting_down": true})
+            }
+        }
+    }
+
+    fn control_errors(&self) -> u64 {
+        self.control
+            .as_ref()
+            .map_or(0, |c| c.errors.load(Ordering::Relaxed))
+    }
+
+    pub fn stats_json(&self, now: Instant) -> Value {
+        let port = |s: Side| {
+            let p = self.ports[idx(s)].stats();
+            json!({
+                "ifname": self.nets[idx(s)].ifname,
+                "rx_frames": p.rx_frames, "rx_bytes": p.rx_bytes, "rx_kernel_drops": p.rx_kernel_drops,
+                "rx_truncated": p.rx_truncated, "tx_frames": p.tx_frames, "tx_bytes": p.tx_bytes,
+                "tx_dropped_full": p.tx_dropped_full,
+                "rx_gso_frames": p.rx_gso_frames, "tx_gso_frames": p.tx_gso_frames,
+                "rx_csum_partial": p.rx_csum_partial, "rx_oversize": p.rx_oversize,
+                "tx_direct": p.tx_direct, "offloads": self.ports[idx(s)].offloads_enabled(), "tx_errors": p.tx_errors,
+            })
+        };
+        let neigh = |s: Side| {
+            let t = &self.neigh[idx(s)];
+            let entries: Vec<Value> = t
+                .snapshot()
+                .into_iter()
+                .take(64)
+                .map(|(ip, mac, q)| {
+                    json!({"ip": ip.to_string(), "mac": mac.map(fmt_mac), "queued": q})
+                })
+                .collect();
+            json!({"entries": t.len(), "stats": t.stats, "sample": entries})
+        };
+        let mut engine = serde_json::to_value(&self.stats).unwrap_or(Value::Null);
+        engine["control_errors"] = json!(self.stats.control_errors + self.control_errors());
+        json!({
+            "replica": self.name,
+            "nf": N::NAME,
+            "uptime_s": now.saturating_duration_since(self.started).as_secs_f64(),
+            "engine": engine,
+            "ports": {"inside": port(Side::Inside), "outside": port(Side::Outside)},
+            "drops": self.ctx.drops().snapshot().into_iter().collect::<std::collections::BTreeMap<_, _>>(),
+            "nf_counters": self.ctx.nf_counters().snapshot().into_iter().collect::<std::collections::BTreeMap<_, _>>(),
+            "table": self.ctx.flows.stats(),
+            "neighbours": {"inside": neigh(Side::Inside), "outside": neigh(Side::Outside)},
+        })
+    }
+
+    pub fn metrics(&self, now: Instant) -> String {
+        let table = self.ctx.flows.stats();
+        let mut engine = self.stats.clone();
+        engine.control_errors += self.control_errors();
+        metrics::render(&Snapshot {
+            replica: &self.name,
+            nf: N::NAME,
+            engine: &engine,
+            ports: [
+                ("inside", self.ports[0].stats()),
+                ("outside", self.ports[1].stats()),
+            ],
+            drops: self.ctx.drops(),
+            nf_counters: self.ctx.nf_counters(),
+            table: &table,
+            neighbours: [
+                ("inside", self.neigh[0].len()),
+                ("outside", self.neigh[1].len()),
+            ],
+            uptime_s: now.saturating_duration_since(self.started).as_secs_f64(),
+        })
+    }
+}
+
+pub fn fmt_mac(m: [u8; 6]) -> String {
+    format!(
+        "{:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x}",
+        m[0], m[1], m[2], m[3], m[4], m[5]
+    )
+}
+
+#[cfg(test)]
+mod tests;
