@@ -47,6 +47,8 @@ pub enum LabError {
     Replicas { asked: u8, max: u8 },
     #[error("unknown role {0:?} (client, server, fabric, r1..rN)")]
     BadRole(String),
+    #[error("fabric steering: {0}")]
+    Steer(#[from] pliant_steer::SteerError),
 }
 
 pub type Result<T> = std::result::Result<T, LabError>;

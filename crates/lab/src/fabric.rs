@@ -9,7 +9,7 @@
 
 use crate::cmd::{self, SETUP_TIMEOUT};
 use crate::error::Result;
-use crate::topology::{fabric_in_if, fabric_out_if, FAB_CLIENT_IF, FAB_SERVER_IF};
+use crate::topology::{fabric_in_if, fabric_out_if, FAB_CLIENT_IF, FAB_SERVER_IF, OUTSIDE_GW_IP};
 
 /// One redirect rule: frames arriving on `from` leave through `to`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -43,16 +43,25 @@ pub fn tc_commands(patches: &[Patch]) -> Vec<Vec<String>> {
     out
 }
 
-/// Install the steering for `replicas` replicas in the fabric namespace `ns`.
-pub fn install(ns: &str, replicas: u8) -> Result<()> {
-    // Only one replica for now (`Lab::up` refuses more): the patch panel has no notion of
-    // flows. The elasticity issue replaces this with a BPF program and a flow -> replica map.
-    assert_eq!(replicas, 1, "patch-panel fabric serves exactly one replica");
+/// Install the steering for `replicas` replicas in the fabric namespace `ns`. One replica keeps
+/// the tc mirred patch panel (no flow state needed); two or more get pliant-steer's BPF
+/// steering (Maglev ring over all replicas, conn pins, `OUTSIDE_GW_IP` registered as the NAT
+/// address, maps pinned under `/sys/fs/bpf/pliant/<ns>`), returned so the caller keeps it alive.
+/// NAT port blocks (`port_owner`) are the controller's to assign.
+pub fn install(ns: &str, replicas: u8) -> Result<Option<pliant_steer::Steer>> {
+    if replicas > 1 {
+        let opts = pliant_steer::SteerOptions {
+            pin_dir: Some(pliant_steer::lab::pin_dir(ns)),
+            ..Default::default()
+        };
+        let nat = OUTSIDE_GW_IP.parse().ok();
+        return Ok(Some(pliant_steer::lab::install(ns, replicas, nat, &opts)?));
+    }
     for argv in tc_commands(&single_replica_patches(1)) {
         let refs: Vec<&str> = argv.iter().map(String::as_str).collect();
         cmd::run_ok(&cmd::in_ns(ns, &refs), SETUP_TIMEOUT)?;
     }
-    Ok(())
+    Ok(None)
 }
 
 #[cfg(test)]

@@ -19,9 +19,9 @@ pub const EXEC_TIMEOUT: Duration = Duration::from_secs(120);
 pub const REPLICA_READY_TIMEOUT: Duration = Duration::from_secs(15);
 /// How long nginx/iperf3 may take to write their pid files and listen.
 const SERVER_READY_TIMEOUT: Duration = Duration::from_secs(10);
-/// Replicas per lab the fabric can steer today (the patch panel serves one; the elasticity
-/// issue's BPF steering raises this). Names and namespaces already scale to N.
-pub const MAX_REPLICAS: u8 = 1;
+/// Replicas per lab: one uses the tc mirred patch panel, more use pliant-steer's BPF steering
+/// (see `fabric::install`).
+pub const MAX_REPLICAS: u8 = 8;
 
 /// The NF a pliant replica runs: `[nf] kind` plus its own TOML sections (e.g. `[nat]`).
 #[derive(Clone, Debug, PartialEq)]
@@ -180,6 +180,8 @@ pub struct Lab {
     mode: ReplicaMode,
     progress: bool,
     finished: bool,
+    /// BPF steering over 2+ replicas; dropped (filters detached) before the namespaces go.
+    steer: Option<pliant_steer::Steer>,
 }
 
 /// Validate a user-given lab name: it becomes part of namespace names and a directory name.
@@ -288,6 +290,7 @@ impl Lab {
             mode: spec.mode.clone(),
             progress: spec.progress,
             finished: false,
+            steer: None,
         };
         let start = Instant::now();
         // If build fails, `lab` is dropped here and Drop removes what was made.
@@ -395,6 +398,10 @@ impl Lab {
     /// Leave the lab running after this handle goes away (for `pliant lab up`).
     pub fn detach(mut self) -> LabState {
         self.finished = true;
+        // Steering outlives this process: filters stay, maps are pinned for the controller.
+        if let Some(s) = self.steer.take() {
+            let _ = s.persist();
+        }
         self.state.clone()
     }
 
@@ -403,6 +410,8 @@ impl Lab {
             return Vec::new();
         }
         self.finished = true;
+        // Detach steering inside the fabric namespace while it still exists.
+        self.steer = None;
         let problems = state::teardown(&self.state);
         // Reap our direct children so none lingers as a zombie in a long-lived test process.
         for c in &mut self.children {
@@ -540,7 +549,7 @@ impl Lab {
                 SETUP_TIMEOUT,
             )?;
         }
-        fabric::install(&fab, replicas)?;
+        self.steer = fabric::install(&fab, replicas)?;
         self.start_servers(spec)?;
         for n in 1..=replicas {
             self.setup_replica(spec, n)?;

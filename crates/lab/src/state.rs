@@ -211,6 +211,10 @@ pub fn teardown(state: &LabState) -> Vec<String> {
             problems.push(format!("delete netns {ns}: {e}"));
         }
     }
+    // 3b. Steering map pins of a detached lab (the fabric's filters went with its namespace).
+    for ns in state.owned_namespaces() {
+        pliant_steer::remove_pins(&pliant_steer::lab::pin_dir(ns));
+    }
     // 4. The run directory (configs, logs, served files, the state file itself).
     match state.owned_run_dir() {
         Some(dir) => {

@@ -248,8 +248,52 @@ fn a_lab_whose_owner_died_is_removed_by_down_stale() {
 }
 
 #[test]
+fn two_replicas_are_steered_by_bpf_and_flows_spread_over_both() {
+    let mut s = spec(ReplicaMode::KernelForward);
+    s.replicas = 2;
+    let lab = Lab::up(s).expect("lab up");
+    let filters = lab
+        .exec_ok(
+            Role::Fabric,
+            &["tc", "filter", "show", "dev", "fabclient", "ingress"],
+        )
+        .expect("tc");
+    assert!(filters.stdout.contains("pliant_steer"), "{}", filters.stdout);
+    for i in 0..20 {
+        let out = lab
+            .exec(
+                Role::Client,
+                &["curl", "-sS", "--max-time", "10", "http://10.77.2.2/"],
+            )
+            .expect("curl");
+        assert!(out.success(), "curl {i}: {}", out.stderr);
+        assert!(out.stdout.contains(lab.name()), "curl {i}: {}", out.stdout);
+    }
+    // The controller's view: every TCP connection pinned, both replicas used (a 20-flow
+    // all-on-one split has probability 2^-19).
+    let maps = pliant_steer::SteerMaps::open_pinned(&pliant_steer::lab::pin_dir(
+        &lab.netns(Role::Fabric),
+    ))
+    .expect("open pinned maps");
+    let owners: std::collections::BTreeSet<u32> = maps
+        .conn_entries()
+        .expect("conn")
+        .into_iter()
+        .filter(|(k, _)| k.proto == 6)
+        .map(|(_, r)| r)
+        .collect();
+    assert_eq!(owners, [1u32, 2].into_iter().collect(), "{owners:?}");
+    let st = maps.stats().expect("stats");
+    assert_eq!(st.get(pliant_steer::layout::Stat::DropDead), 0);
+    let pins = pliant_steer::lab::pin_dir(&lab.netns(Role::Fabric));
+    drop(maps);
+    lab.down().expect("down");
+    assert!(!pins.exists(), "pins left at {}", pins.display());
+}
+
+#[test]
 fn unsupported_replica_counts_are_refused_with_a_typed_error() {
-    for n in [0u8, 2] {
+    for n in [0u8, pliant_lab::MAX_REPLICAS + 1] {
         let mut s = spec(ReplicaMode::KernelForward);
         s.replicas = n;
         assert!(
