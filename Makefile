@@ -11,22 +11,29 @@ export CARGO_TERM_COLOR ?= never
 demo: deps build
 	./target/release/pliant demo
 
-test: deps build unit c-test e2e fuzz
+# One feature resolution for everything (`--workspace` everywhere): splitting the suite with
+# `--exclude`/`-p` re-resolved features and rebuilt half the dependency graph a second time.
+# Tests run one at a time: the e2e tests push real traffic and share two cores with it.
+test: deps build
+	$(CARGO) test --release --workspace --no-run
+	$(MAKE) c-test
+	$(CARGO) test --release --workspace -- --test-threads=1
+	$(MAKE) fuzz
 	@echo "make test: all stages passed"
 
 deps:
 	@bash scripts/install-deps.sh
 
+# Binaries and libpliant.so (the C example and the e2e tests need them next to each other).
 build:
-	$(CARGO) build --release --workspace --all-targets
+	$(CARGO) build --release --workspace
 
-# Unit and library tests of every crate except the namespace e2e suite.
+# Developer shortcuts: everything but the namespace e2e suite, or only that suite.
 unit:
-	$(CARGO) test --release --workspace --exclude pliant-cli
+	$(CARGO) test --release --workspace --lib --bins
 
-# End-to-end tests with real namespaces and traffic; serial, they share two cores with the traffic.
 e2e:
-	$(CARGO) test --release -p pliant-cli -- --test-threads=1
+	$(CARGO) test --release --workspace --test '*' -- --test-threads=1
 
 # The C network function built against include/pliant.h and libpliant.so.
 c-test:
