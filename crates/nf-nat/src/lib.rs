@@ -6,7 +6,12 @@
 //!
 //! State lives in the Split/Merge flow table (one flow per mapping, keyed by the inside tuple,
 //! plus one alias for the external tuple) so that a mapping can later be moved or replicated.
-//! The port pool is per-replica state for now (partitioning it between replicas is issue 3).
+//! The port pool is per-replica: with `port_blocks` (config or the `set_port_blocks` control
+//! request) each replica allocates only from its own blocks, and the fabric steers return
+//! traffic by destination port to the block's owner. A migrated mapping keeps its external port
+//! (the tuple the remote side knows); the owner keeps that port reserved ("lent") while the
+//! mapping lives elsewhere, so it is never handed to a second flow, and the controller steers
+//! the mapping's external tuple (its alias key) to the new owner with an exception.
 //!
 //! Expiry: one flow timer per mapping, re-armed lazily. The hot path only stamps `last_seen_ms`
 //! in the flow; when the timer fires the mapping is removed if it has been idle for its timeout,
@@ -45,6 +50,10 @@ pub struct Config {
     /// Last external port handed out, inclusive.
     #[serde(default = "d_port_max")]
     pub port_max: u16,
+    /// External port blocks `[[lo, hi], ...]` (inclusive) this replica allocates from; when
+    /// set they replace `port_min..=port_max`. Blocks of different replicas must not overlap.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub port_blocks: Vec<(u16, u16)>,
     /// Idle timeout of an established TCP mapping.
     #[serde(default = "d_tcp_est")]
     pub tcp_established_timeout_s: u64,
@@ -89,6 +98,7 @@ impl Config {
             external_ip,
             port_min: d_port_min(),
             port_max: d_port_max(),
+            port_blocks: Vec::new(),
             tcp_established_timeout_s: d_tcp_est(),
             tcp_transitory_timeout_s: d_tcp_trans(),
             tcp_closing_timeout_s: d_tcp_closing(),
@@ -104,6 +114,7 @@ impl Config {
                 self.port_min, self.port_max
             ));
         }
+        validate_blocks(&self.port_blocks)?;
         let timeouts = [
             ("tcp_established_timeout_s", self.tcp_established_timeout_s),
             ("tcp_transitory_timeout_s", self.tcp_transitory_timeout_s),
@@ -126,6 +137,28 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// Refuses blocks with a zero port, `lo > hi`, or more than 4096 blocks.
+pub fn validate_blocks(blocks: &[(u16, u16)]) -> Result<(), String> {
+    if blocks.len() > 4096 {
+        return Err(format!("nat: {} port blocks (at most 4096)", blocks.len()));
+    }
+    for &(lo, hi) in blocks {
+        if lo == 0 || lo > hi {
+            return Err(format!(
+                "nat: port block [{lo}, {hi}] is empty or starts at 0"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Wall-clock milliseconds since the Unix epoch (0 if the clock is before it).
+fn wall_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// TCP phase of a mapping, which selects its idle timeout.
@@ -153,8 +186,10 @@ pub struct Mapping {
     pub phase: TcpPhase,
     /// Whether a packet from the outside has been seen.
     pub replied: bool,
-    /// Last packet, in ms since the NF's epoch. Soft state: stamping it is not a modification
-    /// (put_flow(.., false)), so checkpoints do not ship flows just because they are busy.
+    /// Last packet, in wall-clock ms since the Unix epoch (CLOCK_REALTIME), so the value means
+    /// the same on the replica a mapping migrates to (an `Instant` offset would not). Soft
+    /// state: stamping it is not a modification (put_flow(.., false)), so checkpoints do not
+    /// ship flows just because they are busy.
     pub last_seen_ms: u64,
 }
 
@@ -171,6 +206,9 @@ const ICMP_ECHO_REQUEST: u8 = 8;
 pub struct Nat {
     cfg: Config,
     epoch: Instant,
+    /// Wall-clock ms at `epoch`: `now_ms` = this + (now - epoch), so the fake clocks of tests
+    /// still drive expiry while the stamps stay comparable across replicas.
+    epoch_wall_ms: u64,
     tcp: PortPool,
     udp: PortPool,
     icmp: PortPool,
@@ -178,14 +216,54 @@ pub struct Nat {
 
 impl Nat {
     pub fn new(cfg: Config) -> Result<Self, String> {
+        Self::with_clock(cfg, Instant::now(), wall_ms())
+    }
+
+    /// A NAT whose clock reads `wall_ms` at `epoch` (tests pin both).
+    pub fn with_clock(cfg: Config, epoch: Instant, wall_ms: u64) -> Result<Self, String> {
         cfg.validate()?;
+        let blocks = if cfg.port_blocks.is_empty() {
+            vec![(cfg.port_min, cfg.port_max)]
+        } else {
+            cfg.port_blocks.clone()
+        };
         Ok(Nat {
-            tcp: PortPool::new(cfg.port_min, cfg.port_max),
-            udp: PortPool::new(cfg.port_min, cfg.port_max),
-            icmp: PortPool::new(cfg.port_min, cfg.port_max),
+            tcp: PortPool::from_blocks(&blocks),
+            udp: PortPool::from_blocks(&blocks),
+            icmp: PortPool::from_blocks(&blocks),
             cfg,
-            epoch: Instant::now(),
+            epoch,
+            epoch_wall_ms: wall_ms,
         })
+    }
+
+    /// Replaces the port blocks. Ports in use (live mappings, and ports lent to mappings that
+    /// migrated away) stay reserved when the new blocks contain them, so no port is handed
+    /// to a second flow.
+    fn replace_blocks(&mut self, ctx: &Ctx<Mapping>, blocks: &[(u16, u16)]) {
+        let live: Vec<(u8, u16)> = ctx
+            .flows
+            .keys()
+            .iter()
+            .filter_map(|k| ctx.flows.peek(k))
+            .map(|m| (m.proto, m.external_port))
+            .collect();
+        for p in [proto::TCP, proto::UDP, proto::ICMP] {
+            let mut fresh = PortPool::from_blocks(blocks);
+            let old = self.pool(p);
+            for port in old.in_use_ports() {
+                fresh.reserve(port);
+            }
+            fresh.exhausted = old.exhausted;
+            fresh.bad_release = old.bad_release;
+            fresh.foreign_release = old.foreign_release;
+            *self.pool(p) = fresh;
+        }
+        // Imported mappings whose ports the new blocks contain.
+        for (p, port) in live {
+            self.pool(p).reserve(port);
+        }
+        self.cfg.port_blocks = blocks.to_vec();
     }
 
     pub fn config(&self) -> &Config {
@@ -201,7 +279,9 @@ impl Nat {
     }
 
     fn now_ms(&self, now: Instant) -> u64 {
-        u64::try_from(now.saturating_duration_since(self.epoch).as_millis()).unwrap_or(u64::MAX)
+        let since = u64::try_from(now.saturating_duration_since(self.epoch).as_millis())
+            .unwrap_or(u64::MAX);
+        self.epoch_wall_ms.saturating_add(since)
     }
 
     fn timeout(&self, m: &Mapping) -> Duration {
@@ -509,7 +589,12 @@ impl Nat {
         }
         match ctx.flows.delete_flow(&key) {
             Ok(m) => {
-                self.pool(m.proto).release(m.external_port);
+                if !self.pool(m.proto).release(m.external_port)
+                    && !self.pool(m.proto).owns(m.external_port)
+                {
+                    // A migrated mapping whose port belongs to another replica's block.
+                    ctx.count("nat_foreign_port_ended", 1);
+                }
                 ctx.count("nat_mappings_expired", 1);
             }
             Err(_) => ctx.count("nat_expire_failed", 1),
@@ -558,11 +643,30 @@ impl NetworkFunction for Nat {
         }
     }
 
+    fn set_port_blocks(
+        &mut self,
+        ctx: &mut Ctx<Mapping>,
+        blocks: &[(u16, u16)],
+    ) -> Result<serde_json::Value, String> {
+        validate_blocks(blocks)?;
+        if blocks.is_empty() {
+            return Err("nat: at least one port block is needed".into());
+        }
+        self.replace_blocks(ctx, blocks);
+        Ok(serde_json::json!({
+            "blocks": blocks,
+            "tcp_in_use": self.tcp.in_use(),
+            "udp_in_use": self.udp.in_use(),
+            "capacity": self.tcp.capacity(),
+        }))
+    }
+
     fn query(&self, ctx: &Ctx<Mapping>) -> serde_json::Value {
         const SAMPLE: usize = 16;
         let pool = |p: &PortPool| {
             serde_json::json!({
                 "in_use": p.in_use(), "capacity": p.capacity(), "exhausted": p.exhausted,
+                "foreign_release": p.foreign_release, "blocks": p.blocks(),
             })
         };
         // `keys()` copies every key: fine for an operator query, not for the packet path.

@@ -459,3 +459,90 @@ fn outbound_icmp_errors_hide_the_inside_address() {
         reframe(&ip_part(&reply))
     );
 }
+
+fn udp_out(sport: u16) -> Vec<u8> {
+    build::udp(MAC_A, MAC_B, v4(CLIENT), sport, v4(SERVER), 53, b"q")
+}
+
+#[test]
+fn port_blocks_bound_allocation_and_keep_ports_in_use() {
+    let mut h = default_nat();
+    h.inject(Side::Inside, &udp_out(1000)).unwrap();
+    let first = check(&one_output(&mut h).1).sport;
+    assert_eq!(first, 20000);
+    let v =
+        h.nf.set_port_blocks(&mut h.ctx, &[(20000, 20001)])
+            .expect("valid blocks");
+    assert_eq!(v["udp_in_use"], 1, "{v}");
+    h.inject(Side::Inside, &udp_out(1001)).unwrap();
+    assert_eq!(check(&one_output(&mut h).1).sport, 20001);
+    h.inject(Side::Inside, &udp_out(1002)).unwrap();
+    assert_eq!(h.drop_count("nat_port_exhausted"), 1);
+    assert!(h.nf.set_port_blocks(&mut h.ctx, &[(5, 1)]).is_err());
+    assert!(h.nf.set_port_blocks(&mut h.ctx, &[]).is_err());
+    // From config as well.
+    let mut cfg = Config::with_external_ip(EXT);
+    cfg.port_blocks = vec![(40000, 40000), (41000, 41001)];
+    let mut h = nat(cfg);
+    let mut got = HashSet::new();
+    for s in 0..3 {
+        h.inject(Side::Inside, &udp_out(2000 + s)).unwrap();
+        got.insert(check(&one_output(&mut h).1).sport);
+    }
+    assert_eq!(got, HashSet::from([40000, 41000, 41001]));
+    let mut bad = Config::with_external_ip(EXT);
+    bad.port_blocks = vec![(0, 10)];
+    assert!(Nat::new(bad).is_err());
+}
+
+#[test]
+fn a_migrated_mapping_keeps_its_port_and_its_idle_budget() {
+    let wall = 1_700_000_000_000;
+    let mut c1 = Config::with_external_ip(EXT);
+    c1.port_blocks = vec![(30000, 30009)];
+    c1.udp_timeout_s = 30;
+    let mut c2 = c1.clone();
+    c2.port_blocks = vec![(30010, 30019)];
+    // Replica 1 has run for an hour when the flow starts.
+    let mut h1 = Harness::new(Nat::with_clock(c1, Instant::now(), wall).unwrap());
+    h1.advance(Duration::from_secs(3600));
+    h1.inject(Side::Inside, &udp_out(5353)).unwrap();
+    assert_eq!(check(&one_output(&mut h1).1).sport, 30000);
+    h1.inject(Side::Inside, &udp_out(5354)).unwrap();
+    let ext = check(&one_output(&mut h1).1).sport;
+    assert_eq!(ext, 30001);
+    h1.advance(Duration::from_secs(10));
+    let quiet = FlowKey::v4(proto::UDP, CLIENT, 5353, SERVER, 53).0;
+    let busy = FlowKey::v4(proto::UDP, CLIENT, 5354, SERVER, 53).0;
+    let recs: Vec<Vec<u8>> = [quiet, busy]
+        .iter()
+        .map(|k| h1.ctx.flows.export_flow(k, h1.now()).expect("export"))
+        .collect();
+    // Replica 2 just started; its clock reads the same wall time as replica 1's now.
+    let mut h2 = Harness::new(Nat::with_clock(c2, Instant::now(), wall + 3_610_000).unwrap());
+    for r in &recs {
+        h2.ctx.flows.import_flow(r, h2.now()).expect("import");
+    }
+    // Return traffic to the lent port is translated by the new owner.
+    let reply = build::udp(MAC_B, MAC_A, v4(SERVER), 53, v4(EXT), ext, b"r");
+    h2.inject(Side::Outside, &reply).unwrap();
+    let (side, f) = one_output(&mut h2);
+    assert_eq!((side, check(&f).dst), (Side::Inside, v4(CLIENT)));
+    // The owner keeps the lent ports reserved: a new flow there gets another one.
+    h1.inject(Side::Inside, &udp_out(6000)).unwrap();
+    assert_eq!(check(&one_output(&mut h1).1).sport, 30002);
+    // Replica 2 allocates from its own block.
+    h2.inject(Side::Inside, &udp_out(7000)).unwrap();
+    assert_eq!(check(&one_output(&mut h2).1).sport, 30010);
+    // Idle budget: the quiet flow was last seen 10 s before the move, so it expires 20 s
+    // after it (with a replica-relative stamp it would live on for another 30 s).
+    h2.advance(Duration::from_secs(21));
+    assert!(!h2.ctx.flows.contains(&quiet), "quiet flow expired on time");
+    assert!(h2.ctx.flows.contains(&busy), "refreshed flow lives on");
+    h2.advance(Duration::from_secs(10));
+    assert!(!h2.ctx.flows.contains(&busy));
+    assert_eq!(h2.counter("nat_foreign_port_ended"), 2);
+    // Its own flow (created at the same time) expired too and returned its own port only.
+    assert_eq!(h2.counter("nat_mappings_expired"), 3);
+    assert_eq!(h2.query()["pools"]["udp"]["in_use"], 0);
+}

@@ -22,6 +22,9 @@
 //!
 //! [nat]                        # the section named by nf.kind, parsed by that NF crate
 //! external_ip = "10.77.2.1"
+//!
+//! # [migration]                # optional; default: control_socket with .sock -> .peer.sock
+//! # peer_socket = "/run/pliant/lab-x/r1.peer.sock"
 //! ```
 
 use serde::{Deserialize, Serialize};
@@ -293,8 +296,21 @@ impl ReplicaConfig {
                 ),
             ));
         }
+        if let Some(m) = self.nf_sections.get("migration") {
+            let ok = m.as_table().is_some_and(|t| {
+                t.iter().all(|(k, v)| {
+                    k == "peer_socket" && v.as_str().is_some_and(|p| p.starts_with('/'))
+                })
+            });
+            if !ok {
+                return Err((
+                    Some("[migration".into()),
+                    "[migration] takes only peer_socket = \"/absolute/path\"".into(),
+                ));
+            }
+        }
         for name in self.nf_sections.keys() {
-            if !NF_KINDS.contains(&name.as_str()) {
+            if !NF_KINDS.contains(&name.as_str()) && name != "migration" {
                 return Err((
                     Some(format!("[{name}")),
                     format!("unknown section [{name}]"),
@@ -302,6 +318,24 @@ impl ReplicaConfig {
             }
         }
         Ok(())
+    }
+
+    /// The replica-to-replica peer socket (migration): `[migration] peer_socket`, or by default
+    /// the control socket's path with `.sock` replaced by `.peer.sock` (`+ .peer` otherwise).
+    pub fn peer_socket(&self) -> String {
+        if let Some(p) = self
+            .nf_sections
+            .get("migration")
+            .and_then(|m| m.get("peer_socket"))
+            .and_then(|v| v.as_str())
+        {
+            return p.to_string();
+        }
+        let c = &self.replica.control_socket;
+        match c.strip_suffix(".sock") {
+            Some(stem) => format!("{stem}.peer.sock"),
+            None => format!("{c}.peer"),
+        }
     }
 
     /// Checks that both interfaces exist in this network namespace (run where the replica runs).
@@ -412,6 +446,19 @@ port_min = 1000
         let n: NatLike = nf_section(GOOD, "t.toml", "nat").expect("nat section");
         assert_eq!(n.port_min, 1000);
         assert_eq!(n.external_ip, std::net::Ipv4Addr::new(10, 77, 2, 1));
+    }
+
+    #[test]
+    fn peer_socket_defaults_beside_the_control_socket_or_is_configured() {
+        let c = ReplicaConfig::parse(GOOD, "t.toml").expect("valid");
+        assert_eq!(c.peer_socket(), "/tmp/r1.peer.sock");
+        let with = format!("{GOOD}\n[migration]\npeer_socket = \"/run/x/p.sock\"\n");
+        let c = ReplicaConfig::parse(&with, "t.toml").expect("valid");
+        assert_eq!(c.peer_socket(), "/run/x/p.sock");
+        let bad = format!("{GOOD}\n[migration]\npeer_socket = \"rel.sock\"\n");
+        assert!(ReplicaConfig::parse(&bad, "t.toml").is_err());
+        let bad = format!("{GOOD}\n[migration]\nother = 1\n");
+        assert!(ReplicaConfig::parse(&bad, "t.toml").is_err());
     }
 
     #[test]

@@ -5,7 +5,8 @@
 //! it polls, and wait (bounded) for the answer. No locks on the hot path.
 //!
 //! Protocol: a unix stream socket, mode 0600, and the peer's uid (SO_PEERCRED) must be ours.
-//! One JSON object per line, `{"cmd":"stats"|"metrics"|"query"|"flows"|"shutdown"}`, answered
+//! One JSON object per line, `{"cmd":"stats"|"metrics"|"query"|"flows"|"shutdown"|...}` (the
+//! migration commands are listed in the crate README), answered
 //! by one JSON line: `{"ok":true,...}` or `{"ok":false,"error":"..."}`. Lines are bounded
 //! ([`MAX_REQUEST_BYTES`]); anything malformed gets an error and is counted, never a crash.
 
@@ -20,20 +21,62 @@ use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Longest request line accepted.
-pub const MAX_REQUEST_BYTES: usize = 4096;
+/// Longest request line accepted (a `migrate_in` of 20,000 keys is ~1 MiB).
+pub const MAX_REQUEST_BYTES: usize = 2 << 20;
 /// Requests queued for the packet thread at most.
 const CHANNEL_BOUND: usize = 16;
 /// How long a client may take to send a line, and we wait for the packet thread.
 const IO_TIMEOUT: Duration = Duration::from_secs(3);
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Cmd {
     Stats,
     Metrics,
     Query,
     Flows,
     Shutdown,
+    /// Destination side: hold packets of `keys` until their state arrives.
+    MigrateIn {
+        from: String,
+        keys: Vec<pliant_state::FlowKey>,
+    },
+    /// Source side: export `keys` and ship them to the peer socket `to` (answered later).
+    MigrateOut {
+        to: String,
+        keys: Vec<pliant_state::FlowKey>,
+    },
+    /// NAT: the external port blocks this replica allocates from.
+    SetPortBlocks {
+        blocks: Vec<(u16, u16)>,
+    },
+    /// Export this replica's combiner contributions (retires them).
+    SharedExport,
+    /// Merge a dying replica's exported contributions (hex).
+    SharedMerge {
+        bytes: Vec<u8>,
+    },
+}
+
+fn str_field(v: &Value, name: &str) -> Result<String, String> {
+    v.get(name)
+        .and_then(Value::as_str)
+        .map(str::to_string)
+        .ok_or_else(|| format!("missing string field {name:?}"))
+}
+
+/// Decodes lowercase/uppercase hex; `None` on odd length or a non-hex digit.
+pub fn from_hex(s: &str) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| s.get(i..i + 2).and_then(|b| u8::from_str_radix(b, 16).ok()))
+        .collect()
+}
+
+pub fn to_hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 impl Cmd {
@@ -49,13 +92,51 @@ impl Cmd {
             "query" => Cmd::Query,
             "flows" => Cmd::Flows,
             "shutdown" => Cmd::Shutdown,
+            "migrate_in" => Cmd::MigrateIn {
+                from: str_field(&v, "from")?,
+                keys: crate::migrate::parse_keys(v.get("keys"))?,
+            },
+            "migrate_out" => Cmd::MigrateOut {
+                to: str_field(&v, "to")?,
+                keys: crate::migrate::parse_keys(v.get("keys"))?,
+            },
+            "set_port_blocks" => {
+                let arr = v
+                    .get("blocks")
+                    .and_then(Value::as_array)
+                    .ok_or("missing array field \"blocks\"")?;
+                if arr.len() > 4096 {
+                    return Err("more than 4096 port blocks".into());
+                }
+                let mut blocks = Vec::with_capacity(arr.len());
+                for b in arr {
+                    let pair = b
+                        .as_array()
+                        .filter(|p| p.len() == 2)
+                        .and_then(|p| Some((p[0].as_u64()?, p[1].as_u64()?)))
+                        .ok_or("each block is [lo, hi]")?;
+                    let (Ok(lo), Ok(hi)) = (u16::try_from(pair.0), u16::try_from(pair.1)) else {
+                        return Err("port out of range 0..=65535".into());
+                    };
+                    if lo == 0 || lo > hi {
+                        return Err(format!("bad port block [{lo}, {hi}]: need 1 <= lo <= hi"));
+                    }
+                    blocks.push((lo, hi));
+                }
+                Cmd::SetPortBlocks { blocks }
+            }
+            "shared_export" => Cmd::SharedExport,
+            "shared_merge" => Cmd::SharedMerge {
+                bytes: from_hex(&str_field(&v, "bytes")?).ok_or("\"bytes\" is not hex")?,
+            },
             other => {
                 let mut shown: String = other.chars().take(40).collect();
                 if shown.len() < other.len() {
                     shown.push('…');
                 }
                 return Err(format!(
-                    "unknown cmd {shown:?} (known: stats, metrics, query, flows, shutdown)"
+                    "unknown cmd {shown:?} (known: stats, metrics, query, flows, shutdown, migrate_in, \
+                     migrate_out, set_port_blocks, shared_export, shared_merge)"
                 ));
             }
         })
@@ -115,6 +196,7 @@ struct Shared {
 impl Shared {
     /// Hands `cmd` to the packet thread and waits (bounded) for its answer.
     fn ask(&self, cmd: Cmd) -> Value {
+        let migrating = matches!(cmd, Cmd::MigrateOut { .. });
         let (rtx, rrx) = mpsc::sync_channel(1);
         match self.tx.try_send(Request { cmd, reply: rtx }) {
             Ok(()) => {}
@@ -124,7 +206,14 @@ impl Shared {
             Err(TrySendError::Disconnected(_)) => return self.error("replica is shutting down"),
         }
         let _ = (&*self.wake_tx).write(&[1]);
-        rrx.recv_timeout(IO_TIMEOUT)
+        // A migration answers only after the destination's Ack (bounded by BUSY_WAIT +
+        // ACK_WAIT on the packet thread).
+        let wait = if migrating {
+            crate::migrate::BUSY_WAIT + crate::migrate::ACK_WAIT + Duration::from_secs(2)
+        } else {
+            IO_TIMEOUT
+        };
+        rrx.recv_timeout(wait)
             .unwrap_or_else(|_| self.error("the packet thread did not answer in time"))
     }
 
@@ -204,7 +293,7 @@ pub fn start(
     ))
 }
 
-fn peer_uid(s: &UnixStream) -> Option<u32> {
+pub(crate) fn peer_uid(s: &UnixStream) -> Option<u32> {
     let mut cred = libc::ucred {
         pid: 0,
         uid: 0,
@@ -318,10 +407,15 @@ fn serve_http(l: TcpListener, sh: Shared) {
 
 /// Sends one request line to a replica's control socket and returns its answer (the CLI side).
 pub fn client_request(path: &str, cmd: &str) -> Result<Value, String> {
+    client_request_json(path, &json!({ "cmd": cmd }))
+}
+
+/// Sends one JSON request object and returns the answer.
+pub fn client_request_json(path: &str, req: &Value) -> Result<Value, String> {
     let mut s = UnixStream::connect(path).map_err(|e| format!("connect {path}: {e}"))?;
     s.set_read_timeout(Some(Duration::from_secs(10)))
         .map_err(|e| e.to_string())?;
-    writeln!(s, "{}", json!({ "cmd": cmd })).map_err(|e| format!("write {path}: {e}"))?;
+    writeln!(s, "{req}").map_err(|e| format!("write {path}: {e}"))?;
     let mut line = String::new();
     BufReader::new(s)
         .take(64 << 20)
@@ -342,6 +436,33 @@ mod tests {
             .unwrap_err()
             .contains("unknown cmd"));
         assert!(Cmd::parse(r#"{"cmd":3}"#).is_err());
+        let k = "tcp 10.0.0.1:1 <-> 10.0.0.2:2";
+        assert_eq!(
+            Cmd::parse(&format!(
+                r#"{{"cmd":"migrate_out","to":"/p","keys":["{k}"]}}"#
+            )),
+            Ok(Cmd::MigrateOut {
+                to: "/p".into(),
+                keys: vec![k.parse().unwrap()]
+            })
+        );
+        assert!(Cmd::parse(r#"{"cmd":"migrate_in","keys":[]}"#).is_err());
+        assert!(Cmd::parse(r#"{"cmd":"migrate_in","from":"a","keys":["x"]}"#).is_err());
+        assert_eq!(
+            Cmd::parse(r#"{"cmd":"set_port_blocks","blocks":[[1024,2047]]}"#),
+            Ok(Cmd::SetPortBlocks {
+                blocks: vec![(1024, 2047)]
+            })
+        );
+        assert!(Cmd::parse(r#"{"cmd":"set_port_blocks","blocks":[[5,1]]}"#).is_err());
+        assert!(Cmd::parse(r#"{"cmd":"set_port_blocks","blocks":[[1,70000]]}"#).is_err());
+        assert_eq!(
+            Cmd::parse(r#"{"cmd":"shared_merge","bytes":"00ff"}"#),
+            Ok(Cmd::SharedMerge {
+                bytes: vec![0, 255]
+            })
+        );
+        assert!(Cmd::parse(r#"{"cmd":"shared_merge","bytes":"0g"}"#).is_err());
         assert!(Cmd::parse("not json").unwrap_err().contains("malformed"));
         assert!(
             Cmd::parse(&format!(r#"{{"cmd":"{}"}}"#, "x".repeat(1000)))

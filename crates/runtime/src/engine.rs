@@ -16,8 +16,10 @@
 
 use crate::control::{Cmd, ControlHandle};
 use crate::metrics::{self, EngineStats, SideStats, Snapshot};
+use crate::migrate::Migration;
 use crate::neigh::{NeighLimits, NeighTable};
 use crate::nf::{Ctx, NetworkFunction, Output, Packet, Side};
+use crate::peer::PeerLink;
 use crate::route::SideNet;
 use pliant_io::{CsumPartial, FramePort, Offload};
 use pliant_net::{arp, proto, ArpInfo, Frame};
@@ -39,6 +41,8 @@ pub struct EngineOptions {
     pub max_sleep: Duration,
     /// Flows listed by the `flows` control request at most.
     pub max_listed_flows: usize,
+    /// Packets held for incoming flows at most (beyond: dropped, `hold_overflow`).
+    pub max_held_packets: usize,
 }
 
 impl Default for EngineOptions {
@@ -50,6 +54,7 @@ impl Default for EngineOptions {
             max_output: 4096,
             max_sleep: Duration::from_millis(100),
             max_listed_flows: 1000,
+            max_held_packets: crate::migrate::MAX_HELD_PACKETS,
         }
     }
 }
@@ -71,6 +76,9 @@ struct Rx {
     csum_not_ready: bool,
     truncated: bool,
     offload: Offload,
+    /// Forwarded by a peer replica (a late packet of a flow that moved here): never held
+    /// behind packets that arrived later, never forwarded again.
+    forwarded: bool,
 }
 
 pub struct Engine<N: NetworkFunction, P: FramePort> {
@@ -90,6 +98,11 @@ pub struct Engine<N: NetworkFunction, P: FramePort> {
     started: Instant,
     last_housekeeping: Instant,
     stop_requested: bool,
+    /// Live migration state (holds, forwards, outgoing migrations).
+    pub(crate) mig: Migration,
+    peer: Option<PeerLink>,
+    /// Whether this round's receive emptied both RX rings (fewer than `batch` frames each).
+    rings_drained: bool,
 }
 
 impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
@@ -124,11 +137,29 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             started: now,
             last_housekeeping: now,
             stop_requested: false,
+            mig: Migration::default(),
+            peer: None,
+            rings_drained: false,
         }
     }
 
     pub fn set_control(&mut self, c: ControlHandle) {
         self.control = Some(c);
+    }
+
+    /// Connects the engine to the replica-to-replica peer channel (migration).
+    pub fn set_peer(&mut self, p: PeerLink) {
+        self.peer = Some(p);
+    }
+
+    /// Migration counters.
+    pub fn migrate_stats(&self) -> &crate::migrate::MigrateStats {
+        &self.mig.stats
+    }
+
+    /// Packets currently held for incoming flows.
+    pub fn held_packets(&self) -> usize {
+        self.mig.held.len()
     }
 
     pub fn port_mut(&mut self, side: Side) -> &mut P {
@@ -181,7 +212,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             events: 0,
             revents: 0,
         };
-        let mut fds = [idle; 3];
+        let mut fds = [idle; 4];
         let mut n = 0;
         for p in &self.ports {
             if let Some(fd) = p.poll_fd() {
@@ -201,6 +232,19 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
                 revents: 0,
             };
             n += 1;
+        }
+        let peer_wake = n;
+        if let Some(fd) = self.peer.as_ref().and_then(PeerLink::wake_fd) {
+            fds[n] = libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            n += 1;
+        }
+        if !self.mig.out.is_empty() {
+            // An outgoing migration advances on quiet rounds: do not sleep through them.
+            timeout = timeout.min(Duration::from_millis(1));
         }
         if n == 0 || timeout.is_zero() {
             return Ok(());
@@ -223,6 +267,11 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
                 c.drain_wake();
             }
         }
+        if let Some(p) = &self.peer {
+            if peer_wake < n && fds[peer_wake].revents & libc::POLLIN != 0 {
+                p.drain_wake();
+            }
+        }
         Ok(())
     }
 
@@ -230,6 +279,11 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
     pub fn poll_once(&mut self, now: Instant) -> usize {
         self.ctx.set_now(now);
         self.stats.rounds += 1;
+        // Peer messages first: forwarded late packets and batches are older than what the
+        // fabric delivers now.
+        if self.peer.is_some() {
+            self.poll_peer(now);
+        }
         self.receive();
         let received = self.rx.len();
         let mut rx = std::mem::take(&mut self.rx);
@@ -247,12 +301,19 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             // A failed flush leaves frames queued in the port; it retries next round.
             let _ = self.ports[idx(s)].flush();
         }
+        // After the flush: the output of every frame processed so far is on the wire before
+        // a batch can let the destination emit frames of the same flows.
+        if !self.mig.out.is_empty() {
+            self.step_out_migrations(now);
+        }
         received
     }
 
     fn receive(&mut self) {
         let batch = self.opts.batch;
+        self.rings_drained = true;
         for s in SIDES {
+            let before = self.rx.len();
             let Engine { ports, rx, ctx, .. } = self;
             let port = &mut ports[idx(s)];
             let res = port.recv_batch_meta(batch, &mut |frame, meta| {
@@ -264,10 +325,14 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
                     csum_not_ready: meta.csum_not_ready,
                     truncated: meta.truncated,
                     offload: meta.offload,
+                    forwarded: false,
                 });
             });
             if res.is_err() {
                 self.ctx.count_drop("rx_error", 1);
+            }
+            if self.rx.len() - before >= batch {
+                self.rings_drained = false;
             }
         }
     }
@@ -347,6 +412,13 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
         }
         let mut pkt = Packet::new(buf, side, parsed);
         pkt.offload = offload;
+        // The only per-packet cost of migration when nothing moves: one check.
+        if self.mig.active() {
+            match self.divert(pkt, f.forwarded, now) {
+                Some(p) => pkt = p,
+                None => return,
+            }
+        }
         self.nf.process(&mut self.ctx, pkt);
     }
 
@@ -597,8 +669,19 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
         }
         for r in reqs {
             self.stats.control_requests += 1;
-            let answer = self.answer(r.cmd, now);
-            let _ = r.reply.try_send(answer);
+            self.submit(r.cmd, r.reply, now);
+        }
+    }
+
+    /// Serves one control request; `migrate_out` answers on `reply` later (after the
+    /// destination's Ack), everything else at once. Tests call it without a socket.
+    pub fn submit(&mut self, cmd: Cmd, reply: std::sync::mpsc::SyncSender<Value>, now: Instant) {
+        match cmd {
+            Cmd::MigrateOut { to, keys } => self.start_migrate_out(to, keys, reply, now),
+            other => {
+                let answer = self.answer(other, now);
+                let _ = reply.try_send(answer);
+            }
         }
     }
 
@@ -614,12 +697,49 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             Cmd::Query => json!({"ok": true, "nf": N::NAME, "query": self.nf.query(&self.ctx)}),
             Cmd::Flows => {
                 let keys = self.ctx.flows.keys();
-                let listed: Vec<String> = keys
+                let listed: Vec<Value> = keys
                     .iter()
                     .take(self.opts.max_listed_flows)
-                    .map(|k| k.to_string())
+                    .map(|k| {
+                        let aliases: Vec<String> = self
+                            .ctx
+                            .flows
+                            .keys_of(k)
+                            .unwrap_or_default()
+                            .iter()
+                            .filter(|a| *a != k)
+                            .map(|a| a.to_string())
+                            .collect();
+                        json!({
+                            "key": k.to_string(),
+                            "aliases": aliases,
+                            "version": self.ctx.flows.version(k),
+                        })
+                    })
                     .collect();
                 json!({"ok": true, "total": keys.len(), "listed": listed.len(), "flows": listed})
+            }
+            Cmd::MigrateIn { from, keys } => self.migrate_in(&from, &keys, now),
+            Cmd::MigrateOut { .. } => {
+                json!({"ok": false, "error": "migrate_out is answered asynchronously: use submit"})
+            }
+            Cmd::SetPortBlocks { blocks } => {
+                match self.nf.set_port_blocks(&mut self.ctx, &blocks) {
+                    Ok(v) => json!({"ok": true, "port_blocks": v}),
+                    Err(e) => json!({"ok": false, "error": e}),
+                }
+            }
+            Cmd::SharedExport => match self.ctx.shared.retire().and_then(|x| x.to_bytes()) {
+                Ok(b) => json!({"ok": true, "bytes": crate::control::to_hex(&b)}),
+                Err(e) => json!({"ok": false, "error": e.to_string()}),
+            },
+            Cmd::SharedMerge { bytes } => {
+                match pliant_state::SharedExport::from_bytes(&bytes)
+                    .and_then(|x| self.ctx.shared.merge_from(&x))
+                {
+                    Ok(r) => json!({"ok": true, "report": format!("{r:?}")}),
+                    Err(e) => json!({"ok": false, "error": e.to_string()}),
+                }
             }
             Cmd::Shutdown => {
                 self.stop_requested = true;
@@ -670,6 +790,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             "drops": self.ctx.drops().snapshot().into_iter().collect::<std::collections::BTreeMap<_, _>>(),
             "nf_counters": self.ctx.nf_counters().snapshot().into_iter().collect::<std::collections::BTreeMap<_, _>>(),
             "table": self.ctx.flows.stats(),
+            "migration": self.migration_json(),
             "neighbours": {"inside": neigh(Side::Inside), "outside": neigh(Side::Outside)},
         })
     }
@@ -678,7 +799,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
         let table = self.ctx.flows.stats();
         let mut engine = self.stats.clone();
         engine.control_errors += self.control_errors();
-        metrics::render(&Snapshot {
+        let mut text = metrics::render(&Snapshot {
             replica: &self.name,
             nf: N::NAME,
             engine: &engine,
@@ -694,9 +815,14 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
                 ("outside", self.neigh[1].len()),
             ],
             uptime_s: now.saturating_duration_since(self.started).as_secs_f64(),
-        })
+        });
+        self.migration_metrics(&mut text);
+        text
     }
 }
+
+pub(crate) mod io_loop;
+mod migration;
 
 pub fn fmt_mac(m: [u8; 6]) -> String {
     format!(
@@ -707,3 +833,5 @@ pub fn fmt_mac(m: [u8; 6]) -> String {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_migrate;

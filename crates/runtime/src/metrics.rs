@@ -27,6 +27,10 @@ pub struct EngineStats {
     pub inside: SideStats,
     pub outside: SideStats,
     pub rounds: u64,
+    /// Empty rounds after which the loop kept polling (traffic seen within the spin budget).
+    pub idle_spins: u64,
+    /// Times the loop blocked in poll(2).
+    pub sleeps: u64,
     pub timers_fired: u64,
     pub control_requests: u64,
     pub control_errors: u64,
@@ -199,7 +203,7 @@ pub fn render(s: &Snapshot<'_>) -> String {
         o.header(name, "gauge", help);
         o.sample(name, &[("nf", s.nf)], v);
     }
-    let counters: [(&str, &str, u64); 7] = [
+    let counters: [(&str, &str, u64); 9] = [
         (
             "pliant_flows_created_total",
             "Flows created",
@@ -224,6 +228,16 @@ pub fn render(s: &Snapshot<'_>) -> String {
             "pliant_rounds_total",
             "Polling rounds of the packet thread",
             s.engine.rounds,
+        ),
+        (
+            "pliant_idle_spins_total",
+            "Empty rounds followed by another poll instead of a sleep (spin after traffic)",
+            s.engine.idle_spins,
+        ),
+        (
+            "pliant_sleeps_total",
+            "Times the packet thread blocked in poll(2)",
+            s.engine.sleeps,
         ),
         (
             "pliant_control_requests_total",

@@ -274,6 +274,17 @@ pub trait NetworkFunction: Send + 'static {
         let _ = (ctx, key, timer);
     }
 
+    /// Assigns the external port blocks this replica may allocate from (`set_port_blocks`
+    /// control request, `[nat] port_blocks`). Only NFs that allocate ports implement it.
+    fn set_port_blocks(
+        &mut self,
+        ctx: &mut Ctx<Self::Flow>,
+        blocks: &[(u16, u16)],
+    ) -> Result<serde_json::Value, String> {
+        let _ = (ctx, blocks);
+        Err(format!("the {} NF allocates no ports", Self::NAME))
+    }
+
     /// NF-specific state for `pliant query` (e.g. IDS counts and alerts), as JSON.
     fn query(&self, ctx: &Ctx<Self::Flow>) -> serde_json::Value {
         let _ = ctx;

@@ -42,6 +42,45 @@ fn install_signal_handlers() -> Result<(), String> {
     Ok(())
 }
 
+/// Measurement knobs on the port layout (for benchmarking alternatives in one binary; the
+/// defaults are what `PortOptions` chooses): `PLIANT_RX_SLOTS` = V2 RX slots per port,
+/// `PLIANT_TX_SLOT_BYTES` = bytes per TX-ring slot (65_664 lets GSO super-frames use the ring
+/// instead of a copying `sendmsg`; lower `PLIANT_TX_SLOTS` with it, the ring is slots x bytes). Values `PacketPort::open` refuses make the replica fail to
+/// start with the reason, like a bad config.
+fn tune_ports(mut o: PortOptions) -> PortOptions {
+    let num = |k: &str| {
+        std::env::var(k)
+            .ok()
+            .and_then(|v| v.trim().parse::<u32>().ok())
+    };
+    if let (Some(n), pliant_io::RxRing::V2 { frame_bytes, .. }) = (num("PLIANT_RX_SLOTS"), o.rx) {
+        o.rx = pliant_io::RxRing::V2 {
+            frame_bytes,
+            frame_count: n,
+        };
+    }
+    if let Some(b) = num("PLIANT_TX_SLOT_BYTES") {
+        o.tx_frame_bytes = b;
+    }
+    if let Some(n) = num("PLIANT_TX_SLOTS") {
+        o.tx_frame_count = n;
+    }
+    o
+}
+
+/// How long the packet loop keeps polling after the last frame before sleeping in poll(2)
+/// (`engine::io_loop`): `PLIANT_SPIN_US` (0 = sleep after every empty round), default
+/// [`crate::engine::io_loop::DEFAULT_SPIN`]. An unparsable value falls back to the default.
+fn spin_budget() -> std::time::Duration {
+    std::env::var("PLIANT_SPIN_US")
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map_or(crate::engine::io_loop::DEFAULT_SPIN, |us| {
+            // Bounded: a typo must not turn into a replica that never sleeps.
+            std::time::Duration::from_micros(us.min(100_000))
+        })
+}
+
 /// Runs a replica with NF `nf` until SIGTERM/SIGINT or a `shutdown` control request.
 pub fn run<N: NetworkFunction>(cfg: &ReplicaConfig, nf: N) -> Result<(), String> {
     cfg.check_interfaces()?;
@@ -66,7 +105,7 @@ pub fn run<N: NetworkFunction>(cfg: &ReplicaConfig, nf: N) -> Result<(), String>
         Ok("v3") => PortOptions::throughput(),
         _ => PortOptions::low_latency(),
     };
-    let opts = PortOptions { vnet_hdr, ..base };
+    let opts = tune_ports(PortOptions { vnet_hdr, ..base });
     let inside = PacketPort::open(&cfg.inside.ifname, &opts).map_err(|e| e.to_string())?;
     let outside = PacketPort::open(&cfg.outside.ifname, &opts).map_err(|e| e.to_string())?;
     let (server, handle) = control::start(
@@ -82,17 +121,25 @@ pub fn run<N: NetworkFunction>(cfg: &ReplicaConfig, nf: N) -> Result<(), String>
         Instant::now(),
     );
     engine.set_control(handle);
+    let peer_path = cfg.peer_socket();
+    let (peer_server, peer_link) = crate::peer::start(&peer_path)?;
+    engine.set_peer(peer_link);
     tracing::info!(
         replica = %cfg.replica.name,
         nf = N::NAME,
         inside = %cfg.inside.ifname,
         outside = %cfg.outside.ifname,
         socket = %cfg.replica.control_socket,
+        peer_socket = %peer_path,
         "replica running"
     );
-    let res = engine.run(&STOP).map_err(|e| format!("packet loop: {e}"));
+    let spin = spin_budget();
+    let res = engine
+        .run_paced(&STOP, spin)
+        .map_err(|e| format!("packet loop: {e}"));
     tracing::info!(replica = %cfg.replica.name, "replica stopping");
     drop(engine);
+    drop(peer_server);
     drop(server);
     drop(guards);
     res

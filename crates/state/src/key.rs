@@ -132,6 +132,53 @@ impl fmt::Display for FlowKey {
     }
 }
 
+/// Why a string is not a [`FlowKey`] in its textual ([`fmt::Display`]) form.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("bad flow key {text:?}: {reason} (expected e.g. \"tcp 10.0.0.1:4000 <-> 10.0.0.2:80\")")]
+pub struct ParseFlowKeyError {
+    /// The offending text (shortened to 80 characters).
+    pub text: String,
+    pub reason: &'static str,
+}
+
+impl std::str::FromStr for FlowKey {
+    type Err = ParseFlowKeyError;
+
+    /// Parses exactly the [`fmt::Display`] form (`"tcp 10.77.1.2:40000 <-> 10.77.2.2:80"`,
+    /// IPv6 in brackets, `proto<N>` for other protocols), so keys travel as strings in JSON.
+    /// The endpoints are normalised again, so a key written with its endpoints swapped parses
+    /// to the same key.
+    fn from_str(s: &str) -> Result<FlowKey, ParseFlowKeyError> {
+        let err = |reason| ParseFlowKeyError {
+            text: s.chars().take(80).collect(),
+            reason,
+        };
+        let (p, rest) = s
+            .trim()
+            .split_once(' ')
+            .ok_or_else(|| err("missing protocol"))?;
+        let proto = match p {
+            "tcp" => proto::TCP,
+            "udp" => proto::UDP,
+            "icmp" => proto::ICMP,
+            "icmp6" => proto::ICMPV6,
+            other => other
+                .strip_prefix("proto")
+                .and_then(|n| n.parse::<u8>().ok())
+                .ok_or_else(|| err("unknown protocol"))?,
+        };
+        let (a, b) = rest
+            .split_once(" <-> ")
+            .ok_or_else(|| err("missing \" <-> \" between the endpoints"))?;
+        let a: std::net::SocketAddr = a.trim().parse().map_err(|_| err("bad first endpoint"))?;
+        let b: std::net::SocketAddr = b.trim().parse().map_err(|_| err("bad second endpoint"))?;
+        if a.is_ipv4() != b.is_ipv4() {
+            return Err(err("endpoints of different address families"));
+        }
+        Ok(FlowKey::new(proto, a.ip(), a.port(), b.ip(), b.port()).0)
+    }
+}
+
 impl fmt::Debug for FlowKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fmt::Display::fmt(self, f)
@@ -158,6 +205,46 @@ mod tests {
             k1.endpoints(d2),
             ((IpAddr::V4(s), 80), (IpAddr::V4(c), 40000))
         );
+    }
+
+    #[test]
+    fn textual_form_round_trips() {
+        let c = Ipv4Addr::new(10, 77, 1, 2);
+        let s = Ipv4Addr::new(10, 77, 2, 2);
+        let (k, _) = FlowKey::v4(proto::TCP, s, 80, c, 40000);
+        let text = k.to_string();
+        assert_eq!(text, "tcp 10.77.1.2:40000 <-> 10.77.2.2:80");
+        assert_eq!(text.parse::<FlowKey>(), Ok(k));
+        let v6a: IpAddr = "fd00::1".parse().unwrap();
+        let v6b: IpAddr = "fd00::2".parse().unwrap();
+        for p in [proto::UDP, proto::ICMP, proto::ICMPV6, 132] {
+            let (k6, _) = FlowKey::new(p, v6b, 53, v6a, 5353);
+            assert_eq!(k6.to_string().parse::<FlowKey>(), Ok(k6), "{k6}");
+            let (k4, _) = FlowKey::v4(p, c, 1, s, 2);
+            assert_eq!(k4.to_string().parse::<FlowKey>(), Ok(k4), "{k4}");
+        }
+        assert!(k6_text_has_brackets(v6a, v6b));
+        // Swapped endpoints normalise to the same key.
+        assert_eq!(
+            "tcp 10.77.2.2:80 <-> 10.77.1.2:40000".parse::<FlowKey>(),
+            Ok(k)
+        );
+        for bad in [
+            "",
+            "tcp",
+            "tcp 10.0.0.1:1",
+            "sctp 10.0.0.1:1 <-> 10.0.0.2:2",
+            "tcp 10.0.0.1 <-> 10.0.0.2:2",
+            "tcp 10.0.0.1:1 <-> [fd00::1]:2",
+            "tcp 10.0.0.1:99999 <-> 10.0.0.2:2",
+            "proto999 10.0.0.1:1 <-> 10.0.0.2:2",
+        ] {
+            assert!(bad.parse::<FlowKey>().is_err(), "{bad:?} parsed");
+        }
+    }
+
+    fn k6_text_has_brackets(a: IpAddr, b: IpAddr) -> bool {
+        FlowKey::new(proto::TCP, a, 1, b, 2).0.to_string() == "tcp [fd00::1]:1 <-> [fd00::2]:2"
     }
 
     #[test]

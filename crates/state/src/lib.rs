@@ -18,7 +18,7 @@ pub use flow::{
     FlowRef, FlowState, FlowTable, TableConfig, TableStats, TimerId, EXPORT_FORMAT_VERSION,
     MAX_ALIASES_PER_FLOW,
 };
-pub use key::{Dir, FlowKey};
+pub use key::{Dir, FlowKey, ParseFlowKeyError};
 pub use shared::{
     combiner_max_u64, combiner_sum_u64, decode_u64, Coherence, Combiner, GetFlags, HubConfig,
     LocalCoherence, LockService, LockToken, MergeReport, PutFlags, ReplicaId, SharedConfig,

@@ -1,0 +1,436 @@
+//! Live flow migration, replica side (OpenNF-style loss-free, order-preserving move).
+//!
+//! Protocol between the source S and the destination D of a batch of flows (the controller,
+//! or [`crate::migrate_client::migrate`], drives it):
+//!
+//! 1. `migrate_in` at D: from now on, packets of the listed keys (primary keys and aliases)
+//!    that reach D are *held* in one bounded FIFO (arrival order across all held flows, so
+//!    both directions of a flow keep their relative order).
+//! 2. The fabric is switched (steering update): new packets of the flows go to D.
+//! 3. `migrate_out` at S: S keeps running rounds until one round's receive found both RX rings
+//!    empty *after* the request arrived (every frame the fabric steered to S before the switch
+//!    sits in S's rings, so by then each was processed and its output emitted — the NF writes
+//!    output in the same round it processes a frame) and every flow's refcount is 0 (export
+//!    refuses `Busy`; S retries each round up to [`BUSY_WAIT`]). Then it exports all flows
+//!    in one [`PeerMsg::Batch`] and ships it over the peer channel.
+//! 4. Late packets at S (still in flight in the fabric at the switch) hit the forwarding map
+//!    (filled at export with each key and alias) and go to D as [`PeerMsg::Fwd`], on the same
+//!    ordered connection, after the batch.
+//! 5. At the next quiet round S sends [`PeerMsg::Done`]. D then releases the held packets in
+//!    arrival order (forwarded late packets were processed on arrival, before them, since the
+//!    state was already imported) and answers [`PeerMsg::Ack`] with the pause statistics; S
+//!    answers the control request.
+//!
+//! Flows that could not be exported (still busy after [`BUSY_WAIT`], encode errors) stay at S:
+//! D returns their held packets inside the Ack and S processes them, so nothing is lost; the
+//! controller must point the steering for those keys back at S (the reply lists them).
+//!
+//! A forwarded packet that arrives at D after D released the flow is processed too, but may
+//! have been overtaken by a released one: counted as `late_after_release`.
+
+use crate::nf::Side;
+use pliant_io::Offload;
+use pliant_state::FlowKey;
+use serde::{Deserialize, Serialize};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::mpsc::SyncSender;
+use std::time::{Duration, Instant};
+
+/// Bound on a peer frame (a batch of 10,000 flows of a few hundred bytes fits easily).
+pub const MAX_FRAME_BYTES: usize = 64 << 20;
+/// Bound on flows per `migrate_out`/`migrate_in` request.
+pub const MAX_KEYS_PER_REQUEST: usize = 20_000;
+/// Bound on keys held at once on a destination.
+pub const MAX_HOLD_KEYS: usize = 100_000;
+/// Bound on packets held at once on a destination (beyond: dropped, `hold_overflow`).
+pub const MAX_HELD_PACKETS: usize = 65_536;
+/// Bound on remembered destinations of migrated keys (oldest forgotten first, counted).
+pub const MAX_FORWARDS: usize = 131_072;
+/// Bound on concurrent outgoing migrations.
+pub const MAX_OUT_MIGRATIONS: usize = 8;
+/// How long a source waits for busy flows (refcount > 0) before giving up on them.
+pub const BUSY_WAIT: Duration = Duration::from_millis(1000);
+/// How long a source waits for the destination's Ack.
+pub const ACK_WAIT: Duration = Duration::from_millis(2500);
+/// Pause samples kept for the p50/p99 statistics.
+const MAX_PAUSE_SAMPLES: usize = 4096;
+
+/// A packet travelling between replicas: the ingress side, the offload metadata (as a
+/// virtio_net_hdr) and the whole Ethernet frame.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WirePacket {
+    pub side: Side,
+    pub vnet: [u8; pliant_io::vnet::VNET_HDR_LEN],
+    pub frame: Vec<u8>,
+}
+
+impl WirePacket {
+    pub fn new(side: Side, offload: &Offload, frame: Vec<u8>) -> Self {
+        WirePacket {
+            side,
+            vnet: offload.encode(),
+            frame,
+        }
+    }
+}
+
+/// Pause statistics of one batch as seen by the destination.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PauseInfo {
+    /// Keys whose hold ended with this batch.
+    pub flows: u64,
+    pub pause_us_p50: u64,
+    pub pause_us_p99: u64,
+    pub pause_us_max: u64,
+    /// Held packets released to the NF.
+    pub released_packets: u64,
+}
+
+/// A message on the replica-to-replica peer channel.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PeerMsg {
+    /// Exported flows (the state library's export records), shipped by the source.
+    Batch {
+        id: u64,
+        from: String,
+        records: Vec<Vec<u8>>,
+    },
+    /// A late packet of a migrated flow, forwarded by its old owner.
+    Fwd { key: FlowKey, pkt: WirePacket },
+    /// End of migration `id`: release the holds of `release`; `kept` stayed at the source.
+    Done {
+        id: u64,
+        from: String,
+        release: Vec<FlowKey>,
+        kept: Vec<FlowKey>,
+    },
+    /// The destination's answer to `Done`.
+    Ack {
+        id: u64,
+        imported: u64,
+        /// `(what, why)` of records that could not be imported.
+        import_failed: Vec<(String, String)>,
+        /// The records that could not be imported, handed back to the source.
+        rejected: Vec<Vec<u8>>,
+        pause: PauseInfo,
+        /// Held packets of `kept` flows, handed back to the owner.
+        returned: Vec<WirePacket>,
+    },
+}
+
+/// Why a peer frame could not be read or written.
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    #[error("peer I/O: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("peer frame of {0} bytes exceeds the bound of {MAX_FRAME_BYTES}")]
+    TooLarge(usize),
+    #[error("undecodable peer frame: {0}")]
+    Decode(String),
+}
+
+/// Encodes `msg` as one frame: u32 little-endian body length, then the postcard body.
+pub fn encode_frame(msg: &PeerMsg) -> Result<Vec<u8>, FrameError> {
+    let body = postcard::to_allocvec(msg).map_err(|e| FrameError::Decode(e.to_string()))?;
+    if body.len() > MAX_FRAME_BYTES {
+        return Err(FrameError::TooLarge(body.len()));
+    }
+    let mut out = Vec::with_capacity(4 + body.len());
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(&body);
+    Ok(out)
+}
+
+/// Decodes one frame body (without the length prefix).
+pub fn decode_body(body: &[u8]) -> Result<PeerMsg, FrameError> {
+    postcard::from_bytes(body).map_err(|e| FrameError::Decode(e.to_string()))
+}
+
+/// Reads one frame; refuses (before allocating) a length over the bound.
+pub fn read_frame(r: &mut impl std::io::Read) -> Result<PeerMsg, FrameError> {
+    let mut len = [0u8; 4];
+    r.read_exact(&mut len)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_FRAME_BYTES {
+        return Err(FrameError::TooLarge(len));
+    }
+    let mut body = vec![0u8; len];
+    r.read_exact(&mut body)?;
+    decode_body(&body)
+}
+
+/// What the engine hands to the peer transport.
+#[derive(Debug)]
+pub struct Outbound {
+    /// The destination replica's peer socket path.
+    pub to: String,
+    pub msg: PeerMsg,
+}
+
+/// What the peer transport hands to the engine.
+#[derive(Debug)]
+pub enum PeerEvent {
+    /// A message from another replica; `reply` is set for `Done` (the Ack goes there).
+    Msg {
+        msg: PeerMsg,
+        reply: Option<SyncSender<PeerMsg>>,
+    },
+    /// The destination's Ack to our `Done` of migration `id`.
+    Ack(PeerMsg),
+    /// Migration `id`'s batch or Done could not be delivered to `to`.
+    SendFailed {
+        id: u64,
+        /// "batch", "done" or "fwd".
+        what: &'static str,
+        to: String,
+        error: String,
+    },
+}
+
+/// Counters of the migration machinery (exported in `stats.migration` and as metrics).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct MigrateStats {
+    pub migrations_out: u64,
+    pub migrations_out_failed: u64,
+    pub flows_exported: u64,
+    pub flows_export_failed: u64,
+    pub busy_retries: u64,
+    pub batches_in: u64,
+    pub flows_imported: u64,
+    pub flows_import_failed: u64,
+    pub held_packets: u64,
+    pub released_packets: u64,
+    pub returned_packets: u64,
+    /// Packets refused because [`MAX_HELD_PACKETS`] were held (dropped, counted).
+    pub hold_overflow: u64,
+    pub forwarded_late: u64,
+    /// Late packets that could not be forwarded (peer channel full or absent): dropped.
+    pub forward_failed: u64,
+    pub forwards_evicted: u64,
+    /// Forwarded packets processed at the destination before the flow was released.
+    pub late_reinjected: u64,
+    /// Forwarded packets that arrived after the release (possibly reordered).
+    pub late_after_release: u64,
+    /// Forwarded packets for a key we forward ourselves (not forwarded twice: dropped).
+    pub forward_loops: u64,
+    pub peer_errors: u64,
+}
+
+/// One held key at a destination.
+pub(crate) struct Hold {
+    pub since: Instant,
+}
+
+/// One outgoing migration in progress at a source.
+pub(crate) struct OutMig {
+    pub id: u64,
+    pub to: String,
+    pub keys: Vec<FlowKey>,
+    pub reply: Option<SyncSender<serde_json::Value>>,
+    pub started: Instant,
+    /// The engine's round counter when the request arrived: only a receive in a later round
+    /// proves the rings were drained after it.
+    pub start_round: u64,
+    pub phase: Phase,
+    /// Export records kept until the Ack (re-imported here if delivery fails).
+    pub records: Vec<Vec<u8>>,
+    /// Keys and aliases of exported flows.
+    pub moved_keys: Vec<FlowKey>,
+    pub moved: u64,
+    /// `(key, why)` of flows that stayed here.
+    pub failed: Vec<(FlowKey, String)>,
+    /// Keys (and aliases) of flows that stayed here (busy/encode error).
+    pub kept: Vec<FlowKey>,
+    /// Time the export happened (the source-side part of the pause).
+    pub exported_at: Option<Instant>,
+    pub deadline: Instant,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Phase {
+    /// Waiting for a quiet round and refcounts 0.
+    Draining,
+    /// Batch sent; waiting for one more quiet round to send Done.
+    Shipped,
+    /// Done sent; waiting for the Ack.
+    AwaitAck,
+}
+
+/// All migration state of one engine. Empty maps when nothing moves, so the packet path pays
+/// one `is_empty()` check per frame.
+#[derive(Default)]
+pub(crate) struct Migration {
+    pub holds: HashMap<FlowKey, Hold>,
+    /// Held packets in arrival order.
+    pub held: VecDeque<crate::nf::Packet>,
+    /// Where migrated keys went (for late packets), with FIFO eviction order.
+    pub forwards: HashMap<FlowKey, std::sync::Arc<str>>,
+    pub forward_order: VecDeque<FlowKey>,
+    /// Keys released at this destination (for `late_after_release`), bounded like `forwards`.
+    pub released: HashSet<FlowKey>,
+    pub released_order: VecDeque<FlowKey>,
+    pub out: Vec<OutMig>,
+    pub next_id: u64,
+    /// Import results of batches waiting for their Done, by (source, migration id).
+    #[allow(clippy::type_complexity)]
+    pub pending_in: HashMap<(String, u64), (u64, Vec<(String, String)>, Vec<Vec<u8>>)>,
+    pub stats: MigrateStats,
+    pub pauses_us: VecDeque<u64>,
+}
+
+impl Migration {
+    /// True when a frame may need diverting (held or forwarded).
+    #[inline]
+    pub fn active(&self) -> bool {
+        !self.holds.is_empty() || !self.forwards.is_empty()
+    }
+
+    pub fn remember_forward(&mut self, key: FlowKey, to: std::sync::Arc<str>) {
+        if self.forwards.insert(key, to).is_none() {
+            self.forward_order.push_back(key);
+        }
+        while self.forwards.len() > MAX_FORWARDS {
+            let Some(old) = self.forward_order.pop_front() else {
+                break;
+            };
+            if self.forwards.remove(&old).is_some() {
+                self.stats.forwards_evicted += 1;
+            }
+        }
+        // The order queue may hold keys already removed; keep it from growing without bound.
+        if self.forward_order.len() > 2 * MAX_FORWARDS {
+            let live = &self.forwards;
+            self.forward_order.retain(|k| live.contains_key(k));
+        }
+    }
+
+    pub fn remember_released(&mut self, key: FlowKey) {
+        if self.released.insert(key) {
+            self.released_order.push_back(key);
+        }
+        while self.released.len() > MAX_FORWARDS {
+            let Some(old) = self.released_order.pop_front() else {
+                break;
+            };
+            self.released.remove(&old);
+        }
+    }
+
+    pub fn record_pause(&mut self, us: u64) {
+        if self.pauses_us.len() >= MAX_PAUSE_SAMPLES {
+            self.pauses_us.pop_front();
+        }
+        self.pauses_us.push_back(us);
+    }
+
+    /// `(p50, p99, max)` of the recent pause samples, microseconds.
+    pub fn pause_percentiles(&self) -> (u64, u64, u64) {
+        percentiles(self.pauses_us.iter().copied().collect())
+    }
+}
+
+/// `(p50, p99, max)` of `v` (nearest rank); zeros when empty.
+pub fn percentiles(mut v: Vec<u64>) -> (u64, u64, u64) {
+    if v.is_empty() {
+        return (0, 0, 0);
+    }
+    v.sort_unstable();
+    let rank = |p: f64| {
+        let i = ((p * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1;
+        v[i]
+    };
+    (rank(0.50), rank(0.99), v[v.len() - 1])
+}
+
+/// Parses a JSON array of flow-key strings (the control protocol's `keys`).
+pub fn parse_keys(v: Option<&serde_json::Value>) -> Result<Vec<FlowKey>, String> {
+    let arr = v
+        .and_then(serde_json::Value::as_array)
+        .ok_or("missing array field \"keys\"")?;
+    if arr.len() > MAX_KEYS_PER_REQUEST {
+        return Err(format!(
+            "{} keys exceed the bound of {MAX_KEYS_PER_REQUEST} per request",
+            arr.len()
+        ));
+    }
+    arr.iter()
+        .map(|k| {
+            k.as_str()
+                .ok_or_else(|| "keys must be strings".to_string())?
+                .parse::<FlowKey>()
+                .map_err(|e| e.to_string())
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_round_trip_and_bad_frames_are_refused() {
+        let (k, _) = FlowKey::v4(6, [10, 0, 0, 1].into(), 1, [10, 0, 0, 2].into(), 2);
+        let msgs = [
+            PeerMsg::Batch {
+                id: 7,
+                from: "r1".into(),
+                records: vec![vec![1, 2, 3], vec![]],
+            },
+            PeerMsg::Fwd {
+                key: k,
+                pkt: WirePacket::new(Side::Outside, &Offload::NONE, vec![9; 60]),
+            },
+            PeerMsg::Done {
+                id: 7,
+                from: "r1".into(),
+                release: vec![k],
+                kept: vec![],
+            },
+        ];
+        let mut wire = Vec::new();
+        for m in &msgs {
+            wire.extend(encode_frame(m).unwrap());
+        }
+        let mut r = &wire[..];
+        for m in &msgs {
+            assert_eq!(&read_frame(&mut r).unwrap(), m);
+        }
+        assert!(matches!(read_frame(&mut r), Err(FrameError::Io(_))));
+        // A huge length is refused before allocating; garbage is a decode error.
+        let mut huge = &(u32::MAX).to_le_bytes()[..];
+        assert!(matches!(
+            read_frame(&mut huge),
+            Err(FrameError::TooLarge(_))
+        ));
+        let mut junk: &[u8] = &[3, 0, 0, 0, 0xff, 0xff, 0xff];
+        assert!(matches!(read_frame(&mut junk), Err(FrameError::Decode(_))));
+    }
+
+    #[test]
+    fn percentiles_use_nearest_rank() {
+        assert_eq!(percentiles(vec![]), (0, 0, 0));
+        assert_eq!(percentiles((1..=100).collect()), (50, 99, 100));
+        assert_eq!(percentiles(vec![5]), (5, 5, 5));
+    }
+
+    #[test]
+    fn keys_parse_from_json_strings() {
+        let v = serde_json::json!(["tcp 10.0.0.1:1 <-> 10.0.0.2:2"]);
+        assert_eq!(parse_keys(Some(&v)).unwrap().len(), 1);
+        assert!(parse_keys(Some(&serde_json::json!([1]))).is_err());
+        assert!(parse_keys(Some(&serde_json::json!(["nope"]))).is_err());
+        assert!(parse_keys(None).is_err());
+    }
+
+    #[test]
+    fn forward_memory_is_bounded() {
+        let mut m = Migration::default();
+        let to: std::sync::Arc<str> = "x".into();
+        for i in 0..(MAX_FORWARDS as u32 + 10) {
+            let (k, _) = FlowKey::v4(17, std::net::Ipv4Addr::from(i), 1, [10, 0, 0, 2].into(), 2);
+            m.remember_forward(k, to.clone());
+        }
+        assert_eq!(m.forwards.len(), MAX_FORWARDS);
+        assert_eq!(m.stats.forwards_evicted, 10);
+    }
+}
