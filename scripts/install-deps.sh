@@ -15,8 +15,10 @@ set -euo pipefail
 #   clang, llvm              libFuzzer-compatible sancov builds (and BPF programs later)
 #   ethtool, tcpdump         diagnostics used by tests when something fails
 #   fonts-dejavu-core        font for benchmark PNG charts
+#   postgresql-15            primary/standby servers, pg_rewind and pgbench for `pliant pg` and its tests
+#   postgresql-client-15     psql sessions in the pg session-survival test
 pkgs=(iproute2 nftables iperf3 nginx-light netsniff-ng curl iputils-ping cbindgen clang llvm ethtool
-      tcpdump fonts-dejavu-core gcc g++ make pkg-config)
+      tcpdump fonts-dejavu-core gcc g++ make pkg-config postgresql-15 postgresql-client-15)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

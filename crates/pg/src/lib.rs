@@ -1,1 +1,19 @@
-//! pliant-pg (being written).
+//! pliant-pg: RemusDB's guarantees for PostgreSQL at the service boundary.
+//!
+//! - [`cluster`]: a primary and a synchronous hot standby in network namespaces (2-safe
+//!   commit protection: only commits wait for the standby), fencing, pg_rewind re-protection.
+//! - [`proxy`]: a PostgreSQL-protocol proxy that owns client sessions and moves them at
+//!   failover (idle sessions replayed, open transactions aborted with an error, in-flight
+//!   COMMITs resolved with `txid_status`).
+//! - [`session`]: the per-session state machine behind the proxy (pure, unit-tested).
+//! - [`proto`], [`client`]: a small v3 protocol codec and blocking client.
+//! - [`bench`]: `pliant bench pg`.
+
+pub mod bank;
+pub mod bench;
+pub mod client;
+pub mod cluster;
+pub mod cmd;
+pub mod proto;
+pub mod proxy;
+pub mod session;

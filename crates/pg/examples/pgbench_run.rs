@@ -1,0 +1,25 @@
+//! Runs `pliant_pg::bench::run` directly (what `pliant bench pg` calls), with optional
+//! environment overrides: PG_SCALE, PG_SECS, PG_TRIALS, PG_CLIENTS.
+fn env(k: &str, d: u32) -> u32 {
+    std::env::var(k)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(d)
+}
+
+fn main() {
+    let o = pliant_pg::bench::BenchOpts {
+        scale: env("PG_SCALE", 10),
+        duration_s: env("PG_SECS", 10),
+        trials: env("PG_TRIALS", 5),
+        clients: env("PG_CLIENTS", 8),
+        fsync: true,
+    };
+    match pliant_pg::bench::run(o) {
+        Ok(v) => println!("{v}"),
+        Err(e) => {
+            eprintln!("bench pg: {e}");
+            std::process::exit(1);
+        }
+    }
+}

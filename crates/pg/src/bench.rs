@@ -1,0 +1,350 @@
+//! `pliant bench pg`: pgbench TPS/latency for an unprotected primary, synchronous replication
+//! direct, and through the pliant proxy with protection; then failover runs (failover_ms,
+//! sessions kept, acked commits lost), all in one run on one cluster.
+
+use crate::bank;
+use crate::client::Client;
+use crate::cluster::{Cluster, ClusterConfig};
+use crate::proxy::{ClusterOps, Proxy, ProxyConfig};
+use serde_json::{json, Value};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::atomic::Ordering::SeqCst;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const PGBENCH: &str = "/usr/lib/postgresql/15/bin/pgbench";
+
+#[derive(Clone, Debug)]
+pub struct BenchOpts {
+    pub scale: u32,
+    pub clients: u32,
+    pub duration_s: u32,
+    /// Kill trials under the bank workload (each is a failover + re-protection).
+    pub trials: u32,
+    pub fsync: bool,
+}
+
+impl Default for BenchOpts {
+    fn default() -> Self {
+        BenchOpts {
+            scale: 10,
+            clients: 8,
+            duration_s: 10,
+            trials: 5,
+            fsync: true,
+        }
+    }
+}
+
+/// One pgbench measurement.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Run {
+    pub tps: f64,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    pub failed: u64,
+    pub aborted_clients: u32,
+}
+
+fn progress(s: &str) {
+    eprintln!("bench pg: {s}");
+}
+
+/// Runs pgbench against `addr`; `select_only` = built-in select-only script (-S).
+pub fn pgbench(
+    addr: SocketAddr,
+    user: &str,
+    pw: &str,
+    o: &BenchOpts,
+    select_only: bool,
+    dir: &Path,
+) -> Result<Run, String> {
+    let logdir = dir.join(format!("pgbench-{}", rand_tag()));
+    std::fs::create_dir_all(&logdir).map_err(|e| e.to_string())?;
+    let mut cmd = Command::new(PGBENCH);
+    cmd.env("PGPASSWORD", pw)
+        .args([
+            "-h",
+            &addr.ip().to_string(),
+            "-p",
+            &addr.port().to_string(),
+            "-U",
+            user,
+            "-n",
+        ])
+        .args([
+            "-c",
+            &o.clients.to_string(),
+            "-j",
+            "2",
+            "-T",
+            &o.duration_s.to_string(),
+        ])
+        .arg("-l")
+        .arg(format!("--log-prefix={}", logdir.join("tx").display()));
+    if select_only {
+        cmd.arg("-S");
+    }
+    cmd.arg("postgres");
+    let out = cmd
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("pgbench: {e}"))?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let tps = stdout
+        .lines()
+        .find(|l| l.starts_with("tps = "))
+        .and_then(|l| l.split_whitespace().nth(2))
+        .and_then(|v| v.parse::<f64>().ok())
+        .ok_or_else(|| format!("pgbench gave no tps: {stdout} {stderr}"))?;
+    let failed = stdout
+        .lines()
+        .find(|l| l.starts_with("number of failed transactions"))
+        .and_then(|l| l.split(':').nth(1))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let aborted_clients = stderr
+        .lines()
+        .filter(|l| l.contains("aborted in command"))
+        .count() as u32;
+    let mut lat = Vec::new();
+    for e in std::fs::read_dir(&logdir)
+        .map_err(|e| e.to_string())?
+        .flatten()
+    {
+        let s = std::fs::read_to_string(e.path()).unwrap_or_default();
+        for l in s.lines() {
+            if let Some(us) = l
+                .split_whitespace()
+                .nth(2)
+                .and_then(|v| v.parse::<u64>().ok())
+            {
+                lat.push(us);
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&logdir);
+    lat.sort_unstable();
+    let pct = |p: f64| -> f64 {
+        if lat.is_empty() {
+            return 0.0;
+        }
+        let i = ((lat.len() as f64 - 1.0) * p).round() as usize;
+        lat[i.min(lat.len() - 1)] as f64 / 1000.0
+    };
+    Ok(Run {
+        tps,
+        p50_ms: pct(0.5),
+        p99_ms: pct(0.99),
+        failed,
+        aborted_clients,
+    })
+}
+
+fn rand_tag() -> String {
+    let mut b = [0u8; 4];
+    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
+        use std::io::Read;
+        let _ = f.read_exact(&mut b);
+    }
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Tears the cluster down even on early return.
+struct Guard(Arc<Cluster>);
+impl Drop for Guard {
+    fn drop(&mut self) {
+        self.0.teardown();
+    }
+}
+
+pub fn proxy_config(c: &Cluster, primary: usize) -> ProxyConfig {
+    ProxyConfig {
+        listen: SocketAddr::new(c.host_ip.into(), 6432),
+        user: c.cfg.user.clone(),
+        password: c.cfg.password.clone(),
+        nodes: [c.nodes[0].addr(), c.nodes[1].addr()],
+        primary,
+        probe_interval_ms: 100,
+        probe_timeout_ms: 250,
+        max_sessions: 500,
+        auto_reprotect: true,
+    }
+}
+
+/// The whole benchmark; returns the JSON object (progress on stderr).
+pub fn run(o: BenchOpts) -> Result<Value, String> {
+    let cl = Arc::new(Cluster::create(ClusterConfig {
+        fsync: o.fsync,
+        shared_buffers_mb: 128,
+        ..Default::default()
+    })?);
+    let _g = Guard(cl.clone());
+    let (u, pw) = (cl.cfg.user.clone(), cl.cfg.password.clone());
+    cl.init_primary()?;
+    progress(&format!("pgbench -i -s {}", o.scale));
+    let out = Command::new(PGBENCH)
+        .env("PGPASSWORD", &pw)
+        .args([
+            "-h",
+            &cl.nodes[0].ip.to_string(),
+            "-U",
+            &u,
+            "-i",
+            "-q",
+            "-s",
+            &o.scale.to_string(),
+            "postgres",
+        ])
+        .output()
+        .map_err(|e| format!("pgbench -i: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "pgbench -i: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    let direct = cl.nodes[0].addr();
+    let mut res = serde_json::Map::new();
+    let mut runs = serde_json::Map::new();
+    let mut measure = |name: &str, addr: SocketAddr| -> Result<(Run, Run), String> {
+        let t = pgbench(addr, &u, &pw, &o, false, &cl.dir)?;
+        progress(&format!(
+            "{name} tpcb: {:.0} tps p50 {:.2} ms p99 {:.2} ms",
+            t.tps, t.p50_ms, t.p99_ms
+        ));
+        let s = pgbench(addr, &u, &pw, &o, true, &cl.dir)?;
+        progress(&format!(
+            "{name} select-only: {:.0} tps p50 {:.2} ms p99 {:.2} ms",
+            s.tps, s.p50_ms, s.p99_ms
+        ));
+        runs.insert(
+            name.to_string(),
+            json!({"tpcb": {"tps": t.tps, "p50_ms": t.p50_ms, "p99_ms": t.p99_ms},
+                   "select_only": {"tps": s.tps, "p50_ms": s.p50_ms, "p99_ms": s.p99_ms}}),
+        );
+        Ok((t, s))
+    };
+    let (un, un_s) = measure("unprotected", direct)?;
+    cl.add_standby(1, 0)?;
+    cl.protect(0, 1)?;
+    let (sy, sy_s) = measure("syncrep", direct)?;
+    let ops: Arc<dyn ClusterOps> = cl.clone();
+    let proxy = Proxy::start(proxy_config(&cl, 0), true, Some(ops))?;
+    let (pl, pl_s) = measure("pliant", proxy.addr)?;
+    res.insert("tps_unprotected".into(), un.tps.into());
+    res.insert("tps_syncrep".into(), sy.tps.into());
+    res.insert("tps_pliant".into(), pl.tps.into());
+    res.insert(
+        "ratio_vs_unprotected".into(),
+        (pl.tps / un.tps.max(1e-9)).into(),
+    );
+    res.insert(
+        "ratio_vs_syncrep".into(),
+        (pl.tps / sy.tps.max(1e-9)).into(),
+    );
+    res.insert(
+        "latency_ms_p50".into(),
+        json!({"unprotected": un.p50_ms, "syncrep": sy.p50_ms, "pliant": pl.p50_ms}),
+    );
+    res.insert(
+        "latency_ms_p99".into(),
+        json!({"unprotected": un.p99_ms, "syncrep": sy.p99_ms, "pliant": pl.p99_ms}),
+    );
+    res.insert(
+        "select_only".into(),
+        json!({"tps_unprotected": un_s.tps, "tps_syncrep": sy_s.tps, "tps_pliant": pl_s.tps,
+               "ratio_vs_syncrep": pl_s.tps / sy_s.tps.max(1e-9),
+               "latency_ms_p50": {"unprotected": un_s.p50_ms, "syncrep": sy_s.p50_ms, "pliant": pl_s.p50_ms},
+               "latency_ms_p99": {"unprotected": un_s.p99_ms, "syncrep": sy_s.p99_ms, "pliant": pl_s.p99_ms}}),
+    );
+    res.insert("runs".into(), Value::Object(runs));
+
+    // Failover with pgbench sessions and idle psql-like sessions through the proxy.
+    progress("failover under pgbench");
+    let fo = failover_with_pgbench(&cl, &proxy, &o)?;
+    progress(&format!("pgbench failover: {fo}"));
+    // Kill trials under the bank workload.
+    let tr = bank::run_trials(&cl, &proxy, o.clients, o.trials, &mut |s| progress(s))?;
+    let mut fms = tr.failover_ms.clone();
+    fms.sort_unstable();
+    let median = fms.get(fms.len() / 2).copied().unwrap_or(0);
+    let kept = fo["sessions_kept"].as_u64().unwrap_or(0)
+        + tr.sessions_total.saturating_sub(tr.sessions_dropped);
+    let total = fo["sessions_total"].as_u64().unwrap_or(0) + tr.sessions_total;
+    res.insert("failover_ms".into(), median.into());
+    res.insert("failover_ms_all".into(), json!(tr.failover_ms));
+    res.insert(
+        "failover_ms_max".into(),
+        fms.last().copied().unwrap_or(0).into(),
+    );
+    res.insert("reprotect_ms".into(), json!(tr.reprotect_ms));
+    res.insert("sessions_kept".into(), kept.into());
+    res.insert("sessions_total".into(), total.into());
+    res.insert("acked_commits_lost".into(), tr.acked_commits_lost.into());
+    res.insert("acked_commits".into(), tr.acked_commits.into());
+    res.insert("outcome_mismatch".into(), tr.outcome_mismatch.into());
+    res.insert("outcomes_unknown".into(), tr.outcomes_unknown.into());
+    res.insert("total_conserved".into(), tr.total_conserved.into());
+    res.insert("trials".into(), (tr.trials + 1).into());
+    res.insert("pgbench_failover".into(), fo);
+    res.insert("proxy".into(), proxy.stats_json());
+    res.insert(
+        "patroni".into(),
+        json!({"error": "not run: patroni/etcd are not installed on this machine and were not set up in this round"}),
+    );
+    proxy.stop();
+    Ok(Value::Object(res))
+}
+
+/// pgbench (TPC-B, `clients` sessions) plus 4 idle sessions through the proxy; the primary is
+/// SIGKILLed mid-run. Counts sessions that stayed connected.
+fn failover_with_pgbench(cl: &Arc<Cluster>, proxy: &Proxy, o: &BenchOpts) -> Result<Value, String> {
+    let t0 = Instant::now();
+    while !proxy.shared.protected.load(SeqCst) && t0.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (u, pw) = (cl.cfg.user.clone(), cl.cfg.password.clone());
+    let mut idle: Vec<Client> = (0..4)
+        .map(|_| Client::connect(proxy.addr, &u, &pw, "postgres", Duration::from_secs(5)))
+        .collect::<Result<_, _>>()
+        .map_err(|e| e.to_string())?;
+    for c in idle.iter_mut() {
+        c.query("SET application_name = 'idle-session'")
+            .map_err(|e| e.to_string())?;
+    }
+    let addr = proxy.addr;
+    let dir = cl.dir.clone();
+    let mut po = o.clone();
+    po.duration_s = 8;
+    let h = std::thread::spawn(move || pgbench(addr, &u, &pw, &po, false, &dir));
+    std::thread::sleep(Duration::from_secs(3));
+    let p = proxy.shared.primary.load(SeqCst);
+    let before = proxy.shared.stats.failovers.load(SeqCst);
+    let tk = Instant::now();
+    cl.inject_failure(p, true, true)?;
+    while proxy.shared.stats.failovers.load(SeqCst) == before
+        && tk.elapsed() < Duration::from_secs(30)
+    {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let detect_promote_ms = tk.elapsed().as_millis() as u64;
+    let run = h.join().map_err(|_| "pgbench thread panicked")??;
+    let mut idle_kept = 0u64;
+    for c in idle.iter_mut() {
+        if c.scalar("SHOW application_name").ok().flatten().as_deref() == Some("idle-session") {
+            idle_kept += 1;
+        }
+    }
+    let total = o.clients as u64 + idle.len() as u64;
+    let kept = o.clients.saturating_sub(run.aborted_clients) as u64 + idle_kept;
+    Ok(
+        json!({"sessions_total": total, "sessions_kept": kept, "pgbench_clients_aborted": run.aborted_clients,
+              "pgbench_failed_txns": run.failed, "pgbench_tps": run.tps, "idle_sessions_kept": idle_kept,
+              "detect_and_promote_ms": detect_promote_ms}),
+    )
+}

@@ -1,0 +1,661 @@
+//! A PostgreSQL 15 primary/standby pair in network namespaces of this host.
+//!
+//! Topology: one bridge in the root namespace (`pgbr<tag>`, 10.213.N.1/24, where the proxy
+//! listens) and one namespace per server (`pg1-<tag>`, `pg2-<tag>`, 10.213.N.11 and .12) on a
+//! veth each. Servers reach each other over the bridge (no forwarding needed). Cutting a
+//! server's link = setting its host-side veth down. Everything is removed on drop.
+//!
+//! Per-server settings (address, socket directory, primary_conninfo) are given on the
+//! postgres command line because pg_basebackup and pg_rewind copy the configuration files.
+
+use crate::client::Client;
+use crate::proxy::ClusterOps;
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+const BIN: &str = "/usr/lib/postgresql/15/bin";
+pub const PG_PORT: u16 = 5432;
+
+#[derive(Clone, Debug)]
+pub struct ClusterConfig {
+    pub user: String,
+    pub password: String,
+    /// fsync off makes kill trials fast; a process kill never loses the page cache, so the
+    /// guarantees tested (no acked commit lost on primary death) are unaffected.
+    pub fsync: bool,
+    pub shared_buffers_mb: u32,
+    /// Directory for data; a unique subdirectory is created in it.
+    pub base: PathBuf,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        ClusterConfig {
+            user: "pliant".into(),
+            password: "pliant-pw".into(),
+            fsync: false,
+            shared_buffers_mb: 64,
+            base: PathBuf::from("/tmp"),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Node {
+    pub name: String,
+    pub ns: String,
+    pub ip: Ipv4Addr,
+    pub host_veth: String,
+    pub data: PathBuf,
+    pub sock: PathBuf,
+    pub log: PathBuf,
+}
+
+impl Node {
+    pub fn addr(&self) -> SocketAddr {
+        SocketAddr::V4(SocketAddrV4::new(self.ip, PG_PORT))
+    }
+}
+
+pub struct Cluster {
+    pub cfg: ClusterConfig,
+    pub tag: String,
+    pub dir: PathBuf,
+    pub bridge: String,
+    pub host_ip: Ipv4Addr,
+    pub nodes: [Node; 2],
+    children: Mutex<Vec<(usize, Child)>>,
+    reprotect_lock: Mutex<()>,
+    created_links: Mutex<bool>,
+    torn_down: std::sync::atomic::AtomicBool,
+}
+
+fn sh(cmd: &mut Command) -> Result<String, String> {
+    let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{:?} failed ({}): {}",
+            cmd,
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn ip(args: &[&str]) -> Result<String, String> {
+    sh(Command::new("ip").args(args))
+}
+
+fn rand_hex(n: usize) -> String {
+    let mut b = vec![0u8; n];
+    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
+        use std::io::Read;
+        let _ = f.read_exact(&mut b);
+    }
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn postgres_ids() -> Result<(u32, u32), String> {
+    let u = sh(Command::new("id").args(["-u", "postgres"]))?;
+    let g = sh(Command::new("id").args(["-g", "postgres"]))?;
+    Ok((
+        u.trim().parse().map_err(|_| "bad uid")?,
+        g.trim().parse().map_err(|_| "bad gid")?,
+    ))
+}
+
+impl Cluster {
+    /// Creates the namespaces and links (no servers yet).
+    pub fn create(cfg: ClusterConfig) -> Result<Cluster, String> {
+        let tag = format!("{:04x}{}", std::process::id() & 0xffff, rand_hex(1));
+        let addrs = ip(&["-4", "-o", "addr"])?;
+        let mut n = 0u8;
+        for _ in 0..64 {
+            let cand = u8::from_str_radix(&rand_hex(1), 16).unwrap_or(1).max(1);
+            if cand < 255 && !addrs.contains(&format!("10.213.{cand}.")) {
+                n = cand;
+                break;
+            }
+        }
+        if n == 0 {
+            return Err("no free 10.213.N.0/24 subnet".into());
+        }
+        let dir = cfg.base.join(format!("pliant-pg-{tag}"));
+        std::fs::create_dir_all(&dir).map_err(|e| format!("mkdir {}: {e}", dir.display()))?;
+        let mk = |i: usize| Node {
+            name: format!("pg{}", i + 1),
+            ns: format!("pg{}-{tag}", i + 1),
+            ip: Ipv4Addr::new(10, 213, n, 11 + i as u8),
+            host_veth: format!("pgv{}{tag}", i + 1),
+            data: dir.join(format!("pg{}", i + 1)),
+            sock: dir.join(format!("sock{}", i + 1)),
+            log: dir.join(format!("pg{}.log", i + 1)),
+        };
+        let c = Cluster {
+            bridge: format!("pgbr{tag}"),
+            host_ip: Ipv4Addr::new(10, 213, n, 1),
+            nodes: [mk(0), mk(1)],
+            dir,
+            tag,
+            cfg,
+            children: Mutex::new(Vec::new()),
+            reprotect_lock: Mutex::new(()),
+            created_links: Mutex::new(true),
+            torn_down: std::sync::atomic::AtomicBool::new(false),
+        };
+        c.setup_net()?;
+        Ok(c)
+    }
+
+    fn setup_net(&self) -> Result<(), String> {
+        ip(&["link", "add", &self.bridge, "type", "bridge"])?;
+        ip(&[
+            "addr",
+            "add",
+            &format!("{}/24", self.host_ip),
+            "dev",
+            &self.bridge,
+        ])?;
+        ip(&["link", "set", &self.bridge, "up"])?;
+        for nd in &self.nodes {
+            ip(&["netns", "add", &nd.ns])?;
+            let inner = format!("{}n", nd.host_veth);
+            ip(&[
+                "link",
+                "add",
+                &nd.host_veth,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                &inner,
+                "netns",
+                &nd.ns,
+            ])?;
+            ip(&["link", "set", &nd.host_veth, "master", &self.bridge, "up"])?;
+            ip(&[
+                "-n",
+                &nd.ns,
+                "addr",
+                "add",
+                &format!("{}/24", nd.ip),
+                "dev",
+                &inner,
+            ])?;
+            ip(&["-n", &nd.ns, "link", "set", &inner, "up"])?;
+            ip(&["-n", &nd.ns, "link", "set", "lo", "up"])?;
+        }
+        Ok(())
+    }
+
+    fn in_ns(&self, i: usize, prog: &str) -> Command {
+        let mut c = Command::new("ip");
+        c.args([
+            "netns",
+            "exec",
+            &self.nodes[i].ns,
+            "setpriv",
+            "--reuid=postgres",
+            "--regid=postgres",
+            "--init-groups",
+        ]);
+        c.arg(prog);
+        c.env("PGPASSWORD", &self.cfg.password);
+        c
+    }
+
+    /// With fsync off, the servers do not make their files durable either, so the tools
+    /// skip their final sync of the data directory (seconds on this machine's disks).
+    fn no_sync(&self) -> &'static [&'static str] {
+        if self.cfg.fsync {
+            &[]
+        } else {
+            &["--no-sync"]
+        }
+    }
+
+    fn prep_dirs(&self, i: usize) -> Result<(), String> {
+        if self.torn_down.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err("cluster torn down".into());
+        }
+        let (uid, gid) = postgres_ids()?;
+        let nd = &self.nodes[i];
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&self.dir, std::fs::Permissions::from_mode(0o755))
+            .map_err(|e| e.to_string())?;
+        for d in [&nd.data, &nd.sock] {
+            let _ = std::fs::remove_dir_all(d);
+            std::fs::create_dir_all(d).map_err(|e| format!("mkdir {}: {e}", d.display()))?;
+            std::os::unix::fs::chown(d, Some(uid), Some(gid))
+                .map_err(|e| format!("chown {}: {e}", d.display()))?;
+            std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o700))
+                .map_err(|e| e.to_string())?;
+        }
+        std::fs::write(&nd.log, b"").map_err(|e| e.to_string())?;
+        std::os::unix::fs::chown(&nd.log, Some(uid), Some(gid)).map_err(|e| e.to_string())?;
+        Ok(())
+    }
+
+    /// initdb + start node 0 as the primary (no standby yet: unprotected).
+    pub fn init_primary(&self) -> Result<(), String> {
+        self.prep_dirs(0)?;
+        let nd = &self.nodes[0];
+        sh(self
+            .in_ns(0, &format!("{BIN}/initdb"))
+            .args([
+                "-D",
+                &nd.data.to_string_lossy(),
+                "-U",
+                &self.cfg.user,
+                "--auth-local=trust",
+                "--auth-host=md5",
+                "-E",
+                "UTF8",
+                "--locale=C",
+            ])
+            .args(self.no_sync())
+            .stdout(Stdio::null()))?;
+        let conf = format!(
+            "\n# pliant\nwal_level = replica\nmax_wal_senders = 6\nwal_log_hints = on\nwal_keep_size = '64MB'\nmin_wal_size = '32MB'\n\
+             hot_standby = on\nsynchronous_commit = on\nfsync = {}\nshared_buffers = '{}MB'\nmax_connections = 120\n\
+             password_encryption = md5\nwal_receiver_status_interval = '1s'\nwal_sender_timeout = '5s'\n\
+             wal_receiver_timeout = '5s'\nwal_retrieve_retry_interval = '200ms'\nlogging_collector = off\n\
+             log_min_messages = warning\nlog_min_error_statement = panic\n",
+            if self.cfg.fsync { "on" } else { "off" },
+            self.cfg.shared_buffers_mb
+        );
+        append(&nd.data.join("postgresql.conf"), &conf)?;
+        let net = format!("10.213.{}.0/24", self.host_ip.octets()[2]);
+        append(
+            &nd.data.join("pg_hba.conf"),
+            &format!("host all all {net} md5\nhost replication all {net} md5\n"),
+        )?;
+        self.start(0, None)?;
+        // Set the password (stored as md5) over the local socket, once it accepts connections.
+        let t0 = Instant::now();
+        loop {
+            let r = sh(self.in_ns(0, &format!("{BIN}/pg_isready")).args([
+                "-h",
+                &nd.sock.to_string_lossy(),
+                "-q",
+            ]));
+            if r.is_ok() {
+                break;
+            }
+            if t0.elapsed() > Duration::from_secs(60) {
+                return Err(format!(
+                    "{} did not start; log {}",
+                    nd.name,
+                    nd.log.display()
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(30));
+        }
+        sh(self.in_ns(0, &format!("{BIN}/psql")).args([
+            "-h",
+            &nd.sock.to_string_lossy(),
+            "-U",
+            &self.cfg.user,
+            "-d",
+            "postgres",
+            "-qAt",
+            "-c",
+            &format!(
+                "ALTER USER {} PASSWORD '{}'",
+                self.cfg.user,
+                self.cfg.password.replace('\'', "''")
+            ),
+        ]))?;
+        self.wait_ready(0, false)
+    }
+
+    /// Starts the server of node `i`; `primary` = the node to stream from when a standby.
+    pub fn start(&self, i: usize, primary: Option<usize>) -> Result<(), String> {
+        let nd = &self.nodes[i];
+        let mut cmd = self.in_ns(i, &format!("{BIN}/postgres"));
+        cmd.args(["-D", &nd.data.to_string_lossy()]);
+        for (k, v) in [
+            ("listen_addresses", nd.ip.to_string()),
+            ("port", PG_PORT.to_string()),
+            (
+                "unix_socket_directories",
+                nd.sock.to_string_lossy().into_owned(),
+            ),
+            ("cluster_name", nd.name.clone()),
+        ] {
+            cmd.arg("-c").arg(format!("{k}={v}"));
+        }
+        if let Some(p) = primary {
+            cmd.arg("-c").arg(format!(
+                "primary_conninfo=host={} port={PG_PORT} user={} password={} application_name={}",
+                self.nodes[p].ip, self.cfg.user, self.cfg.password, nd.name
+            ));
+        }
+        let log = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&nd.log)
+            .map_err(|e| e.to_string())?;
+        let log2 = log.try_clone().map_err(|e| e.to_string())?;
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log2)
+            .spawn()
+            .map_err(|e| format!("start {}: {e}", nd.name))?;
+        if let Ok(mut g) = self.children.lock() {
+            g.push((i, child));
+        }
+        Ok(())
+    }
+
+    pub fn client(&self, i: usize, timeout: Duration) -> Result<Client, String> {
+        Client::connect(
+            self.nodes[i].addr(),
+            &self.cfg.user,
+            &self.cfg.password,
+            "postgres",
+            timeout,
+        )
+        .map_err(|e| format!("{}: {e}", self.nodes[i].name))
+    }
+
+    /// Waits until node `i` accepts connections in the expected role.
+    pub fn wait_ready(&self, i: usize, standby: bool) -> Result<(), String> {
+        let t0 = Instant::now();
+        let mut last = String::new();
+        while t0.elapsed() < Duration::from_secs(60) {
+            match self.client(i, Duration::from_secs(2)).and_then(|mut c| {
+                c.scalar("SELECT pg_is_in_recovery()")
+                    .map_err(|e| e.to_string())
+            }) {
+                Ok(Some(r)) if (r == "t") == standby => return Ok(()),
+                Ok(r) => last = format!("recovery={r:?}"),
+                Err(e) => last = e,
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Err(format!(
+            "{} not ready: {last}; log {}",
+            self.nodes[i].name,
+            self.nodes[i].log.display()
+        ))
+    }
+
+    /// pg_basebackup node `i` from `primary` and start it as a hot standby.
+    pub fn add_standby(&self, i: usize, primary: usize) -> Result<(), String> {
+        self.prep_dirs(i)?;
+        let nd = &self.nodes[i];
+        sh(self
+            .in_ns(i, &format!("{BIN}/pg_basebackup"))
+            .args([
+                "-h",
+                &self.nodes[primary].ip.to_string(),
+                "-U",
+                &self.cfg.user,
+                "-D",
+                &nd.data.to_string_lossy(),
+                "-X",
+                "stream",
+                "-c",
+                "fast",
+            ])
+            .args(self.no_sync()))?;
+        self.make_standby(i, primary)
+    }
+
+    fn make_standby(&self, i: usize, primary: usize) -> Result<(), String> {
+        let nd = &self.nodes[i];
+        std::fs::write(nd.data.join("standby.signal"), b"").map_err(|e| e.to_string())?;
+        let (uid, gid) = postgres_ids()?;
+        let _ = std::os::unix::fs::chown(nd.data.join("standby.signal"), Some(uid), Some(gid));
+        self.start(i, Some(primary))?;
+        self.wait_ready(i, true)
+    }
+
+    /// Turns on commit protection on `primary` and waits until node `standby` streams as sync.
+    pub fn protect(&self, primary: usize, standby: usize) -> Result<(), String> {
+        let mut c = self.client(primary, Duration::from_secs(5))?;
+        // Let the standby catch up asynchronously first: turned on earlier, every commit would
+        // wait for the whole catch-up.
+        let t0 = Instant::now();
+        let caught_up = format!(
+            "SELECT count(*) FROM pg_stat_replication WHERE application_name = '{}' AND state = 'streaming' \
+             AND pg_wal_lsn_diff(pg_current_wal_lsn(), flush_lsn) < 1048576",
+            self.nodes[standby].name
+        );
+        while c.scalar(&caught_up).map_err(|e| e.to_string())?.as_deref() != Some("1") {
+            if t0.elapsed() > Duration::from_secs(60) {
+                return Err(format!("{} did not catch up", self.nodes[standby].name));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        c.query("ALTER SYSTEM SET synchronous_standby_names = '*'")
+            .map_err(|e| e.to_string())?;
+        c.query("SELECT pg_reload_conf()")
+            .map_err(|e| e.to_string())?;
+        let q = format!(
+            "SELECT count(*) FROM pg_stat_replication WHERE application_name = '{}' AND state = 'streaming' AND sync_state = 'sync'",
+            self.nodes[standby].name
+        );
+        while t0.elapsed() < Duration::from_secs(60) {
+            if c.scalar(&q).map_err(|e| e.to_string())?.as_deref() == Some("1") {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Err(format!(
+            "{} did not become a sync standby",
+            self.nodes[standby].name
+        ))
+    }
+
+    /// Turns commit protection off (the standby keeps streaming asynchronously).
+    pub fn unprotect(&self, primary: usize) -> Result<(), String> {
+        let mut c = self.client(primary, Duration::from_secs(5))?;
+        c.query("ALTER SYSTEM SET synchronous_standby_names = ''")
+            .map_err(|e| e.to_string())?;
+        c.query("SELECT pg_reload_conf()")
+            .map_err(|e| e.to_string())?;
+        Ok(())
+    }
+
+    /// Failure injection for tests and benchmarks: SIGKILL node `i` and/or cut its link, as
+    /// one step with respect to re-protection (which could otherwise restore the link between
+    /// the kill and the cut).
+    pub fn inject_failure(&self, i: usize, kill: bool, cut: bool) -> Result<(), String> {
+        let _g = self.reprotect_lock.lock().map_err(|_| "lock poisoned")?;
+        if kill {
+            self.signal_all(i);
+        }
+        if cut {
+            self.set_link(i, false)?;
+        }
+        // Reaping is left to `rejoin` (processes blocked in I/O die late; cut, they are inert).
+        Ok(())
+    }
+
+    /// SIGKILL every process of node `i` once, without waiting.
+    pub fn signal_all(&self, i: usize) {
+        let pids = ip(&["netns", "pids", &self.nodes[i].ns]).unwrap_or_default();
+        for p in pids
+            .split_whitespace()
+            .filter_map(|p| p.parse::<i32>().ok())
+        {
+            // SAFETY: plain syscall on a PID of a process in our own namespace.
+            unsafe { libc::kill(p, libc::SIGKILL) };
+        }
+    }
+
+    /// SIGKILL every process of node `i` (all of them are servers this cluster started).
+    pub fn kill(&self, i: usize) {
+        for _ in 0..3 {
+            let pids = ip(&["netns", "pids", &self.nodes[i].ns]).unwrap_or_default();
+            let pids: Vec<i32> = pids
+                .split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect();
+            if pids.is_empty() {
+                break;
+            }
+            for p in pids {
+                // SAFETY: plain syscall on a PID of a process in our own namespace.
+                unsafe { libc::kill(p, libc::SIGKILL) };
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        if let Ok(mut g) = self.children.lock() {
+            for (_, ch) in g.iter_mut().filter(|(n, _)| *n == i) {
+                let _ = ch.wait();
+            }
+            g.retain(|(n, _)| *n != i);
+        }
+    }
+
+    pub fn set_link(&self, i: usize, up: bool) -> Result<(), String> {
+        ip(&[
+            "link",
+            "set",
+            &self.nodes[i].host_veth,
+            if up { "up" } else { "down" },
+        ])
+        .map(|_| ())
+    }
+
+    /// Stops node `i` cleanly (SIGTERM = smart... use fast shutdown: SIGINT).
+    pub fn stop(&self, i: usize) {
+        if let Ok(mut g) = self.children.lock() {
+            for (_, ch) in g.iter_mut().filter(|(n, _)| *n == i) {
+                // SAFETY: signal to a child we spawned.
+                unsafe { libc::kill(ch.id() as i32, libc::SIGINT) };
+                let t0 = Instant::now();
+                while t0.elapsed() < Duration::from_secs(10) {
+                    if let Ok(Some(_)) = ch.try_wait() {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+        }
+        self.kill(i);
+    }
+
+    /// Old primary `old` rejoins as synchronous standby of `primary` via pg_rewind.
+    pub fn rejoin(&self, old: usize, primary: usize) -> Result<Duration, String> {
+        let _g = self.reprotect_lock.lock().map_err(|_| "lock poisoned")?;
+        let t0 = Instant::now();
+        self.kill(old);
+        self.set_link(old, true)?;
+        let nd = &self.nodes[old];
+        let _ = std::fs::remove_file(nd.data.join("postmaster.pid"));
+        // pg_rewind reads the source's timeline from its control file, which a promotion
+        // updates only at the next checkpoint: without this it may wrongly see no divergence.
+        self.client(primary, Duration::from_secs(10))?
+            .query("CHECKPOINT")
+            .map_err(|e| format!("checkpoint: {e}"))?;
+        let t_ckpt = t0.elapsed();
+        // pg_rewind runs single-user crash recovery first when the target was killed.
+        let src = format!(
+            "host={} port={PG_PORT} user={} password={} dbname=postgres",
+            self.nodes[primary].ip, self.cfg.user, self.cfg.password
+        );
+        let rw = sh(self
+            .in_ns(old, &format!("{BIN}/pg_rewind"))
+            .args(["-D", &nd.data.to_string_lossy(), "--source-server", &src])
+            .args(self.no_sync()));
+        let t_rw = t0.elapsed();
+        append(
+            &self.dir.join("rewind.log"),
+            &format!(
+                "rewind {} from {} checkpoint done at {t_ckpt:?}, rewind done at {:?}: {:?}\n",
+                nd.name,
+                self.nodes[primary].name,
+                t_rw,
+                rw.as_ref().map(|_| ())
+            ),
+        )?;
+        if self.torn_down.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err("cluster torn down".into());
+        }
+        if let Err(e) = rw {
+            // Fall back to a full copy (e.g. the WAL needed for rewinding is gone).
+            append(
+                &self.dir.join("rewind.log"),
+                &format!("pg_rewind failed, full copy: {e}\n"),
+            )?;
+            self.add_standby(old, primary)?;
+        } else {
+            let _ = std::fs::remove_file(nd.data.join("postmaster.pid"));
+            self.make_standby(old, primary)?;
+        }
+        let t_up = t0.elapsed();
+        self.protect(primary, old)?;
+        append(
+            &self.dir.join("rewind.log"),
+            &format!("standby up at {t_up:?}, sync at {:?}\n", t0.elapsed()),
+        )?;
+        Ok(t0.elapsed())
+    }
+
+    /// Replication lag of the standby in bytes, seen from `primary`.
+    pub fn lag_bytes(&self, primary: usize) -> Option<i64> {
+        let mut c = self.client(primary, Duration::from_millis(500)).ok()?;
+        c.scalar("SELECT coalesce(max(pg_wal_lsn_diff(pg_current_wal_lsn(), replay_lsn)), 0)::bigint FROM pg_stat_replication")
+            .ok()
+            .flatten()
+            .and_then(|s| s.parse().ok())
+    }
+
+    pub fn teardown(&self) {
+        self.torn_down
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        for i in 0..2 {
+            self.kill(i);
+        }
+        if let Ok(mut g) = self.created_links.lock() {
+            if *g {
+                for nd in &self.nodes {
+                    let _ = ip(&["link", "del", &nd.host_veth]);
+                    let _ = ip(&["netns", "del", &nd.ns]);
+                }
+                let _ = ip(&["link", "del", &self.bridge]);
+                *g = false;
+            }
+        }
+        if std::env::var_os("PLIANT_PG_KEEP").is_none() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        self.teardown();
+    }
+}
+
+impl ClusterOps for Cluster {
+    fn fence(&self, i: usize) {
+        // Cut first (nothing it still sends can reach anyone), then kill without waiting:
+        // processes blocked in fsync die only when their I/O completes, and once cut they
+        // cannot reach anyone anyway. `rejoin` waits for them.
+        let _ = self.set_link(i, false);
+        self.signal_all(i);
+    }
+    fn reprotect(&self, old: usize, primary: usize) -> Result<(), String> {
+        self.rejoin(old, primary).map(|_| ())
+    }
+}
+
+fn append(p: &Path, s: &str) -> Result<(), String> {
+    use std::io::Write;
+    let mut f = std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(p)
+        .map_err(|e| format!("{}: {e}", p.display()))?;
+    f.write_all(s.as_bytes()).map_err(|e| e.to_string())
+}

@@ -1,0 +1,151 @@
+//! `pliant pg up|down|status`: a protected cluster + proxy run by a background process.
+//!
+//! `up` starts `pliant pg up --foreground` detached and waits until it reports ready; the
+//! foreground process owns the namespaces and servers, writes `status.json` twice a second,
+//! and tears everything down on SIGTERM/SIGINT (`down` sends SIGTERM).
+
+use crate::bench::proxy_config;
+use crate::cluster::{Cluster, ClusterConfig};
+use crate::proxy::{ClusterOps, Proxy};
+use serde_json::json;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    STOP.store(true, SeqCst);
+}
+
+pub fn state_dir() -> PathBuf {
+    PathBuf::from("/run/pliant/pg")
+}
+
+fn read_state() -> Result<serde_json::Value, String> {
+    let p = state_dir().join("state.json");
+    let s =
+        std::fs::read_to_string(&p).map_err(|_| "no cluster is up (pliant pg up)".to_string())?;
+    serde_json::from_str(&s).map_err(|e| format!("{}: {e}", p.display()))
+}
+
+fn alive(pid: i32) -> bool {
+    // SAFETY: signal 0 only checks for existence.
+    pid > 0 && unsafe { libc::kill(pid, 0) } == 0
+}
+
+/// Starts the cluster in the background and returns its state once ready.
+pub fn up(foreground: bool) -> Result<String, String> {
+    if let Ok(st) = read_state() {
+        if alive(st["pid"].as_i64().unwrap_or(0) as i32) {
+            return Err(format!("a cluster is already up: {st}"));
+        }
+    }
+    std::fs::create_dir_all(state_dir()).map_err(|e| e.to_string())?;
+    if foreground {
+        return serve();
+    }
+    let _ = std::fs::remove_file(state_dir().join("state.json"));
+    let log = std::fs::File::create(state_dir().join("up.log")).map_err(|e| e.to_string())?;
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mut child = std::process::Command::new(exe)
+        .args(["pg", "up", "--foreground"])
+        .stdin(std::process::Stdio::null())
+        .stdout(log.try_clone().map_err(|e| e.to_string())?)
+        .stderr(log)
+        .spawn()
+        .map_err(|e| format!("spawn: {e}"))?;
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(120) {
+        if let Ok(st) = read_state() {
+            if st["ready"].as_bool() == Some(true) {
+                return Ok(serde_json::to_string_pretty(&st).unwrap_or_default());
+            }
+        }
+        if let Ok(Some(s)) = child.try_wait() {
+            let log = std::fs::read_to_string(state_dir().join("up.log")).unwrap_or_default();
+            return Err(format!("pliant pg up failed ({s}): {log}"));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Err("cluster not ready after 120 s (see /run/pliant/pg/up.log)".into())
+}
+
+fn serve() -> Result<String, String> {
+    // SAFETY: installs an async-signal-safe handler that only stores an atomic.
+    unsafe {
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+    }
+    let cl = Arc::new(Cluster::create(ClusterConfig {
+        fsync: true,
+        ..Default::default()
+    })?);
+    let r = serve_cluster(&cl);
+    cl.teardown();
+    let _ = std::fs::remove_file(state_dir().join("state.json"));
+    r
+}
+
+fn serve_cluster(cl: &Arc<Cluster>) -> Result<String, String> {
+    cl.init_primary()?;
+    cl.add_standby(1, 0)?;
+    cl.protect(0, 1)?;
+    let ops: Arc<dyn ClusterOps> = cl.clone();
+    let proxy = Proxy::start(proxy_config(cl, 0), true, Some(ops))?;
+    let state = json!({
+        "ready": true, "pid": std::process::id(), "dir": cl.dir, "proxy": proxy.addr.to_string(),
+        "user": cl.cfg.user, "password": cl.cfg.password,
+        "nodes": cl.nodes.iter().map(|n| json!({"name": n.name, "ns": n.ns, "addr": n.addr().to_string()})).collect::<Vec<_>>(),
+        "connect": format!("PGPASSWORD={} psql -h {} -p {} -U {} postgres", cl.cfg.password, proxy.addr.ip(), proxy.addr.port(), cl.cfg.user),
+    });
+    std::fs::write(state_dir().join("state.json"), state.to_string()).map_err(|e| e.to_string())?;
+    eprintln!("pliant pg: up, proxy at {}", proxy.addr);
+    while !STOP.load(SeqCst) {
+        let p = proxy.shared.primary.load(SeqCst);
+        let protected = proxy.shared.protected.load(SeqCst);
+        let mut st = proxy.stats_json();
+        st["roles"] = json!({
+            cl.nodes[p].name.clone(): "primary",
+            cl.nodes[1 - p].name.clone(): if protected { "sync standby" } else { "fenced / rejoining" },
+        });
+        st["replication_lag_bytes"] = json!(cl.lag_bytes(p));
+        let _ = std::fs::write(state_dir().join("status.json"), st.to_string());
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    proxy.stop();
+    Ok("stopped".into())
+}
+
+pub fn status() -> Result<String, String> {
+    let st = read_state()?;
+    let pid = st["pid"].as_i64().unwrap_or(0) as i32;
+    let mut s: serde_json::Value = std::fs::read_to_string(state_dir().join("status.json"))
+        .ok()
+        .and_then(|s| serde_json::from_str(&s).ok())
+        .unwrap_or(json!({}));
+    s["running"] = alive(pid).into();
+    s["proxy_addr"] = st["proxy"].clone();
+    s["connect"] = st["connect"].clone();
+    Ok(serde_json::to_string_pretty(&s).unwrap_or_default())
+}
+
+pub fn down() -> Result<String, String> {
+    let st = read_state()?;
+    let pid = st["pid"].as_i64().unwrap_or(0) as i32;
+    if !alive(pid) {
+        let _ = std::fs::remove_file(state_dir().join("state.json"));
+        return Ok("not running (stale state removed)".into());
+    }
+    // SAFETY: SIGTERM to the cluster process recorded by `up`.
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    let t0 = Instant::now();
+    while alive(pid) && t0.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    if alive(pid) {
+        return Err(format!("process {pid} did not stop within 60 s"));
+    }
+    Ok("down".into())
+}

@@ -1,0 +1,1038 @@
+//! The session-preserving proxy: owns client connections, authenticates clients (md5),
+//! forwards the protocol to the current primary, and moves sessions at failover.
+//!
+//! One thread per client session (blocking sockets + poll), one controller thread that
+//! probes the primary and runs the failover. Sessions learn of a failover through `epoch`
+//! (bumped once the old primary is fenced) and wait for `ready_epoch` (the new primary is
+//! promoted and its xid horizon recorded) before they reconnect.
+
+use crate::client::Client;
+use crate::proto::{self, Frame, Startup};
+use crate::session::{ClientAction, CommitTxid, SessionState};
+use serde::Serialize;
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Hooks into whatever runs the servers (the lab cluster, or a test double).
+pub trait ClusterOps: Send + Sync {
+    /// Makes sure node `i` never accepts a write again (kill it, cut its link).
+    fn fence(&self, i: usize);
+    /// Brings fenced node `old` back as a synchronous standby of `primary`.
+    fn reprotect(&self, old: usize, primary: usize) -> Result<(), String>;
+}
+
+#[derive(Clone, Debug)]
+pub struct ProxyConfig {
+    pub listen: SocketAddr,
+    pub user: String,
+    pub password: String,
+    pub nodes: [SocketAddr; 2],
+    pub primary: usize,
+    pub probe_interval_ms: u64,
+    pub probe_timeout_ms: u64,
+    pub max_sessions: usize,
+    /// Re-protect automatically after a failover.
+    pub auto_reprotect: bool,
+}
+
+/// Counters (all monotonic except the gauges marked so).
+#[derive(Default, Debug, Serialize)]
+pub struct Stats {
+    pub sessions_total: AtomicU64,
+    /// Gauge.
+    pub sessions_active: AtomicU64,
+    /// Sessions moved to a new primary and still open (their open transaction may have been aborted).
+    pub sessions_kept: AtomicU64,
+    pub sessions_dropped_unreplayable: AtomicU64,
+    pub sessions_dropped_other: AtomicU64,
+    pub txns_aborted_by_failover: AtomicU64,
+    pub commits_resolved_committed: AtomicU64,
+    pub commits_resolved_aborted: AtomicU64,
+    pub statements_retried: AtomicU64,
+    pub outcomes_unknown: AtomicU64,
+    pub failovers: AtomicU64,
+    pub last_failover_ms: AtomicU64,
+    pub last_detect_ms: AtomicU64,
+    pub protocol_errors: AtomicU64,
+    pub auth_failures: AtomicU64,
+    pub session_limit_hits: AtomicU64,
+    pub reprotections: AtomicU64,
+    pub reprotect_failures: AtomicU64,
+}
+
+pub struct Shared {
+    pub cfg: ProxyConfig,
+    pub epoch: AtomicU64,
+    pub ready_epoch: AtomicU64,
+    pub primary: AtomicUsize,
+    /// The standby is streaming synchronously: a failover loses no acknowledged commit.
+    pub protected: AtomicBool,
+    /// Next transaction id of the new primary at promotion (xids at or above it belong to
+    /// the old primary's lost history: aborted).
+    pub xid_horizon: AtomicU64,
+    pub stats: Stats,
+    pub shutdown: AtomicBool,
+    ops: Option<Arc<dyn ClusterOps>>,
+    next_session: AtomicU64,
+    pub last_error: Mutex<String>,
+}
+
+pub struct Proxy {
+    pub shared: Arc<Shared>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+    pub addr: SocketAddr,
+}
+
+impl Proxy {
+    /// Binds the listener and starts the acceptor and controller threads.
+    pub fn start(
+        cfg: ProxyConfig,
+        protected: bool,
+        ops: Option<Arc<dyn ClusterOps>>,
+    ) -> Result<Proxy, String> {
+        let l =
+            TcpListener::bind(cfg.listen).map_err(|e| format!("proxy bind {}: {e}", cfg.listen))?;
+        let addr = l.local_addr().map_err(|e| e.to_string())?;
+        l.set_nonblocking(true).map_err(|e| e.to_string())?;
+        let shared = Arc::new(Shared {
+            primary: AtomicUsize::new(cfg.primary),
+            cfg,
+            epoch: AtomicU64::new(0),
+            ready_epoch: AtomicU64::new(0),
+            protected: AtomicBool::new(protected),
+            xid_horizon: AtomicU64::new(0),
+            stats: Stats::default(),
+            shutdown: AtomicBool::new(false),
+            ops,
+            next_session: AtomicU64::new(1),
+            last_error: Mutex::new(String::new()),
+        });
+        let s1 = shared.clone();
+        let acc = std::thread::spawn(move || accept_loop(l, s1));
+        let s2 = shared.clone();
+        let ctl = std::thread::spawn(move || controller(s2));
+        Ok(Proxy {
+            shared,
+            threads: vec![acc, ctl],
+            addr,
+        })
+    }
+
+    pub fn stats_json(&self) -> serde_json::Value {
+        status_json(&self.shared)
+    }
+
+    pub fn stop(mut self) {
+        self.shared.shutdown.store(true, SeqCst);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, SeqCst);
+    }
+}
+
+pub fn status_json(s: &Shared) -> serde_json::Value {
+    let p = s.primary.load(SeqCst);
+    let mut v = serde_json::to_value(&s.stats).unwrap_or_default();
+    v["primary"] = s.cfg.nodes[p].to_string().into();
+    v["standby"] = s.cfg.nodes[1 - p].to_string().into();
+    v["protected"] = s.protected.load(SeqCst).into();
+    v["epoch"] = s.epoch.load(SeqCst).into();
+    v["last_error"] = s
+        .last_error
+        .lock()
+        .map(|e| e.clone())
+        .unwrap_or_default()
+        .into();
+    v
+}
+
+fn accept_loop(l: TcpListener, sh: Arc<Shared>) {
+    while !sh.shutdown.load(SeqCst) {
+        match l.accept() {
+            Ok((c, _)) => {
+                if sh.stats.sessions_active.load(SeqCst) as usize >= sh.cfg.max_sessions {
+                    sh.stats.session_limit_hits.fetch_add(1, SeqCst);
+                    let mut c = c;
+                    let _ = proto::write_frames(
+                        &mut c,
+                        &[proto::error_response(
+                            "FATAL",
+                            "53300",
+                            "sorry, too many clients already (pliant proxy)",
+                        )],
+                    );
+                    continue;
+                }
+                let s = sh.clone();
+                let _ = c.set_nonblocking(false);
+                std::thread::spawn(move || {
+                    s.stats.sessions_active.fetch_add(1, SeqCst);
+                    let _ = serve_client(c, &s);
+                    s.stats.sessions_active.fetch_sub(1, SeqCst);
+                });
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+}
+
+fn fatal(c: &mut TcpStream, code: &str, msg: &str) {
+    let _ = proto::write_frames(c, &[proto::error_response("FATAL", code, msg)]);
+    let _ = c.shutdown(Shutdown::Both);
+}
+
+fn random_u32() -> u32 {
+    let mut b = [0u8; 4];
+    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
+        let _ = f.read_exact(&mut b);
+    }
+    u32::from_ne_bytes(b)
+}
+
+/// Authenticated server connection with the session's startup parameters.
+struct Backend {
+    s: TcpStream,
+    epoch: u64,
+    params: Vec<Frame>,
+}
+
+fn connect_backend(sh: &Shared, startup: &[(String, String)]) -> Result<Backend, String> {
+    let epoch = sh.ready_epoch.load(SeqCst);
+    let addr = sh.cfg.nodes[sh.primary.load(SeqCst)];
+    let t = Duration::from_millis(sh.cfg.probe_timeout_ms.max(200) * 5);
+    let mut s = TcpStream::connect_timeout(&addr, t).map_err(|e| format!("connect {addr}: {e}"))?;
+    let _ = s.set_nodelay(true);
+    s.set_read_timeout(Some(t)).map_err(|e| e.to_string())?;
+    s.write_all(&proto::startup_message(startup))
+        .map_err(|e| e.to_string())?;
+    let user = startup
+        .iter()
+        .find(|(k, _)| k == "user")
+        .map(|(_, v)| v.as_str())
+        .unwrap_or("");
+    let mut params = Vec::new();
+    loop {
+        let f = proto::read_frame(&mut s)
+            .map_err(|e| e.to_string())?
+            .ok_or("server closed during startup")?;
+        match f.tag {
+            b'R' => match f.body.get(..4) {
+                Some([0, 0, 0, 0]) => {}
+                Some([0, 0, 0, 5]) => {
+                    let salt: [u8; 4] = f
+                        .body
+                        .get(4..8)
+                        .and_then(|x| x.try_into().ok())
+                        .ok_or("bad md5 salt")?;
+                    let pw = proto::md5_password(user, &sh.cfg.password, &salt);
+                    proto::write_frames(&mut s, &[proto::password_message(&pw)])
+                        .map_err(|e| e.to_string())?;
+                }
+                Some([0, 0, 0, 3]) => {
+                    proto::write_frames(&mut s, &[proto::password_message(&sh.cfg.password)])
+                        .map_err(|e| e.to_string())?
+                }
+                _ => return Err("server asked for an unsupported authentication method".into()),
+            },
+            b'E' => return Err(proto::error_field(&f.body, b'M').unwrap_or_default()),
+            b'S' => params.push(f),
+            b'Z' => break,
+            _ => {}
+        }
+    }
+    s.set_read_timeout(None).map_err(|e| e.to_string())?;
+    Ok(Backend { s, epoch, params })
+}
+
+/// Sends frames and consumes answers up to `zs` ReadyForQuery; returns the last status and
+/// whether any error came back.
+fn run_quiet(b: &mut Backend, frames: &[Frame], zs: usize) -> Result<(u8, bool), String> {
+    proto::write_frames(&mut b.s, frames).map_err(|e| e.to_string())?;
+    let mut err = false;
+    let mut st = b'I';
+    let mut seen = 0;
+    while seen < zs {
+        let f = proto::read_frame(&mut b.s)
+            .map_err(|e| e.to_string())?
+            .ok_or("server closed")?;
+        match f.tag {
+            b'E' => err = true,
+            b'Z' => {
+                seen += 1;
+                st = f.body.first().copied().unwrap_or(b'I');
+            }
+            _ => {}
+        }
+    }
+    Ok((st, err))
+}
+
+fn serve_client(mut c: TcpStream, sh: &Shared) -> Result<(), String> {
+    let _ = c.set_nodelay(true);
+    c.set_read_timeout(Some(Duration::from_secs(30)))
+        .map_err(|e| e.to_string())?;
+    // Startup: refuse TLS/GSS, answer cancel requests by closing (not forwarded yet).
+    let params = loop {
+        match proto::read_startup(&mut c) {
+            Ok(Some(Startup::Ssl)) | Ok(Some(Startup::GssEnc)) => {
+                c.write_all(b"N").map_err(|e| e.to_string())?;
+            }
+            Ok(Some(Startup::Cancel { .. })) | Ok(None) => return Ok(()),
+            Ok(Some(Startup::Params(p))) => break p,
+            Err(e) => {
+                sh.stats.protocol_errors.fetch_add(1, SeqCst);
+                let code = if matches!(e, proto::ProtoError::Version(..)) {
+                    "0A000"
+                } else {
+                    "08P01"
+                };
+                fatal(&mut c, code, &format!("invalid startup packet: {e}"));
+                return Ok(());
+            }
+        }
+    };
+    let user = params
+        .iter()
+        .find(|(k, _)| k == "user")
+        .map(|(_, v)| v.clone())
+        .unwrap_or_default();
+    if params.iter().any(|(k, _)| k == "replication") {
+        fatal(
+            &mut c,
+            "08P01",
+            "replication connections are not served by the pliant proxy",
+        );
+        return Ok(());
+    }
+    // md5 authentication against the proxy's user table.
+    let salt = random_u32().to_be_bytes();
+    proto::write_frames(&mut c, &[proto::auth(5, &salt)]).map_err(|e| e.to_string())?;
+    let ok = match proto::read_frame(&mut c) {
+        Ok(Some(f)) if f.tag == b'p' => {
+            let got = proto::cstr(&f.body)
+                .map(|(s, _)| s.to_string())
+                .unwrap_or_default();
+            user == sh.cfg.user && got == proto::md5_password(&user, &sh.cfg.password, &salt)
+        }
+        Ok(Some(_)) | Err(_) => {
+            sh.stats.protocol_errors.fetch_add(1, SeqCst);
+            fatal(&mut c, "08P01", "expected password response");
+            return Ok(());
+        }
+        Ok(None) => return Ok(()),
+    };
+    if !ok {
+        sh.stats.auth_failures.fetch_add(1, SeqCst);
+        fatal(
+            &mut c,
+            "28P01",
+            &format!("password authentication failed for user \"{user}\""),
+        );
+        return Ok(());
+    }
+    let mut st = SessionState::new(params);
+    let mut be = match wait_backend(sh, &st.startup, 0) {
+        Ok(b) => b,
+        Err(e) => {
+            fatal(
+                &mut c,
+                "08006",
+                &format!("pliant: cannot reach the primary: {e}"),
+            );
+            return Ok(());
+        }
+    };
+    let mut hello = vec![proto::auth(0, &[])];
+    hello.extend(be.params.iter().cloned());
+    let id = sh.next_session.fetch_add(1, SeqCst) as u32;
+    let mut kd = id.to_be_bytes().to_vec();
+    kd.extend(random_u32().to_be_bytes());
+    hello.push(Frame::new(b'K', kd));
+    hello.push(proto::ready_for_query(b'I'));
+    proto::write_frames(&mut c, &hello).map_err(|e| e.to_string())?;
+    sh.stats.sessions_total.fetch_add(1, SeqCst);
+    c.set_read_timeout(None).map_err(|e| e.to_string())?;
+    pump(c, &mut be, &mut st, sh)
+}
+
+/// Connects to the primary, waiting out a failover in progress.
+fn wait_backend(sh: &Shared, startup: &[(String, String)], _after: u64) -> Result<Backend, String> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if sh.epoch.load(SeqCst) == sh.ready_epoch.load(SeqCst) {
+            match connect_backend(sh, startup) {
+                Ok(b) => return Ok(b),
+                Err(e) if Instant::now() > deadline => return Err(e),
+                Err(_) => {}
+            }
+        }
+        if Instant::now() > deadline || sh.shutdown.load(SeqCst) {
+            return Err("no primary available".into());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+enum Lost {
+    Moved(Backend),
+    Closed,
+}
+
+fn pump(
+    mut c: TcpStream,
+    be: &mut Backend,
+    st: &mut SessionState,
+    sh: &Shared,
+) -> Result<(), String> {
+    let mut cbuf: Vec<u8> = Vec::with_capacity(8192);
+    let mut bbuf: Vec<u8> = Vec::with_capacity(8192);
+    let mut tmp = vec![0u8; 65536];
+    // Set after an error was sent for an extended cycle: drop messages until Sync.
+    let mut skip_until_sync = false;
+    // The open transaction was aborted by a failover while the client was idle in it.
+    let mut abort_pending = false;
+    // Client frames held back until the txid of the transaction being committed is known:
+    // the COMMIT is sent only after its txid is recorded, so a failure in between is known
+    // to have aborted the transaction (one extra round trip per commit).
+    let mut held: Vec<u8> = Vec::new();
+    let mut fatal_frame: Option<Frame> = None;
+    loop {
+        if sh.shutdown.load(SeqCst) {
+            return Ok(());
+        }
+        let mut fds = [
+            libc::pollfd {
+                fd: c.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: be.s.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: fds is a valid array of two pollfd for the duration of the call.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, 50) };
+        let mut lost = sh.epoch.load(SeqCst) != be.epoch;
+        if n > 0 && !lost && fds[1].revents != 0 {
+            match be.s.read(&mut tmp) {
+                Ok(0) | Err(_) => lost = true,
+                Ok(k) => {
+                    bbuf.extend_from_slice(&tmp[..k]);
+                    let mut out = Vec::new();
+                    let mut used = 0;
+                    loop {
+                        match proto::parse_frame(&bbuf[used..]) {
+                            Ok(Some((f, u))) => {
+                                used += u;
+                                if f.tag == b'E' && is_fatal(&f) {
+                                    // The server ends this session (e.g. "terminating connection
+                                    // due to unexpected postmaster exit"): the session may still
+                                    // be moved, so the client does not see this yet.
+                                    fatal_frame = Some(f);
+                                    lost = true;
+                                    break;
+                                }
+                                if st.on_server(&f) {
+                                    f.encode_into(&mut out);
+                                }
+                            }
+                            Ok(None) => break,
+                            Err(_) => {
+                                lost = true;
+                                break;
+                            }
+                        }
+                    }
+                    bbuf.drain(..used);
+                    if !out.is_empty() && c.write_all(&out).is_err() {
+                        return Ok(());
+                    }
+                    if st.injected_outstanding() == 0 && !held.is_empty() {
+                        if be.s.write_all(&held).is_err() {
+                            lost = true;
+                        }
+                        held.clear();
+                    }
+                }
+            }
+        }
+        if lost {
+            bbuf.clear();
+            if let Some(f) = fatal_frame.take() {
+                if sh.epoch.load(SeqCst) == be.epoch && !wait_for_epoch_change(sh, be.epoch) {
+                    // Not a failover: the server really ended this session; pass its error on.
+                    sh.stats.sessions_dropped_other.fetch_add(1, SeqCst);
+                    let _ = proto::write_frames(&mut c, &[f]);
+                    return Ok(());
+                }
+            }
+            if !held.is_empty() {
+                st.commit = Some(CommitTxid::NotSent);
+                held.clear();
+            }
+            match backend_lost(&mut c, st, sh, be.epoch) {
+                Lost::Moved(nb) => {
+                    *be = nb;
+                    if st.status != b'I' && st.idle() {
+                        abort_pending = st.status == b'T';
+                    }
+                    if st.ext_open {
+                        skip_until_sync = true;
+                        st.ext_open = false;
+                    }
+                    continue;
+                }
+                Lost::Closed => return Ok(()),
+            }
+        }
+        if n > 0 && fds[0].revents != 0 {
+            match c.read(&mut tmp) {
+                Ok(0) | Err(_) => {
+                    let _ = proto::write_frames(&mut be.s, &[Frame::new(b'X', vec![])]);
+                    return Ok(());
+                }
+                Ok(k) => cbuf.extend_from_slice(&tmp[..k]),
+            }
+            let mut out = Vec::new();
+            let mut reply = Vec::new();
+            let mut used = 0;
+            loop {
+                let f = match proto::parse_frame(&cbuf[used..]) {
+                    Ok(Some((f, u))) => {
+                        used += u;
+                        f
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        sh.stats.protocol_errors.fetch_add(1, SeqCst);
+                        let _ = c.write_all(&reply);
+                        fatal(&mut c, "08P01", &format!("invalid frontend message: {e}"));
+                        let _ = proto::write_frames(&mut be.s, &[Frame::new(b'X', vec![])]);
+                        return Ok(());
+                    }
+                };
+                if skip_until_sync {
+                    if f.tag == b'S' {
+                        skip_until_sync = false;
+                        proto::ready_for_query(st.status).encode_into(&mut reply);
+                    }
+                    continue;
+                }
+                if abort_pending {
+                    abort_pending = false;
+                    let sql = if f.tag == b'Q' {
+                        proto::cstr(&f.body).map(|(s, _)| s.to_string())
+                    } else {
+                        None
+                    };
+                    let ends = sql.as_deref().is_some_and(|s| {
+                        crate::session::is_rollback(s) || crate::session::is_commit(s)
+                    });
+                    if !ends {
+                        // The server session is in a failed block too (see backend_lost), so
+                        // what follows behaves as after any error inside a transaction.
+                        proto::error_response(
+                            "ERROR",
+                            "40001",
+                            "pliant: the primary failed over; the open transaction was aborted (roll back and retry)",
+                        )
+                        .encode_into(&mut reply);
+                        st.status = b'E';
+                        if f.tag == b'Q' {
+                            proto::ready_for_query(b'E').encode_into(&mut reply);
+                        } else if f.tag != b'S' {
+                            skip_until_sync = true;
+                        } else {
+                            proto::ready_for_query(b'E').encode_into(&mut reply);
+                        }
+                        continue;
+                    }
+                }
+                match st.on_client(&f) {
+                    ClientAction::Forward {
+                        inject_before,
+                        hold,
+                        inject_after,
+                    } => {
+                        if inject_before {
+                            proto::query(crate::session::TXID_QUERY).encode_into(&mut out);
+                        }
+                        // Once something is held, everything after it is held too (order).
+                        let dst = if hold || !held.is_empty() {
+                            &mut held
+                        } else {
+                            &mut out
+                        };
+                        f.encode_into(dst);
+                        if inject_after {
+                            proto::query(crate::session::TXID_QUERY).encode_into(dst);
+                        }
+                    }
+                    ClientAction::Terminate => {
+                        let _ = be.s.write_all(&out);
+                        let _ = proto::write_frames(&mut be.s, &[f]);
+                        return Ok(());
+                    }
+                    ClientAction::Violation => {
+                        sh.stats.protocol_errors.fetch_add(1, SeqCst);
+                        let _ = be.s.write_all(&out);
+                        let _ = c.write_all(&reply);
+                        fatal(
+                            &mut c,
+                            "08P01",
+                            &format!("invalid frontend message type {}", f.tag),
+                        );
+                        let _ = proto::write_frames(&mut be.s, &[Frame::new(b'X', vec![])]);
+                        return Ok(());
+                    }
+                }
+            }
+            cbuf.drain(..used);
+            if held.len() > crate::session::MAX_INFLIGHT_BYTES {
+                // A client pipelining megabytes behind a COMMIT that waits for its txid.
+                sh.stats.protocol_errors.fetch_add(1, SeqCst);
+                fatal(
+                    &mut c,
+                    "54000",
+                    "pliant: too much data pipelined behind a COMMIT",
+                );
+                let _ = proto::write_frames(&mut be.s, &[Frame::new(b'X', vec![])]);
+                return Ok(());
+            }
+            if !reply.is_empty() && c.write_all(&reply).is_err() {
+                return Ok(());
+            }
+            if !out.is_empty() && be.s.write_all(&out).is_err() {
+                // Noticed on the next poll through the epoch or the read side.
+                let _ = be.s.shutdown(Shutdown::Both);
+            }
+        }
+    }
+}
+
+fn is_fatal(f: &Frame) -> bool {
+    matches!(
+        proto::error_field(&f.body, b'V')
+            .or_else(|| proto::error_field(&f.body, b'S'))
+            .as_deref(),
+        Some("FATAL" | "PANIC")
+    )
+}
+
+/// Waits for the controller's verdict on a lost server connection: true if a failover
+/// started (epoch moved), false if the primary stayed up (an isolated backend death).
+fn wait_for_epoch_change(sh: &Shared, old_epoch: u64) -> bool {
+    let t0 = Instant::now();
+    let verdict_ms = (sh.cfg.probe_timeout_ms + sh.cfg.probe_interval_ms) * 3 + 500;
+    while sh.epoch.load(SeqCst) == old_epoch {
+        if t0.elapsed() > Duration::from_millis(verdict_ms) || sh.shutdown.load(SeqCst) {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    true
+}
+
+/// The server connection died or its server was fenced: move the session or close it.
+fn backend_lost(c: &mut TcpStream, st: &mut SessionState, sh: &Shared, old_epoch: u64) -> Lost {
+    if !wait_for_epoch_change(sh, old_epoch) {
+        dbg("session dropped: no failover");
+        sh.stats.sessions_dropped_other.fetch_add(1, SeqCst);
+        fatal(
+            c,
+            "57P01",
+            "pliant: the server connection was lost and the primary did not fail over",
+        );
+        return Lost::Closed;
+    }
+    if let Some(u) = st.unreplayable {
+        sh.stats.sessions_dropped_unreplayable.fetch_add(1, SeqCst);
+        if st.commit.is_some() {
+            sh.stats.outcomes_unknown.fetch_add(1, SeqCst);
+        }
+        dbg("session dropped");
+        fatal(
+            c,
+            "57P01",
+            &format!(
+                "pliant: the primary failed over and this session held {} which cannot be moved; reconnect",
+                u.what()
+            ),
+        );
+        return Lost::Closed;
+    }
+    let mut nb = match wait_backend(sh, &st.startup, old_epoch) {
+        Ok(b) => b,
+        Err(e) => {
+            sh.stats.sessions_dropped_other.fetch_add(1, SeqCst);
+            dbg("session dropped");
+            fatal(
+                c,
+                "08006",
+                &format!("pliant: failover did not complete: {e}"),
+            );
+            return Lost::Closed;
+        }
+    };
+    let replay = st.replay_frames();
+    let zs = st.sets.len() + usize::from(!st.prepared.is_empty());
+    match run_quiet(&mut nb, &replay, zs) {
+        Ok((_, false)) => {}
+        Ok((_, true)) | Err(_) => {
+            sh.stats.sessions_dropped_other.fetch_add(1, SeqCst);
+            dbg("session dropped");
+            fatal(
+                c,
+                "57P01",
+                "pliant: the primary failed over and replaying this session's state failed",
+            );
+            return Lost::Closed;
+        }
+    }
+    // Txid answers still expected from the old server will never come.
+    st.resent();
+    let mut reply = Vec::new();
+    let mut aborted = false;
+    if st.idle() {
+        // Between requests: an open block is gone (Lemma 2); the client learns it on its next
+        // statement (see `abort_pending` in `pump`).
+        aborted = st.status != b'I';
+    } else if let Some(ct) = st.commit {
+        let outcome = resolve_commit(sh, &mut nb, ct);
+        let pending = st.awaiting.max(1);
+        match outcome {
+            Some(true) => {
+                sh.stats.commits_resolved_committed.fetch_add(1, SeqCst);
+                synth_commit_ok(st, &mut reply);
+            }
+            Some(false) => {
+                sh.stats.commits_resolved_aborted.fetch_add(1, SeqCst);
+                proto::error_response(
+                    "ERROR",
+                    "40001",
+                    "pliant: the primary failed before the commit reached the standby; the transaction was rolled back",
+                )
+                .encode_into(&mut reply);
+                proto::ready_for_query(b'I').encode_into(&mut reply);
+            }
+            None => {
+                sh.stats.outcomes_unknown.fetch_add(1, SeqCst);
+                proto::error_response(
+                    "ERROR",
+                    "08007",
+                    "pliant: the primary failed during COMMIT and its outcome could not be determined",
+                )
+                .encode_into(&mut reply);
+                proto::ready_for_query(b'I').encode_into(&mut reply);
+            }
+        }
+        for _ in 1..pending {
+            proto::ready_for_query(b'I').encode_into(&mut reply);
+        }
+        st.reset_cycle(b'I');
+    } else if st.cycle_status == b'I' && st.inflight_retryable() {
+        sh.stats.statements_retried.fetch_add(1, SeqCst);
+        let frames = st.inflight.clone();
+        let awaiting = st.awaiting;
+        let ext = st.ext_open;
+        if proto::write_frames(&mut nb.s, &frames).is_err() {
+            dbg("session dropped");
+            fatal(c, "08006", "pliant: lost the new primary while retrying");
+            return Lost::Closed;
+        }
+        // The state keeps counting the same cycles; responses flow normally.
+        st.awaiting = awaiting;
+        st.ext_open = ext;
+        st.resent();
+        sh.stats.sessions_kept.fetch_add(1, SeqCst);
+        return Lost::Moved(nb);
+    } else if st.cycle_status == b'I' {
+        sh.stats.outcomes_unknown.fetch_add(1, SeqCst);
+        let pending = st.awaiting;
+        proto::error_response(
+            "ERROR",
+            "08007",
+            "pliant: the primary failed while this statement ran; whether it took effect is unknown",
+        )
+        .encode_into(&mut reply);
+        for _ in 0..pending {
+            proto::ready_for_query(b'I').encode_into(&mut reply);
+        }
+        let ext = st.ext_open;
+        st.reset_cycle(b'I');
+        st.ext_open = ext;
+    } else {
+        aborted = true;
+        let pending = st.awaiting;
+        proto::error_response(
+            "ERROR",
+            "40001",
+            "pliant: the primary failed over; the open transaction was aborted (roll back and retry)",
+        )
+        .encode_into(&mut reply);
+        for _ in 0..pending {
+            proto::ready_for_query(b'E').encode_into(&mut reply);
+        }
+        let ext = st.ext_open;
+        st.reset_cycle(b'E');
+        st.ext_open = ext;
+    }
+    if aborted {
+        sh.stats.txns_aborted_by_failover.fetch_add(1, SeqCst);
+        // Put the new server session into a failed block so that later statements of the
+        // client's transaction fail as they would have, and COMMIT answers ROLLBACK.
+        if run_quiet(&mut nb, &[proto::query("BEGIN; SELECT 1/0")], 1).is_err() {
+            dbg("session dropped");
+            fatal(
+                c,
+                "08006",
+                "pliant: lost the new primary while moving the session",
+            );
+            return Lost::Closed;
+        }
+    }
+    if !reply.is_empty() && c.write_all(&reply).is_err() {
+        return Lost::Closed;
+    }
+    sh.stats.sessions_kept.fetch_add(1, SeqCst);
+    Lost::Moved(nb)
+}
+
+/// Answers for a COMMIT cycle that committed: one response per message, as the server would.
+fn synth_commit_ok(st: &SessionState, out: &mut Vec<u8>) {
+    let mut zs = 0;
+    for f in &st.inflight {
+        match f.tag {
+            b'Q' => {
+                proto::command_complete("COMMIT").encode_into(out);
+                proto::ready_for_query(b'I').encode_into(out);
+                zs += 1;
+            }
+            b'P' => Frame::new(b'1', vec![]).encode_into(out),
+            b'B' => Frame::new(b'2', vec![]).encode_into(out),
+            b'D' => {
+                if f.body.first() == Some(&b'S') {
+                    Frame::new(b't', vec![0, 0]).encode_into(out);
+                }
+                Frame::new(b'n', vec![]).encode_into(out);
+            }
+            b'E' => proto::command_complete("COMMIT").encode_into(out),
+            b'C' => Frame::new(b'3', vec![]).encode_into(out),
+            b'S' => {
+                proto::ready_for_query(b'I').encode_into(out);
+                zs += 1;
+            }
+            _ => {}
+        }
+    }
+    if zs == 0 {
+        proto::command_complete("COMMIT").encode_into(out);
+        proto::ready_for_query(b'I').encode_into(out);
+    }
+}
+
+/// True outcome of an in-flight COMMIT on the new primary, or None if it cannot be known.
+fn resolve_commit(sh: &Shared, nb: &mut Backend, ct: CommitTxid) -> Option<bool> {
+    match ct {
+        // Nothing written: committing or not changes nothing visible.
+        CommitTxid::None => Some(true),
+        CommitTxid::NotSent => Some(false),
+        CommitTxid::Pending | CommitTxid::Untracked => None,
+        CommitTxid::Some(x) => {
+            if x >= sh.xid_horizon.load(SeqCst) {
+                // The new primary never saw this xid: its commit record never replicated.
+                return Some(false);
+            }
+            let q = proto::query(&format!("SELECT txid_status({x})"));
+            proto::write_frames(&mut nb.s, &[q]).ok()?;
+            let mut ans = None;
+            loop {
+                let f = proto::read_frame(&mut nb.s).ok()??;
+                match f.tag {
+                    b'D' => {
+                        ans = proto::data_row_columns(&f.body)?
+                            .into_iter()
+                            .next()
+                            .flatten()
+                    }
+                    b'Z' => break,
+                    _ => {}
+                }
+            }
+            match ans.as_deref() {
+                Some("committed") => Some(true),
+                Some("aborted") => Some(false),
+                _ => None,
+            }
+        }
+    }
+}
+
+fn controller(sh: Arc<Shared>) {
+    let iv = Duration::from_millis(sh.cfg.probe_interval_ms);
+    let to = Duration::from_millis(sh.cfg.probe_timeout_ms);
+    let mut probe: Option<Client> = None;
+    while !sh.shutdown.load(SeqCst) {
+        let p = sh.primary.load(SeqCst);
+        let addr = sh.cfg.nodes[p];
+        let ok = probe_once(&mut probe, addr, &sh.cfg, to) || {
+            // One immediate retry on a fresh connection before declaring the primary dead.
+            probe = None;
+            probe_once(&mut probe, addr, &sh.cfg, to)
+        };
+        if !ok {
+            dbg("probe failed twice");
+            let detect = Instant::now();
+            if !sh.protected.load(SeqCst) {
+                set_err(&sh, "primary unreachable while unprotected: not failing over (acknowledged commits might be missing on the standby)");
+                std::thread::sleep(iv);
+                continue;
+            }
+            match failover(&sh, p, detect) {
+                Ok(()) => probe = None,
+                Err(e) => set_err(&sh, &format!("failover failed: {e}")),
+            }
+        }
+        std::thread::sleep(iv);
+    }
+}
+
+/// TCP connect timeout of probes: the handshake is answered by the server's kernel, not by
+/// PostgreSQL, so it does not stretch under database load; a cut link shows as a timeout.
+const CONNECT_TIMEOUT: Duration = Duration::from_millis(100);
+
+fn set_err(sh: &Shared, e: &str) {
+    if let Ok(mut g) = sh.last_error.lock() {
+        *g = e.to_string();
+    }
+}
+
+fn probe_once(
+    probe: &mut Option<Client>,
+    addr: SocketAddr,
+    cfg: &ProxyConfig,
+    to: Duration,
+) -> bool {
+    if probe.is_none() {
+        match Client::connect_with(
+            addr,
+            &cfg.user,
+            &cfg.password,
+            "postgres",
+            CONNECT_TIMEOUT,
+            to,
+        ) {
+            Ok(c) => *probe = Some(c),
+            Err(_) => return false,
+        }
+    }
+    match probe.as_mut().map(|c| c.query("SELECT 1")) {
+        Some(Ok(_)) => true,
+        _ => {
+            *probe = None;
+            false
+        }
+    }
+}
+
+fn dbg(what: &str) {
+    if std::env::var_os("PLIANT_PG_DEBUG").is_some() {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        eprintln!(
+            "{}.{:03} pg-proxy: {what}",
+            t.as_secs() % 1000,
+            t.subsec_millis()
+        );
+    }
+}
+
+fn failover(sh: &Arc<Shared>, old: usize, t0: Instant) -> Result<(), String> {
+    let new = 1 - old;
+    dbg("primary declared dead");
+    if let Some(ops) = &sh.ops {
+        ops.fence(old);
+    }
+    dbg("fenced");
+    sh.protected.store(false, SeqCst);
+    // Sessions leave the old primary now.
+    sh.epoch.fetch_add(1, SeqCst);
+    let to = Duration::from_secs(10);
+    let mut c = Client::connect(
+        sh.cfg.nodes[new],
+        &sh.cfg.user,
+        &sh.cfg.password,
+        "postgres",
+        to,
+    )
+    .map_err(|e| format!("standby: {e}"))?;
+    // pg_promote(wait => true) polls only every 100 ms; poll faster ourselves.
+    c.query("SELECT pg_promote(false)")
+        .map_err(|e| format!("pg_promote: {e}"))?;
+    let tp = Instant::now();
+    while c
+        .scalar("SELECT pg_is_in_recovery()")
+        .map_err(|e| e.to_string())?
+        .as_deref()
+        != Some("f")
+    {
+        if tp.elapsed() > Duration::from_secs(10) {
+            return Err("standby did not finish promotion within 10 s".into());
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    dbg("promotion finished");
+    let horizon = c
+        .scalar("SELECT pg_snapshot_xmax(pg_current_snapshot())")
+        .map_err(|e| e.to_string())?
+        .and_then(|s| s.parse::<u64>().ok())
+        .ok_or("no xid horizon")?;
+    sh.xid_horizon.store(horizon, SeqCst);
+    dbg("promoted");
+    sh.primary.store(new, SeqCst);
+    sh.stats
+        .last_detect_ms
+        .store(t0.elapsed().as_millis() as u64, SeqCst);
+    sh.ready_epoch.store(sh.epoch.load(SeqCst), SeqCst);
+    sh.stats.failovers.fetch_add(1, SeqCst);
+    sh.stats
+        .last_failover_ms
+        .store(t0.elapsed().as_millis() as u64, SeqCst);
+    // Running alone until re-protection: commits must not wait for a standby that is gone.
+    // A standby's configuration never names a synchronous standby (it is copied from a
+    // primary before protection is switched on), so this is a safety net, run after the gate
+    // opened (ALTER SYSTEM fsyncs, slow under load).
+    c.query("ALTER SYSTEM SET synchronous_standby_names = ''")
+        .map_err(|e| e.to_string())?;
+    c.query("SELECT pg_reload_conf()")
+        .map_err(|e| e.to_string())?;
+    if sh.cfg.auto_reprotect {
+        if let Some(ops) = sh.ops.clone() {
+            let s = sh.clone();
+            std::thread::spawn(move || match ops.reprotect(old, new) {
+                Ok(()) => {
+                    s.stats.reprotections.fetch_add(1, SeqCst);
+                    s.protected.store(true, SeqCst);
+                }
+                Err(e) => {
+                    s.stats.reprotect_failures.fetch_add(1, SeqCst);
+                    set_err(&s, &format!("re-protection failed: {e}"));
+                }
+            });
+        }
+    }
+    Ok(())
+}
