@@ -30,6 +30,9 @@ if ((${#missing[@]})); then
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
   # Debian's nginx package may start a system nginx; pliant runs its own per lab.
   if [ -f /run/nginx.pid ]; then kill "$(cat /run/nginx.pid)" 2>/dev/null || true; fi
+  # Likewise Debian's default PostgreSQL cluster: pliant runs its own servers in namespaces, and
+  # nothing should listen on the host that the configuration did not ask for.
+  if command -v pg_ctlcluster >/dev/null; then pg_ctlcluster 15 main stop 2>/dev/null || true; fi
 fi
 command -v cargo >/dev/null || { echo "install-deps: cargo not found (install Rust with rustup)" >&2; exit 1; }
 mkdir -p /run/pliant

@@ -16,6 +16,28 @@ enum BenchCmd {
     /// Forwarding/NAT throughput (iperf3), 64-byte packet rate (trafgen) and RTT (ping) for
     /// kernel forwarding, kernel nftables NAT and pliant NAT, measured in one run.
     Forward(ForwardArgs),
+    /// PostgreSQL HA: pgbench TPS/latency unprotected vs synchronous replication vs through the
+    /// pliant proxy, plus failover trials (failover_ms, sessions kept, acked commits lost).
+    Pg(PgBenchArgs),
+}
+
+#[derive(Args)]
+struct PgBenchArgs {
+    /// Print only the JSON object on stdout.
+    #[arg(long)]
+    json: bool,
+    /// pgbench scale factor.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    scale: u32,
+    /// pgbench clients (sessions).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=200))]
+    clients: u32,
+    /// Seconds per pgbench run (1..=300).
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=300))]
+    duration: u32,
+    /// Kill trials under the bank workload (each is a failover plus re-protection).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(0..=1000))]
+    trials: u32,
 }
 
 #[derive(Args)]
@@ -43,6 +65,7 @@ struct ForwardArgs {
 pub fn run(a: BenchArgs) -> Result<(), String> {
     match a.cmd {
         BenchCmd::Forward(f) => forward(f),
+        BenchCmd::Pg(p) => pg(p),
     }
 }
 
@@ -99,5 +122,22 @@ fn forward(f: ForwardArgs) -> Result<(), String> {
     if pliant_lab::cmd::interrupted() {
         return Err("interrupted: the report above is partial".into());
     }
+    Ok(())
+}
+
+fn pg(p: PgBenchArgs) -> Result<(), String> {
+    let opts = pliant_pg::bench::BenchOpts {
+        scale: p.scale,
+        clients: p.clients,
+        duration_s: p.duration,
+        trials: p.trials,
+        ..pliant_pg::bench::BenchOpts::default()
+    };
+    let report = pliant_pg::bench::run(opts)?;
+    if !p.json {
+        eprintln!("[bench pg] done");
+    }
+    // The JSON contract: one object on the last line of stdout.
+    println!("{report}");
     Ok(())
 }
