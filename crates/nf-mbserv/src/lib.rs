@@ -131,6 +131,35 @@ pub struct MbServ {
     scratch: Vec<u8>,
 }
 
+/// Occurrences of `pat` in `hay` that start at index `from` or later, overlapping ones included.
+///
+/// Jumps between candidate positions by the pattern's first byte, so a payload where that byte
+/// is rare costs about one byte comparison per byte. Comparing every window instead
+/// (`windows().filter(==)`, a memcmp call per offset) capped MBServ at ~0.2 Gbps on 64 KiB GSO
+/// frames in the lab, against 2-4 Gbps with no patterns configured.
+fn count_from(hay: &[u8], pat: &[u8], from: usize) -> u64 {
+    let Some((&first, rest)) = pat.split_first() else {
+        return 0;
+    };
+    let Some(last_start) = hay.len().checked_sub(pat.len()) else {
+        return 0;
+    };
+    let mut n = 0;
+    let mut i = from;
+    while i <= last_start {
+        let Some(off) = hay[i..=last_start].iter().position(|&b| b == first) else {
+            break;
+        };
+        let start = i + off;
+        // start <= last_start, so the whole pattern fits in `hay`.
+        if &hay[start + 1..start + pat.len()] == rest {
+            n += 1;
+        }
+        i = start + 1;
+    }
+    n
+}
+
 impl MbServ {
     pub fn new(cfg: Config) -> Result<Self, String> {
         if cfg.patterns.len() > MAX_PATTERNS {
@@ -212,15 +241,9 @@ impl MbServ {
         let hay = &self.scratch;
         let mut n = 0u64;
         for p in &self.patterns {
-            if p.len() <= hay.len() {
-                // Only matches that end in the new bytes: one wholly inside the carry (a short
-                // pattern) was counted with the previous segment.
-                n += hay
-                    .windows(p.len())
-                    .enumerate()
-                    .filter(|(i, w)| i + p.len() > prefix && *w == p.as_slice())
-                    .count() as u64;
-            }
+            // Only matches that end in the new bytes: one wholly inside the carry (a short
+            // pattern) was counted with the previous segment.
+            n += count_from(hay, p, (prefix + 1).saturating_sub(p.len()));
         }
         let keep = self.carry_len.min(hay.len());
         carry.clear();
@@ -561,6 +584,56 @@ mod tests {
     }
 
     #[test]
+    fn count_from_agrees_with_comparing_every_window() {
+        fn naive(hay: &[u8], pat: &[u8], from: usize) -> u64 {
+            if pat.len() > hay.len() {
+                return 0;
+            }
+            hay.windows(pat.len())
+                .enumerate()
+                .filter(|(i, w)| *i >= from && *w == pat)
+                .count() as u64
+        }
+        // Small alphabet so first-byte candidates, overlaps and near-misses are frequent.
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let pats: [&[u8]; 5] = [b"a", b"ab", b"aba", b"abcab", b"aaaa"];
+        let mut checked = 0;
+        for len in [0usize, 1, 2, 3, 7, 64, 1000] {
+            let hay: Vec<u8> = (0..len).map(|_| b"abc"[(next() % 3) as usize]).collect();
+            for p in pats {
+                for from in [0, 1, 2, len / 2, len.saturating_sub(1), len, len + 5] {
+                    assert_eq!(
+                        count_from(&hay, p, from),
+                        naive(&hay, p, from),
+                        "hay {:?} pat {:?} from {from}",
+                        String::from_utf8_lossy(&hay),
+                        String::from_utf8_lossy(p)
+                    );
+                    checked += 1;
+                }
+            }
+        }
+        assert_eq!(checked, 7 * 5 * 7);
+        assert_eq!(
+            count_from(b"aaaaa", b"aa", 0),
+            4,
+            "overlapping matches count"
+        );
+        assert_eq!(
+            count_from(b"xxattack", b"attack", 3),
+            0,
+            "starts before `from`"
+        );
+        assert_eq!(count_from(b"", b"a", 0), 0);
+    }
+
+    #[test]
     fn string_matches_are_counted_once_even_across_segments() {
         let mut h = mbserv(Config {
             ignore_case: true,
@@ -604,7 +677,8 @@ mod tests {
         t.server(&mut h, RST, b"");
         assert_eq!(state(&h, &t), TcpState::Closed);
         assert_eq!(pass(&mut h, Side::Inside, &t.c(ACK, b"late")), 0);
-        assert_eq!(h.drop_count("mbserv_invalid"), 3);
+        assert_eq!(h.drop_count("mbserv_after_reset"), 1);
+        assert_eq!(h.drop_count("mbserv_invalid"), 2);
         // The client may reuse the tuple with a new SYN.
         assert_eq!(t.client(&mut h, SYN, b""), 1);
         assert_eq!(state(&h, &t), TcpState::SynSent);
