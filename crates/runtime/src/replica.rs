@@ -45,8 +45,10 @@ fn install_signal_handlers() -> Result<(), String> {
 /// Measurement knobs on the port layout (for benchmarking alternatives in one binary; the
 /// defaults are what `PortOptions` chooses): `PLIANT_RX_SLOTS` = V2 RX slots per port,
 /// `PLIANT_TX_SLOT_BYTES` = bytes per TX-ring slot (65_664 lets GSO super-frames use the ring
-/// instead of a copying `sendmsg`; lower `PLIANT_TX_SLOTS` with it, the ring is slots x bytes). Values `PacketPort::open` refuses make the replica fail to
-/// start with the reason, like a bad config.
+/// instead of a copying `sendmsg`; lower `PLIANT_TX_SLOTS` with it, the ring is slots x bytes),
+/// `PLIANT_TX_MODE=sendmmsg` = `TxMode::Sendmmsg` instead of the TX ring. Values
+/// `PacketPort::open` refuses make the replica fail to start with the reason, like a bad config.
+/// Measured, none beat the defaults (crates/runtime/README.md, "Packet loop performance").
 fn tune_ports(mut o: PortOptions) -> PortOptions {
     let num = |k: &str| {
         std::env::var(k)
@@ -64,6 +66,23 @@ fn tune_ports(mut o: PortOptions) -> PortOptions {
     }
     if let Some(n) = num("PLIANT_TX_SLOTS") {
         o.tx_frame_count = n;
+    }
+    if std::env::var("PLIANT_TX_MODE").as_deref() == Ok("sendmmsg") {
+        o.tx_mode = pliant_io::TxMode::Sendmmsg;
+    }
+    o
+}
+
+/// `EngineOptions` with the measurement knob `PLIANT_BATCH` (frames per port per round,
+/// 1..=max_output/2; default 64): bigger batches mean fewer TX kicks per frame under load.
+fn engine_options() -> EngineOptions {
+    let mut o = EngineOptions::default();
+    if let Some(b) = std::env::var("PLIANT_BATCH")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+    {
+        // Two ports x batch must stay under `max_output` (4096) or outputs are dropped.
+        o.batch = b.clamp(1, o.max_output / 2);
     }
     o
 }
@@ -117,7 +136,7 @@ pub fn run<N: NetworkFunction>(cfg: &ReplicaConfig, nf: N) -> Result<(), String>
         nf,
         [inside, outside],
         nets,
-        EngineOptions::default(),
+        engine_options(),
         Instant::now(),
     );
     engine.set_control(handle);

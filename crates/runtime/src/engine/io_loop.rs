@@ -43,9 +43,12 @@ pub(crate) fn next_step(
 }
 
 /// Spin budget used when the caller does not choose one (`PLIANT_SPIN_US` in the replica).
-/// Long enough to cover the gap between frames of one TCP window or a 64-byte stream on this
-/// machine (tens of µs), short enough that an idle replica costs nothing measurable.
-pub const DEFAULT_SPIN: Duration = Duration::from_micros(200);
+/// Zero: on the shared 2-core benchmark machine spinning 50-200 µs (with a yield per round)
+/// showed no measurable gain in packets/s, Gbit/s or ping RTT (pings 2 ms apart outlast any
+/// sane budget; under load the loop rarely sleeps anyway), while the yields cost ~13% of the
+/// replica's CPU (crates/runtime/README.md, "Packet loop performance"). The knob stays for
+/// machines with a dedicated core.
+pub const DEFAULT_SPIN: Duration = Duration::ZERO;
 
 impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
     /// Like [`Engine::run`], but keeps polling (with a yield per empty round) for `spin` after
