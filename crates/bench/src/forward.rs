@@ -290,25 +290,36 @@ fn measure_iperf(
         "  iperf3: {streams} TCP stream(s) for {duration_s} s"
     ));
     let (t, p) = (duration_s.to_string(), streams.to_string());
-    let out = lab
-        .exec_timeout(
-            Role::Client,
-            &[
-                "iperf3",
-                "-c",
-                SERVER_IP,
-                "-t",
-                &t,
-                "-P",
-                &p,
-                "-J",
-                "--connect-timeout",
-                "3000",
-            ],
-            Duration::from_secs(u64::from(duration_s) + 30),
-        )
-        .map_err(lab_err)?;
-    parse_iperf3_gbps(&out.stdout)
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        let out = lab
+            .exec_timeout(
+                Role::Client,
+                &[
+                    "iperf3",
+                    "-c",
+                    SERVER_IP,
+                    "-t",
+                    &t,
+                    "-P",
+                    &p,
+                    "-J",
+                    "--connect-timeout",
+                    "3000",
+                ],
+                Duration::from_secs(u64::from(duration_s) + 30),
+            )
+            .map_err(lab_err)?;
+        // The iperf3 server answers "busy" for a moment after the previous test while it
+        // finishes that test's bookkeeping; that is not a measurement, so wait and retry.
+        if attempt < 3 && out.stdout.contains("the server is busy") {
+            progress("  iperf3: server still busy with the previous test, retrying in 1 s");
+            std::thread::sleep(Duration::from_secs(1));
+            continue;
+        }
+        return parse_iperf3_gbps(&out.stdout);
+    }
 }
 
 /// trafgen packet description: one 60-byte frame, source port cycling over `flows` values.
