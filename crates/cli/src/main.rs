@@ -4,6 +4,7 @@
 use clap::{Parser, Subcommand};
 
 mod cmd_bench;
+mod cmd_controller;
 mod cmd_lab;
 mod cmd_pg;
 mod cmd_replica;
@@ -31,6 +32,18 @@ enum Cmd {
     Pg(cmd_pg::PgArgs),
     /// The main demo: a lab with a pliant NAT and real traffic through it.
     Demo(cmd_lab::DemoArgs),
+    /// Run the elasticity controller daemon (heartbeats, migrations, scaling, policies).
+    Controller(cmd_controller::ControllerArgs),
+    /// Controller view: replicas, load, counters, recent events.
+    Status(cmd_controller::StatusArgs),
+    /// Flows per replica, as the controller sees them.
+    Flows(cmd_controller::FlowsArgs),
+    /// Move flows between replicas through the controller.
+    Migrate(cmd_controller::MigrateArgs),
+    /// Scale out (add a replica) or in (merge one away) through the controller.
+    Scale(cmd_controller::ScaleArgs),
+    /// Show or change the controller's elasticity policy.
+    Policy(cmd_controller::PolicyArgs),
 }
 
 fn main() {
@@ -43,6 +56,12 @@ fn main() {
         Cmd::Bench(a) => cmd_bench::run(a),
         Cmd::Demo(a) => cmd_lab::demo(a),
         Cmd::Pg(a) => cmd_pg::run(a),
+        Cmd::Controller(a) => cmd_controller::run(a),
+        Cmd::Status(a) => cmd_controller::status(a),
+        Cmd::Flows(a) => cmd_controller::flows(a),
+        Cmd::Migrate(a) => cmd_controller::migrate(a),
+        Cmd::Scale(a) => cmd_controller::scale(a),
+        Cmd::Policy(a) => cmd_controller::policy(a),
     };
     if let Err(e) = res {
         eprintln!("pliant: error: {e}");

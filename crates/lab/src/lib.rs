@@ -12,6 +12,7 @@ pub mod cmd;
 pub mod error;
 pub mod fabric;
 mod lab;
+pub mod scale;
 pub mod state;
 pub mod topology;
 

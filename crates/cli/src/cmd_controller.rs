@@ -1,0 +1,379 @@
+//! `pliant controller|status|flows|migrate|scale|policy`: the elasticity controller daemon and
+//! the commands that talk to it over its authenticated HTTP/JSON API.
+
+use clap::{Args, Subcommand};
+use pliant_controller::http;
+use serde_json::{json, Value};
+use std::path::PathBuf;
+use std::time::Duration;
+
+const DEFAULT_API: &str = "/run/pliant/controller/api.sock";
+const DEFAULT_TOKEN: &str = "/run/pliant/controller/token";
+
+#[derive(Args)]
+#[command(
+    about = "Run the elasticity controller daemon (heartbeats, migrations, scaling, policies)",
+    after_help = "Serves an HTTP/JSON API on a unix socket (mode 0600; optionally TCP). Every \
+        request needs `Authorization: Bearer <token>`; the token is read from the token file \
+        (created with mode 0600 on first start). Runs until SIGINT/SIGTERM.\n\n\
+        Example ctl.toml:\n\
+        [controller]\n\
+        api_socket = \"/run/pliant/controller/api.sock\"\n\
+        token_file = \"/run/pliant/controller/token\"\n\
+        store = \"/run/pliant/controller/store.json\"\n\
+        heartbeat_ms = 100\n\
+        [lab]\n\
+        name = \"demo\"          # replicas are namespaces of this running lab\n\
+        nat_addr = \"10.77.2.1\"\n\
+        [ports]                # NAT port blocks per replica\n\
+        per_replica = 1\n\
+        [policy]\n\
+        high_water_flows = 60\n\
+        low_water_flows = 40"
+)]
+pub struct ControllerArgs {
+    /// Controller configuration file (TOML).
+    #[arg(long)]
+    pub config: PathBuf,
+    /// Validate the configuration and exit.
+    #[arg(long)]
+    pub check: bool,
+}
+
+/// How to reach the daemon (shared by every client command).
+#[derive(Args, Clone)]
+pub struct Conn {
+    /// Controller API: a unix socket path or tcp://host:port.
+    #[arg(long, env = "PLIANT_API", default_value = DEFAULT_API, global = true)]
+    pub api: String,
+    /// File holding the API bearer token.
+    #[arg(long, env = "PLIANT_TOKEN_FILE", default_value = DEFAULT_TOKEN, global = true)]
+    pub token_file: PathBuf,
+    /// Print the raw JSON answer.
+    #[arg(long, global = true)]
+    pub json: bool,
+}
+
+#[derive(Args)]
+#[command(
+    about = "Show replicas (alive, flows, packets/s, port blocks), counters and recent events"
+)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    pub conn: Conn,
+}
+
+#[derive(Args)]
+#[command(about = "List the flows each replica holds (keys and aliases)")]
+pub struct FlowsArgs {
+    #[command(flatten)]
+    pub conn: Conn,
+    /// Only this replica (e.g. r2).
+    #[arg(long)]
+    pub replica: Option<String>,
+}
+
+#[derive(Args)]
+#[command(
+    about = "Move flows between replicas (loss-free; steering follows)",
+    after_help = "Either one flow by key (any of its keys or aliases, in the form printed by \
+        `pliant flows`):\n  pliant migrate --flow \"tcp 10.77.1.2:40000 <-> 10.77.2.2:80\" --to r2\n\
+        or a number of flows:\n  pliant migrate --count 10 --from r1 --to r2"
+)]
+pub struct MigrateArgs {
+    #[command(flatten)]
+    pub conn: Conn,
+    /// Flow key to move.
+    #[arg(long, conflicts_with_all = ["count", "from"])]
+    pub flow: Option<String>,
+    /// Number of flows to move (with --from).
+    #[arg(long, requires = "from")]
+    pub count: Option<u64>,
+    /// Source replica (with --count).
+    #[arg(long)]
+    pub from: Option<String>,
+    /// Destination replica (e.g. r2).
+    #[arg(long)]
+    pub to: String,
+}
+
+#[derive(Args)]
+#[command(about = "Add a replica (out) or merge one away (in)")]
+pub struct ScaleArgs {
+    #[command(flatten)]
+    pub conn: Conn,
+    #[command(subcommand)]
+    pub dir: ScaleDir,
+}
+
+#[derive(Subcommand)]
+pub enum ScaleDir {
+    /// Start a replica and add it to the fabric's ring.
+    Out,
+    /// Migrate a replica's flows into the others, merge its shared state, destroy it.
+    In {
+        /// The replica to remove (default: the one with the fewest flows).
+        #[arg(long)]
+        replica: Option<String>,
+    },
+}
+
+#[derive(Args)]
+#[command(about = "Show or change the elasticity policy")]
+pub struct PolicyArgs {
+    #[command(flatten)]
+    pub conn: Conn,
+    #[command(subcommand)]
+    pub op: PolicyOp,
+}
+
+#[derive(Subcommand)]
+pub enum PolicyOp {
+    /// Print the policy.
+    Show,
+    /// Change thresholds: `pliant policy set high_water_flows=100 low_water_flows=20`.
+    #[command(
+        after_help = "Keys: auto, high_water_flows, low_water_flows, high_water_pps, \
+        min_replicas, max_replicas, rebalance, imbalance_flows, cooldown_ms, max_batch. \
+        All assignments apply together or not at all."
+    )]
+    Set {
+        /// key=value pairs.
+        #[arg(required = true)]
+        pairs: Vec<String>,
+    },
+    /// Evaluate the policy once now (acts even when auto is off).
+    Evaluate,
+}
+
+pub fn run(a: ControllerArgs) -> Result<(), String> {
+    let cfg =
+        pliant_controller::config::ControllerConfig::load(&a.config).map_err(|e| e.to_string())?;
+    if a.check {
+        println!("{}: ok", a.config.display());
+        return Ok(());
+    }
+    drop(cfg);
+    pliant_runtime::logging::init();
+    pliant_controller::daemon::run(
+        &a.config,
+        Box::new(pliant_controller::migrator::RuntimeMigrator),
+    )
+    .map_err(|e| e.to_string())
+}
+
+fn call(c: &Conn, method: &str, path: &str, body: Option<Value>) -> Result<Value, String> {
+    let token = std::fs::read_to_string(&c.token_file)
+        .map_err(|e| {
+            format!(
+                "cannot read the API token {}: {e} (is the controller running? are you root?)",
+                c.token_file.display()
+            )
+        })?
+        .trim()
+        .to_string();
+    let b = body.map(|v| v.to_string());
+    // Scale-in drains a replica (many migrations): allow it time.
+    let (status, text) = http::request(
+        &c.api,
+        &token,
+        method,
+        path,
+        b.as_deref(),
+        Duration::from_secs(120),
+    )
+    .map_err(|e| e.to_string())?;
+    let v: Value = serde_json::from_str(&text).unwrap_or_else(|_| json!({"raw": text}));
+    if status == 200 {
+        return Ok(v);
+    }
+    let msg = v["error"]
+        .as_str()
+        .map(str::to_string)
+        .unwrap_or_else(|| text.clone());
+    Err(match status {
+        401 => format!(
+            "controller refused the token from {}: {msg}",
+            c.token_file.display()
+        ),
+        _ => format!("controller answered {status}: {msg}"),
+    })
+}
+
+fn print_json(v: &Value) -> Result<(), String> {
+    println!(
+        "{}",
+        serde_json::to_string_pretty(v).map_err(|e| e.to_string())?
+    );
+    Ok(())
+}
+
+pub fn status(a: StatusArgs) -> Result<(), String> {
+    let v = call(&a.conn, "GET", "/v1/status", None)?;
+    if a.conn.json {
+        return print_json(&v);
+    }
+    println!("epoch {}", v["epoch"]);
+    println!(
+        "{:<6} {:<6} {:>8} {:>10} {:<14} note",
+        "name", "alive", "flows", "pps", "ports"
+    );
+    for r in v["replicas"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
+        let ports = r["port_blocks"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(Value::as_str)
+                    .collect::<Vec<_>>()
+                    .join(",")
+            })
+            .unwrap_or_default();
+        let note = if r["draining"] == true {
+            "draining".to_string()
+        } else {
+            r["last_error"].as_str().unwrap_or("").to_string()
+        };
+        println!(
+            "{:<6} {:<6} {:>8} {:>10} {:<14} {note}",
+            r["name"].as_str().unwrap_or("?"),
+            r["alive"],
+            r["flows"],
+            r["pps"],
+            ports
+        );
+    }
+    let c = &v["counters"];
+    println!(
+        "migrated {} flows ({} failed batches), scale-outs {}, scale-ins {}, rebalances {}",
+        c["flows_migrated"],
+        c["migrations_failed"],
+        c["scale_outs"],
+        c["scale_ins"],
+        c["rebalances"]
+    );
+    if let Some(ev) = v["events"].as_array().filter(|e| !e.is_empty()) {
+        println!("recent events:");
+        for e in ev.iter().take(8) {
+            println!("  {} {}", e["event"].as_str().unwrap_or("?"), e["detail"]);
+        }
+    }
+    Ok(())
+}
+
+pub fn flows(a: FlowsArgs) -> Result<(), String> {
+    let path = match &a.replica {
+        Some(r) => format!("/v1/flows?replica={}", r.trim()),
+        None => "/v1/flows".to_string(),
+    };
+    let v = call(&a.conn, "GET", &path, None)?;
+    if a.conn.json {
+        return print_json(&v);
+    }
+    for r in v["replicas"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
+        let name = format!("r{}", r["replica"]);
+        if r["alive"] != true {
+            println!("{name}: dead");
+            continue;
+        }
+        if let Some(e) = r["error"].as_str() {
+            println!("{name}: error: {e}");
+            continue;
+        }
+        let list = r["flows"].as_array().map(Vec::as_slice).unwrap_or(&[]);
+        println!("{name}: {} flows ({} listed)", r["total"], list.len());
+        for f in list {
+            let aliases: Vec<&str> = f["aliases"]
+                .as_array()
+                .map(|a| a.iter().filter_map(Value::as_str).collect())
+                .unwrap_or_default();
+            if aliases.is_empty() {
+                println!("  {}", f["key"].as_str().unwrap_or("?"));
+            } else {
+                println!(
+                    "  {}  (aliases: {})",
+                    f["key"].as_str().unwrap_or("?"),
+                    aliases.join("; ")
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+pub fn migrate(a: MigrateArgs) -> Result<(), String> {
+    let body = match (&a.flow, a.count, &a.from) {
+        (Some(f), _, _) => json!({"flow": f, "to": a.to}),
+        (None, Some(n), Some(from)) => json!({"from": from, "to": a.to, "count": n}),
+        _ => return Err("give --flow KEY, or --count N --from rA (see --help)".into()),
+    };
+    let v = call(&a.conn, "POST", "/v1/migrate", Some(body))?;
+    if a.conn.json {
+        return print_json(&v);
+    }
+    println!(
+        "moved {} flow(s) r{} -> r{} in {:.1} ms ({} keys steered, epoch {})",
+        v["moved"],
+        v["from"],
+        v["to"],
+        v["ms"].as_f64().unwrap_or(0.0),
+        v["keys_steered"],
+        v["epoch"]
+    );
+    if let Some(f) = v["failed"].as_array().filter(|f| !f.is_empty()) {
+        println!("{} flow(s) stayed at the source (busy): {:?}", f.len(), f);
+    }
+    Ok(())
+}
+
+pub fn scale(a: ScaleArgs) -> Result<(), String> {
+    let v = match &a.dir {
+        ScaleDir::Out => call(&a.conn, "POST", "/v1/scale/out", None)?,
+        ScaleDir::In { replica } => {
+            let body = match replica {
+                Some(r) => json!({"replica": r}),
+                None => json!({}),
+            };
+            call(&a.conn, "POST", "/v1/scale/in", Some(body))?
+        }
+    };
+    if a.conn.json {
+        return print_json(&v);
+    }
+    match &a.dir {
+        ScaleDir::Out => println!(
+            "added r{}: process ready in {} ms, serving in {} ms",
+            v["replica"], v["process_ready_ms"], v["serving_ms"]
+        ),
+        ScaleDir::In { .. } => println!(
+            "removed r{}: {} flow(s) merged into the others in {} ms",
+            v["replica"], v["moved"], v["ms"]
+        ),
+    }
+    Ok(())
+}
+
+pub fn policy(a: PolicyArgs) -> Result<(), String> {
+    let v = match &a.op {
+        PolicyOp::Show => call(&a.conn, "GET", "/v1/policy", None)?,
+        PolicyOp::Set { pairs } => {
+            let mut set = serde_json::Map::new();
+            for p in pairs {
+                let (k, val) = p
+                    .split_once('=')
+                    .ok_or_else(|| format!("{p:?}: expected key=value"))?;
+                set.insert(k.trim().to_string(), json!(val.trim()));
+            }
+            call(&a.conn, "POST", "/v1/policy", Some(json!({"set": set})))?
+        }
+        PolicyOp::Evaluate => call(&a.conn, "POST", "/v1/policy/evaluate", None)?,
+    };
+    if a.conn.json || matches!(a.op, PolicyOp::Evaluate) {
+        return print_json(&v);
+    }
+    if let Some(p) = v["policy"].as_object() {
+        for (k, val) in p {
+            println!("{k} = {val}");
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,487 @@
+//! End-to-end elasticity: the `pliant controller` daemon over a pliant NAT lab, with tc-BPF
+//! steering it attaches itself, the lab agent, real replica migrations and real UDP flows.
+//!
+//! Hotspot scenario (after the seed): flows are added one by one through the NAT (each a
+//! separate UDP "session" sending a datagram every 50 ms to an echo server and counting the
+//! echoes); when the average passes the high-water mark the controller creates a replica; flows
+//! keep being added until the new replica holds one (steered there by the new ring); then
+//! rebalancing is switched on (`pliant policy set rebalance=true`) and the controller moves
+//! flows from the hot replica until the split is even. Every flow must still get its echoes
+//! afterwards (a flow broken by a migration — state lost, steering or NAT return path wrong —
+//! stops counting), and the status/CLI must show two live replicas.
+//!
+//! Needs root (skips otherwise). Run in release (the unoptimised runtime is slow):
+//! `cargo test --release -p pliant-cli --test e2e_scale -- --test-threads=1 --nocapture`.
+
+use pliant_lab::{cmd, Lab, LabSpec, PliantNf, ReplicaMode, Role, CLIENT_IP, SERVER_IP};
+use serde_json::Value;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .map(|s| {
+            s.lines()
+                .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0"))
+        })
+        .unwrap_or(false)
+}
+
+fn pliant() -> &'static str {
+    env!("CARGO_BIN_EXE_pliant")
+}
+
+const ECHO_PORT: u16 = 9000;
+
+const ECHO_SERVER: &str = r#"
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind((sys.argv[1], int(sys.argv[2])))
+while True:
+    d, a = s.recvfrom(2048)
+    s.sendto(d, a)
+"#;
+
+/// One UDP flow: sends every 50 ms from a fixed source port, writes the echo count to a file.
+const FLOW_CLIENT: &str = r#"
+import socket, sys, time, os
+src, sport, dst, dport, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5]
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind((src, sport))
+s.settimeout(0.05)
+got = 0
+seq = 0
+last = 0
+while True:
+    seq += 1
+    s.sendto(str(seq).encode(), (dst, dport))
+    end = time.time() + 0.05
+    while time.time() < end:
+        try:
+            s.recvfrom(2048)
+            got += 1
+        except socket.timeout:
+            break
+    if time.time() - last > 0.2:
+        last = time.time()
+        tmp = out + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(str(got))
+        os.replace(tmp, out)
+"#;
+
+/// Everything this test started, stopped in the right order on drop (also on panic):
+/// flows, controller (it detaches its BPF filters), replicas the controller added, the lab.
+struct Run {
+    dir: PathBuf,
+    controller: Option<Child>,
+    flows: Vec<Child>,
+    echo: Option<Child>,
+    lab: Option<Lab>,
+    initial: Vec<u8>,
+}
+
+impl Drop for Run {
+    fn drop(&mut self) {
+        for c in self.flows.iter_mut().chain(self.echo.iter_mut()) {
+            cmd::stop_group(c, libc::SIGKILL, Duration::from_secs(1));
+        }
+        if let Some(mut c) = self.controller.take() {
+            // SAFETY: SIGTERM to the controller process this test spawned (by PID).
+            unsafe {
+                libc::kill(c.id() as i32, libc::SIGTERM);
+            }
+            if cmd::wait_bounded(&mut c, Duration::from_secs(5)).is_none() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+        if let Some(lab) = self.lab.take() {
+            let opts = pliant_lab::scale::ScaleOptions::default();
+            // Replicas the controller added are in the lab's state file, not in this handle.
+            if let Ok(rs) = pliant_lab::scale::replicas(lab.name(), &opts) {
+                for r in rs.iter().filter(|r| !self.initial.contains(&r.index)) {
+                    let _ = pliant_lab::scale::remove_replica(lab.name(), r.index, &opts);
+                }
+            }
+            drop(lab);
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl Run {
+    fn lab(&self) -> &Lab {
+        self.lab.as_ref().expect("lab")
+    }
+
+    fn conn(&self) -> Vec<String> {
+        vec![
+            "--api".into(),
+            self.dir.join("api.sock").display().to_string(),
+            "--token-file".into(),
+            self.dir.join("token").display().to_string(),
+        ]
+    }
+
+    fn cli(&self, args: &[&str]) -> Value {
+        let out = Command::new(pliant())
+            .args(args)
+            .args(self.conn())
+            .arg("--json")
+            .output()
+            .expect("run pliant");
+        assert!(
+            out.status.success(),
+            "pliant {args:?}: {}\ncontroller log: {}",
+            String::from_utf8_lossy(&out.stderr),
+            pliant_lab::log_tail(&self.dir.join("controller.log"), 30)
+        );
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("pliant {args:?}: {e}"))
+    }
+
+    /// Live replicas' flow counts by index (from the controller's heartbeats).
+    fn loads(&self) -> Vec<(u64, u64)> {
+        let v = self.cli(&["status"]);
+        v["replicas"]
+            .as_array()
+            .map(Vec::as_slice)
+            .unwrap_or(&[])
+            .iter()
+            .filter(|r| r["alive"] == true)
+            .map(|r| {
+                (
+                    r["index"].as_u64().unwrap_or(0),
+                    r["flows"].as_u64().unwrap_or(0),
+                )
+            })
+            .collect()
+    }
+
+    fn wait_for(&self, what: &str, limit: Duration, mut f: impl FnMut(&Run) -> bool) {
+        let t = Instant::now();
+        while t.elapsed() < limit {
+            if f(self) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!(
+            "timed out after {limit:?} waiting for {what}; status: {}\ncontroller log: {}",
+            self.cli(&["status"]),
+            pliant_lab::log_tail(&self.dir.join("controller.log"), 30)
+        );
+    }
+
+    fn add_flow(&mut self, sport: u16) {
+        let out = self.dir.join(format!("flow-{sport}.count"));
+        let script = self.dir.join("flow.py").display().to_string();
+        let (sp, dp, o) = (
+            sport.to_string(),
+            ECHO_PORT.to_string(),
+            out.display().to_string(),
+        );
+        let log = self.dir.join(format!("flow-{sport}.log"));
+        let c = self
+            .lab()
+            .spawn(
+                Role::Client,
+                &["python3", &script, CLIENT_IP, &sp, SERVER_IP, &dp, &o],
+                &log,
+            )
+            .expect("spawn flow");
+        self.flows.push(c);
+    }
+
+    fn echoes(&self, sport: u16) -> u64 {
+        std::fs::read_to_string(self.dir.join(format!("flow-{sport}.count")))
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(0)
+    }
+}
+
+fn start(tag: &str, policy: &str) -> Option<Run> {
+    start_with_file(tag, policy, None)
+}
+
+fn start_with_file(tag: &str, policy: &str, file: Option<(&str, u64)>) -> Option<Run> {
+    if !is_root() {
+        eprintln!("skipping: needs root");
+        return None;
+    }
+    let dir = std::env::temp_dir().join(format!("pliant-e2e-scale-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let mut spec = LabSpec::new(ReplicaMode::Pliant {
+        config: PliantNf::nat(),
+    });
+    spec.pliant_bin = Some(PathBuf::from(pliant()));
+    if let Some((name, size)) = file {
+        spec = spec.with_file(name, size);
+    }
+    let lab = Lab::up(spec).unwrap_or_else(|e| panic!("lab up: {e}"));
+    let mut run = Run {
+        dir: dir.clone(),
+        controller: None,
+        flows: Vec::new(),
+        echo: None,
+        initial: vec![1],
+        lab: Some(lab),
+    };
+    std::fs::write(dir.join("echo.py"), ECHO_SERVER).expect("write");
+    std::fs::write(dir.join("flow.py"), FLOW_CLIENT).expect("write");
+    let echo = run
+        .lab()
+        .spawn(
+            Role::Server,
+            &[
+                "python3",
+                &dir.join("echo.py").display().to_string(),
+                SERVER_IP,
+                &ECHO_PORT.to_string(),
+            ],
+            &dir.join("echo.log"),
+        )
+        .expect("echo server");
+    run.echo = Some(echo);
+    let ctl = format!(
+        "[controller]\napi_socket = \"{d}/api.sock\"\ntoken_file = \"{d}/token\"\n\
+         store = \"{d}/store.json\"\nheartbeat_ms = 100\npolicy_interval_ms = 200\n\
+         [lab]\nname = \"{name}\"\nnat_addr = \"10.77.2.1\"\n[ports]\nper_replica = 1\n\
+         [policy]\n{policy}\n",
+        d = dir.display(),
+        name = run.lab().name(),
+    );
+    let cfg = dir.join("ctl.toml");
+    std::fs::write(&cfg, ctl).expect("write ctl.toml");
+    let log = std::fs::File::create(dir.join("controller.log")).expect("log");
+    let child = Command::new(pliant())
+        .args(["controller", "--config"])
+        .arg(&cfg)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().expect("log"))
+        .stderr(log)
+        .spawn()
+        .expect("start controller");
+    run.controller = Some(child);
+    let sock = dir.join("api.sock");
+    let t = Instant::now();
+    while !sock.exists() || !dir.join("token").exists() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "controller did not start: {}",
+            pliant_lab::log_tail(&dir.join("controller.log"), 30)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Some(run)
+}
+
+fn assert_all_flows_alive(run: &Run, ports: &[u16]) {
+    let before: Vec<u64> = ports.iter().map(|p| run.echoes(*p)).collect();
+    std::thread::sleep(Duration::from_millis(1500));
+    for (p, b) in ports.iter().zip(before) {
+        let now = run.echoes(*p);
+        assert!(
+            now > b,
+            "flow from port {p} stopped getting echoes ({b} -> {now}); status: {}",
+            run.cli(&["status"])
+        );
+    }
+}
+
+#[test]
+fn hotspot_scale_out_then_even_split() {
+    let policy = "auto = true\nhigh_water_flows = 4\nlow_water_flows = 1\nmax_replicas = 2\n\
+                  rebalance = false\ncooldown_ms = 300\nimbalance_flows = 1";
+    let Some(mut run) = start("hotspot", policy) else {
+        return;
+    };
+    run.wait_for("r1 alive", Duration::from_secs(5), |r| r.loads().len() == 1);
+    // Flows one by one: four stay on r1 (at the high-water mark, not above), the fifth makes
+    // the controller create a replica.
+    let mut ports: Vec<u16> = Vec::new();
+    let mut sport = 41000u16;
+    for n in 1..=5u64 {
+        run.add_flow(sport);
+        ports.push(sport);
+        sport += 1;
+        run.wait_for("the new flow to be counted", Duration::from_secs(10), |r| {
+            r.loads().iter().map(|l| l.1).sum::<u64>() >= n
+        });
+        if n <= 4 {
+            // Give the policy (every 200 ms) a chance to act wrongly.
+            std::thread::sleep(Duration::from_millis(600));
+            assert_eq!(run.loads().len(), 1, "scale-out at only {n} flows");
+        } else {
+            run.wait_for("scale-out", Duration::from_secs(15), |r| {
+                r.loads().len() >= 2
+            });
+        }
+    }
+    let st = run.cli(&["status"]);
+    let ready = st["last_scale_out_ready_ms"].as_u64().unwrap_or(u64::MAX);
+    eprintln!("scale-out: new replica serving in {ready} ms");
+    // More flows until the new replica holds one (the ring now spreads new flows over both).
+    while !run.loads().iter().any(|(i, f)| *i != 1 && *f >= 1) {
+        assert!(
+            ports.len() < 40,
+            "new replica never got a flow: {}",
+            run.cli(&["status"])
+        );
+        run.add_flow(sport);
+        ports.push(sport);
+        sport += 1;
+        std::thread::sleep(Duration::from_millis(400));
+    }
+    assert_all_flows_alive(&run, &ports);
+    // Now let the policy remove the hotspot.
+    run.cli(&["policy", "set", "rebalance=true"]);
+    run.wait_for("an even split", Duration::from_secs(20), |r| {
+        let l = r.loads();
+        l.len() == 2 && l[0].1.abs_diff(l[1].1) <= 1 && l[0].1 + l[1].1 == ports.len() as u64
+    });
+    let st = run.cli(&["status"]);
+    assert!(
+        st["counters"]["flows_migrated"].as_u64().unwrap_or(0) >= 1,
+        "{st}"
+    );
+    assert_eq!(st["counters"]["migrations_failed"], 0, "{st}");
+    // Every flow, moved or not, still gets its echoes through the NAT.
+    assert_all_flows_alive(&run, &ports);
+    let flows = run.cli(&["flows"]);
+    assert_eq!(
+        flows["replicas"].as_array().map(Vec::len),
+        Some(2),
+        "{flows}"
+    );
+    eprintln!("loads after rebalance: {:?}", run.loads());
+}
+
+#[test]
+fn cli_refuses_a_wrong_token() {
+    let Some(run) = start("token", "auto = false") else {
+        return;
+    };
+    let bad = run.dir.join("bad-token");
+    std::fs::write(&bad, "not-the-token-0123456789").expect("write");
+    let out = Command::new(pliant())
+        .args(["status", "--api"])
+        .arg(run.dir.join("api.sock"))
+        .arg("--token-file")
+        .arg(&bad)
+        .output()
+        .expect("run");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("refused the token"), "{err}");
+    let st = run.cli(&["status"]);
+    assert_eq!(st["replicas"].as_array().map(Vec::len), Some(1), "{st}");
+}
+
+/// Burst scenario: base load of long HTTP downloads through the NAT, a burst that pushes the
+/// average over the high-water mark (the controller scales out to 2+ replicas and spreads
+/// flows), then scale-in back to one replica *while the downloads run* (every flow of the
+/// leaving replicas is migrated into the survivor). Every download must complete with the
+/// served file's sha256: a TCP connection broken or corrupted by a migration fails it.
+/// (Scale-in is requested explicitly: the NAT keeps closed TCP mappings for minutes, so the
+/// low-water mark would only be reached long after the burst.)
+#[test]
+fn burst_scale_out_then_in_downloads_complete() {
+    let policy = "auto = true\nhigh_water_flows = 6\nlow_water_flows = 1\nmax_replicas = 3\n\
+                  rebalance = true\ncooldown_ms = 500\nimbalance_flows = 2";
+    let Some(run) = start_with_file("burst", policy, Some(("8M.bin", 8 << 20))) else {
+        return;
+    };
+    run.wait_for("r1 alive", Duration::from_secs(5), |r| r.loads().len() == 1);
+    let file = run
+        .lab()
+        .served_file("8M.bin")
+        .expect("served file")
+        .clone();
+    let mut downloads: Vec<(Child, PathBuf)> = Vec::new();
+    let start_download = |run: &Run, i: usize| {
+        let out = run.dir.join(format!("dl-{i}.bin"));
+        let o = out.display().to_string();
+        let c = run
+            .lab()
+            .spawn(
+                Role::Client,
+                &[
+                    "curl",
+                    "-sS",
+                    "--fail",
+                    "--max-time",
+                    "120",
+                    "--limit-rate",
+                    "600k",
+                    "-o",
+                    &o,
+                    &file.url,
+                ],
+                &run.dir.join(format!("dl-{i}.log")),
+            )
+            .expect("spawn curl");
+        (c, out)
+    };
+    // Base load: under the high-water mark.
+    for i in 0..4 {
+        downloads.push(start_download(&run, i));
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(run.loads().len(), 1, "no scale-out for the base load");
+    // Burst.
+    for i in 4..16 {
+        downloads.push(start_download(&run, i));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    run.wait_for("scale-out to 2+ replicas", Duration::from_secs(15), |r| {
+        r.loads().len() >= 2
+    });
+    // The burst's connections were pinned to r1 before the new replica existed: the policy
+    // rebalances them (live TCP migrations) until 2+ replicas carry downloads.
+    run.wait_for("downloads on 2+ replicas", Duration::from_secs(15), |r| {
+        r.loads().iter().filter(|l| l.1 > 0).count() >= 2
+    });
+    let peak = run.loads().len();
+    let spread = run.cli(&["status"])["counters"]["flows_migrated"]
+        .as_u64()
+        .unwrap_or(0);
+    // Stop the policy from scaling out again, then merge back down to one replica.
+    run.cli(&["policy", "set", "auto=false"]);
+    std::thread::sleep(Duration::from_millis(500));
+    while run.loads().len() > 1 {
+        run.cli(&["scale", "in"]);
+    }
+    let st = run.cli(&["status"]);
+    assert_eq!(st["counters"]["migrations_failed"], 0, "{st}");
+    let merged = st["counters"]["flows_migrated"].as_u64().unwrap_or(0) - spread;
+    assert!(merged >= 1, "scale-in moved no flow: {st}");
+    for (i, (mut c, out)) in downloads.into_iter().enumerate() {
+        let code = cmd::wait_bounded(&mut c, Duration::from_secs(150));
+        assert_eq!(
+            code,
+            Some(Some(0)),
+            "download {i} failed: {}; status: {}",
+            pliant_lab::log_tail(&run.dir.join(format!("dl-{i}.log")), 5),
+            run.cli(&["status"])
+        );
+        let sum = cmd::run_ok(
+            &["sha256sum".to_string(), out.display().to_string()],
+            Duration::from_secs(30),
+        )
+        .expect("sha256sum");
+        let got = sum
+            .stdout
+            .split_whitespace()
+            .next()
+            .unwrap_or("")
+            .to_string();
+        assert_eq!(got, file.sha256, "download {i} corrupted");
+    }
+    eprintln!(
+        "burst: peak {peak} replicas, {spread} flows rebalanced, {merged} merged on scale-in"
+    );
+}

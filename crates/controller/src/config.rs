@@ -1,0 +1,260 @@
+//! `ctl.toml`: the controller's configuration. Unknown keys are refused (a typo must not
+//! silently fall back to a default).
+
+use crate::policy::Policy;
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ControllerConfig {
+    pub controller: ControllerSection,
+    #[serde(default)]
+    pub lab: Option<LabSection>,
+    #[serde(default)]
+    pub replica: Vec<StaticReplica>,
+    #[serde(default)]
+    pub ports: Option<PortsSection>,
+    #[serde(default)]
+    pub policy: Option<Policy>,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ControllerSection {
+    /// API unix socket (mode 0600).
+    #[serde(default = "d_api_socket")]
+    pub api_socket: PathBuf,
+    /// Optional TCP listener, e.g. "127.0.0.1:7400" (same token).
+    #[serde(default)]
+    pub api_tcp: Option<String>,
+    #[serde(default = "d_token_file")]
+    pub token_file: PathBuf,
+    #[serde(default = "d_store")]
+    pub store: PathBuf,
+    #[serde(default = "d_heartbeat_ms")]
+    pub heartbeat_ms: u64,
+    #[serde(default = "d_dead_after")]
+    pub dead_after_missed: u32,
+    #[serde(default = "d_rpc_timeout_ms")]
+    pub rpc_timeout_ms: u64,
+    /// How often the policy is evaluated (when `policy.auto`).
+    #[serde(default = "d_policy_interval_ms")]
+    pub policy_interval_ms: u64,
+    /// How often exceptions of ended flows are collected.
+    #[serde(default = "d_gc_interval_ms")]
+    pub gc_interval_ms: u64,
+}
+
+/// Replicas as namespaces of a running lab (agent + steering in its fabric).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct LabSection {
+    pub name: String,
+    #[serde(default = "d_run_root")]
+    pub run_root: PathBuf,
+    /// The `pliant` binary for new replicas (default: the one running the lab's replicas).
+    #[serde(default)]
+    pub pliant_bin: Option<PathBuf>,
+    /// "attach": the controller attaches tc-BPF steering in `<lab>-fabric` and owns its maps;
+    /// "none": no steering (placement only, e.g. for tests without a fabric).
+    #[serde(default = "d_steering")]
+    pub steering: String,
+    /// The shared NAT address, steered by port block.
+    #[serde(default)]
+    pub nat_addr: Option<std::net::IpAddr>,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct StaticReplica {
+    pub index: u32,
+    pub socket: PathBuf,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PortsSection {
+    #[serde(default = "d_port_lo")]
+    pub lo: u16,
+    #[serde(default = "d_port_hi")]
+    pub hi: u16,
+    #[serde(default = "d_port_block")]
+    pub block: u16,
+    #[serde(default = "d_per_replica")]
+    pub per_replica: usize,
+}
+
+fn d_api_socket() -> PathBuf {
+    PathBuf::from("/run/pliant/controller/api.sock")
+}
+fn d_token_file() -> PathBuf {
+    PathBuf::from("/run/pliant/controller/token")
+}
+fn d_store() -> PathBuf {
+    PathBuf::from("/run/pliant/controller/store.json")
+}
+fn d_heartbeat_ms() -> u64 {
+    100
+}
+fn d_dead_after() -> u32 {
+    5
+}
+fn d_rpc_timeout_ms() -> u64 {
+    2000
+}
+fn d_policy_interval_ms() -> u64 {
+    500
+}
+fn d_gc_interval_ms() -> u64 {
+    5000
+}
+fn d_run_root() -> PathBuf {
+    PathBuf::from("/run/pliant")
+}
+fn d_steering() -> String {
+    "attach".into()
+}
+// The NAT NF's default pool (nf-nat: 20000-59999), in 10 blocks.
+fn d_port_lo() -> u16 {
+    20000
+}
+fn d_port_hi() -> u16 {
+    59999
+}
+fn d_port_block() -> u16 {
+    4000
+}
+fn d_per_replica() -> usize {
+    1
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{path}: {reason}")]
+    Read { path: PathBuf, reason: String },
+    #[error("{path}: {reason}")]
+    Parse { path: PathBuf, reason: String },
+    #[error("{path}: {reason}")]
+    Invalid { path: PathBuf, reason: String },
+}
+
+impl ControllerConfig {
+    pub fn parse(text: &str, path: &Path) -> Result<ControllerConfig, ConfigError> {
+        let c: ControllerConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+        let bad = |reason: String| ConfigError::Invalid {
+            path: path.to_path_buf(),
+            reason,
+        };
+        if c.controller.heartbeat_ms == 0 || c.controller.heartbeat_ms > 60_000 {
+            return Err(bad("controller.heartbeat_ms must be 1..=60000".into()));
+        }
+        if c.controller.dead_after_missed == 0 {
+            return Err(bad("controller.dead_after_missed must be >= 1".into()));
+        }
+        if let Some(p) = &c.policy {
+            p.check().map_err(|e| bad(e.to_string()))?;
+        }
+        if let Some(l) = &c.lab {
+            if l.steering != "attach" && l.steering != "none" {
+                return Err(bad(format!(
+                    "lab.steering = {:?}: expected \"attach\" or \"none\"",
+                    l.steering
+                )));
+            }
+        }
+        if let Some(p) = &c.ports {
+            crate::ports::PortBlocks::new(p.lo, p.hi, p.block).map_err(|e| bad(e.to_string()))?;
+            if p.per_replica == 0 {
+                return Err(bad("ports.per_replica must be >= 1".into()));
+            }
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for r in &c.replica {
+            if r.index == 0 || r.index >= 64 || !seen.insert(r.index) {
+                return Err(bad(format!(
+                    "replica index {} is out of 1..=63 or repeated",
+                    r.index
+                )));
+            }
+        }
+        Ok(c)
+    }
+
+    pub fn load(path: &Path) -> Result<ControllerConfig, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+        ControllerConfig::parse(&text, path)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(s: &str) -> Result<ControllerConfig, ConfigError> {
+        ControllerConfig::parse(s, Path::new("ctl.toml"))
+    }
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let c = p("[controller]\n").unwrap();
+        assert_eq!(c.controller.heartbeat_ms, 100);
+        assert!(c.lab.is_none());
+        assert!(c.replica.is_empty());
+    }
+
+    #[test]
+    fn full_config_parses() {
+        let c = p(r#"
+[controller]
+api_socket = "/tmp/x.sock"
+api_tcp = "127.0.0.1:7400"
+heartbeat_ms = 50
+[lab]
+name = "demo"
+steering = "none"
+[[replica]]
+index = 1
+socket = "/run/pliant/demo/r1.sock"
+[ports]
+per_replica = 2
+[policy]
+high_water_flows = 100
+low_water_flows = 10
+"#)
+        .unwrap();
+        assert_eq!(c.controller.api_tcp.as_deref(), Some("127.0.0.1:7400"));
+        assert_eq!(c.policy.unwrap().high_water_flows, 100);
+        assert_eq!(c.ports.unwrap().block, 4000);
+    }
+
+    #[test]
+    fn bad_configs_are_refused_with_the_reason() {
+        for (text, needle) in [
+            ("[controller]\nheartbeat_msx = 1\n", "unknown field"),
+            ("[controller]\nheartbeat_ms = 0\n", "heartbeat_ms"),
+            (
+                "[controller]\n[policy]\nlow_water_flows = 100\nhigh_water_flows = 10\n",
+                "low_water",
+            ),
+            (
+                "[controller]\n[lab]\nname = \"x\"\nsteering = \"magic\"\n",
+                "steering",
+            ),
+            (
+                "[controller]\n[[replica]]\nindex = 0\nsocket = \"/x\"\n",
+                "index",
+            ),
+            ("[controller]\n[ports]\nlo = 100\nhi = 50\n", "port range"),
+        ] {
+            let e = p(text).expect_err(text).to_string();
+            assert!(e.contains(needle), "{text:?}: {e}");
+        }
+    }
+}

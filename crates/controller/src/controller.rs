@@ -1,0 +1,1095 @@
+//! The controller core: membership (heartbeats), load, and the orchestration of migrations,
+//! scale-out/in and rebalancing. Thread-safe: the API, heartbeat and policy threads share one
+//! [`Controller`].
+//!
+//! Locking: `state` (membership, load, policy) is held only for short, I/O-free sections, so
+//! heartbeats and `status` never wait behind a migration; `ops` serialises the operations that
+//! change placement (migrate, scale, rebalance), which do their replica I/O without `state`.
+//! Lock order when both are needed: ops -> steering -> store -> state.
+
+use crate::agent::Agent;
+use crate::migrator::{MigrateError, Migrator};
+use crate::policy::{self, Decision, Move, Policy, ReplicaLoad};
+use crate::ports::PortBlocks;
+use crate::replica_client::{self as rc, FlowEntry};
+use crate::steering::Steering;
+use crate::store::{self, Store};
+use pliant_state::FlowKey;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// Events kept for `status` (newest last).
+pub const MAX_EVENTS: usize = 256;
+/// Rounds a scale-in drains the victim before giving up (new flows may keep arriving from
+/// conn pins that have not expired yet).
+pub const MAX_DRAIN_ROUNDS: usize = 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ControllerError {
+    #[error("no replica r{0}")]
+    NoReplica(u32),
+    #[error("replica r{0} is not alive")]
+    Dead(u32),
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("flow {0} is on no live replica")]
+    NoSuchFlow(String),
+    #[error("no agent configured: the controller cannot start or stop replicas")]
+    NoAgent,
+    #[error("{0}")]
+    Refused(String),
+    #[error(transparent)]
+    Agent(#[from] crate::agent::AgentError),
+    #[error(transparent)]
+    Steering(#[from] crate::steering::SteeringError),
+    #[error(transparent)]
+    Store(#[from] store::StoreError),
+    #[error(transparent)]
+    Replica(#[from] rc::ReplicaError),
+    #[error(transparent)]
+    Migrate(#[from] MigrateError),
+    #[error(transparent)]
+    Policy(#[from] policy::PolicyError),
+    #[error(transparent)]
+    Ports(#[from] crate::ports::PortError),
+}
+
+impl ControllerError {
+    /// HTTP status for the API.
+    pub fn status(&self) -> u16 {
+        match self {
+            ControllerError::NoReplica(_) | ControllerError::NoSuchFlow(_) => 404,
+            ControllerError::BadRequest(_) | ControllerError::Policy(_) => 400,
+            ControllerError::Dead(_)
+            | ControllerError::NoAgent
+            | ControllerError::Refused(_)
+            | ControllerError::Ports(_) => 409,
+            _ => 500,
+        }
+    }
+}
+
+pub type Result<T> = std::result::Result<T, ControllerError>;
+
+/// Static knobs (from the config file).
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub heartbeat: Duration,
+    /// Consecutive missed heartbeats after which a replica is dead.
+    pub dead_after_missed: u32,
+    /// Bound on one control request to a replica.
+    pub rpc_timeout: Duration,
+    /// NAT port blocks: (pool, blocks per replica); None when the NF needs none.
+    pub port_blocks: Option<(PortBlocks, usize)>,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            heartbeat: Duration::from_millis(100),
+            dead_after_missed: 5,
+            rpc_timeout: Duration::from_secs(2),
+            port_blocks: None,
+        }
+    }
+}
+
+/// A replica as the store records it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicaRecord {
+    pub index: u32,
+    pub socket: PathBuf,
+    /// Started by our agent (and so ours to stop).
+    pub managed: bool,
+    pub added_unix_ms: u64,
+}
+
+/// What heartbeats learned.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Health {
+    pub alive: bool,
+    pub missed: u32,
+    pub beats: u64,
+    pub flows: u64,
+    pub pps: u64,
+    pub last_error: Option<String>,
+    /// Leaving (scale-in in progress): out of the ring, not a migration target.
+    pub draining: bool,
+    #[serde(skip)]
+    last_rx: Option<(Instant, u64)>,
+}
+
+#[derive(Default, Debug)]
+pub struct Counters {
+    pub heartbeats: AtomicU64,
+    pub heartbeat_failures: AtomicU64,
+    pub flows_migrated: AtomicU64,
+    pub migrations_failed: AtomicU64,
+    pub scale_outs: AtomicU64,
+    pub scale_ins: AtomicU64,
+    pub rebalances: AtomicU64,
+    pub replicas_died: AtomicU64,
+    pub unparsable_keys: AtomicU64,
+    pub events_dropped: AtomicU64,
+}
+
+struct State {
+    replicas: BTreeMap<u32, (ReplicaRecord, Health)>,
+    policy: Policy,
+    epoch: u64,
+    ports: Option<PortBlocks>,
+    last_action: Option<Instant>,
+    events: VecDeque<Value>,
+    last_scale_out_ms: Option<u64>,
+}
+
+pub struct Controller {
+    settings: Settings,
+    state: Mutex<State>,
+    ops: Mutex<()>,
+    steering: Mutex<Box<dyn Steering>>,
+    store: Mutex<Box<dyn Store>>,
+    agent: Mutex<Option<Box<dyn Agent>>>,
+    migrator: Box<dyn Migrator>,
+    pub counters: Counters,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Locks, recovering from a poisoned mutex: a panicked API thread must not wedge the daemon
+/// (every critical section leaves the state consistent between statements).
+fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+const K_POLICY: &str = "policy";
+const K_EPOCH: &str = "epoch";
+const K_PORTS: &str = "ports";
+const K_EXCEPTIONS: &str = "exceptions";
+const K_RING: &str = "ring";
+const P_REPLICAS: &str = "replicas/";
+
+impl Controller {
+    /// Builds the controller: loads policy/epoch/ports from the store, registers the replicas
+    /// the store, the agent and `static_replicas` know, installs ring and port blocks.
+    pub fn new(
+        settings: Settings,
+        mut store: Box<dyn Store>,
+        steering: Box<dyn Steering>,
+        agent: Option<Box<dyn Agent>>,
+        migrator: Box<dyn Migrator>,
+        static_replicas: Vec<(u32, PathBuf)>,
+        initial_policy: Option<Policy>,
+    ) -> Result<Controller> {
+        let policy = match store::get_json::<Policy>(store.as_ref(), K_POLICY)? {
+            Some(p) => p,
+            None => {
+                let p = initial_policy.unwrap_or_default();
+                p.check()?;
+                store::put_json(store.as_mut(), K_POLICY, &p)?;
+                p
+            }
+        };
+        let epoch = store::get_json::<u64>(store.as_ref(), K_EPOCH)?.unwrap_or(0);
+        let ports = match store::get_json::<PortBlocks>(store.as_ref(), K_PORTS)? {
+            Some(p) => Some(p),
+            None => settings.port_blocks.as_ref().map(|(p, _)| p.clone()),
+        };
+        let mut replicas: BTreeMap<u32, (ReplicaRecord, Health)> = BTreeMap::new();
+        for (_, v) in store.list(P_REPLICAS)? {
+            if let Ok(r) = serde_json::from_str::<ReplicaRecord>(&v.value) {
+                replicas.insert(r.index, (r, Health::default()));
+            }
+        }
+        let mut found = static_replicas;
+        if let Some(a) = &agent {
+            found.extend(a.existing()?);
+        }
+        for (index, socket) in found {
+            replicas.entry(index).or_insert_with(|| {
+                (
+                    ReplicaRecord {
+                        index,
+                        socket,
+                        managed: false,
+                        added_unix_ms: now_ms(),
+                    },
+                    Health::default(),
+                )
+            });
+        }
+        // Everything known starts alive: the first heartbeats decide otherwise.
+        for (_, h) in replicas.values_mut() {
+            h.alive = true;
+        }
+        let c = Controller {
+            settings,
+            state: Mutex::new(State {
+                replicas,
+                policy,
+                epoch,
+                ports,
+                last_action: None,
+                events: VecDeque::new(),
+                last_scale_out_ms: None,
+            }),
+            ops: Mutex::new(()),
+            steering: Mutex::new(steering),
+            store: Mutex::new(store),
+            agent: Mutex::new(agent),
+            migrator,
+            counters: Counters::default(),
+        };
+        c.install_initial()?;
+        Ok(c)
+    }
+
+    fn install_initial(&self) -> Result<()> {
+        let _ops = lock(&self.ops);
+        let recs: Vec<ReplicaRecord> = lock(&self.state)
+            .replicas
+            .values()
+            .map(|(r, _)| r.clone())
+            .collect();
+        {
+            let mut st = lock(&self.store);
+            for r in &recs {
+                store::put_json(st.as_mut(), &format!("{P_REPLICAS}{}", r.index), r)?;
+            }
+        }
+        for r in &recs {
+            self.ensure_port_blocks(r)?;
+        }
+        // Re-install exceptions the store remembers (e.g. after a controller restart).
+        let saved: BTreeMap<String, u32> =
+            store::get_json(lock(&self.store).as_ref(), K_EXCEPTIONS)?.unwrap_or_default();
+        let entries: Vec<(FlowKey, u32)> = saved
+            .iter()
+            .filter_map(|(k, r)| k.parse::<FlowKey>().ok().map(|k| (k, *r)))
+            .collect();
+        if !entries.is_empty() {
+            lock(&self.steering).set_exceptions(&entries)?;
+        }
+        self.install_ring()
+    }
+
+    fn event(&self, kind: &str, detail: Value) {
+        tracing::info!(event = kind, %detail);
+        let mut st = lock(&self.state);
+        if st.events.len() >= MAX_EVENTS {
+            st.events.pop_front();
+            self.counters.events_dropped.fetch_add(1, Ordering::Relaxed);
+        }
+        st.events
+            .push_back(json!({"unix_ms": now_ms(), "event": kind, "detail": detail}));
+    }
+
+    /// Bumps the placement epoch with compare-and-swap (a second controller writing the same
+    /// store would lose the race and see an error, never silently interleave).
+    fn bump_epoch(&self) -> Result<u64> {
+        let mut st = lock(&self.store);
+        let cur = st.get(K_EPOCH)?;
+        let (rev, val) = match &cur {
+            Some(v) => (v.mod_revision, v.value.parse::<u64>().unwrap_or(0)),
+            None => (0, 0),
+        };
+        let next = val + 1;
+        match st.compare_and_swap(K_EPOCH, rev, &next.to_string())? {
+            Ok(_) => {
+                lock(&self.state).epoch = next;
+                Ok(next)
+            }
+            Err(now) => Err(ControllerError::Refused(format!(
+                "epoch changed under us (store revision {now}): another controller?"
+            ))),
+        }
+    }
+
+    fn live_indexes(&self) -> Vec<u32> {
+        lock(&self.state)
+            .replicas
+            .iter()
+            .filter(|(_, (_, h))| h.alive && !h.draining)
+            .map(|(i, _)| *i)
+            .collect()
+    }
+
+    fn install_ring(&self) -> Result<()> {
+        let live = self.live_indexes();
+        if live.is_empty() {
+            return Ok(());
+        }
+        lock(&self.steering).set_ring(&live)?;
+        store::put_json(lock(&self.store).as_mut(), K_RING, &live)?;
+        Ok(())
+    }
+
+    fn record(&self, index: u32) -> Result<ReplicaRecord> {
+        lock(&self.state)
+            .replicas
+            .get(&index)
+            .map(|(r, _)| r.clone())
+            .ok_or(ControllerError::NoReplica(index))
+    }
+
+    /// Gives `r` its NAT port blocks if it has none: tells the replica, then the fabric.
+    fn ensure_port_blocks(&self, r: &ReplicaRecord) -> Result<()> {
+        let Some((_, per)) = &self.settings.port_blocks else {
+            return Ok(());
+        };
+        let ranges = {
+            let mut st = lock(&self.state);
+            let Some(pb) = st.ports.as_mut() else {
+                return Ok(());
+            };
+            let have = pb.of(r.index);
+            if have.is_empty() {
+                pb.assign(r.index, *per)?
+            } else {
+                have
+            }
+        };
+        let blocks: Vec<[u16; 2]> = ranges.iter().map(|x| [*x.start(), *x.end()]).collect();
+        if let Err(e) = rc::call(
+            &r.socket,
+            &json!({"cmd": "set_port_blocks", "blocks": blocks}),
+            self.settings.rpc_timeout,
+        ) {
+            // Not fatal (an NF without NAT has nothing to do with ports), but worth seeing.
+            self.event(
+                "port_blocks_refused",
+                json!({"replica": r.index, "error": e.to_string()}),
+            );
+        }
+        {
+            let mut s = lock(&self.steering);
+            for x in &ranges {
+                s.set_port_owner(x.clone(), Some(r.index))?;
+            }
+        }
+        let pb = lock(&self.state).ports.clone();
+        if let Some(pb) = pb {
+            store::put_json(lock(&self.store).as_mut(), K_PORTS, &pb)?;
+        }
+        Ok(())
+    }
+
+    // ---------------------------------------------------------------- heartbeats
+
+    /// One heartbeat round over every replica (I/O without the state lock).
+    pub fn heartbeat_once(&self) {
+        let targets: Vec<(u32, PathBuf)> = lock(&self.state)
+            .replicas
+            .iter()
+            .map(|(i, (r, _))| (*i, r.socket.clone()))
+            .collect();
+        let timeout = self.settings.rpc_timeout.min(Duration::from_millis(500));
+        let mut died = Vec::new();
+        let mut revived = Vec::new();
+        for (i, sock) in targets {
+            let res = rc::heartbeat(&sock, timeout);
+            self.counters.heartbeats.fetch_add(1, Ordering::Relaxed);
+            let now = Instant::now();
+            let mut st = lock(&self.state);
+            let Some((_, h)) = st.replicas.get_mut(&i) else {
+                continue;
+            };
+            match res {
+                Ok(b) => {
+                    if !h.alive {
+                        revived.push(i);
+                    }
+                    h.alive = true;
+                    h.missed = 0;
+                    h.beats += 1;
+                    h.flows = b.flows;
+                    h.last_error = None;
+                    if let Some((t0, rx0)) = h.last_rx {
+                        let dt = now.saturating_duration_since(t0).as_secs_f64();
+                        if dt > 0.0 {
+                            h.pps = (b.rx_frames.saturating_sub(rx0) as f64 / dt) as u64;
+                        }
+                    }
+                    h.last_rx = Some((now, b.rx_frames));
+                }
+                Err(e) => {
+                    self.counters
+                        .heartbeat_failures
+                        .fetch_add(1, Ordering::Relaxed);
+                    h.missed = h.missed.saturating_add(1);
+                    h.last_error = Some(e.to_string());
+                    if h.alive && h.missed >= self.settings.dead_after_missed {
+                        h.alive = false;
+                        h.pps = 0;
+                        died.push(i);
+                    }
+                }
+            }
+        }
+        for i in died {
+            self.counters.replicas_died.fetch_add(1, Ordering::Relaxed);
+            self.event("replica_dead", json!({"replica": i}));
+            // New flows must not be hashed onto a dead replica; its pinned flows are lost
+            // (failover is the HA work, not elasticity) and counted by the fabric.
+            let r = lock(&self.steering).set_live(i, false);
+            if let Err(e) = r
+                .map_err(ControllerError::from)
+                .and_then(|_| self.install_ring())
+            {
+                self.event(
+                    "steering_error",
+                    json!({"replica": i, "error": e.to_string()}),
+                );
+            }
+        }
+        for i in revived {
+            self.event("replica_alive", json!({"replica": i}));
+            let r = lock(&self.steering).set_live(i, true);
+            if let Err(e) = r
+                .map_err(ControllerError::from)
+                .and_then(|_| self.install_ring())
+            {
+                self.event(
+                    "steering_error",
+                    json!({"replica": i, "error": e.to_string()}),
+                );
+            }
+        }
+    }
+
+    /// The load snapshot the policy sees (live, non-draining replicas).
+    pub fn loads(&self) -> Vec<ReplicaLoad> {
+        lock(&self.state)
+            .replicas
+            .iter()
+            .filter(|(_, (_, h))| h.alive && !h.draining)
+            .map(|(i, (_, h))| ReplicaLoad {
+                index: *i,
+                flows: h.flows,
+                pps: h.pps,
+            })
+            .collect()
+    }
+
+    // ---------------------------------------------------------------- queries
+
+    pub fn status(&self) -> Value {
+        let steer = lock(&self.steering).stats();
+        let st = lock(&self.state);
+        let replicas: Vec<Value> = st
+            .replicas
+            .values()
+            .map(|(r, h)| {
+                json!({
+                    "index": r.index, "name": format!("r{}", r.index),
+                    "socket": r.socket, "managed": r.managed,
+                    "alive": h.alive, "draining": h.draining, "missed": h.missed,
+                    "beats": h.beats, "flows": h.flows, "pps": h.pps,
+                    "last_error": h.last_error,
+                    "port_blocks": st.ports.as_ref().map(|p| p.of(r.index).iter()
+                        .map(|x| format!("{}-{}", x.start(), x.end())).collect::<Vec<_>>()),
+                })
+            })
+            .collect();
+        let c = &self.counters;
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        json!({
+            "ok": true,
+            "epoch": st.epoch,
+            "replicas": replicas,
+            "policy": st.policy,
+            "last_scale_out_ready_ms": st.last_scale_out_ms,
+            "counters": {
+                "heartbeats": g(&c.heartbeats), "heartbeat_failures": g(&c.heartbeat_failures),
+                "flows_migrated": g(&c.flows_migrated), "migrations_failed": g(&c.migrations_failed),
+                "scale_outs": g(&c.scale_outs), "scale_ins": g(&c.scale_ins),
+                "rebalances": g(&c.rebalances), "replicas_died": g(&c.replicas_died),
+                "unparsable_keys": g(&c.unparsable_keys), "events_dropped": g(&c.events_dropped),
+            },
+            "steering": steer,
+            "events": st.events.iter().rev().take(20).collect::<Vec<_>>(),
+        })
+    }
+
+    /// Flows per replica (as each lists them; listings are bounded by the replica).
+    pub fn flows(&self, only: Option<u32>) -> Result<Value> {
+        let targets: Vec<(u32, PathBuf, bool)> = {
+            let st = lock(&self.state);
+            if let Some(i) = only {
+                if !st.replicas.contains_key(&i) {
+                    return Err(ControllerError::NoReplica(i));
+                }
+            }
+            st.replicas
+                .iter()
+                .filter(|(i, _)| only.is_none() || only == Some(**i))
+                .map(|(i, (r, h))| (*i, r.socket.clone(), h.alive))
+                .collect()
+        };
+        let mut out = Vec::new();
+        for (i, sock, alive) in targets {
+            if !alive {
+                out.push(json!({"replica": i, "alive": false}));
+                continue;
+            }
+            match rc::flows(&sock, self.settings.rpc_timeout) {
+                Ok((total, f)) => {
+                    out.push(json!({"replica": i, "alive": true, "total": total, "flows": f}))
+                }
+                Err(e) => out.push(json!({"replica": i, "alive": true, "error": e.to_string()})),
+            }
+        }
+        Ok(json!({"ok": true, "replicas": out}))
+    }
+
+    pub fn policy(&self) -> Policy {
+        lock(&self.state).policy.clone()
+    }
+
+    /// Applies `k=v` assignments atomically (all or none) and stores the result.
+    pub fn set_policy(&self, assignments: &[(String, String)]) -> Result<Policy> {
+        let mut p = self.policy();
+        for (k, v) in assignments {
+            p.set(k, v)?;
+        }
+        p.check()?;
+        store::put_json(lock(&self.store).as_mut(), K_POLICY, &p)?;
+        lock(&self.state).policy = p.clone();
+        self.event("policy_set", json!(assignments));
+        Ok(p)
+    }
+
+    // ---------------------------------------------------------------- migration
+
+    fn alive_target(&self, i: u32) -> Result<ReplicaRecord> {
+        let st = lock(&self.state);
+        let (r, h) = st.replicas.get(&i).ok_or(ControllerError::NoReplica(i))?;
+        if !h.alive {
+            return Err(ControllerError::Dead(i));
+        }
+        Ok(r.clone())
+    }
+
+    /// Moves `flows` from `from` to `to`: runs the migration, switching the fabric's
+    /// exceptions for every key and alias to `to` at the migration's switch-over point.
+    pub fn move_flows(&self, from: u32, to: u32, flows: &[FlowEntry]) -> Result<Value> {
+        if from == to {
+            return Err(ControllerError::BadRequest(format!(
+                "r{from} -> r{to}: same replica"
+            )));
+        }
+        let src = self.alive_target(from)?;
+        let dst = self.alive_target(to)?;
+        if lock(&self.state)
+            .replicas
+            .get(&to)
+            .is_some_and(|(_, h)| h.draining)
+        {
+            return Err(ControllerError::Refused(format!("r{to} is draining")));
+        }
+        if flows.is_empty() {
+            return Ok(json!({"ok": true, "moved": 0}));
+        }
+        let mut keys: Vec<FlowKey> = Vec::new();
+        for f in flows {
+            for s in std::iter::once(&f.key).chain(f.aliases.iter()) {
+                match s.parse::<FlowKey>() {
+                    Ok(k) => keys.push(k),
+                    Err(_) => {
+                        self.counters
+                            .unparsable_keys
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+        }
+        let mut switched = false;
+        let mut steered: BTreeSet<FlowKey> = keys.iter().copied().collect();
+        let started = Instant::now();
+        let res = {
+            let mut steer = |extra: &[FlowKey]| -> std::result::Result<(), String> {
+                steered.extend(extra.iter().copied());
+                let entries: Vec<(FlowKey, u32)> = steered.iter().map(|k| (*k, to)).collect();
+                lock(&self.steering)
+                    .set_exceptions(&entries)
+                    .map_err(|e| e.to_string())?;
+                switched = true;
+                Ok(())
+            };
+            self.migrator
+                .migrate(&src.socket, &dst.socket, flows, &mut steer)
+        };
+        let steered: Vec<FlowKey> = steered.into_iter().collect();
+        match res {
+            Ok(out) => {
+                // Flows the source could not export stay there: steer them (and their aliases)
+                // back.
+                let mut back: Vec<FlowKey> = Vec::new();
+                for fk in &out.failed {
+                    if let Some(f) = flows.iter().find(|f| &f.key == fk) {
+                        back.extend(
+                            std::iter::once(&f.key)
+                                .chain(f.aliases.iter())
+                                .filter_map(|s| s.parse::<FlowKey>().ok()),
+                        );
+                    }
+                }
+                if !back.is_empty() {
+                    let entries: Vec<(FlowKey, u32)> = back.iter().map(|k| (*k, from)).collect();
+                    lock(&self.steering).set_exceptions(&entries)?;
+                }
+                let back_set: BTreeSet<FlowKey> = back.iter().copied().collect();
+                let moved_keys: Vec<FlowKey> = steered
+                    .iter()
+                    .filter(|k| !back_set.contains(k))
+                    .copied()
+                    .collect();
+                self.save_exceptions(&moved_keys, Some(to))?;
+                self.save_exceptions(&back, Some(from))?;
+                let epoch = self.bump_epoch()?;
+                self.counters
+                    .flows_migrated
+                    .fetch_add(out.moved, Ordering::Relaxed);
+                {
+                    // Until the next heartbeat, account the move so the policy does not act
+                    // twice on the same imbalance.
+                    let mut st = lock(&self.state);
+                    let n = out.moved;
+                    if let Some((_, h)) = st.replicas.get_mut(&from) {
+                        h.flows = h.flows.saturating_sub(n);
+                    }
+                    if let Some((_, h)) = st.replicas.get_mut(&to) {
+                        h.flows += n;
+                    }
+                    st.last_action = Some(Instant::now());
+                }
+                let ms = started.elapsed().as_secs_f64() * 1e3;
+                self.event(
+                    "migrated",
+                    json!({"from": from, "to": to, "flows": flows.len(), "moved": out.moved,
+                        "failed": out.failed.len(), "ms": ms, "epoch": epoch}),
+                );
+                Ok(
+                    json!({"ok": true, "from": from, "to": to, "moved": out.moved,
+                    "failed": out.failed, "keys_steered": moved_keys.len(), "epoch": epoch,
+                    "ms": ms, "detail": out.detail}),
+                )
+            }
+            Err(e) => {
+                self.counters
+                    .migrations_failed
+                    .fetch_add(1, Ordering::Relaxed);
+                if switched {
+                    // The migration did not complete, so the flows are still at the source:
+                    // point steering back at it.
+                    let back: Vec<(FlowKey, u32)> = steered.iter().map(|k| (*k, from)).collect();
+                    if let Err(se) = lock(&self.steering).set_exceptions(&back) {
+                        self.event("steering_error", json!({"error": se.to_string()}));
+                    }
+                }
+                self.event(
+                    "migration_failed",
+                    json!({"from": from, "to": to, "error": e.to_string()}),
+                );
+                Err(e.into())
+            }
+        }
+    }
+
+    fn save_exceptions(&self, keys: &[FlowKey], owner: Option<u32>) -> Result<()> {
+        let mut st = lock(&self.store);
+        let mut saved: BTreeMap<String, u32> =
+            store::get_json(st.as_ref(), K_EXCEPTIONS)?.unwrap_or_default();
+        for k in keys {
+            match owner {
+                Some(o) => saved.insert(k.to_string(), o),
+                None => saved.remove(&k.to_string()),
+            };
+        }
+        store::put_json(st.as_mut(), K_EXCEPTIONS, &saved)?;
+        Ok(())
+    }
+
+    fn list_flows(&self, i: u32) -> Result<(u64, Vec<FlowEntry>)> {
+        let r = self.alive_target(i)?;
+        Ok(rc::flows(&r.socket, self.settings.rpc_timeout)?)
+    }
+
+    /// `pliant migrate --count N --from rA --to rB`.
+    pub fn migrate_count(&self, from: u32, to: u32, count: u64) -> Result<Value> {
+        let _ops = lock(&self.ops);
+        self.migrate_count_locked(from, to, count)
+    }
+
+    fn migrate_count_locked(&self, from: u32, to: u32, count: u64) -> Result<Value> {
+        let (_, mut list) = self.list_flows(from)?;
+        // Move the most recently listed first: the listing order is the replica's, and taking
+        // from the end keeps the choice deterministic for a given listing.
+        let take = (count as usize).min(list.len());
+        let batch: Vec<FlowEntry> = list.split_off(list.len() - take);
+        self.move_flows(from, to, &batch)
+    }
+
+    /// `pliant migrate --flow KEY --to rN`: finds the flow's owner and moves it.
+    pub fn migrate_key(&self, key: &str, to: u32) -> Result<Value> {
+        let want: FlowKey = key.parse().map_err(|e: pliant_state::ParseFlowKeyError| {
+            ControllerError::BadRequest(e.to_string())
+        })?;
+        let _ops = lock(&self.ops);
+        let candidates: Vec<u32> = lock(&self.state)
+            .replicas
+            .iter()
+            .filter(|(_, (_, h))| h.alive)
+            .map(|(i, _)| *i)
+            .collect();
+        for i in candidates {
+            let Ok((_, list)) = self.list_flows(i) else {
+                continue;
+            };
+            let hit = list.into_iter().find(|f| {
+                std::iter::once(&f.key)
+                    .chain(f.aliases.iter())
+                    .any(|s| s.parse::<FlowKey>().is_ok_and(|k| k == want))
+            });
+            if let Some(f) = hit {
+                if i == to {
+                    return Ok(
+                        json!({"ok": true, "moved": 0, "note": format!("already on r{to}")}),
+                    );
+                }
+                return self.move_flows(i, to, &[f]);
+            }
+        }
+        Err(ControllerError::NoSuchFlow(key.chars().take(120).collect()))
+    }
+
+    fn execute_moves(&self, moves: &[Move]) -> Result<Vec<Value>> {
+        let mut out = Vec::new();
+        for m in moves {
+            out.push(self.migrate_count_locked(m.from, m.to, m.count)?);
+        }
+        Ok(out)
+    }
+
+    // ---------------------------------------------------------------- scaling
+
+    /// Starts a replica through the agent and makes it serve: fabric ports, port blocks, ring.
+    pub fn scale_out(&self) -> Result<Value> {
+        let _ops = lock(&self.ops);
+        self.scale_out_locked()
+    }
+
+    fn scale_out_locked(&self) -> Result<Value> {
+        let t0 = Instant::now();
+        let max = self.policy().max_replicas as usize;
+        if lock(&self.state).replicas.len() >= max {
+            return Err(ControllerError::Refused(format!(
+                "already at max_replicas {max} (pliant policy set max_replicas=N)"
+            )));
+        }
+        let started = {
+            let mut a = lock(&self.agent);
+            a.as_mut().ok_or(ControllerError::NoAgent)?.add_replica()?
+        };
+        let rec = ReplicaRecord {
+            index: started.index,
+            socket: started.socket.clone(),
+            managed: true,
+            added_unix_ms: now_ms(),
+        };
+        let attach = lock(&self.steering).add_replica(rec.index);
+        if let Err(e) = attach {
+            // Without fabric ports the replica can never serve: undo.
+            if let Some(a) = lock(&self.agent).as_mut() {
+                let _ = a.remove_replica(rec.index);
+            }
+            return Err(e.into());
+        }
+        store::put_json(
+            lock(&self.store).as_mut(),
+            &format!("{P_REPLICAS}{}", rec.index),
+            &rec,
+        )?;
+        lock(&self.state).replicas.insert(
+            rec.index,
+            (
+                rec.clone(),
+                Health {
+                    alive: true,
+                    ..Health::default()
+                },
+            ),
+        );
+        self.ensure_port_blocks(&rec)?;
+        self.install_ring()?;
+        let epoch = self.bump_epoch()?;
+        let serving_ms = t0.elapsed().as_millis() as u64;
+        {
+            let mut st = lock(&self.state);
+            st.last_action = Some(Instant::now());
+            st.last_scale_out_ms = Some(serving_ms);
+        }
+        self.counters.scale_outs.fetch_add(1, Ordering::Relaxed);
+        self.event(
+            "scale_out",
+            json!({"replica": rec.index, "process_ready_ms": started.ready_ms, "serving_ms": serving_ms}),
+        );
+        Ok(
+            json!({"ok": true, "replica": rec.index, "process_ready_ms": started.ready_ms,
+            "serving_ms": serving_ms, "epoch": epoch}),
+        )
+    }
+
+    /// Merges `victim` (default: the policy's choice) into the survivors and destroys it.
+    pub fn scale_in(&self, victim: Option<u32>) -> Result<Value> {
+        let _ops = lock(&self.ops);
+        self.scale_in_locked(victim)
+    }
+
+    fn scale_in_locked(&self, victim: Option<u32>) -> Result<Value> {
+        let t0 = Instant::now();
+        let loads = self.loads();
+        if loads.len() <= 1 {
+            return Err(ControllerError::Refused(
+                "only one live replica: nothing to merge into".into(),
+            ));
+        }
+        let v = match victim {
+            Some(v) => {
+                if !loads.iter().any(|l| l.index == v) {
+                    return Err(ControllerError::NoReplica(v));
+                }
+                v
+            }
+            None => loads
+                .iter()
+                .min_by(|a, b| a.flows.cmp(&b.flows).then(b.index.cmp(&a.index)))
+                .map(|l| l.index)
+                .ok_or_else(|| ControllerError::Refused("no live replica".into()))?,
+        };
+        let vrec = self.record(v)?;
+        // 1. Out of the ring: new flows go to the survivors; live flows stay pinned to v.
+        if let Some((_, h)) = lock(&self.state).replicas.get_mut(&v) {
+            h.draining = true;
+        }
+        if let Err(e) = self.install_ring() {
+            if let Some((_, h)) = lock(&self.state).replicas.get_mut(&v) {
+                h.draining = false;
+            }
+            return Err(e);
+        }
+        // 2. Drain: move every flow to the survivors, evenly, until v lists none.
+        let max_batch = self.policy().max_batch;
+        let mut moved = 0u64;
+        let mut rounds = 0;
+        loop {
+            let (total, list) = match rc::flows(&vrec.socket, self.settings.rpc_timeout) {
+                Ok(x) => x,
+                Err(e) => {
+                    self.abort_drain(v);
+                    return Err(e.into());
+                }
+            };
+            if total == 0 || list.is_empty() {
+                break;
+            }
+            rounds += 1;
+            if rounds > MAX_DRAIN_ROUNDS {
+                self.abort_drain(v);
+                return Err(ControllerError::Refused(format!(
+                    "r{v} still holds {total} flows after {MAX_DRAIN_ROUNDS} rounds; left in service"
+                )));
+            }
+            let survivors: Vec<ReplicaLoad> =
+                self.loads().into_iter().filter(|l| l.index != v).collect();
+            let victim_load = ReplicaLoad {
+                index: v,
+                flows: list.len() as u64,
+                pps: 0,
+            };
+            let plan = policy::plan_merge(&victim_load, &survivors, max_batch);
+            let mut rest = list;
+            for m in plan {
+                let take = (m.count as usize).min(rest.len());
+                let batch: Vec<FlowEntry> = rest.split_off(rest.len() - take);
+                match self.move_flows(v, m.to, &batch) {
+                    Ok(r) => moved += r.get("moved").and_then(Value::as_u64).unwrap_or(0),
+                    Err(e) => {
+                        self.abort_drain(v);
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        // 3. Coherent state: run the combiners (v's shared state merged into a survivor).
+        let merged = self.merge_shared(&vrec);
+        // 4. Destroy: fabric first (no packet may be sent to a vanishing port), then ports,
+        //    then the process and namespace.
+        {
+            let mut s = lock(&self.steering);
+            s.set_live(v, false)?;
+            let _ = s.flush_pins(v);
+        }
+        let released = lock(&self.state)
+            .ports
+            .as_mut()
+            .map(|p| p.release(v))
+            .unwrap_or_default();
+        {
+            let mut s = lock(&self.steering);
+            for r in &released {
+                s.set_port_owner(r.clone(), None)?;
+            }
+        }
+        let pb = lock(&self.state).ports.clone();
+        if let Some(pb) = pb {
+            store::put_json(lock(&self.store).as_mut(), K_PORTS, &pb)?;
+        }
+        {
+            let mut a = lock(&self.agent);
+            match a.as_mut() {
+                // The agent can remove replicas it did not start too (the lab's initial ones).
+                Some(a) => a.remove_replica(v)?,
+                None => {
+                    // No agent: ask the process to stop; its host is not ours to remove.
+                    let _ = rc::call(
+                        &vrec.socket,
+                        &json!({"cmd": "shutdown"}),
+                        self.settings.rpc_timeout,
+                    );
+                }
+            }
+        }
+        lock(&self.store).delete(&format!("{P_REPLICAS}{v}"))?;
+        lock(&self.state).replicas.remove(&v);
+        let epoch = self.bump_epoch()?;
+        lock(&self.state).last_action = Some(Instant::now());
+        self.counters.scale_ins.fetch_add(1, Ordering::Relaxed);
+        let ms = t0.elapsed().as_millis() as u64;
+        self.event(
+            "scale_in",
+            json!({"replica": v, "moved": moved, "ms": ms, "shared": merged}),
+        );
+        Ok(
+            json!({"ok": true, "replica": v, "moved": moved, "ms": ms, "shared": merged, "epoch": epoch}),
+        )
+    }
+
+    fn abort_drain(&self, v: u32) {
+        if let Some((_, h)) = lock(&self.state).replicas.get_mut(&v) {
+            h.draining = false;
+        }
+        if let Err(e) = self.install_ring() {
+            self.event("steering_error", json!({"error": e.to_string()}));
+        }
+    }
+
+    /// Exports `v`'s coherent state and merges it into the first survivor (combiners run there;
+    /// PULL/PUSH spread it further). Best effort: reported, never blocks the scale-in.
+    fn merge_shared(&self, v: &ReplicaRecord) -> Value {
+        let exported = match rc::call(
+            v.socket.as_path(),
+            &json!({"cmd": "shared_export"}),
+            self.settings.rpc_timeout,
+        ) {
+            Ok(x) => x,
+            Err(e) => return json!({"exported": false, "error": e.to_string()}),
+        };
+        let Some(target) = self.live_indexes().into_iter().find(|i| *i != v.index) else {
+            return json!({"exported": true, "merged": false, "error": "no survivor"});
+        };
+        let Ok(t) = self.record(target) else {
+            return json!({"exported": true, "merged": false});
+        };
+        let mut req = exported.clone();
+        if let Some(o) = req.as_object_mut() {
+            o.remove("ok");
+            o.insert("cmd".into(), json!("shared_merge"));
+        }
+        match rc::call(&t.socket, &req, self.settings.rpc_timeout) {
+            Ok(r) => json!({"exported": true, "merged_into": target, "answer": r}),
+            Err(e) => json!({"exported": true, "merged": false, "error": e.to_string()}),
+        }
+    }
+
+    /// One policy evaluation; acts when the policy says so (and `auto` is on, unless `force`).
+    pub fn policy_tick(&self, force: bool) -> Result<Value> {
+        let (p, since) = {
+            let st = lock(&self.state);
+            (
+                st.policy.clone(),
+                st.last_action.map(|t| t.elapsed().as_millis() as u64),
+            )
+        };
+        if !p.auto && !force {
+            return Ok(json!({"ok": true, "decision": Decision::Nothing, "auto": false}));
+        }
+        let loads = self.loads();
+        let d = policy::decide(&p, &loads, since);
+        let _ops = lock(&self.ops);
+        let result = match &d {
+            Decision::Nothing => Value::Null,
+            Decision::ScaleOut { .. } => self.scale_out_locked()?,
+            Decision::ScaleIn { victim, .. } => self.scale_in_locked(Some(*victim))?,
+            Decision::Rebalance { moves } => {
+                self.counters.rebalances.fetch_add(1, Ordering::Relaxed);
+                json!(self.execute_moves(moves)?)
+            }
+        };
+        if d != Decision::Nothing {
+            self.event("policy", json!({"decision": d}));
+        }
+        Ok(json!({"ok": true, "decision": d, "result": result}))
+    }
+
+    /// Removes exceptions for flows no replica holds any more (the flow ended after moving).
+    pub fn gc_exceptions(&self) -> Result<usize> {
+        let _ops = lock(&self.ops);
+        let saved: BTreeMap<String, u32> =
+            store::get_json(lock(&self.store).as_ref(), K_EXCEPTIONS)?.unwrap_or_default();
+        if saved.is_empty() {
+            return Ok(0);
+        }
+        let mut present: BTreeSet<String> = BTreeSet::new();
+        let alive: Vec<u32> = self.live_indexes();
+        for i in alive {
+            let (total, list) = self.list_flows(i)?;
+            if total as usize > list.len() {
+                // Truncated listing: we cannot prove absence, so collect nothing this round.
+                return Ok(0);
+            }
+            for f in list {
+                present.insert(f.key);
+                present.extend(f.aliases);
+            }
+        }
+        let stale: Vec<FlowKey> = saved
+            .keys()
+            .filter(|k| !present.contains(*k))
+            .filter_map(|k| k.parse().ok())
+            .collect();
+        if stale.is_empty() {
+            return Ok(0);
+        }
+        lock(&self.steering).remove_exceptions(&stale)?;
+        self.save_exceptions(&stale, None)?;
+        Ok(stale.len())
+    }
+
+    pub fn heartbeat_interval(&self) -> Duration {
+        self.settings.heartbeat
+    }
+}
+
+#[cfg(test)]
+mod tests;

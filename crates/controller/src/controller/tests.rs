@@ -1,0 +1,550 @@
+//! Orchestration tests against fake replicas (real unix control sockets, in-memory flows), an
+//! in-memory agent and in-memory steering: deterministic, no namespaces needed.
+
+use super::*;
+use crate::agent::{AgentError, Started};
+use crate::migrator::{Outcome, SteerUpdate};
+use crate::steering::MemSteering;
+use crate::store::FileStore;
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixListener;
+use std::path::Path;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+#[derive(Default)]
+struct FakeState {
+    flows: Vec<FlowEntry>,
+    port_blocks: Option<Value>,
+    merged: Vec<Value>,
+    down: bool,
+}
+
+type Shared = Arc<Mutex<FakeState>>;
+
+struct FakeReplica {
+    path: PathBuf,
+    state: Shared,
+    stop: Arc<AtomicBool>,
+}
+
+impl FakeReplica {
+    fn start(dir: &Path, index: u32) -> FakeReplica {
+        let path = dir.join(format!("r{index}.sock"));
+        let _ = std::fs::remove_file(&path);
+        let l = UnixListener::bind(&path).unwrap();
+        l.set_nonblocking(true).unwrap();
+        let state: Shared = Arc::default();
+        let stop = Arc::new(AtomicBool::new(false));
+        let (st, sp) = (Arc::clone(&state), Arc::clone(&stop));
+        std::thread::spawn(move || loop {
+            if sp.load(Ordering::SeqCst) {
+                return;
+            }
+            let Ok((s, _)) = l.accept() else {
+                std::thread::sleep(Duration::from_millis(2));
+                continue;
+            };
+            s.set_nonblocking(false).unwrap();
+            let mut w = s.try_clone().unwrap();
+            let mut line = String::new();
+            if BufReader::new(s).read_line(&mut line).is_err() {
+                continue;
+            }
+            let req: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
+            let mut g = st.lock().unwrap();
+            if g.down {
+                continue; // drop the connection: a missed heartbeat
+            }
+            let ans = match req["cmd"].as_str() {
+                Some("stats") => json!({"ok": true, "table": {"flows": g.flows.len()},
+                    "ports": {"inside": {"rx_frames": 0}, "outside": {"rx_frames": 0}}}),
+                Some("flows") => json!({"ok": true, "total": g.flows.len(), "flows": g.flows}),
+                Some("set_port_blocks") => {
+                    g.port_blocks = Some(req["blocks"].clone());
+                    json!({"ok": true})
+                }
+                Some("shared_export") => json!({"ok": true, "bytes": format!("{index:02x}")}),
+                Some("shared_merge") => {
+                    g.merged.push(req["bytes"].clone());
+                    json!({"ok": true})
+                }
+                _ => json!({"ok": false, "error": "unknown cmd"}),
+            };
+            drop(g);
+            let _ = writeln!(w, "{ans}");
+        });
+        FakeReplica { path, state, stop }
+    }
+}
+
+impl Drop for FakeReplica {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Removes the test's directory when the last [`World`] clone goes (also on panic).
+#[derive(Default)]
+struct DirGuard(PathBuf);
+
+impl Drop for DirGuard {
+    fn drop(&mut self) {
+        if !self.0.as_os_str().is_empty() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+/// Every fake replica by socket path, shared by the agent and the migrator.
+#[derive(Clone, Default)]
+struct World {
+    dir: PathBuf,
+    _guard: Arc<DirGuard>,
+    replicas: Arc<Mutex<HashMap<PathBuf, FakeReplica>>>,
+    by_index: Arc<Mutex<BTreeMap<u32, PathBuf>>>,
+}
+
+impl World {
+    fn new(tag: &str) -> World {
+        let dir = std::env::temp_dir().join(format!("pliant-ctl-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        World {
+            _guard: Arc::new(DirGuard(dir.clone())),
+            dir,
+            ..Default::default()
+        }
+    }
+    fn add(&self, index: u32) -> PathBuf {
+        let r = FakeReplica::start(&self.dir, index);
+        let p = r.path.clone();
+        self.replicas.lock().unwrap().insert(p.clone(), r);
+        self.by_index.lock().unwrap().insert(index, p.clone());
+        p
+    }
+    fn state(&self, index: u32) -> Shared {
+        let p = self.by_index.lock().unwrap()[&index].clone();
+        Arc::clone(&self.replicas.lock().unwrap()[&p].state)
+    }
+    fn flows(&self, index: u32) -> usize {
+        self.state(index).lock().unwrap().flows.len()
+    }
+    fn fill(&self, index: u32, range: std::ops::Range<u16>) {
+        let s = self.state(index);
+        let mut g = s.lock().unwrap();
+        for p in range {
+            g.flows.push(flow(p));
+        }
+    }
+}
+
+fn flow(p: u16) -> FlowEntry {
+    FlowEntry {
+        key: format!("udp 10.77.1.2:{p} <-> 10.77.2.2:9000"),
+        aliases: vec![format!("udp 10.77.2.1:{} <-> 10.77.2.2:9000", 20000 + p)],
+    }
+}
+
+struct FakeAgent(World, u32);
+
+impl Agent for FakeAgent {
+    fn add_replica(&mut self) -> std::result::Result<Started, AgentError> {
+        self.1 += 1;
+        let socket = self.0.add(self.1);
+        Ok(Started {
+            index: self.1,
+            socket,
+            ready_ms: 1,
+        })
+    }
+    fn remove_replica(&mut self, index: u32) -> std::result::Result<(), AgentError> {
+        let p = self.0.by_index.lock().unwrap().remove(&index);
+        if let Some(p) = p {
+            self.0.replicas.lock().unwrap().remove(&p);
+        }
+        Ok(())
+    }
+    fn existing(&self) -> std::result::Result<Vec<(u32, PathBuf)>, AgentError> {
+        Ok(Vec::new())
+    }
+}
+
+/// Moves flow entries between fake replicas, switching steering first as the real one does.
+struct FakeMigrator(World);
+
+impl Migrator for FakeMigrator {
+    fn migrate(
+        &self,
+        src: &Path,
+        dst: &Path,
+        flows: &[FlowEntry],
+        steer: &mut SteerUpdate<'_>,
+    ) -> std::result::Result<Outcome, MigrateError> {
+        steer(&[]).map_err(MigrateError)?;
+        let reps = self.0.replicas.lock().unwrap();
+        let (s, d) = (&reps[src].state, &reps[dst].state);
+        let mut moved = 0;
+        let mut failed = Vec::new();
+        for f in flows {
+            // A flow on port 666 is "busy" at the source and stays there (refcount never 0).
+            if f.key.contains(":666 ") {
+                failed.push(f.key.clone());
+                continue;
+            }
+            let mut sg = s.lock().unwrap();
+            if let Some(pos) = sg.flows.iter().position(|x| x == f) {
+                let e = sg.flows.remove(pos);
+                drop(sg);
+                d.lock().unwrap().flows.push(e);
+                moved += 1;
+            }
+        }
+        Ok(Outcome {
+            moved,
+            failed,
+            detail: Value::Null,
+        })
+    }
+}
+
+/// Steering the test can inspect while the controller owns it.
+#[derive(Clone, Default)]
+struct SharedSteer(Arc<Mutex<MemSteering>>);
+
+impl Steering for SharedSteer {
+    fn add_replica(&mut self, i: u32) -> crate::steering::Result<()> {
+        self.0.lock().unwrap().add_replica(i)
+    }
+    fn set_live(&mut self, i: u32, l: bool) -> crate::steering::Result<()> {
+        self.0.lock().unwrap().set_live(i, l)
+    }
+    fn set_ring(&mut self, live: &[u32]) -> crate::steering::Result<()> {
+        self.0.lock().unwrap().set_ring(live)
+    }
+    fn set_exceptions(&mut self, e: &[(FlowKey, u32)]) -> crate::steering::Result<()> {
+        self.0.lock().unwrap().set_exceptions(e)
+    }
+    fn remove_exceptions(&mut self, k: &[FlowKey]) -> crate::steering::Result<usize> {
+        self.0.lock().unwrap().remove_exceptions(k)
+    }
+    fn exceptions(&self) -> crate::steering::Result<Vec<(FlowKey, u32)>> {
+        self.0.lock().unwrap().exceptions()
+    }
+    fn set_port_owner(
+        &mut self,
+        r: std::ops::RangeInclusive<u16>,
+        o: Option<u32>,
+    ) -> crate::steering::Result<()> {
+        self.0.lock().unwrap().set_port_owner(r, o)
+    }
+    fn flush_pins(&mut self, i: u32) -> crate::steering::Result<usize> {
+        self.0.lock().unwrap().flush_pins(i)
+    }
+    fn stats(&self) -> Value {
+        self.0.lock().unwrap().stats()
+    }
+}
+
+fn setup(tag: &str, n: u32, policy: Policy) -> (World, SharedSteer, Controller) {
+    let w = World::new(tag);
+    let statics: Vec<(u32, PathBuf)> = (1..=n).map(|i| (i, w.add(i))).collect();
+    let steer = SharedSteer::default();
+    let settings = Settings {
+        heartbeat: Duration::from_millis(10),
+        dead_after_missed: 3,
+        rpc_timeout: Duration::from_secs(2),
+        port_blocks: Some((PortBlocks::new(20000, 59999, 4000).unwrap(), 1)),
+    };
+    let c = Controller::new(
+        settings,
+        Box::new(FileStore::in_memory()),
+        Box::new(steer.clone()),
+        Some(Box::new(FakeAgent(w.clone(), n))),
+        Box::new(FakeMigrator(w.clone())),
+        statics,
+        Some(policy),
+    )
+    .unwrap();
+    (w, steer, c)
+}
+
+fn manual() -> Policy {
+    Policy {
+        auto: false,
+        cooldown_ms: 0,
+        high_water_flows: 100,
+        low_water_flows: 40,
+        ..Policy::default()
+    }
+}
+
+#[test]
+fn start_up_installs_ring_and_disjoint_port_blocks() {
+    let (w, steer, c) = setup("startup", 2, manual());
+    let s = steer.0.lock().unwrap();
+    assert_eq!(s.ring, vec![1, 2]);
+    assert_eq!(s.port_owner.get(&20000), Some(&1));
+    assert_eq!(s.port_owner.get(&24000), Some(&2));
+    assert_eq!(s.port_owner.get(&28000), None);
+    drop(s);
+    // The replicas were told their blocks.
+    assert_eq!(
+        w.state(1).lock().unwrap().port_blocks,
+        Some(json!([[20000, 23999]]))
+    );
+    assert_eq!(
+        w.state(2).lock().unwrap().port_blocks,
+        Some(json!([[24000, 27999]]))
+    );
+    assert_eq!(c.status()["replicas"].as_array().unwrap().len(), 2);
+}
+
+#[test]
+fn missed_heartbeats_kill_a_replica_and_take_it_out_of_the_ring() {
+    let (w, steer, c) = setup("heartbeat", 2, manual());
+    w.fill(1, 0..5);
+    c.heartbeat_once();
+    assert_eq!(c.loads()[0].flows, 5);
+    w.state(2).lock().unwrap().down = true;
+    for _ in 0..2 {
+        c.heartbeat_once();
+    }
+    assert_eq!(
+        c.loads().len(),
+        2,
+        "two misses are not yet death (dead_after_missed = 3)"
+    );
+    c.heartbeat_once();
+    assert_eq!(c.loads().len(), 1);
+    assert_eq!(steer.0.lock().unwrap().ring, vec![1]);
+    assert_eq!(steer.0.lock().unwrap().live.get(&2), Some(&false));
+    // It comes back: live again and in the ring.
+    w.state(2).lock().unwrap().down = false;
+    c.heartbeat_once();
+    assert_eq!(steer.0.lock().unwrap().ring, vec![1, 2]);
+    assert_eq!(c.counters.replicas_died.load(Ordering::Relaxed), 1);
+}
+
+#[test]
+fn migrate_moves_flows_and_steers_every_key_and_alias() {
+    let (w, steer, c) = setup("migrate", 2, manual());
+    w.fill(1, 0..10);
+    let r = c.migrate_count(1, 2, 4).unwrap();
+    assert_eq!(r["moved"], 4);
+    assert_eq!(r["keys_steered"], 8, "4 keys + 4 aliases");
+    assert_eq!((w.flows(1), w.flows(2)), (6, 4));
+    let ex = steer.0.lock().unwrap().exceptions.clone();
+    assert_eq!(ex.len(), 8);
+    assert!(ex.values().all(|&r| r == 2));
+    // By key: the alias form finds the flow too.
+    let k = flow(0).aliases[0].clone();
+    let r = c.migrate_key(&k, 2).unwrap();
+    assert_eq!(r["moved"], 1);
+    assert_eq!(w.flows(2), 5);
+    assert!(matches!(
+        c.migrate_key("udp 1.2.3.4:1 <-> 5.6.7.8:2", 2),
+        Err(ControllerError::NoSuchFlow(_))
+    ));
+    assert!(matches!(
+        c.migrate_key("garbage", 2),
+        Err(ControllerError::BadRequest(_))
+    ));
+    assert!(matches!(
+        c.migrate_count(1, 9, 1),
+        Err(ControllerError::NoReplica(9))
+    ));
+    assert!(matches!(
+        c.migrate_count(1, 1, 1),
+        Err(ControllerError::BadRequest(_))
+    ));
+    assert_eq!(c.status()["epoch"], 2);
+}
+
+#[test]
+fn exceptions_of_ended_flows_are_collected() {
+    let (w, steer, c) = setup("gc", 2, manual());
+    w.fill(1, 0..3);
+    c.migrate_count(1, 2, 3).unwrap();
+    assert_eq!(steer.0.lock().unwrap().exceptions.len(), 6);
+    assert_eq!(c.gc_exceptions().unwrap(), 0, "all flows still exist");
+    w.state(2).lock().unwrap().flows.remove(0);
+    assert_eq!(c.gc_exceptions().unwrap(), 2);
+    assert_eq!(steer.0.lock().unwrap().exceptions.len(), 4);
+}
+
+#[test]
+fn scale_out_then_in_round_trip() {
+    let (w, steer, c) = setup("scale", 1, manual());
+    w.fill(1, 0..9);
+    let r = c.scale_out().unwrap();
+    assert_eq!(r["replica"], 2);
+    assert_eq!(steer.0.lock().unwrap().ring, vec![1, 2]);
+    assert_eq!(steer.0.lock().unwrap().port_owner.get(&24000), Some(&2));
+    c.heartbeat_once();
+    c.migrate_count(1, 2, 3).unwrap();
+    c.heartbeat_once();
+    // Scale in r2 (the emptier one): its flows come back to r1, combiners run, ports freed.
+    let r = c.scale_in(None).unwrap();
+    assert_eq!(r["replica"], 2);
+    assert_eq!(r["moved"], 3);
+    assert_eq!(w.flows(1), 9);
+    assert_eq!(r["shared"]["merged_into"], 1);
+    assert_eq!(w.state(1).lock().unwrap().merged, vec![json!("02")]);
+    let s = steer.0.lock().unwrap();
+    assert_eq!(s.ring, vec![1]);
+    assert_eq!(s.live.get(&2), Some(&false));
+    assert_eq!(s.port_owner.get(&24000), None);
+    assert!(s.exceptions.values().all(|&r| r == 1));
+    drop(s);
+    assert!(
+        !w.by_index.lock().unwrap().contains_key(&2),
+        "agent removed r2"
+    );
+    assert!(matches!(c.scale_in(None), Err(ControllerError::Refused(_))));
+}
+
+#[test]
+fn scale_out_respects_max_replicas() {
+    let mut p = manual();
+    p.max_replicas = 1;
+    let (_w, _s, c) = setup("max", 1, p);
+    assert!(matches!(c.scale_out(), Err(ControllerError::Refused(_))));
+}
+
+#[test]
+fn hotspot_policy_scales_out_then_rebalances_evenly() {
+    let mut p = manual();
+    p.auto = true;
+    let (w, _s, c) = setup("hotspot", 1, p);
+    w.fill(1, 0..101);
+    c.heartbeat_once();
+    let d = c.policy_tick(false).unwrap();
+    assert_eq!(d["decision"]["action"], "scale_out", "{d}");
+    // The new replica receives one new flow (the ring now covers it).
+    w.state(2).lock().unwrap().flows.push(flow(500));
+    c.heartbeat_once();
+    let d = c.policy_tick(false).unwrap();
+    assert_eq!(d["decision"]["action"], "rebalance", "{d}");
+    c.heartbeat_once();
+    assert_eq!((w.flows(1), w.flows(2)), (51, 51));
+    assert_eq!(
+        c.policy_tick(false).unwrap()["decision"]["action"],
+        "nothing"
+    );
+}
+
+#[test]
+fn policy_changes_are_validated_and_stored() {
+    let (_w, _s, c) = setup("policy", 1, manual());
+    let p = c
+        .set_policy(&[
+            ("high_water_flows".into(), "10".into()),
+            ("low_water_flows".into(), "2".into()),
+        ])
+        .unwrap();
+    assert_eq!(p.high_water_flows, 10);
+    // All or nothing: a bad pair leaves the policy unchanged.
+    assert!(c
+        .set_policy(&[
+            ("high_water_flows".into(), "20".into()),
+            ("nope".into(), "1".into())
+        ])
+        .is_err());
+    assert_eq!(c.policy().high_water_flows, 10);
+    assert!(c
+        .set_policy(&[("low_water_flows".into(), "50".into())])
+        .is_err());
+}
+
+#[test]
+fn api_requires_token_and_refuses_bad_requests() {
+    let (w, _s, c) = setup("api", 2, manual());
+    w.fill(1, 0..4);
+    let c = Arc::new(c);
+    let sock = w.dir.join("api.sock");
+    let token = "tok-0123456789abcdef".to_string();
+    let hc = Arc::clone(&c);
+    let srv = crate::http::Server::start(
+        &crate::http::Listen {
+            unix: Some(sock.clone()),
+            tcp: None,
+        },
+        token.clone(),
+        Box::new(move |r| crate::api::handle(&hc, r)),
+    )
+    .unwrap();
+    let ep = sock.display().to_string();
+    let t = Duration::from_secs(5);
+    let req = |tok: &str, m: &str, p: &str, b: Option<&str>| {
+        crate::http::request(&ep, tok, m, p, b, t).unwrap()
+    };
+    assert_eq!(req("bad-token-000000000", "GET", "/v1/status", None).0, 401);
+    assert_eq!(req(&token, "GET", "/v1/status", None).0, 200);
+    assert_eq!(req(&token, "GET", "/v1/nope", None).0, 404);
+    assert_eq!(req(&token, "DELETE", "/v1/status", None).0, 405);
+    assert_eq!(req(&token, "POST", "/v1/migrate", Some("{not json")).0, 400);
+    assert_eq!(
+        req(&token, "POST", "/v1/migrate", Some("{\"to\":\"rX\"}")).0,
+        400
+    );
+    assert_eq!(
+        req(
+            &token,
+            "POST",
+            "/v1/migrate",
+            Some("{\"to\":\"r9\",\"from\":1,\"count\":1}")
+        )
+        .0,
+        404
+    );
+    let (st, body) = req(
+        &token,
+        "POST",
+        "/v1/migrate",
+        Some("{\"from\":\"r1\",\"to\":\"r2\",\"count\":2}"),
+    );
+    assert_eq!(st, 200, "{body}");
+    assert_eq!(w.flows(2), 2);
+    let (st, body) = req(&token, "GET", "/v1/flows?replica=r2", None);
+    assert_eq!(st, 200);
+    assert!(body.contains("10.77.1.2"), "{body}");
+    let (st, body) = req(
+        &token,
+        "POST",
+        "/v1/policy",
+        Some("{\"set\":{\"high_water_flows\":7,\"low_water_flows\":\"1\"}}"),
+    );
+    assert_eq!(st, 200, "{body}");
+    assert_eq!(c.policy().high_water_flows, 7);
+    assert_eq!(
+        req(
+            &token,
+            "POST",
+            "/v1/policy",
+            Some("{\"set\":{\"bogus\":1}}")
+        )
+        .0,
+        400
+    );
+    assert_eq!(srv.stats.unauthorized.load(Ordering::Relaxed), 1);
+}
+
+#[test]
+fn flows_that_fail_to_move_are_steered_back_to_the_source() {
+    let (w, steer, c) = setup("failed", 2, manual());
+    w.fill(1, 665..668);
+    let r = c.migrate_count(1, 2, 3).unwrap();
+    assert_eq!(r["moved"], 2);
+    assert_eq!(r["failed"][0], flow(666).key);
+    let ex = steer.0.lock().unwrap().exceptions.clone();
+    let k666: FlowKey = flow(666).key.parse().unwrap();
+    let a666: FlowKey = flow(666).aliases[0].parse().unwrap();
+    let k665: FlowKey = flow(665).key.parse().unwrap();
+    assert_eq!(ex.get(&k666), Some(&1), "key back at the source");
+    assert_eq!(ex.get(&a666), Some(&1), "alias back at the source");
+    assert_eq!(ex.get(&k665), Some(&2));
+    assert_eq!((w.flows(1), w.flows(2)), (1, 2));
+}

@@ -1,0 +1,29 @@
+//! pliant-controller: the elasticity controller (FreeFlow's orchestrator + SDN controller
+//! roles for one host).
+//!
+//! - [`controller::Controller`]: membership by heartbeat (`stats` over each replica's control
+//!   socket), load (flows, packets/s), migrations (replica protocol + steering exceptions for
+//!   every key and alias), scale-out/in (agent + fabric + NAT port blocks + ring), policies.
+//! - [`policy`]: pure, deterministic decisions over a load snapshot.
+//! - [`store`]: the [`store::Store`] trait (etcd-shaped) and the embedded [`store::FileStore`].
+//! - [`http`] + [`auth`] + [`api`]: the authenticated HTTP/JSON API (unix socket 0600,
+//!   optional TCP), bearer token from a 0600 file.
+//! - [`agent`]: starting/stopping replicas (`LabAgent`: namespaces of a running lab).
+//! - [`steering`]: the fabric behind a trait (`FabricSteering`: pliant-steer's tc-BPF maps).
+//! - [`daemon`]: `pliant controller --config ctl.toml`.
+
+pub mod agent;
+pub mod api;
+pub mod auth;
+pub mod config;
+pub mod controller;
+pub mod daemon;
+pub mod http;
+pub mod migrator;
+pub mod policy;
+pub mod ports;
+pub mod replica_client;
+pub mod steering;
+pub mod store;
+
+pub use controller::{Controller, ControllerError, Settings};

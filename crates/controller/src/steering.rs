@@ -1,0 +1,173 @@
+//! The controller's view of flow steering, behind a trait so the orchestration logic can be
+//! tested without BPF ([`MemSteering`]) and the fabric implementation can change.
+//! [`FabricSteering`] drives `pliant_steer::Steer` (the tc-BPF program in the fabric namespace).
+
+use pliant_state::FlowKey;
+use std::collections::BTreeMap;
+use std::ops::RangeInclusive;
+
+#[derive(Debug, thiserror::Error)]
+#[error("steering: {0}")]
+pub struct SteeringError(pub String);
+
+pub type Result<T> = std::result::Result<T, SteeringError>;
+
+pub trait Steering: Send {
+    /// Makes replica `index`'s fabric ports steerable and marks it live (not yet in the ring).
+    fn add_replica(&mut self, index: u32) -> Result<()>;
+    fn set_live(&mut self, index: u32, live: bool) -> Result<()>;
+    /// New flows are spread over `live` (consistent hashing); pinned flows keep their replica.
+    fn set_ring(&mut self, live: &[u32]) -> Result<()>;
+    fn set_exceptions(&mut self, entries: &[(FlowKey, u32)]) -> Result<()>;
+    fn remove_exceptions(&mut self, keys: &[FlowKey]) -> Result<usize>;
+    fn exceptions(&self) -> Result<Vec<(FlowKey, u32)>>;
+    fn set_port_owner(&mut self, range: RangeInclusive<u16>, owner: Option<u32>) -> Result<()>;
+    /// Drops the fabric's learned pins to `index` (after it is drained).
+    fn flush_pins(&mut self, index: u32) -> Result<usize>;
+    /// Counters, for `status`.
+    fn stats(&self) -> serde_json::Value;
+}
+
+/// In-memory steering: records the state it was told (tests, and running without a fabric).
+#[derive(Default, Debug)]
+pub struct MemSteering {
+    pub live: BTreeMap<u32, bool>,
+    pub ring: Vec<u32>,
+    pub exceptions: BTreeMap<FlowKey, u32>,
+    pub port_owner: BTreeMap<u16, u32>,
+}
+
+impl Steering for MemSteering {
+    fn add_replica(&mut self, index: u32) -> Result<()> {
+        self.live.insert(index, true);
+        Ok(())
+    }
+    fn set_live(&mut self, index: u32, live: bool) -> Result<()> {
+        self.live.insert(index, live);
+        Ok(())
+    }
+    fn set_ring(&mut self, live: &[u32]) -> Result<()> {
+        self.ring = live.to_vec();
+        Ok(())
+    }
+    fn set_exceptions(&mut self, entries: &[(FlowKey, u32)]) -> Result<()> {
+        for (k, r) in entries {
+            self.exceptions.insert(*k, *r);
+        }
+        Ok(())
+    }
+    fn remove_exceptions(&mut self, keys: &[FlowKey]) -> Result<usize> {
+        Ok(keys
+            .iter()
+            .filter(|k| self.exceptions.remove(k).is_some())
+            .count())
+    }
+    fn exceptions(&self) -> Result<Vec<(FlowKey, u32)>> {
+        Ok(self.exceptions.iter().map(|(k, r)| (*k, *r)).collect())
+    }
+    fn set_port_owner(&mut self, range: RangeInclusive<u16>, owner: Option<u32>) -> Result<()> {
+        for p in range {
+            match owner {
+                Some(r) => self.port_owner.insert(p, r),
+                None => self.port_owner.remove(&p),
+            };
+        }
+        Ok(())
+    }
+    fn flush_pins(&mut self, _index: u32) -> Result<usize> {
+        Ok(0)
+    }
+    fn stats(&self) -> serde_json::Value {
+        serde_json::json!({"backend": "memory", "exceptions": self.exceptions.len(), "ring": self.ring})
+    }
+}
+
+fn serr(e: impl std::fmt::Display) -> SteeringError {
+    SteeringError(e.to_string())
+}
+
+/// The tc-BPF fabric (pliant-steer), with the lab's port naming (`fabr<n>in`/`fabr<n>out`).
+pub struct FabricSteering {
+    pub steer: pliant_steer::Steer,
+    pub ring_size: u32,
+}
+
+impl FabricSteering {
+    /// Attaches steering in the fabric namespace `ns` over `replicas`, with `nat_addr` (the
+    /// shared external address) steered by port block.
+    pub fn attach_lab(
+        ns: &str,
+        replicas: &[u32],
+        nat_addr: Option<std::net::IpAddr>,
+    ) -> Result<FabricSteering> {
+        let mut ports = pliant_steer::lab::lab_ports(0);
+        for &n in replicas {
+            ports.replicas.push(pliant_steer::ReplicaPorts {
+                index: n,
+                in_port: format!("fabr{n}in"),
+                out_port: format!("fabr{n}out"),
+            });
+        }
+        let mut steer =
+            pliant_steer::Steer::attach(ns, &ports, &pliant_steer::SteerOptions::default())
+                .map_err(serr)?;
+        if let Some(a) = nat_addr {
+            steer.add_nat_addr(a).map_err(serr)?;
+        }
+        let mut f = FabricSteering {
+            steer,
+            ring_size: pliant_steer::maglev::DEFAULT_RING_SIZE,
+        };
+        f.set_ring(replicas)?;
+        Ok(f)
+    }
+}
+
+impl Steering for FabricSteering {
+    fn add_replica(&mut self, index: u32) -> Result<()> {
+        self.steer
+            .add_replica(&pliant_steer::ReplicaPorts {
+                index,
+                in_port: format!("fabr{index}in"),
+                out_port: format!("fabr{index}out"),
+            })
+            .map_err(serr)
+    }
+    fn set_live(&mut self, index: u32, live: bool) -> Result<()> {
+        self.steer.set_replica_live(index, live).map_err(serr)
+    }
+    fn set_ring(&mut self, live: &[u32]) -> Result<()> {
+        if live.is_empty() {
+            // An empty ring would drop every new flow; keep the old one until a replica exists.
+            return Err(SteeringError("refusing an empty ring".into()));
+        }
+        self.steer
+            .set_ring_maglev(live, self.ring_size)
+            .map_err(serr)
+    }
+    fn set_exceptions(&mut self, entries: &[(FlowKey, u32)]) -> Result<()> {
+        self.steer.set_exceptions(entries).map_err(serr)
+    }
+    fn remove_exceptions(&mut self, keys: &[FlowKey]) -> Result<usize> {
+        self.steer.remove_exceptions(keys).map_err(serr)
+    }
+    fn exceptions(&self) -> Result<Vec<(FlowKey, u32)>> {
+        self.steer.exceptions().map_err(serr)
+    }
+    fn set_port_owner(&mut self, range: RangeInclusive<u16>, owner: Option<u32>) -> Result<()> {
+        self.steer.set_port_owner(range, owner).map_err(serr)
+    }
+    fn flush_pins(&mut self, index: u32) -> Result<usize> {
+        self.steer.flush_conn_for(index).map_err(serr)
+    }
+    fn stats(&self) -> serde_json::Value {
+        match self.steer.stats() {
+            Ok(s) => {
+                let m: serde_json::Map<String, serde_json::Value> =
+                    s.named().map(|(k, v)| (k.to_string(), v.into())).collect();
+                serde_json::json!({"backend": "tc-bpf", "netns": self.steer.netns(), "counters": m})
+            }
+            Err(e) => serde_json::json!({"backend": "tc-bpf", "error": e.to_string()}),
+        }
+    }
+}
