@@ -412,7 +412,26 @@ impl Lab {
         self.finished = true;
         // Detach steering inside the fabric namespace while it still exists.
         self.steer = None;
-        let problems = state::teardown(&self.state);
+        // Replicas added while the lab ran (`scale::add_replica`, e.g. by a controller) are
+        // recorded only in state.json, so tear down the union of what this handle and the file
+        // know. Stale entries are harmless: missing namespaces are skipped and a recorded PID is
+        // signalled only if its command line still carries this lab's run directory.
+        let mut st = self.state.clone();
+        if let Ok(disk) = state::LabState::load(&st.path()) {
+            if disk.name == st.name {
+                for ns in disk.namespaces {
+                    if !st.namespaces.contains(&ns) {
+                        st.namespaces.push(ns);
+                    }
+                }
+                for p in disk.procs {
+                    if !st.procs.iter().any(|q| q.pid == p.pid) {
+                        st.procs.push(p);
+                    }
+                }
+            }
+        }
+        let problems = state::teardown(&st);
         // Reap our direct children so none lingers as a zombie in a long-lived test process.
         for c in &mut self.children {
             let _ = cmd::wait_bounded(c, Duration::from_secs(2));
