@@ -11,76 +11,10 @@
 //!
 //! Needs root (skips otherwise).
 
-use pliant_lab::{Lab, LabSpec, PliantNf, ReplicaMode, Role, SERVER_IP};
-use pliant_runtime::config::ReplicaConfig;
-use std::path::PathBuf;
-use std::process::Command;
-use std::time::{Duration, Instant};
-
-fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .map(|s| {
-            s.lines()
-                .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0"))
-        })
-        .unwrap_or(false)
-}
-
-fn pliant() -> &'static str {
-    env!("CARGO_BIN_EXE_pliant")
-}
-
-/// The NF sections, parsed exactly as the replica will parse them.
-fn nf(kind: &str, section: &str) -> PliantNf {
-    let text = format!(
-        "[replica]\nname = \"e2e\"\ncontrol_socket = \"/e2e.sock\"\n\
-         [inside]\nifname = \"in0\"\naddresses = []\n\
-         [outside]\nifname = \"out0\"\naddresses = []\n\
-         [nf]\nkind = \"{kind}\"\n{section}\n"
-    );
-    let cfg = ReplicaConfig::parse(&text, "e2e").unwrap_or_else(|e| panic!("{e}"));
-    PliantNf::new(kind, cfg.nf_sections)
-}
-
-fn lab_up(config: PliantNf) -> Lab {
-    let mut spec = LabSpec::new(ReplicaMode::Pliant { config });
-    spec.pliant_bin = Some(PathBuf::from(pliant()));
-    // MTU-sized frames with real checksums (no GSO super-frames) for the user-space path.
-    spec.disable_offloads = true;
-    Lab::up(spec).unwrap_or_else(|e| panic!("lab up: {e}"))
-}
-
-fn ask(lab: &Lab, args: &[&str]) -> serde_json::Value {
-    let sock = lab.replica_socket(1).expect("pliant replica socket");
-    let out = Command::new(pliant())
-        .args(args)
-        .arg("--socket")
-        .arg(sock)
-        .output()
-        .expect("run pliant");
-    assert!(
-        out.status.success(),
-        "pliant {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-        panic!(
-            "pliant {args:?} JSON: {e}: {}",
-            String::from_utf8_lossy(&out.stdout)
-        )
-    })
-}
-
-fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
-    let end = Instant::now() + timeout;
-    while Instant::now() < end {
-        if f() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    panic!("timed out waiting for {what}");
-}
+mod common;
+use common::*;
+use pliant_lab::{Role, SERVER_IP};
+use std::time::Duration;
 
 const THRESHOLD: u64 = 4;
 

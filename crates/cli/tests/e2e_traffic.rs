@@ -22,8 +22,9 @@
 //! runtime is too slow for iperf3): `cargo test --release -p pliant-cli --test e2e_traffic --
 //! --test-threads=1 --nocapture`.
 
+mod common;
+use common::*;
 use pliant_lab::{cmd, Lab, LabSpec, PliantNf, ReplicaMode, Role, CLIENT_IP, OUTSIDE_GW_IP};
-use pliant_runtime::config::ReplicaConfig;
 use serde_json::Value;
 use std::path::PathBuf;
 use std::process::Command;
@@ -41,31 +42,6 @@ const IPERF_PORT: u16 = 5201;
 /// on a clean run is a bug (an NF refusing a packet of a good flow, a frame the runtime could
 /// not parse or checksum, ...).
 const ALLOWED_DROPS: &[&str] = &["tx_full", "output_queue_full"];
-
-fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .map(|s| {
-            s.lines()
-                .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0"))
-        })
-        .unwrap_or(false)
-}
-
-fn pliant() -> &'static str {
-    env!("CARGO_BIN_EXE_pliant")
-}
-
-/// The NF sections, parsed exactly as the replica will parse them.
-fn nf(kind: &str, section: &str) -> PliantNf {
-    let text = format!(
-        "[replica]\nname = \"e2e\"\ncontrol_socket = \"/e2e.sock\"\n\
-         [inside]\nifname = \"in0\"\naddresses = []\n\
-         [outside]\nifname = \"out0\"\naddresses = []\n\
-         [nf]\nkind = \"{kind}\"\n{section}\n"
-    );
-    let cfg = ReplicaConfig::parse(&text, "e2e").unwrap_or_else(|e| panic!("{e}"));
-    PliantNf::new(kind, cfg.nf_sections)
-}
 
 fn lab_up(config: PliantNf) -> Lab {
     let mut spec = LabSpec::new(ReplicaMode::Pliant { config }).with_file(BIG_FILE, BIG_FILE_BYTES);
