@@ -10,7 +10,11 @@ mod cmd_pg;
 mod cmd_replica;
 
 #[derive(Parser)]
-#[command(name = "pliant", version, about = "Elasticity and high availability for stateful network functions")]
+#[command(
+    name = "pliant",
+    version,
+    about = "Elasticity and high availability for stateful network functions"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
