@@ -17,7 +17,10 @@ set -euo pipefail
 #   fonts-dejavu-core        font for benchmark PNG charts
 #   postgresql-15            primary/standby servers, pg_rewind and pgbench for `pliant pg` and its tests
 #   postgresql-client-15     psql sessions in the pg session-survival test
+#   conntrackd, keepalived   the kernel NAT HA peer (conntrack state sync + VRRP) in `pliant bench ha`
+#   patroni, etcd-server, etcd-client  the PostgreSQL HA peer measured by `pliant bench pg`
 pkgs=(iproute2 nftables iperf3 nginx-light netsniff-ng curl iputils-ping cbindgen clang llvm ethtool
+      conntrackd keepalived patroni etcd-server etcd-client
       tcpdump fonts-dejavu-core gcc g++ make pkg-config postgresql-15 postgresql-client-15)
 missing=()
 for p in "${pkgs[@]}"; do

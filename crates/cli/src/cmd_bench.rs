@@ -19,6 +19,15 @@ enum BenchCmd {
     /// PostgreSQL HA: pgbench TPS/latency unprotected vs synchronous replication vs through the
     /// pliant proxy, plus failover trials (failover_ms, sessions kept, acked commits lost).
     Pg(PgBenchArgs),
+    /// Live flow migration: pause per flow (suspend to resume) for one flow and a batch of
+    /// 1000, packets lost/reordered and TCP resets counted on the wire.
+    Migrate(crate::cmd_bench_elastic::MigrateArgs),
+    /// Consolidation after the seed: 4 replicas, flows expiring round-robin; time to release
+    /// the first replica with pliant merging vs waiting for it to empty (kill-based).
+    ScaleIn(crate::cmd_bench_elastic::ScaleInArgs),
+    /// High availability: no HA vs Pico at 1 kHz and 10 kHz vs Remus mode at 40 Hz vs the kernel
+    /// peer (nftables NAT pair with conntrackd + keepalived), plus a failover experiment.
+    Ha(crate::cmd_bench_ha::HaArgs),
 }
 
 #[derive(Args)]
@@ -66,6 +75,9 @@ pub fn run(a: BenchArgs) -> Result<(), String> {
     match a.cmd {
         BenchCmd::Forward(f) => forward(f),
         BenchCmd::Pg(p) => pg(p),
+        BenchCmd::Migrate(m) => crate::cmd_bench_elastic::migrate(m),
+        BenchCmd::ScaleIn(s) => crate::cmd_bench_elastic::scale_in(s),
+        BenchCmd::Ha(h) => crate::cmd_bench_ha::run(h),
     }
 }
 

@@ -4,6 +4,8 @@
 use clap::{Parser, Subcommand};
 
 mod cmd_bench;
+mod cmd_bench_elastic;
+mod cmd_bench_ha;
 mod cmd_controller;
 mod cmd_lab;
 mod cmd_pg;
