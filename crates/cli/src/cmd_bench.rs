@@ -47,6 +47,9 @@ struct PgBenchArgs {
     /// Kill trials under the bank workload (each is a failover plus re-protection).
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(0..=1000))]
     trials: u32,
+    /// Leader kills of the Patroni + etcd peer (ttl 5, loop_wait 1); 0 skips the peer.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(0..=100))]
+    patroni_trials: u32,
 }
 
 #[derive(Args)]
@@ -143,6 +146,7 @@ fn pg(p: PgBenchArgs) -> Result<(), String> {
         clients: p.clients,
         duration_s: p.duration,
         trials: p.trials,
+        patroni_trials: p.patroni_trials,
         ..pliant_pg::bench::BenchOpts::default()
     };
     let report = pliant_pg::bench::run(opts)?;

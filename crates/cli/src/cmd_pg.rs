@@ -15,6 +15,13 @@ enum PgCmd {
         /// Stay in the foreground (the background process runs this).
         #[arg(long)]
         foreground: bool,
+        /// How the proxy authenticates clients: scram-sha-256 (libpq's default) or md5.
+        #[arg(long, default_value = "scram-sha-256")]
+        auth: pliant_pg::proxy::AuthMethod,
+        /// If the standby is lost (unreachable, or a commit waits for it) this long, the
+        /// primary runs unprotected until the standby is back (ms; 0 = block commits instead).
+        #[arg(long, default_value_t = pliant_pg::bench::DEFAULT_ASYNC_FALLBACK_MS)]
+        async_fallback_ms: u64,
     },
     /// Stop the proxy and servers and remove the namespaces.
     Down,
@@ -24,7 +31,17 @@ enum PgCmd {
 
 pub fn run(a: PgArgs) -> Result<(), String> {
     let out = match a.cmd {
-        PgCmd::Up { foreground } => pliant_pg::cmd::up(foreground)?,
+        PgCmd::Up {
+            foreground,
+            auth,
+            async_fallback_ms,
+        } => pliant_pg::cmd::up(
+            foreground,
+            &pliant_pg::cmd::UpOpts {
+                auth,
+                async_fallback_ms,
+            },
+        )?,
         PgCmd::Down => pliant_pg::cmd::down()?,
         PgCmd::Status => pliant_pg::cmd::status()?,
     };

@@ -9,7 +9,7 @@ use pliant_pg::bench::proxy_config;
 use pliant_pg::client::Client;
 use pliant_pg::cluster::{Cluster, ClusterConfig};
 use pliant_pg::proto;
-use pliant_pg::proxy::{ClusterOps, Proxy};
+use pliant_pg::proxy::{AuthMethod, ClusterOps, Proxy, ProxyConfig};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
@@ -41,6 +41,10 @@ struct Lab {
 
 impl Lab {
     fn up() -> Lab {
+        Lab::up_with(|_| {})
+    }
+    /// Like `up`, with the proxy configuration adjusted by `f`.
+    fn up_with(f: impl FnOnce(&mut ProxyConfig)) -> Lab {
         let cl = Arc::new(Cluster::create(ClusterConfig::default()).expect("create namespaces"));
         let mut lab = Lab {
             cl: cl.clone(),
@@ -50,7 +54,9 @@ impl Lab {
         cl.add_standby(1, 0).expect("standby");
         cl.protect(0, 1).expect("sync standby");
         let ops: Arc<dyn ClusterOps> = cl.clone();
-        lab.proxy = Some(Proxy::start(proxy_config(&cl, 0), true, Some(ops)).expect("proxy"));
+        let mut pc = proxy_config(&cl, 0);
+        f(&mut pc);
+        lab.proxy = Some(Proxy::start(pc, true, Some(ops)).expect("proxy"));
         lab
     }
     fn proxy(&self) -> &Proxy {
@@ -360,9 +366,14 @@ fn pg_bad_input_gets_postgres_errors() {
     if !usable() {
         return;
     }
-    let lab = Lab::up();
-    // Wrong password: psql shows PostgreSQL's message.
+    // md5 here (raw_login speaks it); SCRAM is covered by pg_scram_auth_and_cancel_forwarding.
+    let lab = Lab::up_with(|pc| pc.auth = AuthMethod::Md5);
     let a = lab.proxy().addr;
+    // md5 keeps working with psql.
+    let ok = psql_c(&lab, &lab.cl.cfg.password, "SELECT 40 + 2");
+    assert!(ok.status.success(), "psql over md5: {ok:?}");
+    assert_eq!(String::from_utf8_lossy(&ok.stdout).trim(), "42");
+    // Wrong password: psql shows PostgreSQL's message.
     let out = Command::new("psql")
         .env("PGPASSWORD", "wrong")
         .args([
@@ -429,4 +440,386 @@ fn pg_bad_input_gets_postgres_errors() {
     let st = lab.proxy().stats_json();
     assert!(st["protocol_errors"].as_u64().unwrap_or(0) >= 5, "{st}");
     assert!(st["auth_failures"].as_u64().unwrap_or(0) >= 2, "{st}");
+}
+
+/// `psql -c sql` through the proxy with `password`; -qAt output.
+fn psql_c(lab: &Lab, password: &str, sql: &str) -> std::process::Output {
+    let a = lab.proxy().addr;
+    Command::new("psql")
+        .env("PGPASSWORD", password)
+        .args([
+            "-h",
+            &a.ip().to_string(),
+            "-p",
+            &a.port().to_string(),
+            "-U",
+            &lab.cl.cfg.user,
+            "-X",
+            "-qAt",
+            "-c",
+            sql,
+            "postgres",
+        ])
+        .output()
+        .expect("psql")
+}
+
+fn pgbench(lab: &Lab, args: &[&str]) -> std::process::Output {
+    let a = lab.proxy().addr;
+    Command::new("/usr/lib/postgresql/15/bin/pgbench")
+        .env("PGPASSWORD", &lab.cl.cfg.password)
+        .args([
+            "-h",
+            &a.ip().to_string(),
+            "-p",
+            &a.port().to_string(),
+            "-U",
+            &lab.cl.cfg.user,
+        ])
+        .args(args)
+        .arg("postgres")
+        .output()
+        .expect("pgbench")
+}
+
+/// psycopg2 session (Debian's /usr/bin/python3) that runs `SELECT pg_sleep(30)` and cancels it
+/// from another thread with `conn.cancel()` (a real CancelRequest on a new connection), once
+/// per line read from stdin; prints one result line per round.
+const CANCEL_PY: &str = r#"
+import sys, time, threading, psycopg2
+host, port, user, pw = sys.argv[1:5]
+conn = psycopg2.connect(host=host, port=int(port), user=user, password=pw, dbname="postgres")
+conn.autocommit = True
+cur = conn.cursor()
+cur.execute("SET application_name = 'cancel-test'")
+print("READY", flush=True)
+for line in sys.stdin:
+    t = threading.Timer(1.0, conn.cancel)
+    t.start()
+    t0 = time.time()
+    try:
+        cur.execute("SELECT pg_sleep(30)")
+        res = "NOT_CANCELLED"
+    except psycopg2.extensions.QueryCanceledError:
+        res = "CANCELLED"
+    except Exception as e:
+        res = "ERROR " + type(e).__name__ + " " + str(e).replace("\n", " ")
+    t.join()
+    cur.execute("SHOW application_name")
+    print("%s %.1f %s" % (res, time.time() - t0, cur.fetchone()[0]), flush=True)
+"#;
+
+#[test]
+fn pg_scram_auth_and_cancel_forwarding() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !usable() {
+        return;
+    }
+    let lab = Lab::up();
+    let a = lab.proxy().addr;
+    let (user, pw) = (lab.cl.cfg.user.clone(), lab.cl.cfg.password.clone());
+    // The proxy asks for SCRAM-SHA-256 (AuthenticationSASL listing the mechanism).
+    let mut s = TcpStream::connect(a).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let params = vec![
+        ("user".to_string(), user.clone()),
+        ("database".to_string(), "postgres".to_string()),
+    ];
+    s.write_all(&proto::startup_message(&params))
+        .expect("startup");
+    let f = proto::read_frame(&mut s).expect("read").expect("frame");
+    assert_eq!(f.tag, b'R');
+    assert_eq!(&f.body[..4], &10u32.to_be_bytes(), "AuthenticationSASL");
+    assert_eq!(&f.body[4..], b"SCRAM-SHA-256\0\0");
+    // A garbage SASLInitialResponse gets a protocol error, not a crash.
+    proto::write_frames(
+        &mut s,
+        &[proto::Frame::new(
+            b'p',
+            b"SCRAM-SHA-256\0\0\0\0\x05n,,x".to_vec(),
+        )],
+    )
+    .expect("write");
+    assert_eq!(error_code(&mut s), "08P01");
+    // psql (libpq answers SCRAM) with the right and a wrong password.
+    let ok = psql_c(&lab, &pw, "SELECT 40 + 2");
+    assert!(ok.status.success(), "psql over SCRAM: {ok:?}");
+    assert_eq!(String::from_utf8_lossy(&ok.stdout).trim(), "42");
+    let bad = psql_c(&lab, "wrong", "SELECT 1");
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        !bad.status.success() && err.contains("password authentication failed for user"),
+        "{err}"
+    );
+    // pgbench initialises and runs over SCRAM (8 logins).
+    let init = pgbench(&lab, &["-i", "-q", "-s", "1"]);
+    assert!(init.status.success(), "pgbench -i: {init:?}");
+    let run = pgbench(&lab, &["-n", "-c", "8", "-j", "2", "-T", "3"]);
+    let out = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        run.status.success() && out.contains("number of failed transactions: 0"),
+        "pgbench over SCRAM: {out} {}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let st = lab.proxy().stats_json();
+    assert!(st["auth_failures"].as_u64().unwrap_or(0) >= 1, "{st}");
+
+    // Query cancel: psycopg2's conn.cancel() sends a CancelRequest with the key the proxy gave
+    // it; the proxy forwards it to the backend serving the session, before and after a failover.
+    let mut py = Command::new("/usr/bin/python3")
+        .args([
+            "-c",
+            CANCEL_PY,
+            &a.ip().to_string(),
+            &a.port().to_string(),
+            &user,
+            &pw,
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("python3");
+    let mut py_in = py.stdin.take().expect("stdin");
+    let (tx, rx) = mpsc::channel();
+    let out = py.stdout.take().expect("stdout");
+    std::thread::spawn(move || {
+        for l in BufReader::new(out).lines().map_while(Result::ok) {
+            let _ = tx.send(l);
+        }
+    });
+    struct Kill(Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut py = Kill(py);
+    let mut next = || {
+        rx.recv_timeout(Duration::from_secs(40))
+            .unwrap_or_else(|_| {
+                let _ = py.0.kill();
+                let mut e = String::new();
+                if let Some(mut se) = py.0.stderr.take() {
+                    let _ = se.read_to_string(&mut e);
+                }
+                format!("<no answer> {e}")
+            })
+    };
+    assert_eq!(next(), "READY");
+    for round in 0..2 {
+        if round == 1 {
+            lab.wait_protected();
+            lab.kill_primary();
+        }
+        writeln!(py_in, "go").expect("to python");
+        let l = next();
+        let mut w = l.split_whitespace();
+        assert_eq!(w.next(), Some("CANCELLED"), "round {round}: {l}");
+        let secs: f64 = w.next().and_then(|x| x.parse().ok()).unwrap_or(99.0);
+        assert!(secs < 15.0, "round {round}: cancelled only after {secs} s");
+        assert_eq!(w.next(), Some("cancel-test"), "session kept: {l}");
+    }
+    drop(py_in);
+    // A CancelRequest with a wrong key is dropped and counted.
+    let mut s = TcpStream::connect(a).expect("connect");
+    let mut pkt = 16u32.to_be_bytes().to_vec();
+    pkt.extend(proto::CANCEL_REQUEST.to_be_bytes());
+    pkt.extend(1u32.to_be_bytes());
+    pkt.extend(0u32.to_be_bytes());
+    s.write_all(&pkt).expect("cancel");
+    let _ = s.read_to_end(&mut Vec::new());
+    let st = lab.proxy().stats_json();
+    eprintln!("proxy: {st}");
+    assert_eq!(st["cancels_forwarded"], 2, "{st}");
+    assert!(st["cancels_unmatched"].as_u64().unwrap_or(0) >= 1, "{st}");
+    assert_eq!(st["failovers"], 1);
+}
+
+#[test]
+fn pg_async_fallback_when_standby_dies() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !usable() {
+        return;
+    }
+    let fallback_ms = 1500;
+    let lab = Lab::up_with(|pc| pc.async_fallback_ms = Some(fallback_ms));
+    let p = lab.proxy();
+    let (user, pw) = (lab.cl.cfg.user.clone(), lab.cl.cfg.password.clone());
+    let mut c = lab.client();
+    bank::setup(&mut c).expect("bank schema");
+    let wl = bank::Workload::start(p.addr, &user, &pw, 8);
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(wl.commits() > 0, "workload runs");
+    // Keep the standby away until the test has seen commits continue without it.
+    p.shared.reprotect_hold.store(true, SeqCst);
+    let primary = p.shared.primary.load(SeqCst);
+    let standby = 1 - primary;
+    let t_kill = Instant::now();
+    lab.cl
+        .inject_failure(standby, true, true)
+        .expect("kill standby");
+    while p.shared.stats.async_fallbacks.load(SeqCst) == 0 {
+        assert!(
+            t_kill.elapsed() < Duration::from_secs(30),
+            "no async fallback: {}",
+            p.stats_json()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let fell_back_after = t_kill.elapsed();
+    eprintln!("async fallback after {fell_back_after:?}");
+    // (A commit may have started waiting a few ms before t_kill was taken and the standby
+    // died: allow that much.)
+    assert!(
+        fell_back_after >= Duration::from_millis(fallback_ms - 100),
+        "fell back before the timeout: {fell_back_after:?}"
+    );
+    let st = p.stats_json();
+    assert_eq!(st["protected"], false, "{st}");
+    assert_eq!(st["degraded"], true, "{st}");
+    assert_eq!(p.shared.primary.load(SeqCst), primary, "no failover");
+    // Commits continue, unprotected.
+    let c0 = wl.commits();
+    std::thread::sleep(Duration::from_secs(2));
+    let c1 = wl.commits();
+    assert!(
+        c1 > c0 + 20,
+        "commits continue after the fallback: {c0} -> {c1}"
+    );
+    let mut dc = lab
+        .cl
+        .client(primary, Duration::from_secs(10))
+        .expect("primary");
+    let r = wl.check(&mut dc).expect("check");
+    assert!(r.ok(), "while unprotected: {r:?}");
+    // The standby returns; protection resumes.
+    p.shared.reprotect_hold.store(false, SeqCst);
+    lab.wait_protected();
+    let st = p.stats_json();
+    eprintln!("after restore: {st}");
+    assert_eq!(st["standby_restores"], 1, "{st}");
+    assert_eq!(st["degraded"], false, "{st}");
+    assert!(
+        st["unprotected_ms_total"].as_u64().unwrap_or(0) >= 2000,
+        "{st}"
+    );
+    // Nothing lost: the restored standby holds every commit acknowledged while it was gone,
+    // shown by failing over to it.
+    std::thread::sleep(Duration::from_millis(500));
+    lab.kill_primary();
+    let np = p.shared.primary.load(SeqCst);
+    assert_eq!(np, standby);
+    let mut dc = lab
+        .cl
+        .client(np, Duration::from_secs(10))
+        .expect("new primary");
+    let r = wl.check(&mut dc).expect("check");
+    eprintln!("after failover to the restored standby: {r:?}");
+    assert!(r.ok(), "after failover: {r:?}");
+    assert!(r.acked > c1, "acked commits counted: {r:?}");
+    assert_eq!(r.acked_lost, 0);
+    assert!(wl.commits() > c1, "commits continue after the failover");
+    wl.stop();
+}
+
+/// Runs `pliant pg ...` with its run directory redirected.
+fn pliant_pg(run_dir: &std::path::Path, args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_pliant"))
+        .env("PLIANT_PG_RUN_DIR", run_dir)
+        .arg("pg")
+        .args(args)
+        .output()
+        .expect("pliant pg")
+}
+
+#[test]
+fn pg_up_status_down_leaves_nothing_behind() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !usable() {
+        return;
+    }
+    let run_dir = std::env::temp_dir().join(format!("pliant-pg-run-{}", std::process::id()));
+    struct Down(std::path::PathBuf);
+    impl Drop for Down {
+        fn drop(&mut self) {
+            let _ = pliant_pg(&self.0, &["down"]);
+        }
+    }
+    let _down = Down(run_dir.clone());
+    let up = pliant_pg(&run_dir, &["up", "--async-fallback-ms", "2000"]);
+    assert!(up.status.success(), "pliant pg up: {up:?}");
+    let state: serde_json::Value =
+        serde_json::from_slice(&up.stdout).expect("up prints its state as JSON");
+    let dir = state["dir"].as_str().expect("dir").to_string();
+    let bridge = state["bridge"].as_str().expect("bridge").to_string();
+    let nss: Vec<String> = state["nodes"]
+        .as_array()
+        .expect("nodes")
+        .iter()
+        .map(|n| n["ns"].as_str().unwrap_or_default().to_string())
+        .collect();
+    assert_eq!(nss.len(), 2);
+    // psql through the proxy with what `up` printed (SCRAM by default).
+    let proxy: std::net::SocketAddr = state["proxy"]
+        .as_str()
+        .expect("proxy")
+        .parse()
+        .expect("addr");
+    let out = Command::new("psql")
+        .env("PGPASSWORD", state["password"].as_str().unwrap_or_default())
+        .args([
+            "-h",
+            &proxy.ip().to_string(),
+            "-p",
+            &proxy.port().to_string(),
+        ])
+        .args(["-U", state["user"].as_str().unwrap_or_default()])
+        .args(["-X", "-qAt", "-c", "SELECT 6 * 7", "postgres"])
+        .output()
+        .expect("psql");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "42", "{out:?}");
+    let t = Instant::now();
+    let status = loop {
+        let st = pliant_pg(&run_dir, &["status"]);
+        assert!(st.status.success(), "status: {st:?}");
+        let v: serde_json::Value = serde_json::from_slice(&st.stdout).expect("status JSON");
+        if v["sessions_total"].as_u64().unwrap_or(0) >= 1 || t.elapsed() > Duration::from_secs(5) {
+            break v;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(status["running"], true, "{status}");
+    assert_eq!(status["protected"], true, "{status}");
+    assert_eq!(status["async_fallback_ms"], 2000, "{status}");
+    assert_eq!(status["async_fallbacks"], 0, "{status}");
+    assert_eq!(status["auth"], "ScramSha256", "{status}");
+    assert!(status["roles"].is_object(), "{status}");
+    let down = pliant_pg(&run_dir, &["down"]);
+    assert!(down.status.success(), "down: {down:?}");
+    assert!(
+        !run_dir.exists(),
+        "run directory left behind: {:?}",
+        std::fs::read_dir(&run_dir).map(|d| d.flatten().map(|e| e.path()).collect::<Vec<_>>())
+    );
+    assert!(!std::path::Path::new(&dir).exists(), "data left in {dir}");
+    let netns = Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .expect("ip");
+    let netns = String::from_utf8_lossy(&netns.stdout);
+    for ns in &nss {
+        assert!(!netns.contains(ns.as_str()), "namespace {ns} left behind");
+    }
+    let br = Command::new("ip")
+        .args(["link", "show", &bridge])
+        .output()
+        .expect("ip");
+    assert!(!br.status.success(), "bridge {bridge} left behind");
+    // A second `down` says so instead of failing silently.
+    let again = pliant_pg(&run_dir, &["down"]);
+    assert!(!again.status.success(), "down without a cluster: {again:?}");
+    assert!(!run_dir.exists());
 }

@@ -1,5 +1,6 @@
 //! Runs `pliant_pg::bench::run` directly (what `pliant bench pg` calls), with optional
-//! environment overrides: PG_SCALE, PG_SECS, PG_TRIALS, PG_CLIENTS.
+//! environment overrides: PG_SCALE, PG_SECS, PG_TRIALS, PG_CLIENTS, PG_PATRONI_TRIALS.
+//! With PG_ONLY_PATRONI=1 only the Patroni peer runs.
 fn env(k: &str, d: u32) -> u32 {
     std::env::var(k)
         .ok()
@@ -14,8 +15,18 @@ fn main() {
         trials: env("PG_TRIALS", 5),
         clients: env("PG_CLIENTS", 8),
         fsync: true,
+        patroni_trials: env("PG_PATRONI_TRIALS", 3),
     };
-    match pliant_pg::bench::run(o) {
+    let r = if std::env::var_os("PG_ONLY_PATRONI").is_some() {
+        pliant_pg::patroni::run(&pliant_pg::patroni::PatroniOpts {
+            clients: o.clients,
+            trials: o.patroni_trials,
+            ..Default::default()
+        })
+    } else {
+        pliant_pg::bench::run(o)
+    };
+    match r {
         Ok(v) => println!("{v}"),
         Err(e) => {
             eprintln!("bench pg: {e}");

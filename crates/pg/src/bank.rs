@@ -77,7 +77,21 @@ fn xorshift(s: &mut u64) -> u64 {
 }
 
 impl Workload {
+    /// Workers through one address (the proxy), 10 s connect and I/O timeouts.
     pub fn start(addr: SocketAddr, user: &str, pw: &str, sessions: u32) -> Workload {
+        Self::start_with(vec![addr], user, pw, sessions, Duration::from_secs(10))
+    }
+
+    /// Workers that (re)connect to whichever of `targets` is a primary (what a libpq client
+    /// with several hosts and `target_session_attrs=read-write` does: the Patroni peer has
+    /// no proxy). `io_timeout` bounds every connect and read.
+    pub fn start_with(
+        targets: Vec<SocketAddr>,
+        user: &str,
+        pw: &str,
+        sessions: u32,
+        io_timeout: Duration,
+    ) -> Workload {
         let sh = Arc::new(Shared {
             log: Mutex::new(Log::default()),
             pause: AtomicBool::new(false),
@@ -93,7 +107,8 @@ impl Workload {
             .map(|sid| {
                 let sh = sh.clone();
                 let (u, p) = (user.to_string(), pw.to_string());
-                std::thread::spawn(move || worker(sid, addr, &u, &p, &sh))
+                let t = targets.clone();
+                std::thread::spawn(move || worker(sid, &t, &u, &p, io_timeout, &sh))
             })
             .collect();
         Workload { sh, threads }
@@ -248,7 +263,33 @@ impl CheckReport {
     }
 }
 
-fn worker(sid: u32, addr: SocketAddr, user: &str, pw: &str, sh: &Shared) {
+/// Connects to the first of `targets` that is a primary (no check with a single target).
+fn connect_primary(targets: &[SocketAddr], user: &str, pw: &str, t: Duration) -> Option<Client> {
+    for a in targets {
+        let Ok(mut c) = Client::connect_with(*a, user, pw, "postgres", t, t) else {
+            continue;
+        };
+        if targets.len() == 1
+            || c.scalar("SELECT pg_is_in_recovery()")
+                .ok()
+                .flatten()
+                .as_deref()
+                == Some("f")
+        {
+            return Some(c);
+        }
+    }
+    None
+}
+
+fn worker(
+    sid: u32,
+    targets: &[SocketAddr],
+    user: &str,
+    pw: &str,
+    io_timeout: Duration,
+    sh: &Shared,
+) {
     let mut rng = 0x9e37_79b9_7f4a_7c15u64 ^ ((sid as u64 + 1) << 32);
     let mut seq = 0u32;
     let mut conn: Option<Client> = None;
@@ -263,9 +304,9 @@ fn worker(sid: u32, addr: SocketAddr, user: &str, pw: &str, sh: &Shared) {
         }
         let c = match conn.as_mut() {
             Some(c) => c,
-            None => match Client::connect(addr, user, pw, "postgres", Duration::from_secs(10)) {
-                Ok(c) => conn.insert(c),
-                Err(_) => {
+            None => match connect_primary(targets, user, pw, io_timeout) {
+                Some(c) => conn.insert(c),
+                None => {
                     std::thread::sleep(Duration::from_millis(50));
                     continue;
                 }

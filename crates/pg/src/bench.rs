@@ -5,7 +5,7 @@
 use crate::bank;
 use crate::client::Client;
 use crate::cluster::{Cluster, ClusterConfig};
-use crate::proxy::{ClusterOps, Proxy, ProxyConfig};
+use crate::proxy::{AuthMethod, ClusterOps, Proxy, ProxyConfig};
 use serde_json::{json, Value};
 use std::net::SocketAddr;
 use std::path::Path;
@@ -24,6 +24,8 @@ pub struct BenchOpts {
     /// Kill trials under the bank workload (each is a failover + re-protection).
     pub trials: u32,
     pub fsync: bool,
+    /// Leader kills of the Patroni peer (0 = do not run it).
+    pub patroni_trials: u32,
 }
 
 impl Default for BenchOpts {
@@ -34,6 +36,7 @@ impl Default for BenchOpts {
             duration_s: 10,
             trials: 5,
             fsync: true,
+            patroni_trials: 3,
         }
     }
 }
@@ -162,6 +165,10 @@ impl Drop for Guard {
     }
 }
 
+/// Default of `async_fallback_ms`: long enough that a busy standby is not mistaken for a lost
+/// one, short enough that clients see a stall rather than an outage.
+pub const DEFAULT_ASYNC_FALLBACK_MS: u64 = 3000;
+
 pub fn proxy_config(c: &Cluster, primary: usize) -> ProxyConfig {
     ProxyConfig {
         listen: SocketAddr::new(c.host_ip.into(), 6432),
@@ -173,6 +180,8 @@ pub fn proxy_config(c: &Cluster, primary: usize) -> ProxyConfig {
         probe_timeout_ms: 250,
         max_sessions: 500,
         auto_reprotect: true,
+        auth: AuthMethod::ScramSha256,
+        async_fallback_ms: Some(DEFAULT_ASYNC_FALLBACK_MS),
     }
 }
 
@@ -183,7 +192,7 @@ pub fn run(o: BenchOpts) -> Result<Value, String> {
         shared_buffers_mb: 128,
         ..Default::default()
     })?);
-    let _g = Guard(cl.clone());
+    let guard = Guard(cl.clone());
     let (u, pw) = (cl.cfg.user.clone(), cl.cfg.password.clone());
     cl.init_primary()?;
     progress(&format!("pgbench -i -s {}", o.scale));
@@ -293,11 +302,30 @@ pub fn run(o: BenchOpts) -> Result<Value, String> {
     res.insert("trials".into(), (tr.trials + 1).into());
     res.insert("pgbench_failover".into(), fo);
     res.insert("proxy".into(), proxy.stats_json());
-    res.insert(
-        "patroni".into(),
-        json!({"error": "not run: patroni/etcd are not installed on this machine and were not set up in this round"}),
-    );
     proxy.stop();
+    drop(guard);
+    // The peer, measured in the same run once pliant's cluster is gone (CPU is shared).
+    let patroni = if o.patroni_trials == 0 {
+        json!({"error": "not run (--patroni-trials 0)"})
+    } else if !crate::patroni::available() {
+        json!({"error": "not run: patroni or etcd is not installed (scripts/install-deps.sh)"})
+    } else {
+        progress("Patroni + etcd peer");
+        let po = crate::patroni::PatroniOpts {
+            clients: o.clients,
+            trials: o.patroni_trials,
+            fsync: o.fsync,
+            ..Default::default()
+        };
+        crate::patroni::run(&po).unwrap_or_else(|e| json!({ "error": e }))
+    };
+    if let Some(pf) = patroni["failover_ms"].as_u64().filter(|_| median > 0) {
+        res.insert(
+            "failover_speedup_vs_patroni".into(),
+            (pf as f64 / median as f64).into(),
+        );
+    }
+    res.insert("patroni".into(), patroni);
     Ok(Value::Object(res))
 }
 

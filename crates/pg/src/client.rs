@@ -1,8 +1,10 @@
-//! A minimal blocking PostgreSQL client (simple-query protocol, md5/cleartext/trust auth).
+//! A minimal blocking PostgreSQL client (simple-query protocol; trust, cleartext, md5 and
+//! SCRAM-SHA-256 authentication).
 //! Used by the proxy's controller (probes, promotion), the cluster manager and the tests'
 //! bank workload; clients of the proxy itself are ordinary libpq programs.
 
 use crate::proto::{self, Frame, ProtoError};
+use crate::scram::{self, ClientExchange, ScramError};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
@@ -19,6 +21,8 @@ pub enum ClientError {
     Server { code: String, message: String },
     #[error("unsupported authentication request {0}")]
     Auth(u32),
+    #[error("SCRAM: {0}")]
+    Scram(#[from] ScramError),
 }
 
 impl ClientError {
@@ -76,31 +80,13 @@ impl Client {
         use std::io::Write;
         c.s.write_all(&proto::startup_message(&params))
             .map_err(ProtoError::from)?;
+        let mut auth = Authenticator::new(user, password);
         loop {
             let f = c.read()?;
             match f.tag {
                 b'R' => {
-                    let code = u32::from_be_bytes(
-                        f.body
-                            .get(..4)
-                            .ok_or(ProtoError::Malformed("Authentication"))?
-                            .try_into()
-                            .unwrap_or([0; 4]),
-                    );
-                    match code {
-                        0 => {}
-                        3 => c.send(&[proto::password_message(password)])?,
-                        5 => {
-                            let salt: [u8; 4] = f
-                                .body
-                                .get(4..8)
-                                .and_then(|s| s.try_into().ok())
-                                .ok_or(ProtoError::Malformed("AuthenticationMD5Password"))?;
-                            c.send(&[proto::password_message(&proto::md5_password(
-                                user, password, &salt,
-                            ))])?
-                        }
-                        other => return Err(ClientError::Auth(other)),
+                    if let Some(reply) = auth.answer(&f.body)? {
+                        c.send(&[reply])?;
                     }
                 }
                 b'E' => return Err(server_error(&f)),
@@ -176,5 +162,87 @@ pub fn server_error(f: &Frame) -> ClientError {
     ClientError::Server {
         code: proto::error_field(&f.body, b'C').unwrap_or_default(),
         message: proto::error_field(&f.body, b'M').unwrap_or_default(),
+    }
+}
+
+/// Answers a server's authentication requests during startup: trust, cleartext, md5 and
+/// SCRAM-SHA-256 (without channel binding: no TLS here).
+pub struct Authenticator {
+    user: String,
+    password: String,
+    scram: Option<ClientExchange>,
+}
+
+impl Authenticator {
+    pub fn new(user: &str, password: &str) -> Self {
+        Authenticator {
+            user: user.to_string(),
+            password: password.to_string(),
+            scram: None,
+        }
+    }
+
+    /// The message to send in answer to an Authentication ('R') body, if any.
+    pub fn answer(&mut self, body: &[u8]) -> Result<Option<Frame>, ClientError> {
+        let code = u32::from_be_bytes(
+            body.get(..4)
+                .and_then(|b| b.try_into().ok())
+                .ok_or(ProtoError::Malformed("Authentication"))?,
+        );
+        let data = &body[4..];
+        match code {
+            0 => Ok(None),
+            3 => Ok(Some(proto::password_message(&self.password))),
+            5 => {
+                let salt: [u8; 4] = data
+                    .get(..4)
+                    .and_then(|s| s.try_into().ok())
+                    .ok_or(ProtoError::Malformed("AuthenticationMD5Password"))?;
+                Ok(Some(proto::password_message(&proto::md5_password(
+                    &self.user,
+                    &self.password,
+                    &salt,
+                ))))
+            }
+            10 => {
+                let mut offered = false;
+                let mut rest = data;
+                while let Some((m, r)) = proto::cstr(rest) {
+                    if m.is_empty() {
+                        break;
+                    }
+                    offered |= m == scram::MECHANISM;
+                    rest = r;
+                }
+                if !offered {
+                    return Err(ClientError::Auth(code));
+                }
+                let (ex, first) = ClientExchange::new(&self.password, &scram::new_nonce());
+                self.scram = Some(ex);
+                Ok(Some(proto::sasl_initial_response(
+                    scram::MECHANISM,
+                    first.as_bytes(),
+                )))
+            }
+            11 => {
+                let ex = self.scram.as_mut().ok_or(ProtoError::Malformed(
+                    "unexpected AuthenticationSASLContinue",
+                ))?;
+                let sf = std::str::from_utf8(data)
+                    .map_err(|_| ProtoError::Malformed("AuthenticationSASLContinue"))?;
+                Ok(Some(Frame::new(b'p', ex.respond(sf)?.into_bytes())))
+            }
+            12 => {
+                let ex = self
+                    .scram
+                    .as_ref()
+                    .ok_or(ProtoError::Malformed("unexpected AuthenticationSASLFinal"))?;
+                let v = std::str::from_utf8(data)
+                    .map_err(|_| ProtoError::Malformed("AuthenticationSASLFinal"))?;
+                ex.verify(v)?;
+                Ok(None)
+            }
+            other => Err(ClientError::Auth(other)),
+        }
     }
 }

@@ -70,6 +70,8 @@ pub struct Cluster {
     children: Mutex<Vec<(usize, Child)>>,
     reprotect_lock: Mutex<()>,
     created_links: Mutex<bool>,
+    /// Extra namespaces on the bridge (name, host-side veth), e.g. etcd for the Patroni peer.
+    aux: Mutex<Vec<(String, String)>>,
     torn_down: std::sync::atomic::AtomicBool,
 }
 
@@ -145,6 +147,7 @@ impl Cluster {
             children: Mutex::new(Vec::new()),
             reprotect_lock: Mutex::new(()),
             created_links: Mutex::new(true),
+            aux: Mutex::new(Vec::new()),
             torn_down: std::sync::atomic::AtomicBool::new(false),
         };
         c.setup_net()?;
@@ -192,6 +195,52 @@ impl Cluster {
         Ok(())
     }
 
+    /// A further namespace `pgx<n>-<tag>` on the bridge with address 10.213.N.`octet`;
+    /// removed (and its processes killed) by `teardown`.
+    pub fn add_aux_namespace(&self, n: u8, octet: u8) -> Result<(String, Ipv4Addr), String> {
+        let ns = format!("pgx{n}-{}", self.tag);
+        let veth = format!("pgx{n}{}", self.tag);
+        let addr = Ipv4Addr::new(10, 213, self.host_ip.octets()[2], octet);
+        if let Ok(mut g) = self.aux.lock() {
+            g.push((ns.clone(), veth.clone()));
+        }
+        ip(&["netns", "add", &ns])?;
+        let inner = format!("{veth}n");
+        ip(&[
+            "link", "add", &veth, "type", "veth", "peer", "name", &inner, "netns", &ns,
+        ])?;
+        ip(&["link", "set", &veth, "master", &self.bridge, "up"])?;
+        ip(&[
+            "-n",
+            &ns,
+            "addr",
+            "add",
+            &format!("{addr}/24"),
+            "dev",
+            &inner,
+        ])?;
+        ip(&["-n", &ns, "link", "set", &inner, "up"])?;
+        ip(&["-n", &ns, "link", "set", "lo", "up"])?;
+        Ok((ns, addr))
+    }
+
+    /// `prog` in namespace `ns`, as the postgres user when `as_postgres` (PostgreSQL and
+    /// Patroni refuse to run as root).
+    pub fn command_in(&self, ns: &str, prog: &str, as_postgres: bool) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", ns]);
+        if as_postgres {
+            c.args([
+                "setpriv",
+                "--reuid=postgres",
+                "--regid=postgres",
+                "--init-groups",
+            ]);
+        }
+        c.arg(prog);
+        c
+    }
+
     fn in_ns(&self, i: usize, prog: &str) -> Command {
         let mut c = Command::new("ip");
         c.args([
@@ -218,7 +267,8 @@ impl Cluster {
         }
     }
 
-    fn prep_dirs(&self, i: usize) -> Result<(), String> {
+    /// Empty data and socket directories of node `i`, owned by postgres, and an empty log.
+    pub fn prep_dirs(&self, i: usize) -> Result<(), String> {
         if self.torn_down.load(std::sync::atomic::Ordering::SeqCst) {
             return Err("cluster torn down".into());
         }
@@ -423,11 +473,11 @@ impl Cluster {
         // wait for the whole catch-up.
         let t0 = Instant::now();
         let caught_up = format!(
-            "SELECT count(*) FROM pg_stat_replication WHERE application_name = '{}' AND state = 'streaming' \
+            "SELECT count(*) > 0 FROM pg_stat_replication WHERE application_name = '{}' AND state = 'streaming' \
              AND pg_wal_lsn_diff(pg_current_wal_lsn(), flush_lsn) < 1048576",
             self.nodes[standby].name
         );
-        while c.scalar(&caught_up).map_err(|e| e.to_string())?.as_deref() != Some("1") {
+        while c.scalar(&caught_up).map_err(|e| e.to_string())?.as_deref() != Some("t") {
             if t0.elapsed() > Duration::from_secs(60) {
                 return Err(format!("{} did not catch up", self.nodes[standby].name));
             }
@@ -438,11 +488,11 @@ impl Cluster {
         c.query("SELECT pg_reload_conf()")
             .map_err(|e| e.to_string())?;
         let q = format!(
-            "SELECT count(*) FROM pg_stat_replication WHERE application_name = '{}' AND state = 'streaming' AND sync_state = 'sync'",
+            "SELECT count(*) > 0 FROM pg_stat_replication WHERE application_name = '{}' AND state = 'streaming' AND sync_state = 'sync'",
             self.nodes[standby].name
         );
         while t0.elapsed() < Duration::from_secs(60) {
-            if c.scalar(&q).map_err(|e| e.to_string())?.as_deref() == Some("1") {
+            if c.scalar(&q).map_err(|e| e.to_string())?.as_deref() == Some("t") {
                 return Ok(());
             }
             std::thread::sleep(Duration::from_millis(20));
@@ -600,6 +650,57 @@ impl Cluster {
         Ok(t0.elapsed())
     }
 
+    /// A lost standby `sb` returns as the synchronous standby of `primary`: restarted on its
+    /// own data (crash recovery, then streaming catches it up) when it was a standby, via
+    /// `rejoin` (pg_rewind) when it had been a primary, and by a full copy when it cannot
+    /// catch up (its WAL is gone from the primary).
+    pub fn restore_standby(&self, sb: usize, primary: usize) -> Result<Duration, String> {
+        let t0 = Instant::now();
+        let nd = &self.nodes[sb];
+        if !nd.data.join("standby.signal").exists() {
+            return self.rejoin(sb, primary);
+        }
+        {
+            let _g = self.reprotect_lock.lock().map_err(|_| "lock poisoned")?;
+            if self.torn_down.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err("cluster torn down".into());
+            }
+            self.kill(sb);
+            self.set_link(sb, true)?;
+            // A WAL sender of the dead standby may still look "streaming" (until
+            // wal_sender_timeout): end it so that the sync standby is the live one.
+            if let Ok(mut c) = self.client(primary, Duration::from_secs(5)) {
+                let _ = c.query(&format!(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_replication WHERE application_name = '{}'",
+                    nd.name
+                ));
+            }
+            let _ = std::fs::remove_file(nd.data.join("postmaster.pid"));
+            self.start(sb, Some(primary))?;
+        }
+        let restarted = self
+            .wait_ready(sb, true)
+            .and_then(|_| self.protect(primary, sb));
+        if let Err(e) = restarted {
+            append(
+                &self.dir.join("rewind.log"),
+                &format!("restart of standby {} failed, full copy: {e}\n", nd.name),
+            )?;
+            // protect() may have named a synchronous standby already: commits must not wait
+            // for the copy.
+            let _ = self.unprotect(primary);
+            let _g = self.reprotect_lock.lock().map_err(|_| "lock poisoned")?;
+            self.kill(sb);
+            self.add_standby(sb, primary)?;
+            self.protect(primary, sb)?;
+        }
+        append(
+            &self.dir.join("rewind.log"),
+            &format!("standby {} restored in {:?}\n", nd.name, t0.elapsed()),
+        )?;
+        Ok(t0.elapsed())
+    }
+
     /// Replication lag of the standby in bytes, seen from `primary`.
     pub fn lag_bytes(&self, primary: usize) -> Option<i64> {
         let mut c = self.client(primary, Duration::from_millis(500)).ok()?;
@@ -615,11 +716,32 @@ impl Cluster {
         for i in 0..2 {
             self.kill(i);
         }
+        let aux = self.aux.lock().map(|g| g.clone()).unwrap_or_default();
+        for (ns, _) in &aux {
+            for _ in 0..3 {
+                let pids = ip(&["netns", "pids", ns]).unwrap_or_default();
+                if pids.trim().is_empty() {
+                    break;
+                }
+                for p in pids
+                    .split_whitespace()
+                    .filter_map(|p| p.parse::<i32>().ok())
+                {
+                    // SAFETY: plain syscall on a PID of a process in our own namespace.
+                    unsafe { libc::kill(p, libc::SIGKILL) };
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
         if let Ok(mut g) = self.created_links.lock() {
             if *g {
                 for nd in &self.nodes {
                     let _ = ip(&["link", "del", &nd.host_veth]);
                     let _ = ip(&["netns", "del", &nd.ns]);
+                }
+                for (ns, veth) in &aux {
+                    let _ = ip(&["link", "del", veth]);
+                    let _ = ip(&["netns", "del", ns]);
                 }
                 let _ = ip(&["link", "del", &self.bridge]);
                 *g = false;
@@ -647,6 +769,9 @@ impl ClusterOps for Cluster {
     }
     fn reprotect(&self, old: usize, primary: usize) -> Result<(), String> {
         self.rejoin(old, primary).map(|_| ())
+    }
+    fn restore_standby(&self, standby: usize, primary: usize) -> Result<(), String> {
+        Cluster::restore_standby(self, standby, primary).map(|_| ())
     }
 }
 

@@ -6,7 +6,7 @@
 
 use crate::bench::proxy_config;
 use crate::cluster::{Cluster, ClusterConfig};
-use crate::proxy::{ClusterOps, Proxy};
+use crate::proxy::{AuthMethod, ClusterOps, Proxy};
 use serde_json::json;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
@@ -19,8 +19,22 @@ extern "C" fn on_signal(_: libc::c_int) {
     STOP.store(true, SeqCst);
 }
 
+/// Where `up` keeps `state.json`, `status.json` and `up.log` (`PLIANT_PG_RUN_DIR` overrides
+/// it, so that tests do not touch a cluster an operator runs). Removed again by `down`.
 pub fn state_dir() -> PathBuf {
-    PathBuf::from("/run/pliant/pg")
+    std::env::var_os("PLIANT_PG_RUN_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/run/pliant/pg"))
+}
+
+/// Removes every file `up` created and the directory itself if nothing else is in it.
+fn remove_state_files() {
+    let d = state_dir();
+    for f in ["state.json", "status.json", "up.log"] {
+        let _ = std::fs::remove_file(d.join(f));
+    }
+    // remove_dir fails on a non-empty directory: files someone else put there stay.
+    let _ = std::fs::remove_dir(&d);
 }
 
 fn read_state() -> Result<serde_json::Value, String> {
@@ -35,8 +49,26 @@ fn alive(pid: i32) -> bool {
     pid > 0 && unsafe { libc::kill(pid, 0) } == 0
 }
 
+/// Options of `pliant pg up`.
+#[derive(Clone, Debug)]
+pub struct UpOpts {
+    pub auth: AuthMethod,
+    /// Run unprotected after the standby is lost for this long (ms); 0 = never (commits block
+    /// until the standby returns).
+    pub async_fallback_ms: u64,
+}
+
+impl Default for UpOpts {
+    fn default() -> Self {
+        UpOpts {
+            auth: AuthMethod::ScramSha256,
+            async_fallback_ms: crate::bench::DEFAULT_ASYNC_FALLBACK_MS,
+        }
+    }
+}
+
 /// Starts the cluster in the background and returns its state once ready.
-pub fn up(foreground: bool) -> Result<String, String> {
+pub fn up(foreground: bool, opts: &UpOpts) -> Result<String, String> {
     if let Ok(st) = read_state() {
         if alive(st["pid"].as_i64().unwrap_or(0) as i32) {
             return Err(format!("a cluster is already up: {st}"));
@@ -44,13 +76,19 @@ pub fn up(foreground: bool) -> Result<String, String> {
     }
     std::fs::create_dir_all(state_dir()).map_err(|e| e.to_string())?;
     if foreground {
-        return serve();
+        return serve(opts);
     }
     let _ = std::fs::remove_file(state_dir().join("state.json"));
     let log = std::fs::File::create(state_dir().join("up.log")).map_err(|e| e.to_string())?;
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut child = std::process::Command::new(exe)
-        .args(["pg", "up", "--foreground"])
+        .args(["pg", "up", "--foreground", "--auth"])
+        .arg(match opts.auth {
+            AuthMethod::ScramSha256 => "scram-sha-256",
+            AuthMethod::Md5 => "md5",
+        })
+        .arg("--async-fallback-ms")
+        .arg(opts.async_fallback_ms.to_string())
         .stdin(std::process::Stdio::null())
         .stdout(log.try_clone().map_err(|e| e.to_string())?)
         .stderr(log)
@@ -65,14 +103,26 @@ pub fn up(foreground: bool) -> Result<String, String> {
         }
         if let Ok(Some(s)) = child.try_wait() {
             let log = std::fs::read_to_string(state_dir().join("up.log")).unwrap_or_default();
+            // The log is part of the error; nothing of the failed attempt stays behind.
+            remove_state_files();
             return Err(format!("pliant pg up failed ({s}): {log}"));
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    Err("cluster not ready after 120 s (see /run/pliant/pg/up.log)".into())
+    // Give up: stop the background process (it tears its cluster down on SIGTERM) and leave
+    // nothing behind; the log goes into the error.
+    // SAFETY: SIGTERM to the child this call spawned.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let t1 = Instant::now();
+    while t1.elapsed() < Duration::from_secs(60) && matches!(child.try_wait(), Ok(None)) {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let log = std::fs::read_to_string(state_dir().join("up.log")).unwrap_or_default();
+    remove_state_files();
+    Err(format!("cluster not ready after 120 s: {log}"))
 }
 
-fn serve() -> Result<String, String> {
+fn serve(opts: &UpOpts) -> Result<String, String> {
     // SAFETY: installs an async-signal-safe handler that only stores an atomic.
     unsafe {
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
@@ -82,20 +132,26 @@ fn serve() -> Result<String, String> {
         fsync: true,
         ..Default::default()
     })?);
-    let r = serve_cluster(&cl);
+    let r = serve_cluster(&cl, opts);
     cl.teardown();
+    // up.log stays until `down` has seen this process exit (it still writes to it).
+    let _ = std::fs::remove_file(state_dir().join("status.json"));
     let _ = std::fs::remove_file(state_dir().join("state.json"));
     r
 }
 
-fn serve_cluster(cl: &Arc<Cluster>) -> Result<String, String> {
+fn serve_cluster(cl: &Arc<Cluster>, opts: &UpOpts) -> Result<String, String> {
     cl.init_primary()?;
     cl.add_standby(1, 0)?;
     cl.protect(0, 1)?;
     let ops: Arc<dyn ClusterOps> = cl.clone();
-    let proxy = Proxy::start(proxy_config(cl, 0), true, Some(ops))?;
+    let mut pc = proxy_config(cl, 0);
+    pc.auth = opts.auth;
+    pc.async_fallback_ms = Some(opts.async_fallback_ms).filter(|ms| *ms > 0);
+    let proxy = Proxy::start(pc, true, Some(ops))?;
     let state = json!({
         "ready": true, "pid": std::process::id(), "dir": cl.dir, "proxy": proxy.addr.to_string(),
+        "bridge": cl.bridge,
         "user": cl.cfg.user, "password": cl.cfg.password,
         "nodes": cl.nodes.iter().map(|n| json!({"name": n.name, "ns": n.ns, "addr": n.addr().to_string()})).collect::<Vec<_>>(),
         "connect": format!("PGPASSWORD={} psql -h {} -p {} -U {} postgres", cl.cfg.password, proxy.addr.ip(), proxy.addr.port(), cl.cfg.user),
@@ -108,7 +164,13 @@ fn serve_cluster(cl: &Arc<Cluster>) -> Result<String, String> {
         let mut st = proxy.stats_json();
         st["roles"] = json!({
             cl.nodes[p].name.clone(): "primary",
-            cl.nodes[1 - p].name.clone(): if protected { "sync standby" } else { "fenced / rejoining" },
+            cl.nodes[1 - p].name.clone(): if protected {
+                "sync standby"
+            } else if proxy.shared.degraded.load(SeqCst) {
+                "lost (primary runs unprotected; restoring)"
+            } else {
+                "fenced / rejoining"
+            },
         });
         st["replication_lag_bytes"] = json!(cl.lag_bytes(p));
         let _ = std::fs::write(state_dir().join("status.json"), st.to_string());
@@ -135,7 +197,7 @@ pub fn down() -> Result<String, String> {
     let st = read_state()?;
     let pid = st["pid"].as_i64().unwrap_or(0) as i32;
     if !alive(pid) {
-        let _ = std::fs::remove_file(state_dir().join("state.json"));
+        remove_state_files();
         return Ok("not running (stale state removed)".into());
     }
     // SAFETY: SIGTERM to the cluster process recorded by `up`.
@@ -147,5 +209,6 @@ pub fn down() -> Result<String, String> {
     if alive(pid) {
         return Err(format!("process {pid} did not stop within 60 s"));
     }
+    remove_state_files();
     Ok("down".into())
 }

@@ -6,14 +6,17 @@
 //!   failover (idle sessions replayed, open transactions aborted with an error, in-flight
 //!   COMMITs resolved with `txid_status`).
 //! - [`session`]: the per-session state machine behind the proxy (pure, unit-tested).
-//! - [`proto`], [`client`]: a small v3 protocol codec and blocking client.
-//! - [`bench`]: `pliant bench pg`.
+//! - [`proto`], [`client`]: a small v3 protocol codec and blocking client; [`scram`]:
+//!   SCRAM-SHA-256 both sides.
+//! - [`bench`]: `pliant bench pg`; [`patroni`]: its Patroni + etcd peer.
 
 pub mod bank;
 pub mod bench;
 pub mod client;
 pub mod cluster;
 pub mod cmd;
+pub mod patroni;
 pub mod proto;
 pub mod proxy;
+pub mod scram;
 pub mod session;

@@ -122,6 +122,9 @@ pub fn read_startup(r: &mut impl Read) -> Result<Option<Startup>, ProtoError> {
 }
 
 pub fn parse_startup_body(body: &[u8]) -> Result<Startup, ProtoError> {
+    if body.len() < 4 {
+        return Err(ProtoError::Malformed("startup packet"));
+    }
     let code = u32::from_be_bytes([body[0], body[1], body[2], body[3]]);
     match code {
         SSL_REQUEST => Ok(Startup::Ssl),
@@ -239,6 +242,31 @@ pub fn password_message(pw: &str) -> Frame {
     Frame::new(b'p', b)
 }
 
+/// SASLInitialResponse: mechanism, then the length-prefixed client-first-message.
+pub fn sasl_initial_response(mechanism: &str, data: &[u8]) -> Frame {
+    let mut b = Vec::new();
+    put_cstr(&mut b, mechanism);
+    b.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    b.extend_from_slice(data);
+    Frame::new(b'p', b)
+}
+
+/// Parses a SASLInitialResponse body into (mechanism, data).
+pub fn parse_sasl_initial_response(body: &[u8]) -> Result<(&str, &[u8]), ProtoError> {
+    let bad = ProtoError::Malformed("SASLInitialResponse");
+    let (mech, rest) = cstr(body).ok_or(bad)?;
+    let len = rest
+        .get(..4)
+        .and_then(|b| b.try_into().ok())
+        .map(i32::from_be_bytes)
+        .ok_or(ProtoError::Malformed("SASLInitialResponse"))?;
+    let data = &rest[4..];
+    if len < 0 || len as usize != data.len() {
+        return Err(ProtoError::Malformed("SASLInitialResponse"));
+    }
+    Ok((mech, data))
+}
+
 /// The md5 password response: "md5" + md5hex(md5hex(password + user) + salt).
 pub fn md5_password(user: &str, password: &str, salt: &[u8; 4]) -> String {
     use md5::{Digest, Md5};
@@ -349,6 +377,20 @@ mod tests {
         let b = md5_password("u", "p", &[1, 2, 3, 5]);
         assert!(a.starts_with("md5") && a.len() == 35);
         assert_ne!(a, b);
+    }
+
+    #[test]
+    fn sasl_initial_response_round_trip() {
+        let f = sasl_initial_response("SCRAM-SHA-256", b"n,,n=,r=abc");
+        assert_eq!(
+            parse_sasl_initial_response(&f.body).unwrap(),
+            ("SCRAM-SHA-256", &b"n,,n=,r=abc"[..])
+        );
+        let mut short = f.body.clone();
+        short.pop();
+        assert!(parse_sasl_initial_response(&short).is_err());
+        assert!(parse_sasl_initial_response(b"SCRAM").is_err());
+        assert!(parse_sasl_initial_response(b"M\0\xff\xff\xff\xff").is_err());
     }
 
     #[test]

@@ -1,15 +1,25 @@
-//! The session-preserving proxy: owns client connections, authenticates clients (md5),
-//! forwards the protocol to the current primary, and moves sessions at failover.
+//! The session-preserving proxy: owns client connections, authenticates clients
+//! (SCRAM-SHA-256 or md5), forwards the protocol to the current primary, forwards
+//! CancelRequests to the backend that currently serves the session, and moves sessions at
+//! failover.
 //!
 //! One thread per client session (blocking sockets + poll), one controller thread that
 //! probes the primary and runs the failover. Sessions learn of a failover through `epoch`
 //! (bumped once the old primary is fenced) and wait for `ready_epoch` (the new primary is
 //! promoted and its xid horizon recorded) before they reconnect.
+//!
+//! The controller also watches the standby while protected: if it is unreachable, or a
+//! commit has waited for it, for `async_fallback_ms`, the primary is switched to run
+//! unprotected (`synchronous_standby_names = ''`, counted in `async_fallbacks`) so commits
+//! never block forever; the standby is then restored in the background and protection
+//! resumes once it streams synchronously again.
 
-use crate::client::Client;
+use crate::client::{Authenticator, Client};
 use crate::proto::{self, Frame, Startup};
+use crate::scram::{self, Secret, ServerExchange};
 use crate::session::{ClientAction, CommitTxid, SessionState};
 use serde::Serialize;
+use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
@@ -23,6 +33,33 @@ pub trait ClusterOps: Send + Sync {
     fn fence(&self, i: usize);
     /// Brings fenced node `old` back as a synchronous standby of `primary`.
     fn reprotect(&self, old: usize, primary: usize) -> Result<(), String>;
+    /// Brings a lost standby back (restart, or a full copy if it cannot catch up) and makes
+    /// it the synchronous standby of `primary` again.
+    fn restore_standby(&self, standby: usize, primary: usize) -> Result<(), String> {
+        self.reprotect(standby, primary)
+    }
+}
+
+/// How the proxy authenticates its clients.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AuthMethod {
+    /// SCRAM-SHA-256, what libpq picks when the server asks (PostgreSQL's default).
+    ScramSha256,
+    /// The older md5 challenge.
+    Md5,
+}
+
+impl std::str::FromStr for AuthMethod {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "scram-sha-256" | "scram" => Ok(AuthMethod::ScramSha256),
+            "md5" => Ok(AuthMethod::Md5),
+            _ => Err(format!(
+                "unknown authentication method {s:?} (scram-sha-256 or md5)"
+            )),
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -37,6 +74,10 @@ pub struct ProxyConfig {
     pub max_sessions: usize,
     /// Re-protect automatically after a failover.
     pub auto_reprotect: bool,
+    pub auth: AuthMethod,
+    /// Run unprotected after the standby has been unreachable, or a commit has waited for
+    /// it, this long (ms); `None` = block commits until the standby returns (strict 2-safe).
+    pub async_fallback_ms: Option<u64>,
 }
 
 /// Counters (all monotonic except the gauges marked so).
@@ -62,6 +103,27 @@ pub struct Stats {
     pub session_limit_hits: AtomicU64,
     pub reprotections: AtomicU64,
     pub reprotect_failures: AtomicU64,
+    /// Times the primary was switched to run unprotected because the standby was lost.
+    pub async_fallbacks: AtomicU64,
+    /// Lost standbys brought back (protection resumed after an async fallback).
+    pub standby_restores: AtomicU64,
+    pub standby_restore_failures: AtomicU64,
+    /// Milliseconds spent unprotected after async fallbacks (finished periods).
+    pub unprotected_ms_total: AtomicU64,
+    pub cancels_forwarded: AtomicU64,
+    /// CancelRequests naming no session of this proxy, or with a wrong key (dropped).
+    pub cancels_unmatched: AtomicU64,
+    pub cancels_failed: AtomicU64,
+}
+
+/// Where a client's CancelRequest must go: the server backend currently serving it.
+#[derive(Clone, Copy, Debug)]
+struct CancelTarget {
+    /// The secret the proxy gave the client in its BackendKeyData.
+    client_key: u32,
+    addr: SocketAddr,
+    pid: u32,
+    key: u32,
 }
 
 pub struct Shared {
@@ -79,6 +141,16 @@ pub struct Shared {
     ops: Option<Arc<dyn ClusterOps>>,
     next_session: AtomicU64,
     pub last_error: Mutex<String>,
+    /// The primary runs unprotected because the standby was lost (async fallback).
+    pub degraded: AtomicBool,
+    /// When the current async fallback began (ms since the UNIX epoch; 0 = not degraded).
+    degraded_since_ms: AtomicU64,
+    /// Operator hold: do not bring a lost standby back yet (maintenance; tests).
+    pub reprotect_hold: AtomicBool,
+    /// Session id -> cancel target. One entry per live session, so bounded by
+    /// `max_sessions` like the sessions themselves.
+    cancel: Mutex<HashMap<u32, CancelTarget>>,
+    scram: Secret,
 }
 
 pub struct Proxy {
@@ -98,6 +170,13 @@ impl Proxy {
             TcpListener::bind(cfg.listen).map_err(|e| format!("proxy bind {}: {e}", cfg.listen))?;
         let addr = l.local_addr().map_err(|e| e.to_string())?;
         l.set_nonblocking(true).map_err(|e| e.to_string())?;
+        // The proxy knows the password, so it derives the SCRAM verifier itself, once.
+        let mut salt = [0u8; 16];
+        salt[..4].copy_from_slice(&random_u32().to_ne_bytes());
+        salt[4..8].copy_from_slice(&random_u32().to_ne_bytes());
+        salt[8..12].copy_from_slice(&random_u32().to_ne_bytes());
+        salt[12..].copy_from_slice(&random_u32().to_ne_bytes());
+        let secret = Secret::new(&cfg.password, &salt, scram::ITERATIONS);
         let shared = Arc::new(Shared {
             primary: AtomicUsize::new(cfg.primary),
             cfg,
@@ -110,6 +189,11 @@ impl Proxy {
             ops,
             next_session: AtomicU64::new(1),
             last_error: Mutex::new(String::new()),
+            degraded: AtomicBool::new(false),
+            degraded_since_ms: AtomicU64::new(0),
+            reprotect_hold: AtomicBool::new(false),
+            cancel: Mutex::new(HashMap::new()),
+            scram: secret,
         });
         let s1 = shared.clone();
         let acc = std::thread::spawn(move || accept_loop(l, s1));
@@ -146,6 +230,25 @@ pub fn status_json(s: &Shared) -> serde_json::Value {
     v["primary"] = s.cfg.nodes[p].to_string().into();
     v["standby"] = s.cfg.nodes[1 - p].to_string().into();
     v["protected"] = s.protected.load(SeqCst).into();
+    let degraded = s.degraded.load(SeqCst);
+    v["degraded"] = degraded.into();
+    v["mode"] = if s.protected.load(SeqCst) {
+        "protected (synchronous standby)"
+    } else if degraded {
+        "unprotected: standby lost, async fallback"
+    } else {
+        "unprotected: failing over / re-protecting"
+    }
+    .into();
+    let since = s.degraded_since_ms.load(SeqCst);
+    v["unprotected_for_ms"] = if degraded && since > 0 {
+        now_ms().saturating_sub(since)
+    } else {
+        0
+    }
+    .into();
+    v["async_fallback_ms"] = s.cfg.async_fallback_ms.into();
+    v["auth"] = format!("{:?}", s.cfg.auth).into();
     v["epoch"] = s.epoch.load(SeqCst).into();
     v["last_error"] = s
         .last_error
@@ -154,6 +257,13 @@ pub fn status_json(s: &Shared) -> serde_json::Value {
         .unwrap_or_default()
         .into();
     v
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
 fn accept_loop(l: TcpListener, sh: Arc<Shared>) {
@@ -204,6 +314,9 @@ struct Backend {
     s: TcpStream,
     epoch: u64,
     params: Vec<Frame>,
+    addr: SocketAddr,
+    /// The server's BackendKeyData (pid, secret), for forwarding CancelRequests.
+    key: Option<(u32, u32)>,
 }
 
 fn connect_backend(sh: &Shared, startup: &[(String, String)]) -> Result<Backend, String> {
@@ -220,38 +333,42 @@ fn connect_backend(sh: &Shared, startup: &[(String, String)]) -> Result<Backend,
         .find(|(k, _)| k == "user")
         .map(|(_, v)| v.as_str())
         .unwrap_or("");
+    let mut auth = Authenticator::new(user, &sh.cfg.password);
     let mut params = Vec::new();
+    let mut key = None;
     loop {
         let f = proto::read_frame(&mut s)
             .map_err(|e| e.to_string())?
             .ok_or("server closed during startup")?;
         match f.tag {
-            b'R' => match f.body.get(..4) {
-                Some([0, 0, 0, 0]) => {}
-                Some([0, 0, 0, 5]) => {
-                    let salt: [u8; 4] = f
-                        .body
-                        .get(4..8)
-                        .and_then(|x| x.try_into().ok())
-                        .ok_or("bad md5 salt")?;
-                    let pw = proto::md5_password(user, &sh.cfg.password, &salt);
-                    proto::write_frames(&mut s, &[proto::password_message(&pw)])
-                        .map_err(|e| e.to_string())?;
+            b'R' => {
+                if let Some(reply) = auth
+                    .answer(&f.body)
+                    .map_err(|e| format!("authentication at {addr}: {e}"))?
+                {
+                    proto::write_frames(&mut s, &[reply]).map_err(|e| e.to_string())?;
                 }
-                Some([0, 0, 0, 3]) => {
-                    proto::write_frames(&mut s, &[proto::password_message(&sh.cfg.password)])
-                        .map_err(|e| e.to_string())?
-                }
-                _ => return Err("server asked for an unsupported authentication method".into()),
-            },
+            }
             b'E' => return Err(proto::error_field(&f.body, b'M').unwrap_or_default()),
             b'S' => params.push(f),
+            b'K' if f.body.len() == 8 => {
+                let w = |i: usize| {
+                    u32::from_be_bytes([f.body[i], f.body[i + 1], f.body[i + 2], f.body[i + 3]])
+                };
+                key = Some((w(0), w(4)));
+            }
             b'Z' => break,
             _ => {}
         }
     }
     s.set_read_timeout(None).map_err(|e| e.to_string())?;
-    Ok(Backend { s, epoch, params })
+    Ok(Backend {
+        s,
+        epoch,
+        params,
+        addr,
+        key,
+    })
 }
 
 /// Sends frames and consumes answers up to `zs` ReadyForQuery; returns the last status and
@@ -281,13 +398,18 @@ fn serve_client(mut c: TcpStream, sh: &Shared) -> Result<(), String> {
     let _ = c.set_nodelay(true);
     c.set_read_timeout(Some(Duration::from_secs(30)))
         .map_err(|e| e.to_string())?;
-    // Startup: refuse TLS/GSS, answer cancel requests by closing (not forwarded yet).
+    // Startup: refuse TLS/GSS; a CancelRequest goes to the backend serving that session.
     let params = loop {
         match proto::read_startup(&mut c) {
             Ok(Some(Startup::Ssl)) | Ok(Some(Startup::GssEnc)) => {
                 c.write_all(b"N").map_err(|e| e.to_string())?;
             }
-            Ok(Some(Startup::Cancel { .. })) | Ok(None) => return Ok(()),
+            Ok(Some(Startup::Cancel { pid, key })) => {
+                // Like PostgreSQL: no answer either way, the connection just closes.
+                forward_cancel(sh, pid, key);
+                return Ok(());
+            }
+            Ok(None) => return Ok(()),
             Ok(Some(Startup::Params(p))) => break p,
             Err(e) => {
                 sh.stats.protocol_errors.fetch_add(1, SeqCst);
@@ -314,31 +436,23 @@ fn serve_client(mut c: TcpStream, sh: &Shared) -> Result<(), String> {
         );
         return Ok(());
     }
-    // md5 authentication against the proxy's user table.
-    let salt = random_u32().to_be_bytes();
-    proto::write_frames(&mut c, &[proto::auth(5, &salt)]).map_err(|e| e.to_string())?;
-    let ok = match proto::read_frame(&mut c) {
-        Ok(Some(f)) if f.tag == b'p' => {
-            let got = proto::cstr(&f.body)
-                .map(|(s, _)| s.to_string())
-                .unwrap_or_default();
-            user == sh.cfg.user && got == proto::md5_password(&user, &sh.cfg.password, &salt)
-        }
-        Ok(Some(_)) | Err(_) => {
-            sh.stats.protocol_errors.fetch_add(1, SeqCst);
-            fatal(&mut c, "08P01", "expected password response");
+    match authenticate(&mut c, sh, &user) {
+        Auth::Ok => {}
+        Auth::Failed => {
+            sh.stats.auth_failures.fetch_add(1, SeqCst);
+            fatal(
+                &mut c,
+                "28P01",
+                &format!("password authentication failed for user \"{user}\""),
+            );
             return Ok(());
         }
-        Ok(None) => return Ok(()),
-    };
-    if !ok {
-        sh.stats.auth_failures.fetch_add(1, SeqCst);
-        fatal(
-            &mut c,
-            "28P01",
-            &format!("password authentication failed for user \"{user}\""),
-        );
-        return Ok(());
+        Auth::Protocol(what) => {
+            sh.stats.protocol_errors.fetch_add(1, SeqCst);
+            fatal(&mut c, "08P01", &what);
+            return Ok(());
+        }
+        Auth::Gone => return Ok(()),
     }
     let mut st = SessionState::new(params);
     let mut be = match wait_backend(sh, &st.startup, 0) {
@@ -355,14 +469,186 @@ fn serve_client(mut c: TcpStream, sh: &Shared) -> Result<(), String> {
     let mut hello = vec![proto::auth(0, &[])];
     hello.extend(be.params.iter().cloned());
     let id = sh.next_session.fetch_add(1, SeqCst) as u32;
+    let client_key = random_u32();
     let mut kd = id.to_be_bytes().to_vec();
-    kd.extend(random_u32().to_be_bytes());
+    kd.extend(client_key.to_be_bytes());
     hello.push(Frame::new(b'K', kd));
     hello.push(proto::ready_for_query(b'I'));
     proto::write_frames(&mut c, &hello).map_err(|e| e.to_string())?;
     sh.stats.sessions_total.fetch_add(1, SeqCst);
     c.set_read_timeout(None).map_err(|e| e.to_string())?;
-    pump(c, &mut be, &mut st, sh)
+    let _reg = CancelReg::new(sh, id, client_key, &be);
+    pump(c, &mut be, &mut st, sh, id)
+}
+
+enum Auth {
+    Ok,
+    Failed,
+    Protocol(String),
+    Gone,
+}
+
+/// Reads the client's next message, which must be a password/SASL response ('p').
+fn read_password_message(c: &mut TcpStream) -> Result<Option<Vec<u8>>, String> {
+    match proto::read_frame(c) {
+        Ok(Some(f)) if f.tag == b'p' => Ok(Some(f.body)),
+        Ok(Some(f)) => Err(format!(
+            "expected password response, got message type {}",
+            f.tag
+        )),
+        Ok(None) => Ok(None),
+        Err(e) => Err(format!("invalid password response: {e}")),
+    }
+}
+
+/// Authenticates the client against the proxy's user (md5 or SCRAM-SHA-256). A wrong user
+/// fails exactly like a wrong password (no user enumeration).
+fn authenticate(c: &mut TcpStream, sh: &Shared, user: &str) -> Auth {
+    let send = |c: &mut TcpStream, f: Frame| proto::write_frames(c, &[f]).is_ok();
+    match sh.cfg.auth {
+        AuthMethod::Md5 => {
+            let salt = random_u32().to_be_bytes();
+            if !send(c, proto::auth(5, &salt)) {
+                return Auth::Gone;
+            }
+            let body = match read_password_message(c) {
+                Ok(Some(b)) => b,
+                Ok(None) => return Auth::Gone,
+                Err(e) => return Auth::Protocol(e),
+            };
+            let got = proto::cstr(&body).map(|(s, _)| s).unwrap_or_default();
+            let want = proto::md5_password(user, &sh.cfg.password, &salt);
+            if user == sh.cfg.user && got == want {
+                Auth::Ok
+            } else {
+                Auth::Failed
+            }
+        }
+        AuthMethod::ScramSha256 => {
+            let mut mechs = Vec::new();
+            proto::put_cstr(&mut mechs, scram::MECHANISM);
+            mechs.push(0);
+            if !send(c, proto::auth(10, &mechs)) {
+                return Auth::Gone;
+            }
+            let body = match read_password_message(c) {
+                Ok(Some(b)) => b,
+                Ok(None) => return Auth::Gone,
+                Err(e) => return Auth::Protocol(e),
+            };
+            let (mech, data) = match proto::parse_sasl_initial_response(&body) {
+                Ok(x) => x,
+                Err(e) => return Auth::Protocol(format!("invalid SASL response: {e}")),
+            };
+            if mech != scram::MECHANISM {
+                return Auth::Protocol(format!(
+                    "client selected an invalid SASL authentication mechanism {mech:?}"
+                ));
+            }
+            let first = String::from_utf8_lossy(data);
+            let (ex, server_first) =
+                match ServerExchange::start(&sh.scram, &first, &scram::new_nonce()) {
+                    Ok(x) => x,
+                    Err(e) => return Auth::Protocol(e.to_string()),
+                };
+            if !send(c, proto::auth(11, server_first.as_bytes())) {
+                return Auth::Gone;
+            }
+            let body = match read_password_message(c) {
+                Ok(Some(b)) => b,
+                Ok(None) => return Auth::Gone,
+                Err(e) => return Auth::Protocol(e),
+            };
+            match ex.finish(&String::from_utf8_lossy(&body)) {
+                Ok(server_final) if user == sh.cfg.user => {
+                    if send(c, proto::auth(12, server_final.as_bytes())) {
+                        Auth::Ok
+                    } else {
+                        Auth::Gone
+                    }
+                }
+                Ok(_) | Err(scram::ScramError::Proof) => Auth::Failed,
+                Err(e) => Auth::Protocol(e.to_string()),
+            }
+        }
+    }
+}
+
+/// Registers a session's cancel target for its lifetime.
+struct CancelReg<'a> {
+    sh: &'a Shared,
+    id: u32,
+}
+
+impl<'a> CancelReg<'a> {
+    fn new(sh: &'a Shared, id: u32, client_key: u32, be: &Backend) -> Self {
+        set_cancel_target(sh, id, Some(client_key), be);
+        CancelReg { sh, id }
+    }
+}
+
+impl Drop for CancelReg<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut m) = self.sh.cancel.lock() {
+            m.remove(&self.id);
+        }
+    }
+}
+
+/// Points session `id`'s cancel target at backend `be` (at login and after each move).
+fn set_cancel_target(sh: &Shared, id: u32, client_key: Option<u32>, be: &Backend) {
+    let Ok(mut m) = sh.cancel.lock() else { return };
+    let client_key = match client_key.or_else(|| m.get(&id).map(|t| t.client_key)) {
+        Some(k) => k,
+        None => return,
+    };
+    match be.key {
+        Some((pid, key)) => {
+            m.insert(
+                id,
+                CancelTarget {
+                    client_key,
+                    addr: be.addr,
+                    pid,
+                    key,
+                },
+            );
+        }
+        // A server that sends no BackendKeyData cannot be cancelled.
+        None => {
+            m.remove(&id);
+        }
+    }
+}
+
+/// Sends a CancelRequest for session `pid` to the server backend serving it, if `key`
+/// matches what the proxy gave that session.
+fn forward_cancel(sh: &Shared, pid: u32, key: u32) {
+    let target = sh
+        .cancel
+        .lock()
+        .ok()
+        .and_then(|m| m.get(&pid).copied())
+        .filter(|t| t.client_key == key);
+    let Some(t) = target else {
+        sh.stats.cancels_unmatched.fetch_add(1, SeqCst);
+        return;
+    };
+    let mut pkt = 16u32.to_be_bytes().to_vec();
+    pkt.extend(proto::CANCEL_REQUEST.to_be_bytes());
+    pkt.extend(t.pid.to_be_bytes());
+    pkt.extend(t.key.to_be_bytes());
+    let sent = TcpStream::connect_timeout(&t.addr, Duration::from_secs(1)).and_then(|mut s| {
+        s.write_all(&pkt)?;
+        // The server closes without answering once it has read the request.
+        let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
+        let _ = s.read(&mut [0u8; 1]);
+        Ok(())
+    });
+    match sent {
+        Ok(()) => sh.stats.cancels_forwarded.fetch_add(1, SeqCst),
+        Err(_) => sh.stats.cancels_failed.fetch_add(1, SeqCst),
+    };
 }
 
 /// Connects to the primary, waiting out a failover in progress.
@@ -393,6 +679,7 @@ fn pump(
     be: &mut Backend,
     st: &mut SessionState,
     sh: &Shared,
+    id: u32,
 ) -> Result<(), String> {
     let mut cbuf: Vec<u8> = Vec::with_capacity(8192);
     let mut bbuf: Vec<u8> = Vec::with_capacity(8192);
@@ -485,6 +772,7 @@ fn pump(
             match backend_lost(&mut c, st, sh, be.epoch) {
                 Lost::Moved(nb) => {
                     *be = nb;
+                    set_cancel_target(sh, id, None, be);
                     if st.status != b'I' && st.idle() {
                         abort_pending = st.status == b'T';
                     }
@@ -884,6 +1172,7 @@ fn controller(sh: Arc<Shared>) {
     let iv = Duration::from_millis(sh.cfg.probe_interval_ms);
     let to = Duration::from_millis(sh.cfg.probe_timeout_ms);
     let mut probe: Option<Client> = None;
+    let mut watch = StandbyWatch::default();
     while !sh.shutdown.load(SeqCst) {
         let p = sh.primary.load(SeqCst);
         let addr = sh.cfg.nodes[p];
@@ -901,12 +1190,141 @@ fn controller(sh: Arc<Shared>) {
                 continue;
             }
             match failover(&sh, p, detect) {
-                Ok(()) => probe = None,
+                Ok(()) => {
+                    probe = None;
+                    watch = StandbyWatch::default();
+                }
                 Err(e) => set_err(&sh, &format!("failover failed: {e}")),
             }
+        } else {
+            watch_standby(&sh, &mut watch, &mut probe, p);
         }
         std::thread::sleep(iv);
     }
+}
+
+/// The controller's view of the standby (async fallback and its restoration).
+#[derive(Default)]
+struct StandbyWatch {
+    probe: Option<Client>,
+    unreachable_since: Option<Instant>,
+    restore: Option<std::thread::JoinHandle<Result<(), String>>>,
+    next_restore: Option<Instant>,
+}
+
+/// How long the oldest commit on the primary has waited for the synchronous standby (ms).
+const SYNC_WAIT_QUERY: &str =
+    "SELECT coalesce(max(extract(epoch FROM clock_timestamp() - state_change) * 1000), 0)::bigint \
+     FROM pg_stat_activity WHERE wait_event = 'SyncRep'";
+
+/// While protected: fall back to running unprotected once the standby has been unreachable,
+/// or a commit has waited for it, for `async_fallback_ms`. While degraded: bring the standby
+/// back in the background (retrying every 2 s) and resume protection once it is in sync.
+fn watch_standby(sh: &Arc<Shared>, w: &mut StandbyWatch, probe: &mut Option<Client>, p: usize) {
+    let Some(limit) = sh.cfg.async_fallback_ms.filter(|ms| *ms > 0) else {
+        return;
+    };
+    let limit = Duration::from_millis(limit);
+    let sb = 1 - p;
+    if sh.protected.load(SeqCst) && !sh.degraded.load(SeqCst) {
+        let to = Duration::from_millis(sh.cfg.probe_timeout_ms);
+        let reachable = probe_once(&mut w.probe, sh.cfg.nodes[sb], &sh.cfg, to);
+        if reachable {
+            w.unreachable_since = None;
+        } else {
+            w.unreachable_since.get_or_insert_with(Instant::now);
+        }
+        let waited_ms = probe
+            .as_mut()
+            .and_then(|c| c.scalar(SYNC_WAIT_QUERY).ok().flatten())
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0);
+        let lost_for = w.unreachable_since.map(|t| t.elapsed()).unwrap_or_default();
+        if lost_for >= limit || Duration::from_millis(waited_ms) >= limit {
+            let why = if lost_for >= limit {
+                format!("standby unreachable for {} ms", lost_for.as_millis())
+            } else {
+                format!("a commit waited {waited_ms} ms for the standby")
+            };
+            match degrade(sh, p) {
+                Ok(()) => {
+                    dbg("async fallback");
+                    set_err(sh, &format!("async fallback: {why}; running unprotected"));
+                    w.unreachable_since = None;
+                    w.probe = None;
+                    w.next_restore = None;
+                }
+                Err(e) => set_err(sh, &format!("async fallback failed: {e}")),
+            }
+        }
+        return;
+    }
+    if !sh.degraded.load(SeqCst) {
+        // Unprotected after a failover: the failover's own re-protection runs.
+        return;
+    }
+    if let Some(h) = w.restore.take() {
+        if !h.is_finished() {
+            w.restore = Some(h);
+            return;
+        }
+        match h.join() {
+            Ok(Ok(())) => {
+                sh.stats.standby_restores.fetch_add(1, SeqCst);
+                let since = sh.degraded_since_ms.swap(0, SeqCst);
+                sh.stats
+                    .unprotected_ms_total
+                    .fetch_add(now_ms().saturating_sub(since), SeqCst);
+                sh.protected.store(true, SeqCst);
+                sh.degraded.store(false, SeqCst);
+                set_err(sh, "");
+                dbg("protection resumed");
+                return;
+            }
+            Ok(Err(e)) => {
+                sh.stats.standby_restore_failures.fetch_add(1, SeqCst);
+                set_err(sh, &format!("standby restore failed (will retry): {e}"));
+            }
+            Err(_) => {
+                sh.stats.standby_restore_failures.fetch_add(1, SeqCst);
+                set_err(sh, "standby restore panicked (will retry)");
+            }
+        }
+        w.next_restore = Some(Instant::now() + Duration::from_secs(2));
+        return;
+    }
+    if sh.reprotect_hold.load(SeqCst) || w.next_restore.is_some_and(|t| Instant::now() < t) {
+        return;
+    }
+    if let Some(ops) = sh.ops.clone() {
+        w.restore = Some(std::thread::spawn(move || ops.restore_standby(sb, p)));
+    }
+}
+
+/// Switches primary `p` to run without a synchronous standby: waiting commits are released
+/// by the reload. Stale WAL senders of the lost standby are ended so that a returning
+/// standby is not shadowed by a half-dead connection that still looks "streaming".
+fn degrade(sh: &Shared, p: usize) -> Result<(), String> {
+    let mut c = Client::connect_with(
+        sh.cfg.nodes[p],
+        &sh.cfg.user,
+        &sh.cfg.password,
+        "postgres",
+        CONNECT_TIMEOUT * 5,
+        Duration::from_secs(10),
+    )
+    .map_err(|e| format!("primary: {e}"))?;
+    c.query("ALTER SYSTEM SET synchronous_standby_names = ''")
+        .map_err(|e| e.to_string())?;
+    c.query("SELECT pg_reload_conf()")
+        .map_err(|e| e.to_string())?;
+    // From here on commits no longer wait: the protection is off.
+    sh.protected.store(false, SeqCst);
+    sh.degraded.store(true, SeqCst);
+    sh.degraded_since_ms.store(now_ms(), SeqCst);
+    sh.stats.async_fallbacks.fetch_add(1, SeqCst);
+    let _ = c.query("SELECT pg_terminate_backend(pid) FROM pg_stat_replication");
+    Ok(())
 }
 
 /// TCP connect timeout of probes: the handshake is answered by the server's kernel, not by
@@ -1030,6 +1448,11 @@ fn failover(sh: &Arc<Shared>, old: usize, t0: Instant) -> Result<(), String> {
                 Err(e) => {
                     s.stats.reprotect_failures.fetch_add(1, SeqCst);
                     set_err(&s, &format!("re-protection failed: {e}"));
+                    if s.cfg.async_fallback_ms.is_some_and(|ms| ms > 0) {
+                        // Hand it to the controller's standby restoration (retried).
+                        s.degraded_since_ms.store(now_ms(), SeqCst);
+                        s.degraded.store(true, SeqCst);
+                    }
                 }
             });
         }
