@@ -103,7 +103,9 @@ pub fn decode(base: &[u8], delta: &[u8]) -> Result<Vec<u8>, DeltaError> {
     if len > MAX_RECORD {
         return Err(DeltaError::TooLarge(len));
     }
-    let mut out: Vec<u8> = (0..len).map(|i| base.get(i).copied().unwrap_or(0)).collect();
+    let mut out: Vec<u8> = (0..len)
+        .map(|i| base.get(i).copied().unwrap_or(0))
+        .collect();
     let mut at = 0usize;
     while at < len {
         let zeros = get_varint(delta, &mut pos)?;
@@ -119,7 +121,9 @@ pub fn decode(base: &[u8], delta: &[u8]) -> Result<Vec<u8>, DeltaError> {
                 declared: len,
             });
         }
-        let src = delta.get(pos..pos + lit).ok_or(DeltaError::Truncated(pos))?;
+        let src = delta
+            .get(pos..pos + lit)
+            .ok_or(DeltaError::Truncated(pos))?;
         for (o, x) in out[at..end].iter_mut().zip(src) {
             *o ^= x;
         }
@@ -147,7 +151,11 @@ mod tests {
 
     fn rt(base: &[u8], new: &[u8]) -> usize {
         let d = encode(base, new);
-        assert_eq!(decode(base, &d).unwrap(), new, "base {base:?} new {new:?} delta {d:?}");
+        assert_eq!(
+            decode(base, &d).unwrap(),
+            new,
+            "base {base:?} new {new:?} delta {d:?}"
+        );
         d.len()
     }
 
@@ -172,7 +180,10 @@ mod tests {
         new[150] = 3;
         let n = rt(&base, &new);
         assert!(n < 12, "delta of two changed bytes in 200 is {n} bytes");
-        assert!(rt(&base, &base) <= 5, "an unchanged record costs its length and one pair");
+        assert!(
+            rt(&base, &base) <= 5,
+            "an unchanged record costs its length and one pair"
+        );
     }
 
     #[test]

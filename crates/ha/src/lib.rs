@@ -21,4 +21,10 @@ pub mod standby;
 pub mod transport;
 pub mod wire;
 
+pub use auth::{AuthError, Secret};
+pub use standby::{Activated, StandbyError, StandbyStats, StandbyStore};
+pub use transport::{
+    LinkState, ReplSender, ReplServer, SendError, SenderOptions, SenderStats, ServerStats,
+    TransportError,
+};
 pub use wire::{Ack, Checkpoint, FlowUpdate, GroupId, ReplMsg, UpdateBody};

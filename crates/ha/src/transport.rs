@@ -1,39 +1,1623 @@
-//! The replication channel. CONTRACT (implemented by the ha-link helper):
+//! The replication channel: [`ReplServer`] on the backup, one [`ReplSender`] per backup
+//! destination on the primary.
 //!
-//! Unix stream sockets (mode 0600, peer uid checked with SO_PEERCRED) plus the HMAC handshake of
-//! [`crate::auth`], then [`crate::wire`] frames. All socket I/O happens on threads owned here,
-//! never on the packet thread, which talks to them only through bounded channels it polls and a
-//! wake-up fd it can add to poll(2).
+//! Unix stream sockets (mode 0600, peer uid checked with SO_PEERCRED on both ends) plus the
+//! HMAC handshake of [`crate::auth`], then [`crate::wire`] frames. All socket I/O happens on
+//! threads owned here, never on the packet thread, which talks to them only through a bounded
+//! channel ([`ReplSender::send`]), a non-blocking [`ReplSender::poll`] and a wake-up fd
+//! ([`ReplSender::wake_fd`], an eventfd) it can add to poll(2).
 //!
-//! Backup side:
-//! ```ignore
-//! pub struct ReplServer { .. }   // Drop stops the accept thread and closes connections, unlinks the socket
-//! impl ReplServer {
-//!     /// Listens at `path`; every authenticated connection gets a reader thread (bounded number)
-//!     /// that applies checkpoints to `store` and answers `Ack` only after `apply` returned Ok
-//!     /// (the checkpoint is in the backup's memory, as in Remus). Refusals answer `Refused`.
-//!     pub fn start(path: &Path, secret: Secret, store: Arc<Mutex<StandbyStore>>) -> Result<ReplServer, TransportError>;
-//!     pub fn stats(&self) -> ServerStats; // connections, auth_failures, frames, bytes_in, decode_errors, refused
-//! }
+//! Protocol on one connection (primary -> backup on the left):
+//! ```text
+//!   handshake (auth)                    <-> handshake
+//!   Hello { primary, token }             -> Welcome { held }   (or Refused: fenced token)
+//!   Checkpoint(g, seq)                   -> Ack { g, seq }     after StandbyStore::apply
+//!                                                              (or Refused, then close)
+//!   Heartbeat (when idle for `heartbeat`) -> Ack of the latest (g, seq) applied on this
+//!                                           connection, Ack { 0, 0 } before any
 //! ```
-//! Primary side (one per backup destination):
-//! ```ignore
-//! pub struct ReplSender { .. }
-//! impl ReplSender {
-//!     /// Starts a sender thread that connects (retrying every `retry` until `dead_after` has
-//!     /// passed without a live connection), authenticates, sends Hello{primary, token}, then
-//!     /// ships queued checkpoints in order and sends a Heartbeat every `heartbeat` when idle.
-//!     pub fn start(path: &Path, secret: Secret, primary: &str, token: u64, opts: SenderOptions) -> ReplSender;
-//!     /// Non-blocking; Err(Full) when the bounded queue is full, Err(Dead) once the link is dead.
-//!     pub fn send(&self, cp: Checkpoint) -> Result<(), SendError>;
-//!     /// Non-blocking: acks received since the last call (cumulative per group).
-//!     pub fn poll(&self, acks: &mut Vec<Ack>) -> LinkState;
-//!     pub fn wake_fd(&self) -> RawFd;   // readable when acks or a state change are waiting
-//!     pub fn drain_wake(&self);
-//!     pub fn stats(&self) -> SenderStats; // bytes_sent, frames_sent, checkpoints, reconnects, rtt_us_last
-//! }
-//! pub enum LinkState { Connecting, Up { welcome: Vec<(GroupId, u64)> }, Dead { reason: String } }
-//! pub struct SenderOptions { pub retry: Duration /*5 ms*/, pub dead_after: Duration /*60 ms: no ack/heartbeat answer for this long => Dead*/, pub heartbeat: Duration /*10 ms*/, pub max_queued: usize }
-//! ```
-//! Dead detection: the backup answers each Heartbeat with an `Ack` of its latest seq; no frame
-//! from the backup for `dead_after` while something is outstanding (or EOF/reset) => Dead.
+//! Every `Checkpoint` and `Heartbeat` gets exactly one answer, so the sender knows how many
+//! answers are outstanding. Acks are cumulative per group; group 0 (the unprotected group,
+//! never checkpointed) only proves liveness.
+//!
+//! Dead detection (sender): a frame is outstanding and nothing came back from the backup for
+//! `dead_after` (heartbeats keep something outstanding on an idle link), or EOF/reset, or a
+//! `Refused`, or no live connection within `dead_after` of the start => [`LinkState::Dead`].
+//! A sender never leaves `Dead`: the runtime runs the groups unprotected and asks the
+//! controller for a new backup, which means a new `ReplSender`.
+//!
+//! Latency: each frame is one `send(2)` (length prefix and body in one buffer) with
+//! `MSG_NOSIGNAL`; the backup reads through a buffer, so a small checkpoint costs one read,
+//! one apply and one write there. Unix stream sockets have no Nagle delay to disable; the
+//! remaining cost is thread wake-ups (packet thread -> sender thread -> backup thread ->
+//! sender's reader thread -> packet thread), measured by `examples/repl_rtt.rs`.
+
+use crate::auth::{client_handshake, server_handshake, AuthError, Secret};
+use crate::standby::StandbyStore;
+use crate::wire::{self, Ack, Checkpoint, GroupId, ReplMsg, WireError};
+use serde::Serialize;
+use std::collections::{BTreeMap, HashMap};
+use std::io::{self, BufReader, Read};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+use thiserror::Error;
+
+/// Bound on concurrent connections (each has a thread) a server accepts; more are closed at
+/// once and counted in `over_bound`.
+pub const MAX_CONNECTIONS: usize = 64;
+/// Time a new connection gets for the handshake and `Hello` on the server.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(2);
+/// A server closes a connection that sent nothing for this long (a live sender heartbeats
+/// every few ms; this only reclaims threads of peers that vanished without EOF).
+pub const SERVER_IDLE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longest primary name accepted in `Hello`.
+pub const MAX_PRIMARY_NAME: usize = 255;
+/// Read buffer per connection: a typical checkpoint frame arrives in one read.
+const READ_BUF: usize = 64 << 10;
+
+#[derive(Debug, Error)]
+pub enum TransportError {
+    #[error("replication socket {path}: {source}")]
+    Io { path: PathBuf, source: io::Error },
+    #[error("replication socket {path} is in use by a live server")]
+    InUse { path: PathBuf },
+    #[error("replication socket {path} exists and is not a socket")]
+    NotASocket { path: PathBuf },
+    #[error("cannot start a replication thread: {0}")]
+    Spawn(io::Error),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Error)]
+pub enum SendError {
+    #[error("replication queue full")]
+    Full,
+    #[error("replication link is dead")]
+    Dead,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub enum LinkState {
+    Connecting,
+    /// Authenticated and greeted; `welcome` is what the backup already held of this primary
+    /// per group (highest applied seq) when the connection started.
+    Up {
+        welcome: Vec<(GroupId, u64)>,
+    },
+    Dead {
+        reason: String,
+    },
+}
+
+#[derive(Debug, Clone)]
+pub struct SenderOptions {
+    /// Pause between connection attempts.
+    pub retry: Duration,
+    /// No answer from the backup for this long while something is outstanding (or no live
+    /// connection this long after start) => Dead.
+    pub dead_after: Duration,
+    /// A Heartbeat is sent after this long without any frame sent. Keep it well below
+    /// `dead_after` (several answers per window) and below [`SERVER_IDLE_TIMEOUT`].
+    pub heartbeat: Duration,
+    /// Bound on checkpoints queued for the sender thread (at least 1).
+    pub max_queued: usize,
+}
+
+impl Default for SenderOptions {
+    fn default() -> Self {
+        SenderOptions {
+            retry: Duration::from_millis(5),
+            dead_after: Duration::from_millis(60),
+            heartbeat: Duration::from_millis(10),
+            max_queued: 1024,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct SenderStats {
+    pub bytes_sent: u64,
+    pub frames_sent: u64,
+    pub checkpoints: u64,
+    pub heartbeats: u64,
+    /// Frames received from the backup (acks of either kind).
+    pub acks: u64,
+    pub connect_attempts: u64,
+    /// Connection attempts after the first.
+    pub reconnects: u64,
+    /// `send` calls refused because the queue was full.
+    pub queue_full: u64,
+    /// Ship-to-ack time of the most recent checkpoint whose ack arrived, in microseconds.
+    pub rtt_us_last: u64,
+    pub rtt_us_max: u64,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct ServerStats {
+    pub connections: u64,
+    /// Connections open now.
+    pub active: u64,
+    /// Handshakes that failed the HMAC check.
+    pub auth_failures: u64,
+    /// Peers that closed or stalled during the handshake.
+    pub handshake_aborted: u64,
+    /// Peers refused by the SO_PEERCRED uid check.
+    pub peer_refused: u64,
+    /// Connections closed at once because `MAX_CONNECTIONS` were open.
+    pub over_bound: u64,
+    pub frames: u64,
+    pub bytes_in: u64,
+    pub decode_errors: u64,
+    /// Well-formed frames that break the protocol (no Hello first, backup-side messages...).
+    pub protocol_errors: u64,
+    /// `Refused` answers (fenced token, checkpoint refused by the store).
+    pub refused: u64,
+    pub checkpoints: u64,
+    pub acks_sent: u64,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Server (backup side)
+
+#[derive(Default)]
+struct ServerCounters {
+    connections: AtomicU64,
+    active: AtomicU64,
+    auth_failures: AtomicU64,
+    handshake_aborted: AtomicU64,
+    peer_refused: AtomicU64,
+    over_bound: AtomicU64,
+    frames: AtomicU64,
+    bytes_in: AtomicU64,
+    decode_errors: AtomicU64,
+    protocol_errors: AtomicU64,
+    refused: AtomicU64,
+    checkpoints: AtomicU64,
+    acks_sent: AtomicU64,
+}
+
+struct ServerShared {
+    secret: Secret,
+    store: Arc<Mutex<StandbyStore>>,
+    stop: AtomicBool,
+    c: ServerCounters,
+    /// Clones of open connections, so Drop can shut them down and unblock their threads.
+    conns: Mutex<HashMap<u64, UnixStream>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+/// The backup's replication listener. Drop stops the accept thread, closes every connection,
+/// joins the threads and unlinks the socket (if it is still the one this server bound).
+pub struct ReplServer {
+    path: PathBuf,
+    inode: (u64, u64),
+    shared: Arc<ServerShared>,
+    stop_w: Option<UnixStream>,
+    accept: Option<JoinHandle<()>>,
+}
+
+impl ReplServer {
+    /// Listens at `path` (mode 0600; a stale socket file left by a dead process is replaced, a
+    /// live one is `InUse`). Every authenticated connection gets a reader thread (at most
+    /// [`MAX_CONNECTIONS`]) that applies checkpoints to `store` and answers `Ack` only after
+    /// `apply` returned Ok (the checkpoint is in the backup's memory, as in Remus). Refusals
+    /// answer `Refused` and close the connection.
+    pub fn start(
+        path: &Path,
+        secret: Secret,
+        store: Arc<Mutex<StandbyStore>>,
+    ) -> Result<ReplServer, TransportError> {
+        let io_err = |source| TransportError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let listener = bind(path)?;
+        // bind(2) creates the node with the umask's mode; tighten it before anyone could
+        // pass the handshake anyway (the uid check and the HMAC guard the short window).
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(io_err)?;
+        let meta = std::fs::symlink_metadata(path).map_err(io_err)?;
+        listener.set_nonblocking(true).map_err(io_err)?;
+        let (stop_r, stop_w) = UnixStream::pair().map_err(io_err)?;
+        let shared = Arc::new(ServerShared {
+            secret,
+            store,
+            stop: AtomicBool::new(false),
+            c: ServerCounters::default(),
+            conns: Mutex::new(HashMap::new()),
+            threads: Mutex::new(Vec::new()),
+        });
+        let sh = shared.clone();
+        let accept = std::thread::Builder::new()
+            .name("ha-repl-accept".into())
+            .spawn(move || accept_loop(listener, stop_r, sh))
+            .map_err(TransportError::Spawn)?;
+        tracing::info!(path = %path.display(), "replication server listening");
+        Ok(ReplServer {
+            path: path.to_path_buf(),
+            inode: (meta.dev(), meta.ino()),
+            shared,
+            stop_w: Some(stop_w),
+            accept: Some(accept),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn stats(&self) -> ServerStats {
+        let c = &self.shared.c;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        ServerStats {
+            connections: l(&c.connections),
+            active: l(&c.active),
+            auth_failures: l(&c.auth_failures),
+            handshake_aborted: l(&c.handshake_aborted),
+            peer_refused: l(&c.peer_refused),
+            over_bound: l(&c.over_bound),
+            frames: l(&c.frames),
+            bytes_in: l(&c.bytes_in),
+            decode_errors: l(&c.decode_errors),
+            protocol_errors: l(&c.protocol_errors),
+            refused: l(&c.refused),
+            checkpoints: l(&c.checkpoints),
+            acks_sent: l(&c.acks_sent),
+        }
+    }
+}
+
+impl Drop for ReplServer {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        // Closing our end makes the accept thread's poll see the stop fd readable (EOF).
+        drop(self.stop_w.take());
+        if let Some(t) = self.accept.take() {
+            let _ = t.join();
+        }
+        for s in lock(&self.shared.conns).values() {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        let threads = std::mem::take(&mut *lock(&self.shared.threads));
+        for t in threads {
+            let _ = t.join();
+        }
+        // Unlink only our own socket: a newer server may have replaced the file meanwhile.
+        if let Ok(m) = std::fs::symlink_metadata(&self.path) {
+            if (m.dev(), m.ino()) == self.inode {
+                let _ = std::fs::remove_file(&self.path);
+            }
+        }
+    }
+}
+
+fn bind(path: &Path) -> Result<UnixListener, TransportError> {
+    let io_err = |source| TransportError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    match UnixListener::bind(path) {
+        Ok(l) => Ok(l),
+        Err(e) if e.kind() == io::ErrorKind::AddrInUse => {
+            let meta = std::fs::symlink_metadata(path).map_err(io_err)?;
+            if !meta.file_type().is_socket() {
+                return Err(TransportError::NotASocket {
+                    path: path.to_path_buf(),
+                });
+            }
+            // A live server accepts; the file of a dead one refuses.
+            if UnixStream::connect(path).is_ok() {
+                return Err(TransportError::InUse {
+                    path: path.to_path_buf(),
+                });
+            }
+            std::fs::remove_file(path).map_err(io_err)?;
+            UnixListener::bind(path).map_err(io_err)
+        }
+        Err(e) => Err(io_err(e)),
+    }
+}
+
+fn accept_loop(listener: UnixListener, stop_r: UnixStream, sh: Arc<ServerShared>) {
+    let mut next_id: u64 = 0;
+    loop {
+        let mut fds = [
+            libc::pollfd {
+                fd: listener.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: stop_r.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: `fds` is a valid array of two pollfd for the duration of the call.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            tracing::error!(error = %e, "replication accept loop: poll failed");
+            return;
+        }
+        if sh.stop.load(Ordering::SeqCst) || fds[1].revents != 0 {
+            return;
+        }
+        loop {
+            let stream = match listener.accept() {
+                Ok((s, _)) => s,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    // EMFILE and friends: back off instead of spinning on a readable listener.
+                    tracing::warn!(error = %e, "replication accept failed");
+                    std::thread::sleep(Duration::from_millis(10));
+                    break;
+                }
+            };
+            sh.c.connections.fetch_add(1, Ordering::Relaxed);
+            let mut threads = lock(&sh.threads);
+            threads.retain(|t| !t.is_finished());
+            if threads.len() >= MAX_CONNECTIONS {
+                sh.c.over_bound.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    max = MAX_CONNECTIONS,
+                    "replication connection refused: too many open"
+                );
+                continue;
+            }
+            let id = next_id;
+            next_id += 1;
+            let clone = match stream.try_clone() {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(error = %e, "replication connection dropped: cannot clone");
+                    continue;
+                }
+            };
+            lock(&sh.conns).insert(id, clone);
+            let s2 = sh.clone();
+            let spawned = std::thread::Builder::new()
+                .name("ha-repl-conn".into())
+                .spawn(move || {
+                    s2.c.active.fetch_add(1, Ordering::Relaxed);
+                    serve_conn(stream, &s2);
+                    s2.c.active.fetch_sub(1, Ordering::Relaxed);
+                    lock(&s2.conns).remove(&id);
+                });
+            match spawned {
+                Ok(t) => threads.push(t),
+                Err(e) => {
+                    lock(&sh.conns).remove(&id);
+                    tracing::warn!(error = %e, "replication connection dropped: no thread");
+                }
+            }
+        }
+    }
+}
+
+/// Counts bytes read through it (for `bytes_in`).
+struct Counting<R> {
+    inner: R,
+    n: u64,
+}
+
+impl<R: Read> Read for Counting<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.n += n as u64;
+        Ok(n)
+    }
+}
+
+enum ConnEnd {
+    Closed,
+    Error,
+}
+
+fn serve_conn(mut stream: UnixStream, sh: &ServerShared) {
+    let c = &sh.c;
+    match peer_uid(&stream) {
+        Ok(uid) if uid == euid() => {}
+        Ok(uid) => {
+            c.peer_refused.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(uid, "replication peer refused: other uid");
+            return;
+        }
+        Err(e) => {
+            c.peer_refused.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(error = %e, "replication peer refused: no credentials");
+            return;
+        }
+    }
+    if stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).is_err()
+        || stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT)).is_err()
+    {
+        return;
+    }
+    match server_handshake(&mut stream, &sh.secret) {
+        Ok(()) => {}
+        Err(AuthError::BadMac) => {
+            c.auth_failures.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!("replication handshake failed: wrong secret");
+            return;
+        }
+        Err(e) => {
+            c.handshake_aborted.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(error = %e, "replication handshake aborted");
+            return;
+        }
+    }
+    let Ok(clone) = stream.try_clone() else {
+        return;
+    };
+    let mut rd = Counting {
+        inner: BufReader::with_capacity(READ_BUF, clone),
+        n: 0,
+    };
+    let end = serve_frames(&stream, &mut rd, sh);
+    if let ConnEnd::Error = end {
+        tracing::debug!("replication connection closed after an error");
+    }
+}
+
+fn serve_frames<R: Read>(stream: &UnixStream, rd: &mut Counting<R>, sh: &ServerShared) -> ConnEnd {
+    let c = &sh.c;
+    let send = |m: &ReplMsg| -> bool {
+        match wire::encode_frame(m) {
+            Ok(f) => send_all(stream, &f).is_ok(),
+            Err(_) => false,
+        }
+    };
+    let read = |rd: &mut Counting<R>| -> Result<ReplMsg, ConnEnd> {
+        let before = rd.n;
+        let r = wire::read_frame(rd);
+        c.bytes_in.fetch_add(rd.n - before, Ordering::Relaxed);
+        match r {
+            Ok(m) => {
+                c.frames.fetch_add(1, Ordering::Relaxed);
+                Ok(m)
+            }
+            Err(WireError::Io(e)) if e.kind() == io::ErrorKind::UnexpectedEof => {
+                Err(ConnEnd::Closed)
+            }
+            Err(WireError::Io(_)) => Err(ConnEnd::Closed),
+            Err(e) => {
+                c.decode_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(error = %e, "replication frame refused");
+                Err(ConnEnd::Error)
+            }
+        }
+    };
+    let (primary, token) = match read(rd) {
+        Ok(ReplMsg::Hello { primary, token }) if primary.len() <= MAX_PRIMARY_NAME => {
+            (primary, token)
+        }
+        Ok(_) => {
+            c.protocol_errors.fetch_add(1, Ordering::Relaxed);
+            return ConnEnd::Error;
+        }
+        Err(e) => {
+            // EOF right after a good handshake is a peer going away, not a bad frame.
+            if let ConnEnd::Closed = e {
+                c.handshake_aborted.fetch_add(1, Ordering::Relaxed);
+            }
+            return e;
+        }
+    };
+    let welcome = {
+        let store = lock(&sh.store);
+        store
+            .check_token(&primary, token)
+            .map(|()| store.held(&primary))
+    };
+    let held = match welcome {
+        Ok(h) => h,
+        Err(e) => {
+            c.refused.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(primary, token, error = %e, "replication refused at hello");
+            send(&ReplMsg::Refused {
+                reason: e.to_string(),
+            });
+            return ConnEnd::Error;
+        }
+    };
+    if !send(&ReplMsg::Welcome { held }) {
+        return ConnEnd::Closed;
+    }
+    tracing::info!(primary, token, "replication connection up");
+    if stream.set_read_timeout(Some(SERVER_IDLE_TIMEOUT)).is_err() {
+        return ConnEnd::Error;
+    }
+    let mut last = Ack { group: 0, seq: 0 };
+    loop {
+        let reply = match read(rd) {
+            Ok(ReplMsg::Checkpoint(cp)) => {
+                let r = lock(&sh.store).apply(&primary, token, &cp);
+                match r {
+                    Ok(seq) => {
+                        c.checkpoints.fetch_add(1, Ordering::Relaxed);
+                        last = Ack {
+                            group: cp.group,
+                            seq,
+                        };
+                        ReplMsg::Ack(last)
+                    }
+                    Err(e) => {
+                        c.refused.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(primary, group = cp.group, seq = cp.seq, error = %e,
+                            "checkpoint refused");
+                        send(&ReplMsg::Refused {
+                            reason: e.to_string(),
+                        });
+                        return ConnEnd::Error;
+                    }
+                }
+            }
+            Ok(ReplMsg::Heartbeat { .. }) => ReplMsg::Ack(last),
+            Ok(_) => {
+                c.protocol_errors.fetch_add(1, Ordering::Relaxed);
+                return ConnEnd::Error;
+            }
+            Err(e) => return e,
+        };
+        if !send(&reply) {
+            return ConnEnd::Closed;
+        }
+        c.acks_sent.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sender (primary side)
+
+/// An eventfd that is readable while something is waiting for the packet thread. `pending`
+/// saves a write(2) per ack when the packet thread has not drained yet. `fd` is `None` only
+/// when the process had no descriptor left (the link is then Dead from the start).
+struct Wake {
+    fd: Option<OwnedFd>,
+    pending: AtomicBool,
+}
+
+impl Wake {
+    fn new() -> io::Result<Wake> {
+        // SAFETY: plain syscall; the result is checked before use.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Wake {
+            // SAFETY: `fd` is a fresh descriptor we own.
+            fd: Some(unsafe { OwnedFd::from_raw_fd(fd) }),
+            pending: AtomicBool::new(false),
+        })
+    }
+
+    fn raw(&self) -> RawFd {
+        // poll(2) ignores negative descriptors.
+        self.fd.as_ref().map_or(-1, |f| f.as_raw_fd())
+    }
+
+    fn signal(&self) {
+        if !self.pending.swap(true, Ordering::SeqCst) {
+            let one: u64 = 1;
+            // SAFETY: writes 8 bytes from a valid u64. It cannot fail with EAGAIN: at most one
+            // increment is outstanding, far from the counter's limit.
+            let _ = unsafe {
+                libc::write(
+                    self.raw(),
+                    (&one as *const u64).cast(),
+                    std::mem::size_of::<u64>(),
+                )
+            };
+        }
+    }
+
+    fn drain(&self) {
+        // Clear first: a signal racing with the read then writes again (a spurious wake-up at
+        // worst), never gets lost.
+        self.pending.store(false, Ordering::SeqCst);
+        let mut v: u64 = 0;
+        // SAFETY: reads 8 bytes into a valid u64; EAGAIN (nothing pending) is fine.
+        let _ = unsafe {
+            libc::read(
+                self.raw(),
+                (&mut v as *mut u64).cast(),
+                std::mem::size_of::<u64>(),
+            )
+        };
+    }
+}
+
+#[derive(Default)]
+struct SenderCounters {
+    bytes_sent: AtomicU64,
+    frames_sent: AtomicU64,
+    checkpoints: AtomicU64,
+    heartbeats: AtomicU64,
+    acks: AtomicU64,
+    connect_attempts: AtomicU64,
+    queue_full: AtomicU64,
+    rtt_us_last: AtomicU64,
+    rtt_us_max: AtomicU64,
+}
+
+struct Link {
+    state: LinkState,
+    /// Highest ack per group seen from the backup.
+    acked: HashMap<GroupId, u64>,
+    /// Acks not yet handed out by `poll` (newest per group).
+    unreported: BTreeMap<GroupId, u64>,
+    /// Highest seq shipped per group: an ack above it would release output for state the
+    /// backup cannot hold, so it is a protocol violation (the link goes Dead).
+    shipped: HashMap<GroupId, u64>,
+    /// Frames sent that expect one answer each (checkpoints, heartbeats) and answers received.
+    expecting: u64,
+    answered: u64,
+    /// Since when the backup owes an answer without having sent any frame.
+    waiting_since: Option<Instant>,
+    last_cp: Option<(GroupId, u64, Instant)>,
+}
+
+struct SenderShared {
+    stop: AtomicBool,
+    dead: AtomicBool,
+    link: Mutex<Link>,
+    wake: Wake,
+    c: SenderCounters,
+    /// The live connection, so Drop can shut it down and unblock both threads.
+    conn: Mutex<Option<UnixStream>>,
+}
+
+impl SenderShared {
+    fn set_state(&self, s: LinkState) {
+        let mut l = lock(&self.link);
+        if matches!(l.state, LinkState::Dead { .. }) {
+            return;
+        }
+        if let LinkState::Dead { reason } = &s {
+            if !self.stop.load(Ordering::SeqCst) {
+                tracing::warn!(reason, "replication link dead");
+            }
+            self.dead.store(true, Ordering::SeqCst);
+        }
+        l.state = s;
+        drop(l);
+        self.wake.signal();
+    }
+
+    fn set_dead(&self, reason: String) {
+        self.set_state(LinkState::Dead { reason });
+        if let Some(s) = lock(&self.conn).as_ref() {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+
+    fn on_answer(&self, a: Ack) {
+        self.c.acks.fetch_add(1, Ordering::Relaxed);
+        let now = Instant::now();
+        let mut l = lock(&self.link);
+        l.answered += 1;
+        l.waiting_since = (l.answered < l.expecting).then_some(now);
+        if a.group == 0 {
+            return; // heartbeat answer before any checkpoint: liveness only
+        }
+        let shipped = l.shipped.get(&a.group).copied();
+        if shipped.is_none_or(|s| a.seq > s) {
+            drop(l);
+            self.set_dead(format!(
+                "backup acknowledged group {} seq {} but only {shipped:?} was shipped",
+                a.group, a.seq
+            ));
+            return;
+        }
+        let advanced = l.acked.get(&a.group).is_none_or(|&s| a.seq > s);
+        if !advanced {
+            return;
+        }
+        l.acked.insert(a.group, a.seq);
+        l.unreported.insert(a.group, a.seq);
+        if let Some((g, s, at)) = l.last_cp {
+            if g == a.group && a.seq >= s {
+                let us = now.duration_since(at).as_micros() as u64;
+                self.c.rtt_us_last.store(us, Ordering::Relaxed);
+                self.c.rtt_us_max.fetch_max(us, Ordering::Relaxed);
+                l.last_cp = None;
+            }
+        }
+        drop(l);
+        self.wake.signal();
+    }
+}
+
+/// The primary's end of one replication link (one backup destination).
+pub struct ReplSender {
+    tx: Option<SyncSender<Checkpoint>>,
+    shared: Arc<SenderShared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl ReplSender {
+    /// Starts a sender thread that connects (retrying every `retry` until `dead_after` has
+    /// passed without a live connection), authenticates, sends Hello{primary, token}, then
+    /// ships queued checkpoints in order and sends a Heartbeat every `heartbeat` when idle.
+    /// Never fails: a link that cannot be set up (even a thread that cannot start) is `Dead`
+    /// with the reason.
+    pub fn start(
+        path: &Path,
+        secret: Secret,
+        primary: &str,
+        token: u64,
+        opts: SenderOptions,
+    ) -> ReplSender {
+        let (wake, wake_err) = match Wake::new() {
+            Ok(w) => (w, None),
+            Err(e) => (
+                Wake {
+                    fd: None,
+                    pending: AtomicBool::new(false),
+                },
+                Some(e),
+            ),
+        };
+        let shared = Arc::new(SenderShared {
+            stop: AtomicBool::new(false),
+            dead: AtomicBool::new(false),
+            link: Mutex::new(Link {
+                state: LinkState::Connecting,
+                acked: HashMap::new(),
+                unreported: BTreeMap::new(),
+                shipped: HashMap::new(),
+                expecting: 0,
+                answered: 0,
+                waiting_since: None,
+                last_cp: None,
+            }),
+            wake,
+            c: SenderCounters::default(),
+            conn: Mutex::new(None),
+        });
+        let (tx, rx) = mpsc::sync_channel(opts.max_queued.max(1));
+        if let Some(e) = wake_err {
+            shared.set_dead(format!("no eventfd for the wake-up fd: {e}"));
+            return ReplSender {
+                tx: None,
+                shared,
+                thread: None,
+            };
+        }
+        let sh = shared.clone();
+        let path = path.to_path_buf();
+        let primary = primary.to_string();
+        let thread = std::thread::Builder::new()
+            .name("ha-repl-send".into())
+            .spawn(move || run_link(&path, &secret, &primary, token, &opts, rx, &sh));
+        let thread = match thread {
+            Ok(t) => Some(t),
+            Err(e) => {
+                shared.set_dead(format!("cannot start the sender thread: {e}"));
+                None
+            }
+        };
+        ReplSender {
+            tx: Some(tx),
+            shared,
+            thread,
+        }
+    }
+
+    /// Non-blocking; `Err(Full)` when the bounded queue is full (counted), `Err(Dead)` once the
+    /// link is dead.
+    pub fn send(&self, cp: Checkpoint) -> Result<(), SendError> {
+        if self.shared.dead.load(Ordering::SeqCst) {
+            return Err(SendError::Dead);
+        }
+        let Some(tx) = &self.tx else {
+            return Err(SendError::Dead);
+        };
+        match tx.try_send(cp) {
+            Ok(()) => Ok(()),
+            Err(TrySendError::Full(_)) => {
+                self.shared.c.queue_full.fetch_add(1, Ordering::Relaxed);
+                Err(SendError::Full)
+            }
+            Err(TrySendError::Disconnected(_)) => Err(SendError::Dead),
+        }
+    }
+
+    /// Non-blocking: appends the acks received since the last call (the newest, cumulative, per
+    /// group that advanced) and returns the link state.
+    pub fn poll(&self, acks: &mut Vec<Ack>) -> LinkState {
+        let mut l = lock(&self.shared.link);
+        acks.extend(l.unreported.iter().map(|(&group, &seq)| Ack { group, seq }));
+        l.unreported.clear();
+        l.state.clone()
+    }
+
+    /// Readable when acks or a state change are waiting. Call [`ReplSender::drain_wake`], then
+    /// [`ReplSender::poll`] (in that order, so nothing arriving in between is missed).
+    pub fn wake_fd(&self) -> RawFd {
+        self.shared.wake.raw()
+    }
+
+    pub fn drain_wake(&self) {
+        self.shared.wake.drain();
+    }
+
+    pub fn stats(&self) -> SenderStats {
+        let c = &self.shared.c;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let attempts = l(&c.connect_attempts);
+        SenderStats {
+            bytes_sent: l(&c.bytes_sent),
+            frames_sent: l(&c.frames_sent),
+            checkpoints: l(&c.checkpoints),
+            heartbeats: l(&c.heartbeats),
+            acks: l(&c.acks),
+            connect_attempts: attempts,
+            reconnects: attempts.saturating_sub(1),
+            queue_full: l(&c.queue_full),
+            rtt_us_last: l(&c.rtt_us_last),
+            rtt_us_max: l(&c.rtt_us_max),
+        }
+    }
+}
+
+impl Drop for ReplSender {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        drop(self.tx.take()); // wakes the sender thread (Disconnected)
+        if let Some(s) = lock(&self.shared.conn).as_ref() {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+enum Setup {
+    Retry(String),
+    Fatal(String),
+}
+
+/// Connects, checks the peer, authenticates, says Hello and reads Welcome, within `deadline`.
+fn connect_and_greet(
+    path: &Path,
+    secret: &Secret,
+    primary: &str,
+    token: u64,
+    deadline: Instant,
+    sh: &SenderShared,
+) -> Result<(UnixStream, Vec<(GroupId, u64)>), Setup> {
+    let mut s = UnixStream::connect(path)
+        .map_err(|e| Setup::Retry(format!("connect {}: {e}", path.display())))?;
+    // Registered at once, so a Drop during the handshake can shut it down instead of waiting
+    // for the handshake timeout.
+    let registered = s
+        .try_clone()
+        .map_err(|e| Setup::Fatal(format!("socket clone: {e}")))?;
+    *lock(&sh.conn) = Some(registered);
+    if sh.stop.load(Ordering::SeqCst) {
+        return Err(Setup::Fatal("stopped".into()));
+    }
+    match peer_uid(&s) {
+        Ok(uid) if uid == euid() => {}
+        Ok(uid) => return Err(Setup::Fatal(format!("backup socket is owned by uid {uid}"))),
+        Err(e) => return Err(Setup::Fatal(format!("no peer credentials: {e}"))),
+    }
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1));
+    s.set_read_timeout(Some(left))
+        .and_then(|()| s.set_write_timeout(Some(left)))
+        .map_err(|e| Setup::Fatal(format!("socket options: {e}")))?;
+    client_handshake(&mut s, secret).map_err(|e| match e {
+        AuthError::BadMac | AuthError::Closed => Setup::Fatal(format!(
+            "authentication with the backup failed: {e} (or the backup is over its \
+             connection bound)"
+        )),
+        e => Setup::Fatal(format!("handshake: {e}")),
+    })?;
+    let hello = wire::encode_frame(&ReplMsg::Hello {
+        primary: primary.to_string(),
+        token,
+    })
+    .map_err(|e| Setup::Fatal(e.to_string()))?;
+    send_all(&s, &hello).map_err(|e| Setup::Fatal(format!("sending hello: {e}")))?;
+    match wire::read_frame(&mut s) {
+        Ok(ReplMsg::Welcome { held }) => Ok((s, held)),
+        Ok(ReplMsg::Refused { reason }) => Err(Setup::Fatal(format!("backup refused: {reason}"))),
+        Ok(m) => Err(Setup::Fatal(format!("backup answered hello with {m:?}"))),
+        Err(e) => Err(Setup::Fatal(format!("waiting for welcome: {e}"))),
+    }
+}
+
+fn run_link(
+    path: &Path,
+    secret: &Secret,
+    primary: &str,
+    token: u64,
+    opts: &SenderOptions,
+    rx: Receiver<Checkpoint>,
+    sh: &Arc<SenderShared>,
+) {
+    let start = Instant::now();
+    let deadline = start + opts.dead_after;
+    let (stream, welcome) = loop {
+        if sh.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        sh.c.connect_attempts.fetch_add(1, Ordering::Relaxed);
+        match connect_and_greet(path, secret, primary, token, deadline, sh) {
+            Ok(ok) => break ok,
+            Err(Setup::Retry(e)) if Instant::now() + opts.retry < deadline => {
+                tracing::debug!(error = %e, "replication connect: retrying");
+                std::thread::sleep(opts.retry);
+            }
+            Err(Setup::Retry(e)) => {
+                sh.set_dead(format!("no connection within {:?}: {e}", opts.dead_after));
+                return;
+            }
+            Err(Setup::Fatal(e)) => {
+                sh.set_dead(e);
+                return;
+            }
+        }
+    };
+    // Writes may block only while the backup's receive buffer is full; past `dead_after` that
+    // is a dead backup.
+    let prepared = stream
+        .set_write_timeout(Some(opts.dead_after))
+        .and_then(|()| stream.set_read_timeout(None))
+        .and_then(|()| stream.try_clone());
+    let rd = match prepared {
+        Ok(p) => p,
+        Err(e) => {
+            sh.set_dead(format!("socket setup: {e}"));
+            return;
+        }
+    };
+    let sh_rd = sh.clone();
+    let reader = std::thread::Builder::new()
+        .name("ha-repl-acks".into())
+        .spawn(move || read_answers(rd, &sh_rd));
+    let reader = match reader {
+        Ok(r) => r,
+        Err(e) => {
+            sh.set_dead(format!("cannot start the ack reader: {e}"));
+            return;
+        }
+    };
+    sh.set_state(LinkState::Up { welcome });
+    ship_loop(&stream, opts, &rx, sh, start);
+    let _ = stream.shutdown(std::net::Shutdown::Both);
+    let _ = reader.join();
+}
+
+fn ship_loop(
+    stream: &UnixStream,
+    opts: &SenderOptions,
+    rx: &Receiver<Checkpoint>,
+    sh: &SenderShared,
+    start: Instant,
+) {
+    let mut last_tx = Instant::now();
+    loop {
+        if sh.stop.load(Ordering::SeqCst) || sh.dead.load(Ordering::SeqCst) {
+            return;
+        }
+        let now = Instant::now();
+        let waiting_since = lock(&sh.link).waiting_since;
+        let mut wait = opts.heartbeat.saturating_sub(now.duration_since(last_tx));
+        if let Some(t) = waiting_since {
+            let silent = now.duration_since(t);
+            if silent >= opts.dead_after {
+                sh.set_dead(format!("no answer from the backup for {silent:?}"));
+                return;
+            }
+            wait = wait.min(opts.dead_after - silent);
+        }
+        let (msg, cp_id) = match rx.recv_timeout(wait) {
+            Ok(cp) => {
+                let id = (cp.group, cp.seq);
+                (ReplMsg::Checkpoint(cp), Some(id))
+            }
+            Err(RecvTimeoutError::Timeout) => {
+                if last_tx.elapsed() < opts.heartbeat {
+                    continue;
+                }
+                let at_us = start.elapsed().as_micros() as u64;
+                (ReplMsg::Heartbeat { at_us }, None)
+            }
+            Err(RecvTimeoutError::Disconnected) => return,
+        };
+        let frame = match wire::encode_frame(&msg) {
+            Ok(f) => f,
+            Err(e) => {
+                // A checkpoint over MAX_FRAME cannot be shipped; the groups must go unprotected
+                // rather than wait forever for its ack.
+                sh.set_dead(format!("cannot ship {cp_id:?}: {e}"));
+                return;
+            }
+        };
+        {
+            // Recorded before the write: the ack may arrive before send(2) returns.
+            let now = Instant::now();
+            let mut l = lock(&sh.link);
+            l.expecting += 1;
+            l.waiting_since.get_or_insert(now);
+            if let Some((g, seq)) = cp_id {
+                let s = l.shipped.entry(g).or_insert(seq);
+                *s = (*s).max(seq);
+                l.last_cp = Some((g, seq, now));
+            }
+        }
+        if let Err(e) = send_all(stream, &frame) {
+            sh.set_dead(format!("writing to the backup: {e}"));
+            return;
+        }
+        last_tx = Instant::now();
+        sh.c.frames_sent.fetch_add(1, Ordering::Relaxed);
+        sh.c.bytes_sent
+            .fetch_add(frame.len() as u64, Ordering::Relaxed);
+        if cp_id.is_some() {
+            sh.c.checkpoints.fetch_add(1, Ordering::Relaxed);
+        } else {
+            sh.c.heartbeats.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+fn read_answers(rd: UnixStream, sh: &SenderShared) {
+    let mut rd = BufReader::with_capacity(4096, rd);
+    loop {
+        let reason = match wire::read_frame(&mut rd) {
+            Ok(ReplMsg::Ack(a)) => {
+                sh.on_answer(a);
+                if sh.dead.load(Ordering::SeqCst) {
+                    return;
+                }
+                continue;
+            }
+            Ok(ReplMsg::Refused { reason }) => format!("backup refused: {reason}"),
+            Ok(m) => format!("unexpected message from the backup: {m:?}"),
+            Err(WireError::Io(e)) if e.kind() == io::ErrorKind::UnexpectedEof => {
+                "backup closed the connection".to_string()
+            }
+            Err(e) => format!("reading from the backup: {e}"),
+        };
+        if !sh.stop.load(Ordering::SeqCst) {
+            sh.set_dead(reason);
+        }
+        return;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Helpers
+
+/// One `send(2)` per call in the common case; `MSG_NOSIGNAL` so a closed peer is an error, not
+/// SIGPIPE (the process may not ignore it). Honors SO_SNDTIMEO (then `WouldBlock`).
+fn send_all(s: &UnixStream, mut buf: &[u8]) -> io::Result<()> {
+    while !buf.is_empty() {
+        // SAFETY: pointer and length describe `buf`, a valid readable slice.
+        let n = unsafe {
+            libc::send(
+                s.as_raw_fd(),
+                buf.as_ptr().cast(),
+                buf.len(),
+                libc::MSG_NOSIGNAL,
+            )
+        };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        buf = &buf[n as usize..];
+    }
+    Ok(())
+}
+
+fn peer_uid(s: &UnixStream) -> io::Result<u32> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are valid for writes and `len` holds the buffer size.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(cred.uid)
+}
+
+fn euid() -> u32 {
+    // SAFETY: no preconditions, cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// Locks a mutex, also after another thread panicked while holding it (the data are counters
+/// and maps that stay consistent between statements).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::auth::tests::TempDir;
+    use crate::auth::{MAC_LEN, NONCE_LEN};
+    use crate::wire::{FlowUpdate, UpdateBody};
+    use pliant_state::FlowKey;
+    use std::io::Write;
+
+    /// Every wait in these tests is bounded by this, far above what any step needs, so a slow
+    /// machine cannot fail them while a hang still fails instead of blocking the suite.
+    const PATIENCE: Duration = Duration::from_secs(20);
+
+    fn secret(b: u8) -> Secret {
+        Secret::from_bytes(&[b; 32]).unwrap()
+    }
+
+    fn opts(dead_after_ms: u64) -> SenderOptions {
+        SenderOptions {
+            retry: Duration::from_millis(5),
+            dead_after: Duration::from_millis(dead_after_ms),
+            heartbeat: Duration::from_millis(10),
+            max_queued: 1024,
+        }
+    }
+
+    fn server(d: &TempDir) -> (ReplServer, Arc<Mutex<StandbyStore>>, PathBuf) {
+        let path = d.0.join("b.repl.sock");
+        let store = Arc::new(Mutex::new(StandbyStore::new(10_000)));
+        let s = ReplServer::start(&path, secret(1), store.clone()).unwrap();
+        (s, store, path)
+    }
+
+    fn key(i: u16) -> FlowKey {
+        FlowKey::v4(6, [10, 0, 0, 1].into(), i, [10, 0, 0, 2].into(), 80).0
+    }
+
+    fn cp(group: GroupId, seq: u64, full: bool, n: u16) -> Checkpoint {
+        Checkpoint {
+            group,
+            seq,
+            full,
+            flows: (0..n)
+                .map(|i| FlowUpdate {
+                    key: key(i),
+                    version: seq,
+                    body: UpdateBody::Full(vec![seq as u8; 40]),
+                })
+                .collect(),
+            shared: None,
+        }
+    }
+
+    /// Waits on the wake fd (as the packet thread would) until `done` holds for the state and
+    /// the acks seen so far, or PATIENCE passes.
+    fn wait_for(
+        s: &ReplSender,
+        acks: &mut Vec<Ack>,
+        mut done: impl FnMut(&LinkState, &[Ack]) -> bool,
+    ) -> LinkState {
+        let end = Instant::now() + PATIENCE;
+        loop {
+            s.drain_wake();
+            let st = s.poll(acks);
+            if done(&st, acks) || Instant::now() > end {
+                return st;
+            }
+            let mut p = libc::pollfd {
+                fd: s.wake_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd.
+            unsafe { libc::poll(&mut p, 1, 20) };
+        }
+    }
+
+    fn wait_up(s: &ReplSender) -> Vec<(GroupId, u64)> {
+        match wait_for(s, &mut Vec::new(), |st, _| {
+            !matches!(st, LinkState::Connecting)
+        }) {
+            LinkState::Up { welcome } => welcome,
+            st => panic!("link not up: {st:?}"),
+        }
+    }
+
+    fn wait_dead(s: &ReplSender) -> String {
+        match wait_for(s, &mut Vec::new(), |st, _| {
+            matches!(st, LinkState::Dead { .. })
+        }) {
+            LinkState::Dead { reason } => reason,
+            st => panic!("link not dead: {st:?}"),
+        }
+    }
+
+    fn acked(acks: &[Ack], g: GroupId) -> u64 {
+        acks.iter()
+            .filter(|a| a.group == g)
+            .map(|a| a.seq)
+            .max()
+            .unwrap_or(0)
+    }
+
+    fn until_server<F: Fn(&ServerStats) -> bool>(srv: &ReplServer, f: F) -> ServerStats {
+        let end = Instant::now() + PATIENCE;
+        loop {
+            let st = srv.stats();
+            if f(&st) || Instant::now() > end {
+                return st;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// The runtime keeps senders in its engine and servers in its replica: both must move
+    /// between threads.
+    #[test]
+    fn handles_are_send_and_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<ReplSender>();
+        check::<ReplServer>();
+        check::<Arc<Mutex<StandbyStore>>>();
+    }
+
+    #[test]
+    fn checkpoints_are_applied_and_acked_in_order() {
+        let d = TempDir::new();
+        let (srv, store, path) = server(&d);
+        let mode = std::fs::metadata(&path).unwrap().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        let s = ReplSender::start(&path, secret(1), "r1", 1, opts(5_000));
+        assert_eq!(wait_up(&s), vec![]);
+        s.send(cp(1, 1, true, 3)).unwrap();
+        s.send(cp(2, 1, true, 1)).unwrap();
+        for seq in 2..=50 {
+            s.send(cp(1, seq, false, 2)).unwrap();
+        }
+        let mut acks = Vec::new();
+        let st = wait_for(&s, &mut acks, |_, a| acked(a, 1) == 50 && acked(a, 2) == 1);
+        assert!(matches!(st, LinkState::Up { .. }), "{st:?}");
+        assert_eq!(acked(&acks, 1), 50);
+        // Cumulative and in order: the acks of one group never go backwards.
+        let g1: Vec<u64> = acks
+            .iter()
+            .filter(|a| a.group == 1)
+            .map(|a| a.seq)
+            .collect();
+        assert!(g1.windows(2).all(|w| w[0] < w[1]), "{g1:?}");
+        assert_eq!(lock(&store).held("r1"), vec![(1, 50), (2, 1)]);
+        assert_eq!(lock(&store).stats().flows, 4);
+        let ss = s.stats();
+        assert_eq!(ss.checkpoints, 51);
+        assert!(ss.bytes_sent > 51 * 40);
+        let vs = srv.stats();
+        assert_eq!(vs.checkpoints, 51);
+        assert_eq!(vs.auth_failures + vs.decode_errors + vs.refused, 0);
+        // Nothing more to report once drained.
+        let mut more = Vec::new();
+        s.poll(&mut more);
+        assert!(more.is_empty(), "{more:?}");
+    }
+
+    #[test]
+    fn wrong_secret_is_refused_and_counted() {
+        let d = TempDir::new();
+        let (srv, store, path) = server(&d);
+        let s = ReplSender::start(&path, secret(2), "r1", 1, opts(5_000));
+        let reason = wait_dead(&s);
+        assert!(reason.contains("authentication"), "{reason}");
+        assert_eq!(s.send(cp(1, 1, true, 1)), Err(SendError::Dead));
+        let st = until_server(&srv, |st| st.auth_failures == 1);
+        assert_eq!(st.auth_failures, 1);
+        assert_eq!(st.checkpoints, 0);
+        assert!(lock(&store).held("r1").is_empty());
+    }
+
+    #[test]
+    fn a_dropped_backup_is_reported_dead() {
+        let d = TempDir::new();
+        let (srv, _store, path) = server(&d);
+        let s = ReplSender::start(&path, secret(1), "r1", 1, opts(200));
+        wait_up(&s);
+        s.send(cp(1, 1, true, 1)).unwrap();
+        let mut acks = Vec::new();
+        wait_for(&s, &mut acks, |_, a| acked(a, 1) == 1);
+        assert_eq!(acked(&acks, 1), 1);
+        let t = Instant::now();
+        drop(srv);
+        assert!(!path.exists(), "the server unlinks its socket");
+        let reason = wait_dead(&s);
+        assert!(
+            t.elapsed() < Duration::from_millis(200) + PATIENCE / 2,
+            "{reason}"
+        );
+        assert_eq!(s.send(cp(1, 2, false, 1)), Err(SendError::Dead));
+    }
+
+    /// A backup that authenticates and greets, then never answers (hung, not closed): the
+    /// sender's answer timer, not EOF, finds it dead.
+    #[test]
+    fn a_silent_backup_is_reported_dead() {
+        let d = TempDir::new();
+        let path = d.0.join("silent.sock");
+        let l = UnixListener::bind(&path).unwrap();
+        let t = std::thread::spawn(move || {
+            let (mut c, _) = l.accept().unwrap();
+            server_handshake(&mut c, &secret(1)).unwrap();
+            let hello = wire::read_frame(&mut c).unwrap();
+            assert!(matches!(hello, ReplMsg::Hello { .. }));
+            let w = wire::encode_frame(&ReplMsg::Welcome { held: vec![] }).unwrap();
+            c.write_all(&w).unwrap();
+            // Hold the connection open, read nothing, until the sender gives up.
+            let mut sink = Vec::new();
+            let _ = c.read_to_end(&mut sink);
+        });
+        let s = ReplSender::start(&path, secret(1), "r1", 1, opts(100));
+        wait_up(&s);
+        let reason = wait_dead(&s);
+        assert!(reason.contains("no answer"), "{reason}");
+        drop(s);
+        t.join().unwrap();
+    }
+
+    #[test]
+    fn no_backup_at_all_is_dead_after_retries() {
+        let d = TempDir::new();
+        let s = ReplSender::start(&d.0.join("nobody.sock"), secret(1), "r1", 1, opts(50));
+        let reason = wait_dead(&s);
+        assert!(reason.contains("no connection"), "{reason}");
+        assert!(s.stats().connect_attempts >= 2, "{:?}", s.stats());
+    }
+
+    fn raw_client(path: &Path, sec: &Secret) -> UnixStream {
+        let mut c = UnixStream::connect(path).unwrap();
+        c.set_read_timeout(Some(PATIENCE)).unwrap();
+        client_handshake(&mut c, sec).unwrap();
+        c
+    }
+
+    /// True once the server closed `c` (EOF), false if it stayed open for PATIENCE.
+    fn closed_by_server(c: &mut UnixStream) -> bool {
+        let mut b = [0u8; 64];
+        loop {
+            match c.read(&mut b) {
+                Ok(0) => return true,
+                Ok(_) => continue,
+                Err(e) => return e.kind() == io::ErrorKind::ConnectionReset,
+            }
+        }
+    }
+
+    #[test]
+    fn malformed_frames_are_counted_and_do_not_crash_the_server() {
+        let d = TempDir::new();
+        let (srv, store, path) = server(&d);
+        // Garbage instead of a handshake answer.
+        let mut c = UnixStream::connect(&path).unwrap();
+        c.set_read_timeout(Some(PATIENCE)).unwrap();
+        let mut nonce = [0u8; NONCE_LEN];
+        c.read_exact(&mut nonce).unwrap();
+        c.write_all(&[0xa5; MAC_LEN + NONCE_LEN]).unwrap();
+        assert!(closed_by_server(&mut c));
+        // Authenticated, then an undecodable body.
+        let mut c = raw_client(&path, &secret(1));
+        c.write_all(&[3, 0, 0, 0, 0xff, 0xff, 0xff]).unwrap();
+        assert!(closed_by_server(&mut c));
+        // A length over MAX_FRAME.
+        let mut c = raw_client(&path, &secret(1));
+        c.write_all(&u32::MAX.to_le_bytes()).unwrap();
+        assert!(closed_by_server(&mut c));
+        // Garbage after a good Hello.
+        let mut c = raw_client(&path, &secret(1));
+        let hello = ReplMsg::Hello {
+            primary: "rx".into(),
+            token: 1,
+        };
+        c.write_all(&wire::encode_frame(&hello).unwrap()).unwrap();
+        assert!(matches!(
+            wire::read_frame(&mut c).unwrap(),
+            ReplMsg::Welcome { .. }
+        ));
+        c.write_all(&[2, 0, 0, 0, 0x09, 0x09]).unwrap();
+        assert!(closed_by_server(&mut c));
+        // A checkpoint before Hello; a backup-side message from a primary.
+        let mut c = raw_client(&path, &secret(1));
+        c.write_all(&wire::encode_frame(&ReplMsg::Checkpoint(cp(1, 1, true, 1))).unwrap())
+            .unwrap();
+        assert!(closed_by_server(&mut c));
+        let mut c = raw_client(&path, &secret(1));
+        c.write_all(&wire::encode_frame(&hello).unwrap()).unwrap();
+        assert!(matches!(
+            wire::read_frame(&mut c).unwrap(),
+            ReplMsg::Welcome { .. }
+        ));
+        let ack = ReplMsg::Ack(Ack { group: 1, seq: 9 });
+        c.write_all(&wire::encode_frame(&ack).unwrap()).unwrap();
+        assert!(closed_by_server(&mut c));
+        // Connect and leave.
+        drop(UnixStream::connect(&path).unwrap());
+
+        let st = until_server(&srv, |st| st.handshake_aborted >= 1 && st.active == 0);
+        assert_eq!(st.auth_failures, 1, "{st:?}");
+        assert_eq!(st.decode_errors, 3, "{st:?}");
+        assert_eq!(st.protocol_errors, 2, "{st:?}");
+        assert_eq!(st.handshake_aborted, 1, "{st:?}");
+        assert_eq!(st.checkpoints, 0);
+        assert!(lock(&store).held("r1").is_empty());
+        // The server still serves a real sender.
+        let s = ReplSender::start(&path, secret(1), "r1", 1, opts(5_000));
+        wait_up(&s);
+        s.send(cp(1, 1, true, 1)).unwrap();
+        let mut acks = Vec::new();
+        wait_for(&s, &mut acks, |_, a| acked(a, 1) == 1);
+        assert_eq!(acked(&acks, 1), 1);
+    }
+
+    #[test]
+    fn heartbeats_are_answered_with_the_latest_ack() {
+        let d = TempDir::new();
+        let (_srv, _store, path) = server(&d);
+        let mut c = raw_client(&path, &secret(1));
+        let mut say = |m: ReplMsg| {
+            c.write_all(&wire::encode_frame(&m).unwrap()).unwrap();
+            wire::read_frame(&mut c).unwrap()
+        };
+        let hello = ReplMsg::Hello {
+            primary: "r1".into(),
+            token: 1,
+        };
+        assert_eq!(say(hello), ReplMsg::Welcome { held: vec![] });
+        let hb = ReplMsg::Heartbeat { at_us: 1 };
+        assert_eq!(say(hb.clone()), ReplMsg::Ack(Ack { group: 0, seq: 0 }));
+        let a = say(ReplMsg::Checkpoint(cp(3, 1, true, 1)));
+        assert_eq!(a, ReplMsg::Ack(Ack { group: 3, seq: 1 }));
+        let a = say(ReplMsg::Checkpoint(cp(3, 2, false, 1)));
+        assert_eq!(a, ReplMsg::Ack(Ack { group: 3, seq: 2 }));
+        assert_eq!(say(hb), ReplMsg::Ack(Ack { group: 3, seq: 2 }));
+    }
+
+    #[test]
+    fn a_reconnecting_sender_gets_welcome_with_held_seqs() {
+        let d = TempDir::new();
+        let (_srv, _store, path) = server(&d);
+        let s = ReplSender::start(&path, secret(1), "r1", 1, opts(5_000));
+        wait_up(&s);
+        for seq in 1..=3 {
+            s.send(cp(1, seq, seq == 1, 2)).unwrap();
+        }
+        s.send(cp(7, 1, true, 1)).unwrap();
+        let mut acks = Vec::new();
+        wait_for(&s, &mut acks, |_, a| acked(a, 1) == 3 && acked(a, 7) == 1);
+        drop(s);
+        let s = ReplSender::start(&path, secret(1), "r1", 1, opts(5_000));
+        assert_eq!(wait_up(&s), vec![(1, 3), (7, 1)]);
+        // It continues with deltas-by-seq where the backup is.
+        s.send(cp(1, 4, false, 1)).unwrap();
+        let mut acks = Vec::new();
+        wait_for(&s, &mut acks, |_, a| acked(a, 1) == 4);
+        assert_eq!(acked(&acks, 1), 4);
+        // Another primary name starts from nothing.
+        let o = ReplSender::start(&path, secret(1), "r2", 1, opts(5_000));
+        assert_eq!(wait_up(&o), vec![]);
+    }
+
+    #[test]
+    fn fenced_and_refused_checkpoints_kill_the_link() {
+        let d = TempDir::new();
+        let (srv, store, path) = server(&d);
+        let s = ReplSender::start(&path, secret(1), "r1", 1, opts(5_000));
+        wait_up(&s);
+        s.send(cp(1, 1, true, 1)).unwrap();
+        let mut acks = Vec::new();
+        wait_for(&s, &mut acks, |_, a| acked(a, 1) == 1);
+        // A gap in the sequence is refused by the store: Refused, then Dead.
+        s.send(cp(1, 5, false, 1)).unwrap();
+        let reason = wait_dead(&s);
+        assert!(reason.contains("refused"), "{reason}");
+        // After activation under token 2, the old primary (token 1) is refused at Hello.
+        let a = lock(&store).activate("r1", 2).unwrap();
+        assert_eq!(a.records.len(), 1);
+        let old = ReplSender::start(&path, secret(1), "r1", 1, opts(5_000));
+        let reason = wait_dead(&old);
+        assert!(reason.contains("fenced"), "{reason}");
+        let st = until_server(&srv, |st| st.refused == 2);
+        assert_eq!(st.refused, 2);
+        let new = ReplSender::start(&path, secret(1), "r1", 2, opts(5_000));
+        wait_up(&new);
+    }
+
+    #[test]
+    fn a_full_queue_is_refused_and_counted() {
+        let d = TempDir::new();
+        // Nobody listens: the sender thread keeps retrying and drains nothing.
+        let mut o = opts(60_000);
+        o.max_queued = 2;
+        let s = ReplSender::start(&d.0.join("later.sock"), secret(1), "r1", 1, o);
+        s.send(cp(1, 1, true, 1)).unwrap();
+        s.send(cp(1, 2, false, 1)).unwrap();
+        assert_eq!(s.send(cp(1, 3, false, 1)), Err(SendError::Full));
+        assert_eq!(s.stats().queue_full, 1);
+        assert!(matches!(s.poll(&mut Vec::new()), LinkState::Connecting));
+        // When the backup appears, the queued checkpoints go out.
+        let path = d.0.join("later.sock");
+        let store = Arc::new(Mutex::new(StandbyStore::new(100)));
+        let _srv = ReplServer::start(&path, secret(1), store.clone()).unwrap();
+        let mut acks = Vec::new();
+        wait_for(&s, &mut acks, |_, a| acked(a, 1) == 2);
+        assert_eq!(acked(&acks, 1), 2);
+    }
+
+    #[test]
+    fn an_idle_link_heartbeats_and_stays_up() {
+        let d = TempDir::new();
+        let (srv, _store, path) = server(&d);
+        let s = ReplSender::start(&path, secret(1), "r1", 1, opts(10_000));
+        wait_up(&s);
+        let end = Instant::now() + PATIENCE;
+        // Counters move after send(2) returns, possibly after the answer came back: wait for
+        // both.
+        while (s.stats().acks < 5 || s.stats().heartbeats < 5) && Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let st = s.stats();
+        assert!(st.heartbeats >= 5 && st.acks >= 5, "{st:?}");
+        assert!(matches!(s.poll(&mut Vec::new()), LinkState::Up { .. }));
+        // Heartbeat answers before any checkpoint are not reported as acks.
+        let mut acks = Vec::new();
+        s.poll(&mut acks);
+        assert!(acks.is_empty(), "{acks:?}");
+        assert!(srv.stats().frames >= 5);
+    }
+
+    #[test]
+    fn a_live_socket_is_not_stolen_and_a_stale_one_is_replaced() {
+        let d = TempDir::new();
+        let (_srv, _store, path) = server(&d);
+        let store = Arc::new(Mutex::new(StandbyStore::new(1)));
+        assert!(matches!(
+            ReplServer::start(&path, secret(1), store.clone()),
+            Err(TransportError::InUse { .. })
+        ));
+        let stale = d.0.join("stale.sock");
+        drop(UnixListener::bind(&stale).unwrap());
+        assert!(stale.exists());
+        let s = ReplServer::start(&stale, secret(1), store.clone()).unwrap();
+        assert_eq!(s.path(), stale);
+        let file = d.0.join("file");
+        std::fs::write(&file, b"x").unwrap();
+        assert!(matches!(
+            ReplServer::start(&file, secret(1), store),
+            Err(TransportError::NotASocket { .. })
+        ));
+    }
+}

@@ -17,16 +17,25 @@ pub enum ReplMsg {
     /// First frame from the primary after the authentication handshake (see [`crate::auth`]).
     /// `token` is the primary's ownership epoch (fencing, invariant 7): a backup that has
     /// activated a primary's flows under a newer token refuses an older one.
-    Hello { primary: String, token: u64 },
+    Hello {
+        primary: String,
+        token: u64,
+    },
     /// Backup's answer to `Hello`: what it already holds of this primary, per group (highest
     /// applied checkpoint seq), so a reconnecting primary knows whether deltas still apply.
-    Welcome { held: Vec<(GroupId, u64)> },
+    Welcome {
+        held: Vec<(GroupId, u64)>,
+    },
     Checkpoint(Checkpoint),
     /// Sent on an idle channel so both ends detect a dead peer within a few intervals.
-    Heartbeat { at_us: u64 },
+    Heartbeat {
+        at_us: u64,
+    },
     Ack(Ack),
     /// The backup will not take checkpoints from this primary (stale token, over a bound...).
-    Refused { reason: String },
+    Refused {
+        reason: String,
+    },
 }
 
 /// One epoch of one group: every flow of the group modified since the previous checkpoint.
@@ -132,8 +141,14 @@ mod tests {
         assert_eq!(read_frame(&mut &f[..]).unwrap(), m);
         let mut big = (MAX_FRAME as u32 + 1).to_le_bytes().to_vec();
         big.extend_from_slice(&[0; 8]);
-        assert!(matches!(read_frame(&mut &big[..]), Err(WireError::TooLarge(_))));
+        assert!(matches!(
+            read_frame(&mut &big[..]),
+            Err(WireError::TooLarge(_))
+        ));
         let junk = [3u8, 0, 0, 0, 0xff, 0xff, 0xff];
-        assert!(matches!(read_frame(&mut &junk[..]), Err(WireError::Decode(_))));
+        assert!(matches!(
+            read_frame(&mut &junk[..]),
+            Err(WireError::Decode(_))
+        ));
     }
 }

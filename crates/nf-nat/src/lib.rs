@@ -643,6 +643,21 @@ impl NetworkFunction for Nat {
         }
     }
 
+    /// An imported mapping (migration or HA activation) keeps its external port: if the port
+    /// is in this replica's own pool it must not be handed to a new flow while the mapping
+    /// lives (ports of another replica's block are not ours to reserve; `set_port_blocks`
+    /// reserves them if that block is handed over later).
+    fn on_import(&mut self, ctx: &mut Ctx<Mapping>, key: FlowKey) {
+        let Some(m) = ctx.flows.peek(&key) else {
+            return;
+        };
+        let (p, port) = (m.proto, m.external_port);
+        let pool = self.pool(p);
+        if pool.owns(port) && pool.reserve(port) {
+            ctx.count("nat_imported_ports_reserved", 1);
+        }
+    }
+
     fn set_port_blocks(
         &mut self,
         ctx: &mut Ctx<Mapping>,

@@ -546,3 +546,29 @@ fn a_migrated_mapping_keeps_its_port_and_its_idle_budget() {
     assert_eq!(h2.counter("nat_mappings_expired"), 3);
     assert_eq!(h2.query()["pools"]["udp"]["in_use"], 0);
 }
+
+/// HA activation (and migration) on a replica sharing the port range: the imported mapping's
+/// external port counts as in use, so no new local flow gets it while the mapping lives.
+#[test]
+fn an_imported_mapping_reserves_its_port_in_a_shared_range() {
+    let mut cfg = Config::with_external_ip(EXT);
+    cfg.port_blocks = vec![(30000, 30001)];
+    let mut h1 = nat(cfg.clone());
+    h1.inject(Side::Inside, &udp_out(5353)).unwrap();
+    assert_eq!(check(&one_output(&mut h1).1).sport, 30000);
+    let k = FlowKey::v4(proto::UDP, CLIENT, 5353, SERVER, 53).0;
+    let rec = h1.ctx.flows.snapshot_flow(&k, h1.now()).expect("snapshot");
+    // The backup uses the same block (no port blocks per replica).
+    let mut h2 = nat(cfg);
+    let key = h2.ctx.flows.import_flow(&rec, h2.now()).expect("import");
+    h2.nf.on_import(&mut h2.ctx, key);
+    assert_eq!(h2.counter("nat_imported_ports_reserved"), 1);
+    h2.inject(Side::Inside, &udp_out(6000)).unwrap();
+    assert_eq!(
+        check(&one_output(&mut h2).1).sport,
+        30001,
+        "the activated mapping's port is not handed out again"
+    );
+    h2.inject(Side::Inside, &udp_out(6001)).unwrap();
+    assert_eq!(h2.drop_count("nat_port_exhausted"), 1);
+}

@@ -25,6 +25,14 @@
 //!
 //! # [migration]                # optional; default: control_socket with .sock -> .peer.sock
 //! # peer_socket = "/run/pliant/lab-x/r1.peer.sock"
+//!
+//! # [ha]                       # optional: Pico replication (backup listener + protect)
+//! # repl_socket = "/run/pliant/lab-x/r1.repl.sock"  # default: control_socket .sock -> .repl.sock
+//! # repl_secret = "/run/pliant/lab-x/repl.secret"   # required for the listener
+//!
+//! # [shared]                   # optional: shared state coherent across replicas (`pliant hub`)
+//! # hub = "/run/pliant/lab-x/hub.sock"
+//! # secret = "/run/pliant/lab-x/hub.secret"
 //! ```
 
 use serde::{Deserialize, Serialize};
@@ -68,6 +76,31 @@ pub struct NfSection {
 use serde::de::{DeserializeOwned, DeserializeSeed, IgnoredAny, MapAccess, Visitor};
 use std::fmt;
 use std::net::IpAddr;
+
+/// The optional `[ha]` section (kept in `nf_sections` like `[migration]`, so configs built as
+/// struct literals stay valid; see [`ReplicaConfig::ha`] / [`ReplicaConfig::set_ha`]).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct HaSection {
+    /// The replication listener's socket (default: beside the control socket,
+    /// `<name>.repl.sock`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repl_socket: Option<String>,
+    /// The shared replication secret (hex, mode 0600); without it there is no listener and
+    /// `protect` is refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repl_secret: Option<String>,
+}
+
+/// The optional `[shared]` section: the coherence hub's socket and the secret file it
+/// authenticates with (`pliant hub --socket .. --secret ..`). Without it the replica's shared
+/// state is local to the replica (and merged only through `shared_export`/`shared_merge`).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct SharedSection {
+    pub hub: String,
+    pub secret: String,
+}
 
 /// NF kinds the CLI knows how to build (`nf.kind`).
 /// `c` is a network function written in C against `pliant.h`: the C program opens the replica
@@ -309,8 +342,41 @@ impl ReplicaConfig {
                 ));
             }
         }
+        if let Some(h) = self.nf_sections.get("ha") {
+            let parsed: HaSection = h.clone().try_into().map_err(|e: toml::de::Error| {
+                (Some("[ha".into()), format!("[ha]: {}", e.message().trim()))
+            })?;
+            for (k, v) in [
+                ("repl_socket", &parsed.repl_socket),
+                ("repl_secret", &parsed.repl_secret),
+            ] {
+                if v.as_ref().is_some_and(|p| !p.starts_with('/')) {
+                    return Err((Some(k.into()), format!("[ha] {k} must be an absolute path")));
+                }
+            }
+        }
+        if let Some(s) = self.nf_sections.get("shared") {
+            let parsed: SharedSection = s.clone().try_into().map_err(|e: toml::de::Error| {
+                (
+                    Some("[shared".into()),
+                    format!("[shared]: {}", e.message().trim()),
+                )
+            })?;
+            for (k, v) in [("hub", &parsed.hub), ("secret", &parsed.secret)] {
+                if !v.starts_with('/') {
+                    return Err((
+                        Some(k.into()),
+                        format!("[shared] {k} must be an absolute path"),
+                    ));
+                }
+            }
+        }
         for name in self.nf_sections.keys() {
-            if !NF_KINDS.contains(&name.as_str()) && name != "migration" {
+            if !NF_KINDS.contains(&name.as_str())
+                && name != "migration"
+                && name != "ha"
+                && name != "shared"
+            {
                 return Err((
                     Some(format!("[{name}")),
                     format!("unknown section [{name}]"),
@@ -335,6 +401,57 @@ impl ReplicaConfig {
         match c.strip_suffix(".sock") {
             Some(stem) => format!("{stem}.peer.sock"),
             None => format!("{c}.peer"),
+        }
+    }
+
+    /// The `[ha]` section, if any (validated by `parse`; `None` if absent or malformed).
+    pub fn ha(&self) -> Option<HaSection> {
+        self.nf_sections
+            .get("ha")
+            .and_then(|h| h.clone().try_into().ok())
+    }
+
+    /// The `[shared]` section (coherence hub), if any.
+    pub fn shared(&self) -> Option<SharedSection> {
+        self.nf_sections
+            .get("shared")
+            .and_then(|s| s.clone().try_into().ok())
+    }
+
+    /// Sets (or with `None` removes) the `[shared]` section.
+    pub fn set_shared(&mut self, s: Option<&SharedSection>) {
+        match s.and_then(|s| toml::Value::try_from(s).ok()) {
+            Some(v) => {
+                self.nf_sections.insert("shared".into(), v);
+            }
+            None => {
+                self.nf_sections.remove("shared");
+            }
+        }
+    }
+
+    /// Sets (or with `None` removes) the `[ha]` section.
+    pub fn set_ha(&mut self, h: Option<&HaSection>) {
+        match h.and_then(|h| toml::Value::try_from(h).ok()) {
+            Some(v) => {
+                self.nf_sections.insert("ha".into(), v);
+            }
+            None => {
+                self.nf_sections.remove("ha");
+            }
+        }
+    }
+
+    /// The replication socket: `[ha] repl_socket`, or the control socket's path with `.sock`
+    /// replaced by `.repl.sock` (`+ .repl` otherwise).
+    pub fn repl_socket(&self) -> String {
+        if let Some(p) = self.ha().and_then(|h| h.repl_socket) {
+            return p;
+        }
+        let c = &self.replica.control_socket;
+        match c.strip_suffix(".sock") {
+            Some(stem) => format!("{stem}.repl.sock"),
+            None => format!("{c}.repl"),
         }
     }
 
@@ -458,6 +575,69 @@ port_min = 1000
         let bad = format!("{GOOD}\n[migration]\npeer_socket = \"rel.sock\"\n");
         assert!(ReplicaConfig::parse(&bad, "t.toml").is_err());
         let bad = format!("{GOOD}\n[migration]\nother = 1\n");
+        assert!(ReplicaConfig::parse(&bad, "t.toml").is_err());
+    }
+
+    #[test]
+    fn ha_section_parses_defaults_and_is_checked() {
+        let c = ReplicaConfig::parse(GOOD, "t.toml").expect("valid");
+        assert_eq!(c.ha(), None);
+        assert_eq!(c.repl_socket(), "/tmp/r1.repl.sock");
+        let with = format!("{GOOD}\n[ha]\nrepl_secret = \"/run/x/repl.secret\"\n");
+        let mut c = ReplicaConfig::parse(&with, "t.toml").expect("valid");
+        assert_eq!(
+            c.ha().unwrap().repl_secret.as_deref(),
+            Some("/run/x/repl.secret")
+        );
+        assert_eq!(c.repl_socket(), "/tmp/r1.repl.sock");
+        let h = HaSection {
+            repl_socket: Some("/run/x/r1.repl.sock".into()),
+            repl_secret: Some("/s".into()),
+        };
+        c.set_ha(Some(&h));
+        let again = ReplicaConfig::parse(&c.to_toml().unwrap(), "t2.toml").expect("round trip");
+        assert_eq!(again.ha(), Some(h));
+        assert_eq!(again.repl_socket(), "/run/x/r1.repl.sock");
+        let bad = format!("{GOOD}\n[ha]\nrepl_secret = \"rel\"\n");
+        assert!(ReplicaConfig::parse(&bad, "t.toml").is_err());
+        let bad = format!("{GOOD}\n[ha]\nbogus = 1\n");
+        assert!(ReplicaConfig::parse(&bad, "t.toml").is_err());
+    }
+
+    #[test]
+    fn shared_section_parses_round_trips_and_is_checked() {
+        let c = ReplicaConfig::parse(GOOD, "t.toml").expect("valid");
+        assert_eq!(c.shared(), None);
+        let with = format!(
+            "{GOOD}\n[shared]\nhub = \"/run/x/hub.sock\"\nsecret = \"/run/x/hub.secret\"\n"
+        );
+        let mut c = ReplicaConfig::parse(&with, "t.toml").expect("valid");
+        assert_eq!(
+            c.shared(),
+            Some(SharedSection {
+                hub: "/run/x/hub.sock".into(),
+                secret: "/run/x/hub.secret".into(),
+            })
+        );
+        let s = SharedSection {
+            hub: "/h".into(),
+            secret: "/s".into(),
+        };
+        c.set_shared(Some(&s));
+        let again = ReplicaConfig::parse(&c.to_toml().unwrap(), "t2.toml").expect("round trip");
+        assert_eq!(again.shared(), Some(s));
+        let bad = format!("{GOOD}\n[shared]\nhub = \"rel.sock\"\nsecret = \"/s\"\n");
+        let e = ReplicaConfig::parse(&bad, "t.toml").unwrap_err();
+        assert!(
+            e.reason.contains("[shared] hub must be an absolute path"),
+            "{e}"
+        );
+        let bad = format!("{GOOD}\n[shared]\nhub = \"/h\"\n");
+        assert!(
+            ReplicaConfig::parse(&bad, "t.toml").is_err(),
+            "secret is required"
+        );
+        let bad = format!("{GOOD}\n[shared]\nhub = \"/h\"\nsecret = \"/s\"\nbogus = 1\n");
         assert!(ReplicaConfig::parse(&bad, "t.toml").is_err());
     }
 

@@ -55,6 +55,28 @@ pub enum Cmd {
     SharedMerge {
         bytes: Vec<u8>,
     },
+    /// HA: replace the replication policy under fencing token `token`.
+    Protect {
+        token: u64,
+        policy: Box<pliant_ha::policy::Policy>,
+    },
+    /// HA: groups, held output, standby state held for others.
+    HaStatus,
+    /// HA (backup): make `primary`'s standby state live here.
+    Activate {
+        primary: String,
+        token: u64,
+    },
+    /// HA (backup): forget `primary`'s standby state.
+    DropStandby {
+        primary: String,
+    },
+}
+
+fn u64_field(v: &Value, name: &str) -> Result<u64, String> {
+    v.get(name)
+        .and_then(Value::as_u64)
+        .ok_or_else(|| format!("missing unsigned integer field {name:?}"))
 }
 
 fn str_field(v: &Value, name: &str) -> Result<String, String> {
@@ -126,6 +148,23 @@ impl Cmd {
                 Cmd::SetPortBlocks { blocks }
             }
             "shared_export" => Cmd::SharedExport,
+            "protect" => {
+                let p = v.get("policy").ok_or("missing object field \"policy\"")?;
+                let policy: pliant_ha::policy::Policy =
+                    serde_json::from_value(p.clone()).map_err(|e| format!("bad policy: {e}"))?;
+                Cmd::Protect {
+                    token: u64_field(&v, "token")?,
+                    policy: Box::new(policy),
+                }
+            }
+            "ha_status" => Cmd::HaStatus,
+            "activate" => Cmd::Activate {
+                primary: str_field(&v, "primary")?,
+                token: u64_field(&v, "token")?,
+            },
+            "drop_standby" => Cmd::DropStandby {
+                primary: str_field(&v, "primary")?,
+            },
             "shared_merge" => Cmd::SharedMerge {
                 bytes: from_hex(&str_field(&v, "bytes")?).ok_or("\"bytes\" is not hex")?,
             },
@@ -136,7 +175,8 @@ impl Cmd {
                 }
                 return Err(format!(
                     "unknown cmd {shown:?} (known: stats, metrics, query, flows, shutdown, migrate_in, \
-                     migrate_out, set_port_blocks, shared_export, shared_merge)"
+                     migrate_out, set_port_blocks, shared_export, shared_merge, protect, ha_status, \
+                     activate, drop_standby)"
                 ));
             }
         })
@@ -463,12 +503,35 @@ mod tests {
             })
         );
         assert!(Cmd::parse(r#"{"cmd":"shared_merge","bytes":"0g"}"#).is_err());
+        let p = Cmd::parse(
+            r#"{"cmd":"protect","token":3,"policy":{"kind":"single","backup":{"name":"r2","socket":"/s"},"hz":1000}}"#,
+        )
+        .unwrap();
+        assert!(matches!(p, Cmd::Protect { token: 3, .. }));
+        assert!(Cmd::parse(r#"{"cmd":"protect","token":3,"policy":{"kind":"nope"}}"#).is_err());
+        assert!(Cmd::parse(r#"{"cmd":"protect","policy":{"kind":"off"}}"#).is_err());
+        assert_eq!(Cmd::parse(r#"{"cmd":"ha_status"}"#), Ok(Cmd::HaStatus));
+        assert_eq!(
+            Cmd::parse(r#"{"cmd":"activate","primary":"r1","token":4}"#),
+            Ok(Cmd::Activate {
+                primary: "r1".into(),
+                token: 4
+            })
+        );
+        assert!(Cmd::parse(r#"{"cmd":"activate","primary":"r1","token":-1}"#).is_err());
+        assert_eq!(
+            Cmd::parse(r#"{"cmd":"drop_standby","primary":"r1"}"#),
+            Ok(Cmd::DropStandby {
+                primary: "r1".into()
+            })
+        );
         assert!(Cmd::parse("not json").unwrap_err().contains("malformed"));
         assert!(
             Cmd::parse(&format!(r#"{{"cmd":"{}"}}"#, "x".repeat(1000)))
                 .unwrap_err()
                 .len()
-                < 200
+                < 300,
+            "the echoed command name is cut short"
         );
     }
 

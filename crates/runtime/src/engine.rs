@@ -103,6 +103,9 @@ pub struct Engine<N: NetworkFunction, P: FramePort> {
     peer: Option<PeerLink>,
     /// Whether this round's receive emptied both RX rings (fewer than `batch` frames each).
     rings_drained: bool,
+    /// Pico replication / Remus mode, when a policy is set (`protect`).
+    pub(crate) ha: Option<Box<crate::ha::HaPrimary>>,
+    pub(crate) ha_side: ha::HaSide,
 }
 
 impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
@@ -140,6 +143,8 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             mig: Migration::default(),
             peer: None,
             rings_drained: false,
+            ha: None,
+            ha_side: ha::HaSide::default(),
         }
     }
 
@@ -207,12 +212,19 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
         if let Some(dl) = self.ctx.flows.next_deadline() {
             timeout = timeout.min(dl.saturating_duration_since(now));
         }
+        let mut ha_fds = Vec::new();
+        if self.ha.is_some() {
+            // The next epoch deadline, and acks / link state changes.
+            if let Some(dl) = self.ha_sleep_params(now, &mut ha_fds) {
+                timeout = timeout.min(dl.saturating_duration_since(now));
+            }
+        }
         let idle = libc::pollfd {
             fd: -1,
             events: 0,
             revents: 0,
         };
-        let mut fds = [idle; 4];
+        let mut fds = vec![idle; 4 + ha_fds.len()];
         let mut n = 0;
         for p in &self.ports {
             if let Some(fd) = p.poll_fd() {
@@ -242,9 +254,18 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             };
             n += 1;
         }
-        if !self.mig.out.is_empty() {
+        let ha_first = n;
+        for fd in &ha_fds {
+            fds[n] = libc::pollfd {
+                fd: *fd,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            n += 1;
+        }
+        if let Some(w) = self.mig.round_wait() {
             // An outgoing migration advances on quiet rounds: do not sleep through them.
-            timeout = timeout.min(Duration::from_millis(1));
+            timeout = timeout.min(w);
         }
         if n == 0 || timeout.is_zero() {
             return Ok(());
@@ -272,6 +293,12 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
                 p.drain_wake();
             }
         }
+        if fds[ha_first..n]
+            .iter()
+            .any(|f| f.revents & libc::POLLIN != 0)
+        {
+            self.ha_drain_wakes();
+        }
         Ok(())
     }
 
@@ -284,6 +311,11 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
         if self.peer.is_some() {
             self.poll_peer(now);
         }
+        // Acks first: output they release leaves before this round's, and this round's
+        // verdicts see them.
+        if self.ha.is_some() {
+            self.ha_poll(now);
+        }
         self.receive();
         let received = self.rx.len();
         let mut rx = std::mem::take(&mut self.rx);
@@ -294,6 +326,10 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
         self.fire_timers(now);
         self.route_output(now);
         self.serve_control(now);
+        if self.ha.is_some() {
+            // Between batches: the NF is not running while flows are copied.
+            self.ha_step(now);
+        }
         if now.saturating_duration_since(self.last_housekeeping) >= Duration::from_millis(100) {
             self.housekeeping(now);
         }
@@ -419,6 +455,9 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
                 None => return,
             }
         }
+        if let Some(ha) = self.ha.as_deref_mut() {
+            ha.touch(pkt.meta.key);
+        }
         self.nf.process(&mut self.ctx, pkt);
     }
 
@@ -509,6 +548,11 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
         self.timers.clear();
         self.ctx.flows.expired_timers(now, &mut self.timers);
         let timers = std::mem::take(&mut self.timers);
+        if let Some(ha) = self.ha.as_deref_mut() {
+            for (key, _) in &timers {
+                ha.touch(*key);
+            }
+        }
         for (key, id) in &timers {
             self.stats.timers_fired += 1;
             self.nf.on_timer(&mut self.ctx, *key, *id);
@@ -519,10 +563,14 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
     fn route_output(&mut self, now: Instant) {
         let mut out = std::mem::take(&mut self.out);
         self.ctx.drain_output(&mut out);
-        for o in out.drain(..) {
-            // Both kinds leave now. The seam for Pico replication: `OutputKind::Stateful`
-            // output will be held per replication group until its checkpoint is acknowledged.
-            self.route_one(o.pkt, now);
+        if self.ha.is_some() {
+            // Pico/Remus: the output rule decides what leaves now and what waits for a
+            // checkpoint's ack (crates/runtime/README.md, "Output commit").
+            self.route_output_ha(&mut out, now);
+        } else {
+            for o in out.drain(..) {
+                self.route_one(o.pkt, now);
+            }
         }
         self.out = out;
     }
@@ -741,6 +789,10 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
                     Err(e) => json!({"ok": false, "error": e.to_string()}),
                 }
             }
+            Cmd::Protect { token, policy } => self.protect(token, *policy, now),
+            Cmd::HaStatus => self.ha_status(),
+            Cmd::Activate { primary, token } => self.activate(&primary, token, now),
+            Cmd::DropStandby { primary } => self.drop_standby(&primary),
             Cmd::Shutdown => {
                 self.stop_requested = true;
                 json!({"ok": true, "shutting_down": true})
@@ -817,12 +869,16 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             uptime_s: now.saturating_duration_since(self.started).as_secs_f64(),
         });
         self.migration_metrics(&mut text);
+        self.ha_metrics(&mut text);
         text
     }
 }
 
+mod ha;
 pub(crate) mod io_loop;
 mod migration;
+
+pub use ha::HaBackend;
 
 pub fn fmt_mac(m: [u8; 6]) -> String {
     format!(
@@ -833,5 +889,7 @@ pub fn fmt_mac(m: [u8; 6]) -> String {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_ha;
 #[cfg(test)]
 mod tests_migrate;

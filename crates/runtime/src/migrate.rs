@@ -84,6 +84,10 @@ pub struct PauseInfo {
     pub pause_us_max: u64,
     /// Held packets released to the NF.
     pub released_packets: u64,
+    /// The longest any released packet waited in the hold (release minus the arrival of its
+    /// flow's first held packet): the pause as the traffic saw it. `pause_us_*` start earlier,
+    /// at `migrate_in`, before the fabric even switched.
+    pub held_us_max: u64,
 }
 
 /// A message on the replica-to-replica peer channel.
@@ -219,6 +223,8 @@ pub struct MigrateStats {
 /// One held key at a destination.
 pub(crate) struct Hold {
     pub since: Instant,
+    /// Arrival of the first packet held for this key (None: none arrived yet).
+    pub first_held: Option<Instant>,
 }
 
 /// One outgoing migration in progress at a source.
@@ -243,6 +249,10 @@ pub(crate) struct OutMig {
     pub kept: Vec<FlowKey>,
     /// Time the export happened (the source-side part of the pause).
     pub exported_at: Option<Instant>,
+    /// Time `Done` was queued for the destination (the Ack ends the migration).
+    pub done_at: Option<Instant>,
+    /// A flow was busy (refcount > 0) at an export attempt: retries are paced, not spun.
+    pub busy_seen: bool,
     pub deadline: Instant,
 }
 
@@ -278,7 +288,26 @@ pub(crate) struct Migration {
     pub pauses_us: VecDeque<u64>,
 }
 
+/// Longest poll(2) sleep while an outgoing migration waits for its next round.
+pub(crate) const PACED_ROUND_WAIT: Duration = Duration::from_millis(1);
+
 impl Migration {
+    /// How long the packet loop may sleep before the next round, as far as outgoing migrations
+    /// are concerned (`None`: they impose no bound). A migration whose next step needs only one
+    /// more receive (the first drain check, or `Done` after shipping) must not wait for the 1 ms
+    /// poll timeout: on an idle source those two sleeps were most of the pause. One that waits
+    /// for a busy flow or for the destination's Ack is paced instead of spinning.
+    pub fn round_wait(&self) -> Option<Duration> {
+        self.out
+            .iter()
+            .map(|m| match m.phase {
+                Phase::Draining if !m.busy_seen => Duration::ZERO,
+                Phase::Shipped => Duration::ZERO,
+                _ => PACED_ROUND_WAIT,
+            })
+            .min()
+    }
+
     /// True when a frame may need diverting (held or forwarded).
     #[inline]
     pub fn active(&self) -> bool {
@@ -432,5 +461,46 @@ mod tests {
         }
         assert_eq!(m.forwards.len(), MAX_FORWARDS);
         assert_eq!(m.stats.forwards_evicted, 10);
+    }
+
+    fn out_mig(phase: Phase, busy_seen: bool) -> OutMig {
+        let now = Instant::now();
+        OutMig {
+            id: 1,
+            to: "d".into(),
+            keys: Vec::new(),
+            reply: None,
+            started: now,
+            start_round: 0,
+            phase,
+            records: Vec::new(),
+            moved_keys: Vec::new(),
+            moved: 0,
+            failed: Vec::new(),
+            kept: Vec::new(),
+            exported_at: None,
+            done_at: None,
+            busy_seen,
+            deadline: now,
+        }
+    }
+
+    #[test]
+    fn round_wait_spins_only_for_steps_one_receive_away() {
+        let mut m = Migration::default();
+        assert_eq!(m.round_wait(), None, "no migration: no bound");
+        m.out.push(out_mig(Phase::AwaitAck, false));
+        assert_eq!(m.round_wait(), Some(PACED_ROUND_WAIT));
+        m.out.push(out_mig(Phase::Draining, true));
+        assert_eq!(
+            m.round_wait(),
+            Some(PACED_ROUND_WAIT),
+            "busy flows are paced"
+        );
+        m.out.push(out_mig(Phase::Shipped, false));
+        assert_eq!(m.round_wait(), Some(Duration::ZERO));
+        m.out.clear();
+        m.out.push(out_mig(Phase::Draining, false));
+        assert_eq!(m.round_wait(), Some(Duration::ZERO));
     }
 }

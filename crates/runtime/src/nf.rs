@@ -285,6 +285,14 @@ pub trait NetworkFunction: Send + 'static {
         Err(format!("the {} NF allocates no ports", Self::NAME))
     }
 
+    /// A flow was installed from another replica's export record (live migration, or
+    /// activation of standby state after a failover); `key` is its primary key. NFs that own
+    /// per-replica resources named in flow state (NAT: the external port) mark them in use
+    /// here, so the imported flow never shares one with a new local flow.
+    fn on_import(&mut self, ctx: &mut Ctx<Self::Flow>, key: FlowKey) {
+        let _ = (ctx, key);
+    }
+
     /// NF-specific state for `pliant query` (e.g. IDS counts and alerts), as JSON.
     fn query(&self, ctx: &Ctx<Self::Flow>) -> serde_json::Value {
         let _ = ctx;

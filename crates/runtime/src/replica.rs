@@ -16,6 +16,10 @@ use std::time::Instant;
 
 static STOP: AtomicBool = AtomicBool::new(false);
 
+/// Standby flow records a backup holds for all primaries together (beyond: checkpoints are
+/// refused, counted; the primary's group then runs unprotected and asks for a new backup).
+const STANDBY_MAX_FLOWS: usize = 1 << 20;
+
 extern "C" fn on_signal(_sig: libc::c_int) {
     // Only an atomic store: async-signal-safe.
     STOP.store(true, Ordering::SeqCst);
@@ -143,6 +147,48 @@ pub fn run<N: NetworkFunction>(cfg: &ReplicaConfig, nf: N) -> Result<(), String>
     let peer_path = cfg.peer_socket();
     let (peer_server, peer_link) = crate::peer::start(&peer_path)?;
     engine.set_peer(peer_link);
+    // Coherent shared state across replicas: with [shared], the store's transport and lock
+    // service is the hub (`pliant hub`); without it the store stays local to this replica.
+    if let Some(sh) = cfg.shared() {
+        engine.ctx.shared = pliant_coherence::store_for(
+            &cfg.replica.name,
+            std::path::Path::new(&sh.hub),
+            std::path::Path::new(&sh.secret),
+            pliant_state::SharedConfig::default(),
+        )
+        .map_err(|e| format!("[shared] hub {}: {e}", sh.hub))?;
+    }
+    // HA: a replica with [ha] repl_secret listens for checkpoints (backup role) and may be
+    // asked to protect its own flows (primary role).
+    let repl_path = cfg.repl_socket();
+    let mut repl_server = None;
+    if let Some(secret_path) = cfg.ha().and_then(|h| h.repl_secret) {
+        let secret = pliant_ha::auth::Secret::load(std::path::Path::new(&secret_path))
+            .map_err(|e| format!("[ha] repl_secret {secret_path}: {e}"))?;
+        let store = std::sync::Arc::new(std::sync::Mutex::new(
+            pliant_ha::standby::StandbyStore::new(STANDBY_MAX_FLOWS),
+        ));
+        let server = std::sync::Arc::new(
+            pliant_ha::transport::ReplServer::start(
+                std::path::Path::new(&repl_path),
+                secret.clone(),
+                store.clone(),
+            )
+            .map_err(|e| e.to_string())?,
+        );
+        let stats_of = server.clone();
+        engine.set_ha_backend(crate::engine::HaBackend {
+            factory: Box::new(crate::ha::SenderFactory {
+                secret,
+                opts: pliant_ha::transport::SenderOptions::default(),
+            }),
+            store: Some(store),
+            server_stats: Some(Box::new(move || {
+                serde_json::to_value(stats_of.stats()).unwrap_or(serde_json::Value::Null)
+            })),
+        });
+        repl_server = Some(server);
+    }
     tracing::info!(
         replica = %cfg.replica.name,
         nf = N::NAME,
@@ -150,6 +196,7 @@ pub fn run<N: NetworkFunction>(cfg: &ReplicaConfig, nf: N) -> Result<(), String>
         outside = %cfg.outside.ifname,
         socket = %cfg.replica.control_socket,
         peer_socket = %peer_path,
+        repl_socket = %repl_server.as_ref().map_or("none", |_| repl_path.as_str()),
         "replica running"
     );
     let spin = spin_budget();
@@ -158,6 +205,7 @@ pub fn run<N: NetworkFunction>(cfg: &ReplicaConfig, nf: N) -> Result<(), String>
         .map_err(|e| format!("packet loop: {e}"));
     tracing::info!(replica = %cfg.replica.name, "replica stopping");
     drop(engine);
+    drop(repl_server);
     drop(peer_server);
     drop(server);
     drop(guards);

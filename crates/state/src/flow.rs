@@ -572,6 +572,12 @@ impl<S: FlowState> FlowTable<S> {
         self.peek_entry(key).map(|e| e.version)
     }
 
+    /// The primary key and version of the flow `key` (a primary key or an alias) names, in one
+    /// index lookup, without a transaction: replication bookkeeping on the packet path.
+    pub fn primary_and_version(&self, key: &FlowKey) -> Option<(FlowKey, u64)> {
+        self.peek_entry(key).map(|e| (e.key, e.version))
+    }
+
     pub fn refcount(&self, key: &FlowKey) -> Option<u32> {
         self.peek_entry(key).map(|e| e.refcount)
     }
@@ -1173,6 +1179,18 @@ mod tests {
         assert_eq!(a.stats().tombstones, 0);
         b.import_flow(&bytes, now).unwrap();
         assert_eq!(b.peek(&key(1)), Some(&st(4)));
+    }
+
+    #[test]
+    fn primary_and_version_resolve_aliases_without_a_transaction() {
+        let mut t = table();
+        t.create_flow(key(1), st(1)).unwrap();
+        t.add_alias(&key(1), alias_of(1)).unwrap();
+        t.with_flow(&key(1), |s| ((), s.count > 0)).unwrap();
+        assert_eq!(t.primary_and_version(&alias_of(1)), Some((key(1), 1)));
+        assert_eq!(t.primary_and_version(&key(1)), Some((key(1), 1)));
+        assert_eq!(t.refcount(&key(1)), Some(0));
+        assert_eq!(t.primary_and_version(&key(2)), None);
     }
 
     #[test]

@@ -23,7 +23,7 @@ const PEER_EVENTS_PER_ROUND: usize = 4096;
 impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
     /// Decides the fate of a packet while migrations are under way: held (its flow is moving
     /// here), forwarded (its flow moved away), or returned for the NF.
-    pub(super) fn divert(&mut self, pkt: Packet, forwarded: bool, _now: Instant) -> Option<Packet> {
+    pub(super) fn divert(&mut self, pkt: Packet, forwarded: bool, now: Instant) -> Option<Packet> {
         let key = pkt.meta.key;
         if self.mig.holds.contains_key(&key) {
             // A forwarded late packet was sent before anything held here arrived: once the
@@ -38,6 +38,9 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
                 return None;
             }
             self.mig.stats.held_packets += 1;
+            if let Some(h) = self.mig.holds.get_mut(&key) {
+                h.first_held.get_or_insert(now);
+            }
             self.mig.held.push_back(pkt);
             return None;
         }
@@ -88,7 +91,10 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             return json!({"ok": false, "error": format!("flow {k} is live here already")});
         }
         for k in keys {
-            self.mig.holds.entry(*k).or_insert(Hold { since: now });
+            self.mig.holds.entry(*k).or_insert(Hold {
+                since: now,
+                first_held: None,
+            });
             // The flow comes back: its late packets are ours again.
             self.mig.forwards.remove(k);
             self.mig.released.remove(k);
@@ -130,6 +136,8 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             failed: Vec::new(),
             kept: Vec::new(),
             exported_at: None,
+            done_at: None,
+            busy_seen: false,
             deadline: now + migrate::BUSY_WAIT,
         });
     }
@@ -166,6 +174,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
                         .is_ok()
                     });
                     if ok {
+                        m.done_at = Some(now);
                         m.phase = Phase::AwaitAck;
                         m.deadline = now + migrate::ACK_WAIT;
                     } // else: channel full, retry next quiet round
@@ -192,6 +201,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             .iter()
             .any(|k| self.ctx.flows.refcount(k).is_some_and(|r| r > 0));
         if busy && now < m.deadline {
+            m.busy_seen = true;
             self.mig.stats.busy_retries += 1;
             return false;
         }
@@ -272,12 +282,8 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
     /// or records it refused).
     fn reimport(&mut self, records: &[Vec<u8>], now: Instant) {
         for rec in records {
-            match self.ctx.flows.import_flow(rec, now) {
-                Ok(k) => {
-                    for a in self.ctx.flows.keys_of(&k).unwrap_or_default() {
-                        self.mig.forwards.remove(&a);
-                    }
-                }
+            match self.import_record(rec, now) {
+                Ok(_) => {}
                 Err(e) => {
                     self.mig.stats.peer_errors += 1;
                     tracing::error!(error = %e, "cannot re-import a flow whose migration failed");
@@ -310,6 +316,15 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             t.saturating_duration_since(m.started).as_micros() as u64
         });
         reply["drain_us"] = json!(drain_us);
+        // Where the source's time went: request -> Done queued, Done -> Ack handled (the
+        // destination's release and the peer channel's round trip).
+        let since = |t: Option<Instant>, from: Instant| {
+            t.map_or(0, |t| t.saturating_duration_since(from).as_micros() as u64)
+        };
+        reply["done_us"] = json!(since(m.done_at, m.started));
+        reply["ack_us"] = json!(m
+            .done_at
+            .map_or(0, |d| now.saturating_duration_since(d).as_micros() as u64));
         reply["total_us"] = json!(now.saturating_duration_since(m.started).as_micros() as u64);
         if let Some(r) = m.reply.take() {
             let _ = r.try_send(reply);
@@ -363,13 +378,8 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
                 let mut failed = Vec::new();
                 let mut rejected = Vec::new();
                 for (i, rec) in records.into_iter().enumerate() {
-                    match self.ctx.flows.import_flow(&rec, now) {
-                        Ok(k) => {
-                            imported += 1;
-                            for a in self.ctx.flows.keys_of(&k).unwrap_or_default() {
-                                self.mig.forwards.remove(&a);
-                            }
-                        }
+                    match self.import_record(&rec, now) {
+                        Ok(_) => imported += 1,
                         Err(e) => {
                             failed.push((format!("record {i}"), e.to_string()));
                             rejected.push(rec);
@@ -447,8 +457,13 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             }
         }
         let mut pauses = Vec::new();
+        let mut held_us_max = 0u64;
         for k in release {
             if let Some(h) = self.mig.holds.remove(k) {
+                if let Some(t) = h.first_held {
+                    held_us_max =
+                        held_us_max.max(now.saturating_duration_since(t).as_micros() as u64);
+                }
                 let primary = self
                     .ctx
                     .flows
@@ -489,6 +504,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
                 pause_us_p99: p99,
                 pause_us_max: max,
                 released_packets,
+                held_us_max,
             },
             returned,
         }

@@ -1,0 +1,781 @@
+//! The hub: one process (or thread) every replica's [`crate::HubClient`] talks to.
+//!
+//! It keeps, in memory, per combiner key the last published contribution of each replica, per
+//! strong key the newest `(version, bytes)` and its lease lock. That bookkeeping is exactly
+//! [`LocalCoherence`] (the in-process hub of `pliant-state`); this server wraps one and adds
+//! the socket, authentication, framing, bounds and counters, so both transports share one
+//! implementation of the semantics.
+//!
+//! Per connection: SO_PEERCRED uid check (same uid as the hub), the [`pliant_ha::auth`]
+//! handshake, `Hello` (protocol version, replica id and name), then one [`Response`] per
+//! [`Request`]. One thread per connection, at most [`HubConfig::max_connections`].
+//!
+//! Versions and fences on the wire are offset by the hub's start time in nanoseconds
+//! (`base`). A restarted hub therefore hands out versions and fences larger than any the
+//! previous instance did: a store keeps accepting the new hub's copies (it takes a copy only
+//! if its version is newer), and a token from before the restart can never match a grant of
+//! the new hub (fencing survives a hub restart).
+
+use crate::wire::{
+    self, Blob, FrameError, Request, Response, WireError, MAX_NAME_BYTES, PROTOCOL_VERSION,
+};
+use crate::CoherenceError;
+use pliant_ha::auth::{server_handshake, AuthError, Secret};
+use pliant_state::{Coherence, LocalCoherence, LockService, LockToken, ReplicaId};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::io::{self, BufReader};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+#[derive(Clone, Debug)]
+pub struct HubConfig {
+    /// Bounds of the state the hub keeps (keys, replicas per key, value bytes).
+    pub limits: pliant_state::HubConfig,
+    /// Bound on open connections (each has a thread); more are closed at once and counted.
+    pub max_connections: usize,
+    /// Bound on distinct replica ids registered by `Hello`.
+    pub max_replicas: usize,
+    /// Bound on a frame body, both directions (a `FetchOthers` answer over it is refused with
+    /// a `hub response bytes` limit error).
+    pub max_frame_bytes: usize,
+    /// Longest lease granted; longer requests are capped (a client cannot pin a lock forever).
+    pub max_lease: Duration,
+    /// Time a new connection gets for the uid check, handshake and `Hello`.
+    pub handshake_timeout: Duration,
+    /// A connection that sends nothing for this long is closed (frees its thread).
+    pub idle_timeout: Duration,
+}
+
+impl Default for HubConfig {
+    fn default() -> Self {
+        HubConfig {
+            limits: pliant_state::HubConfig {
+                max_keys: 4096,
+                max_replicas_per_key: 256,
+                // The default SharedConfig bound: a store never publishes more than this.
+                max_value_bytes: 64 * 1024,
+            },
+            max_connections: 64,
+            max_replicas: 1024,
+            max_frame_bytes: 1 << 20,
+            max_lease: Duration::from_secs(60),
+            handshake_timeout: Duration::from_secs(2),
+            idle_timeout: Duration::from_secs(300),
+        }
+    }
+}
+
+/// The hub's counters (also served to clients by `Request::Stats`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HubStats {
+    pub connections: u64,
+    /// Connections open now.
+    pub active: u64,
+    /// Handshakes that failed the HMAC check (wrong secret).
+    pub auth_failures: u64,
+    /// Peers that closed or stalled during the handshake.
+    pub handshake_aborted: u64,
+    /// Peers refused by the SO_PEERCRED uid check.
+    pub peer_refused: u64,
+    /// Connections closed at once because `max_connections` were open.
+    pub over_bound: u64,
+    /// Requests received (well-formed or not).
+    pub frames: u64,
+    pub bytes_in: u64,
+    pub bytes_out: u64,
+    /// Frames whose body did not decode (the connection is closed after the answer).
+    pub decode_errors: u64,
+    /// Frames whose length was over `max_frame_bytes` (the connection is closed).
+    pub oversize_frames: u64,
+    /// Well-formed requests that broke the protocol (no Hello, wrong replica id...).
+    pub protocol_errors: u64,
+    /// Requests answered with an error of the store (bounds, not found...), including the two
+    /// below.
+    pub refused: u64,
+    pub lock_grants: u64,
+    /// Lock requests refused because another grant's lease runs.
+    pub lock_refused: u64,
+    /// Publishes or unlocks refused because the token's grant was replaced (fencing).
+    pub lease_lost: u64,
+    /// Replica ids registered.
+    pub replicas: u64,
+    /// `Hello`s refused because another name holds the id (or the registry is full).
+    pub id_refused: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    connections: AtomicU64,
+    active: AtomicU64,
+    auth_failures: AtomicU64,
+    handshake_aborted: AtomicU64,
+    peer_refused: AtomicU64,
+    over_bound: AtomicU64,
+    frames: AtomicU64,
+    bytes_in: AtomicU64,
+    bytes_out: AtomicU64,
+    decode_errors: AtomicU64,
+    oversize_frames: AtomicU64,
+    protocol_errors: AtomicU64,
+    refused: AtomicU64,
+    lock_grants: AtomicU64,
+    lock_refused: AtomicU64,
+    lease_lost: AtomicU64,
+    id_refused: AtomicU64,
+}
+
+fn bump(a: &AtomicU64) {
+    a.fetch_add(1, Ordering::Relaxed);
+}
+
+struct Shared {
+    secret: Secret,
+    cfg: HubConfig,
+    store: LocalCoherence,
+    /// Offset of every version and fence on the wire (see the module doc).
+    base: u64,
+    /// Replica id -> name registered by `Hello` (detects two names hashing to one id).
+    replicas: Mutex<HashMap<ReplicaId, String>>,
+    stop: AtomicBool,
+    c: Counters,
+    /// Clones of open connections, so Drop can shut them down and unblock their threads.
+    conns: Mutex<HashMap<u64, UnixStream>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Shared {
+    fn stats(&self) -> HubStats {
+        let c = &self.c;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        HubStats {
+            connections: l(&c.connections),
+            active: l(&c.active),
+            auth_failures: l(&c.auth_failures),
+            handshake_aborted: l(&c.handshake_aborted),
+            peer_refused: l(&c.peer_refused),
+            over_bound: l(&c.over_bound),
+            frames: l(&c.frames),
+            bytes_in: l(&c.bytes_in),
+            bytes_out: l(&c.bytes_out),
+            decode_errors: l(&c.decode_errors),
+            oversize_frames: l(&c.oversize_frames),
+            protocol_errors: l(&c.protocol_errors),
+            refused: l(&c.refused),
+            lock_grants: l(&c.lock_grants),
+            lock_refused: l(&c.lock_refused),
+            lease_lost: l(&c.lease_lost),
+            replicas: lock(&self.replicas).len() as u64,
+            id_refused: l(&c.id_refused),
+        }
+    }
+}
+
+/// A running hub. Drop stops accepting, closes every connection, joins the threads and
+/// unlinks the socket (if it is still the one this hub bound).
+pub struct HubServer {
+    path: PathBuf,
+    inode: (u64, u64),
+    shared: Arc<Shared>,
+    stop_w: Option<UnixStream>,
+    accept: Option<JoinHandle<()>>,
+}
+
+impl HubServer {
+    /// Listens at `path` (mode 0600; a stale socket file left by a dead process is replaced, a
+    /// live one is `InUse`) and serves authenticated clients until dropped.
+    pub fn start(path: &Path, secret: Secret, cfg: HubConfig) -> Result<HubServer, CoherenceError> {
+        let io_err = |source| CoherenceError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let listener = bind(path)?;
+        // bind(2) creates the node with the umask's mode; tighten it at once (the uid check and
+        // the HMAC guard the short window).
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(io_err)?;
+        let meta = std::fs::symlink_metadata(path).map_err(io_err)?;
+        listener.set_nonblocking(true).map_err(io_err)?;
+        let (stop_r, stop_w) = UnixStream::pair().map_err(io_err)?;
+        let base = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX / 2));
+        let shared = Arc::new(Shared {
+            secret,
+            store: LocalCoherence::new(cfg.limits.clone()),
+            cfg,
+            base,
+            replicas: Mutex::new(HashMap::new()),
+            stop: AtomicBool::new(false),
+            c: Counters::default(),
+            conns: Mutex::new(HashMap::new()),
+            threads: Mutex::new(Vec::new()),
+        });
+        let sh = shared.clone();
+        let accept = std::thread::Builder::new()
+            .name("coherence-accept".into())
+            .spawn(move || accept_loop(listener, stop_r, sh))
+            .map_err(CoherenceError::Spawn)?;
+        tracing::info!(path = %path.display(), "coherence hub listening");
+        Ok(HubServer {
+            path: path.to_path_buf(),
+            inode: (meta.dev(), meta.ino()),
+            shared,
+            stop_w: Some(stop_w),
+            accept: Some(accept),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn stats(&self) -> HubStats {
+        self.shared.stats()
+    }
+
+    /// The hub's state, for queries and tests (contributions, newest strong copies).
+    pub fn store(&self) -> &LocalCoherence {
+        &self.shared.store
+    }
+
+    /// Wire version of a strong copy whose in-hub version is `v` (tests and tools).
+    pub fn wire_version(&self, v: u64) -> u64 {
+        self.shared.base.saturating_add(v)
+    }
+}
+
+impl Drop for HubServer {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        // Closing our end makes the accept thread's poll see the stop fd readable (EOF).
+        drop(self.stop_w.take());
+        if let Some(t) = self.accept.take() {
+            let _ = t.join();
+        }
+        for s in lock(&self.shared.conns).values() {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        let threads = std::mem::take(&mut *lock(&self.shared.threads));
+        for t in threads {
+            let _ = t.join();
+        }
+        // Unlink only our own socket: a newer hub may have replaced the file meanwhile.
+        if let Ok(m) = std::fs::symlink_metadata(&self.path) {
+            if (m.dev(), m.ino()) == self.inode {
+                let _ = std::fs::remove_file(&self.path);
+            }
+        }
+    }
+}
+
+fn bind(path: &Path) -> Result<UnixListener, CoherenceError> {
+    let io_err = |source| CoherenceError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    match UnixListener::bind(path) {
+        Ok(l) => Ok(l),
+        Err(e) if e.kind() == io::ErrorKind::AddrInUse => {
+            let meta = std::fs::symlink_metadata(path).map_err(io_err)?;
+            if !meta.file_type().is_socket() {
+                return Err(CoherenceError::NotASocket {
+                    path: path.to_path_buf(),
+                });
+            }
+            // A live hub accepts; the file of a dead one refuses.
+            if UnixStream::connect(path).is_ok() {
+                return Err(CoherenceError::InUse {
+                    path: path.to_path_buf(),
+                });
+            }
+            std::fs::remove_file(path).map_err(io_err)?;
+            UnixListener::bind(path).map_err(io_err)
+        }
+        Err(e) => Err(io_err(e)),
+    }
+}
+
+fn accept_loop(listener: UnixListener, stop_r: UnixStream, sh: Arc<Shared>) {
+    let mut next_id: u64 = 0;
+    loop {
+        let mut fds = [
+            libc::pollfd {
+                fd: listener.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: stop_r.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: `fds` is a valid array of two pollfd for the duration of the call.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            tracing::error!(error = %e, "coherence hub accept loop: poll failed");
+            return;
+        }
+        if sh.stop.load(Ordering::SeqCst) || fds[1].revents != 0 {
+            return;
+        }
+        loop {
+            let stream = match listener.accept() {
+                Ok((s, _)) => s,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    // EMFILE and friends: back off instead of spinning on a readable listener.
+                    tracing::warn!(error = %e, "coherence hub accept failed");
+                    std::thread::sleep(Duration::from_millis(10));
+                    break;
+                }
+            };
+            bump(&sh.c.connections);
+            // The listener is non-blocking; accepted sockets must block (with timeouts).
+            if stream.set_nonblocking(false).is_err() {
+                continue;
+            }
+            let mut threads = lock(&sh.threads);
+            threads.retain(|t| !t.is_finished());
+            if threads.len() >= sh.cfg.max_connections {
+                bump(&sh.c.over_bound);
+                tracing::warn!(
+                    max = sh.cfg.max_connections,
+                    "coherence hub connection refused: too many open"
+                );
+                continue;
+            }
+            let id = next_id;
+            next_id += 1;
+            let Ok(clone) = stream.try_clone() else {
+                continue;
+            };
+            lock(&sh.conns).insert(id, clone);
+            let s2 = sh.clone();
+            let spawned = std::thread::Builder::new()
+                .name("coherence-conn".into())
+                .spawn(move || {
+                    s2.c.active.fetch_add(1, Ordering::Relaxed);
+                    serve_conn(stream, &s2);
+                    s2.c.active.fetch_sub(1, Ordering::Relaxed);
+                    lock(&s2.conns).remove(&id);
+                });
+            match spawned {
+                Ok(t) => threads.push(t),
+                Err(e) => {
+                    lock(&sh.conns).remove(&id);
+                    tracing::warn!(error = %e, "coherence hub connection dropped: no thread");
+                }
+            }
+        }
+    }
+}
+
+/// Per-connection buffers, reused for every frame.
+struct Conn<'s> {
+    stream: &'s UnixStream,
+    rd: BufReader<UnixStream>,
+    body: Vec<u8>,
+    out: Vec<u8>,
+}
+
+impl Conn<'_> {
+    /// Reads one request body; `None` when the connection should end (EOF, error, bound).
+    fn read(&mut self, sh: &Shared) -> Option<()> {
+        match wire::read_frame(&mut self.rd, &mut self.body, sh.cfg.max_frame_bytes) {
+            Ok(true) => {
+                bump(&sh.c.frames);
+                sh.c.bytes_in.fetch_add(
+                    (self.body.len() + wire::HEADER_BYTES) as u64,
+                    Ordering::Relaxed,
+                );
+                Some(())
+            }
+            Ok(false) => None,
+            Err(FrameError::TooLarge { len, max }) => {
+                bump(&sh.c.oversize_frames);
+                tracing::warn!(len, max, "coherence hub: oversize frame, closing");
+                None
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "coherence hub connection ended");
+                None
+            }
+        }
+    }
+
+    /// Sends one answer; `false` when the connection should end.
+    fn send(&mut self, sh: &Shared, key: &str, r: &Response) -> bool {
+        if let Err(e) = wire::encode_into(r, &mut self.out, sh.cfg.max_frame_bytes) {
+            // The only answers that can grow large are FetchOthers / FetchLatest copies.
+            bump(&sh.c.refused);
+            let error = match e {
+                FrameError::TooLarge { .. } => WireError::Limit {
+                    what: "hub response bytes".into(),
+                    max: sh.cfg.max_frame_bytes as u64,
+                },
+                other => WireError::Refused(other.to_string()),
+            };
+            let err = Response::Error {
+                key: key.to_string(),
+                error,
+            };
+            if wire::encode_into(&err, &mut self.out, sh.cfg.max_frame_bytes).is_err() {
+                return false;
+            }
+        }
+        sh.c.bytes_out
+            .fetch_add(self.out.len() as u64, Ordering::Relaxed);
+        send_all(self.stream, &self.out).is_ok()
+    }
+}
+
+fn serve_conn(stream: UnixStream, sh: &Shared) {
+    let c = &sh.c;
+    match peer_uid(&stream) {
+        Ok(uid) if uid == euid() => {}
+        Ok(uid) => {
+            bump(&c.peer_refused);
+            tracing::warn!(uid, "coherence hub peer refused: other uid");
+            return;
+        }
+        Err(e) => {
+            bump(&c.peer_refused);
+            tracing::warn!(error = %e, "coherence hub peer refused: no credentials");
+            return;
+        }
+    }
+    let t = Some(sh.cfg.handshake_timeout);
+    if stream.set_read_timeout(t).is_err() || stream.set_write_timeout(t).is_err() {
+        return;
+    }
+    let mut hs = &stream;
+    match server_handshake(&mut hs, &sh.secret) {
+        Ok(()) => {}
+        Err(AuthError::BadMac) => {
+            bump(&c.auth_failures);
+            tracing::warn!("coherence hub handshake failed: wrong secret");
+            return;
+        }
+        Err(e) => {
+            bump(&c.handshake_aborted);
+            tracing::debug!(error = %e, "coherence hub handshake aborted");
+            return;
+        }
+    }
+    let Ok(clone) = stream.try_clone() else {
+        return;
+    };
+    let mut conn = Conn {
+        stream: &stream,
+        // Small requests arrive whole in one read(2).
+        rd: BufReader::with_capacity(16 << 10, clone),
+        body: Vec::new(),
+        out: Vec::new(),
+    };
+    let Some(me) = hello(&mut conn, sh) else {
+        return;
+    };
+    if stream.set_read_timeout(Some(sh.cfg.idle_timeout)).is_err() {
+        return;
+    }
+    while conn.read(sh).is_some() {
+        let (key, answer) = match wire::decode::<Request<'_>>(&conn.body) {
+            Ok(req) => (req.key().to_string(), handle(sh, me, req)),
+            Err(reason) => {
+                bump(&c.decode_errors);
+                let r = Response::Error {
+                    key: String::new(),
+                    error: WireError::Protocol(format!("malformed request: {reason}")),
+                };
+                // Answer so the client learns why, then close: a peer that sends garbage
+                // once is not trusted to frame the next request correctly.
+                let _ = conn.send(sh, "", &r);
+                return;
+            }
+        };
+        if !conn.send(sh, &key, &answer) {
+            return;
+        }
+    }
+}
+
+/// Reads and answers the connection's `Hello`; the registered replica id on success.
+fn hello(conn: &mut Conn<'_>, sh: &Shared) -> Option<ReplicaId> {
+    conn.read(sh)?;
+    let refuse = |conn: &mut Conn<'_>, reason: String| {
+        bump(&sh.c.protocol_errors);
+        tracing::warn!(%reason, "coherence hub refused a client");
+        let _ = conn.send(
+            sh,
+            "",
+            &Response::Error {
+                key: String::new(),
+                error: WireError::Protocol(reason),
+            },
+        );
+        None
+    };
+    let (replica, name) = match wire::decode::<Request<'_>>(&conn.body) {
+        Ok(Request::Hello {
+            version,
+            replica,
+            name,
+        }) => {
+            if version != PROTOCOL_VERSION {
+                return refuse(
+                    conn,
+                    format!("protocol version {version}, this hub speaks {PROTOCOL_VERSION}"),
+                );
+            }
+            if name.len() > MAX_NAME_BYTES {
+                return refuse(
+                    conn,
+                    format!(
+                        "replica name of {} bytes (max {MAX_NAME_BYTES})",
+                        name.len()
+                    ),
+                );
+            }
+            (replica, name.to_string())
+        }
+        Ok(_) => return refuse(conn, "the first request must be Hello".into()),
+        Err(reason) => {
+            bump(&sh.c.decode_errors);
+            return refuse(conn, format!("malformed Hello: {reason}"));
+        }
+    };
+    {
+        let mut reg = lock(&sh.replicas);
+        match reg.get(&replica) {
+            Some(n) if *n == name => {}
+            Some(n) => {
+                let reason = format!(
+                    "replica id {replica} is registered to {n:?}; {name:?} maps to the same id \
+                     (rename one of them)"
+                );
+                drop(reg);
+                bump(&sh.c.id_refused);
+                return refuse(conn, reason);
+            }
+            None if reg.len() >= sh.cfg.max_replicas => {
+                drop(reg);
+                bump(&sh.c.id_refused);
+                bump(&sh.c.refused);
+                let _ = conn.send(
+                    sh,
+                    "",
+                    &Response::Error {
+                        key: String::new(),
+                        error: WireError::Limit {
+                            what: "hub replicas".into(),
+                            max: sh.cfg.max_replicas as u64,
+                        },
+                    },
+                );
+                return None;
+            }
+            None => {
+                reg.insert(replica, name);
+            }
+        }
+    }
+    if !conn.send(
+        sh,
+        "",
+        &Response::Welcome {
+            version: PROTOCOL_VERSION,
+        },
+    ) {
+        return None;
+    }
+    Some(replica)
+}
+
+/// Answers one request of the connection registered as replica `me`.
+fn handle(sh: &Shared, me: ReplicaId, req: Request<'_>) -> Response {
+    let key = req.key().to_string();
+    let own = |r: ReplicaId| -> Result<(), WireError> {
+        if r == me {
+            Ok(())
+        } else {
+            Err(WireError::Protocol(format!(
+                "this connection speaks for replica {me}, not {r}"
+            )))
+        }
+    };
+    let st = &sh.store;
+    let result: Result<Response, WireError> = (|| match req {
+        Request::Hello { .. } => Err(WireError::Protocol("Hello sent twice".into())),
+        Request::Stats => Ok(Response::Stats(sh.stats())),
+        Request::Publish {
+            key,
+            replica,
+            value,
+        } => {
+            own(replica)?;
+            st.publish(key, replica, value.0).map_err(state)?;
+            Ok(Response::Done)
+        }
+        Request::FetchOthers { key, replica } => {
+            own(replica)?;
+            let mut others = Vec::new();
+            st.fetch_others(key, replica, &mut others).map_err(state)?;
+            Ok(Response::Others(others.into_iter().map(Blob).collect()))
+        }
+        Request::Withdraw { key, replica } => {
+            st.withdraw(key, replica).map_err(state)?;
+            Ok(Response::Done)
+        }
+        Request::FetchLatest { key } => {
+            let l = st.fetch_latest(key).map_err(state)?;
+            Ok(Response::Latest(
+                l.map(|(v, b)| (sh.base.saturating_add(v), Blob(b))),
+            ))
+        }
+        Request::PublishLatest {
+            key,
+            holder,
+            fence,
+            value,
+        } => {
+            own(holder)?;
+            let token = local_token(sh, holder, fence).ok_or(WireError::LeaseLost)?;
+            let v = st.publish_latest(key, &token, value.0).map_err(state)?;
+            Ok(Response::Version(sh.base.saturating_add(v)))
+        }
+        Request::Lock {
+            key,
+            holder,
+            lease_us,
+        } => {
+            own(holder)?;
+            let lease = Duration::from_micros(lease_us).min(sh.cfg.max_lease);
+            // The hub's clock decides: the lease starts now, here.
+            let t = st.lock(key, holder, lease, Instant::now()).map_err(state)?;
+            bump(&sh.c.lock_grants);
+            // Read after the grant: from here on only this grant can publish the key.
+            let latest = st.fetch_latest(key).map_err(state)?;
+            Ok(Response::Granted {
+                fence: sh.base.saturating_add(t.fence),
+                lease_us: u64::try_from(lease.as_micros()).unwrap_or(u64::MAX),
+                latest: latest.map(|(v, b)| (sh.base.saturating_add(v), Blob(b))),
+            })
+        }
+        Request::Unlock { key, holder, fence } => {
+            own(holder)?;
+            let token = local_token(sh, holder, fence).ok_or(WireError::LeaseLost)?;
+            st.unlock(key, &token).map_err(state)?;
+            Ok(Response::Done)
+        }
+    })();
+    match result {
+        Ok(r) => r,
+        Err(error) => {
+            match &error {
+                WireError::Protocol(_) => bump(&sh.c.protocol_errors),
+                WireError::Locked => {
+                    bump(&sh.c.refused);
+                    bump(&sh.c.lock_refused)
+                }
+                WireError::LeaseLost => {
+                    bump(&sh.c.refused);
+                    bump(&sh.c.lease_lost)
+                }
+                _ => bump(&sh.c.refused),
+            }
+            Response::Error { key, error }
+        }
+    }
+}
+
+fn state(e: pliant_state::StateError) -> WireError {
+    WireError::from_state(&e)
+}
+
+/// The in-hub token for a wire fence; `None` for a fence this hub instance never issued.
+fn local_token(sh: &Shared, holder: ReplicaId, fence: u64) -> Option<LockToken> {
+    let local = fence.checked_sub(sh.base).filter(|f| *f > 0)?;
+    Some(LockToken {
+        holder,
+        fence: local,
+        // Unused by publish/unlock, which compare fences only.
+        expires: Instant::now(),
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Helpers (shared with the client)
+
+/// One `send(2)` per call in the common case; `MSG_NOSIGNAL` so a closed peer is an error, not
+/// SIGPIPE (the process may not ignore it). Honors SO_SNDTIMEO (then `WouldBlock`).
+pub(crate) fn send_all(s: &UnixStream, mut buf: &[u8]) -> io::Result<()> {
+    while !buf.is_empty() {
+        // SAFETY: pointer and length describe `buf`, a valid readable slice.
+        let n = unsafe {
+            libc::send(
+                s.as_raw_fd(),
+                buf.as_ptr().cast(),
+                buf.len(),
+                libc::MSG_NOSIGNAL,
+            )
+        };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        buf = &buf[n as usize..];
+    }
+    Ok(())
+}
+
+pub(crate) fn peer_uid(s: &UnixStream) -> io::Result<u32> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are valid for writes and `len` holds the buffer size.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(cred.uid)
+}
+
+pub(crate) fn euid() -> u32 {
+    // SAFETY: no preconditions, cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// Locks a mutex, also after another thread panicked while holding it (the data are maps and
+/// handles that stay consistent between statements).
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
