@@ -12,7 +12,8 @@
 //       exceptions -> conn (learned pins) -> port_owner (NAT return) -> ring (consistent hash),
 //     to the chosen replica's in-port (from the client side) or out-port (from the server side).
 //     Non-IP frames (ARP, ...) are cloned to that port of every live replica.
-//   ROLE_REPLICA_IN / ROLE_REPLICA_OUT: redirected to the client / server outer port.
+//   ROLE_REPLICA_IN / ROLE_REPLICA_OUT: redirected to the client / server outer port, unless the
+//     replica is fenced (REPLICA_FENCED: its flows were failed over): then dropped, counted.
 //
 // Built without libbpf headers (Debian's libbpf-dev is not needed): the few helper prototypes
 // and the BTF map-definition macros are declared below.
@@ -35,7 +36,7 @@ static long (*bpf_clone_redirect)(struct __sk_buff *skb, __u32 ifindex,
                                   __u64 flags) = (void *)BPF_FUNC_clone_redirect;
 
 // ---- layout (keep in sync with crates/steer/src/layout.rs; bump the version on any change) ----
-#define STEER_LAYOUT_VERSION 1
+#define STEER_LAYOUT_VERSION 2
 
 // Read by the Rust loader from the ELF symbol table before loading.
 const volatile __u32 steer_layout_version SEC(".rodata") = STEER_LAYOUT_VERSION;
@@ -50,6 +51,10 @@ const volatile __u32 steer_layout_version SEC(".rodata") = STEER_LAYOUT_VERSION;
 #define ROLE_REPLICA_OUT 4
 
 #define REPLICA_LIVE 1u
+// Fencing (DESIGN invariant 7): a replica whose flows were failed over to others may still be
+// running (partitioned, or revived): every frame it emits is dropped here, so it cannot act on
+// ownership it no longer has. Set by the controller before it activates the standby copies.
+#define REPLICA_FENCED 2u
 
 #define CFG_DEBUG_KEY 1u
 
@@ -72,6 +77,7 @@ enum stat {
 	ST_DROP_LAYOUT,
 	ST_DROP_BAD_REPLICA,
 	ST_ICMP_INNER,
+	ST_DROP_FENCED,
 	ST_MAX,
 };
 
@@ -512,6 +518,10 @@ static __always_inline struct replica *live_replica(__u32 idx)
 		count(ST_DROP_DEAD);
 		return 0;
 	}
+	if (r->flags & REPLICA_FENCED) {
+		count(ST_DROP_FENCED);
+		return 0;
+	}
 	return r;
 }
 
@@ -528,7 +538,7 @@ static __always_inline int clone_to_all(struct __sk_buff *skb, __u32 role)
 	for (__u32 i = 0; i < MAX_REPLICAS; i++) {
 		__u32 idx = i;
 		struct replica *r = bpf_map_lookup_elem(&replicas, &idx);
-		if (!r || !(r->flags & REPLICA_LIVE))
+		if (!r || !(r->flags & REPLICA_LIVE) || (r->flags & REPLICA_FENCED))
 			continue;
 		__u32 ifi = role == ROLE_CLIENT ? r->in_ifindex : r->out_ifindex;
 		if (ifi != 0 && bpf_clone_redirect(skb, ifi, 0) == 0)
@@ -611,6 +621,15 @@ static __always_inline int steer_outer(struct __sk_buff *skb, struct config *cfg
 	return forward(r, role);
 }
 
+// A fenced replica's output (frames entering the fabric from its ports) is dropped.
+static __always_inline int fenced(__u32 idx)
+{
+	if (idx >= MAX_REPLICAS)
+		return 0;
+	struct replica *r = bpf_map_lookup_elem(&replicas, &idx);
+	return r && (r->flags & REPLICA_FENCED);
+}
+
 SEC("classifier")
 int pliant_steer(struct __sk_buff *skb)
 {
@@ -632,10 +651,14 @@ int pliant_steer(struct __sk_buff *skb)
 		count(ST_RX_OUTER);
 		return steer_outer(skb, cfg, pi->role);
 	case ROLE_REPLICA_IN:
-		count(ST_REPLICA_OUT);
-		return cfg->client_ifindex ? bpf_redirect(cfg->client_ifindex, 0) : TC_ACT_SHOT;
 	case ROLE_REPLICA_OUT:
+		if (fenced(pi->replica)) {
+			count(ST_DROP_FENCED);
+			return TC_ACT_SHOT;
+		}
 		count(ST_REPLICA_OUT);
+		if (pi->role == ROLE_REPLICA_IN)
+			return cfg->client_ifindex ? bpf_redirect(cfg->client_ifindex, 0) : TC_ACT_SHOT;
 		return cfg->server_ifindex ? bpf_redirect(cfg->server_ifindex, 0) : TC_ACT_SHOT;
 	default:
 		count(ST_UNKNOWN_PORT);

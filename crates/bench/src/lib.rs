@@ -2,8 +2,15 @@
 //! topology in the same run, and report ratios (these machines are too noisy for absolutes).
 
 pub mod chart;
+pub mod flowgen;
 pub mod forward;
+pub mod ha;
+pub mod ha_kernel;
+pub mod migrate;
 pub mod parse;
+pub mod scale_in;
+pub mod steering_scale;
+pub mod txload;
 
 pub use forward::{run_forward, ForwardOpts, ForwardReport, SystemReport};
 pub use parse::{parse_iperf3_gbps, IperfResult};

@@ -1,15 +1,140 @@
 //! `pliant bench ha`: HA systems side by side on the same workloads, plus failover. Progress goes
-//! to stderr; the last line of stdout is one JSON object.
+//! to stderr; the last line of stdout is one JSON object (see `pliant_bench::ha`).
 
 use clap::Args;
+use pliant_bench::ha::{run_ha, HaOpts, HaReport, FAILOVER_SYSTEMS, SYSTEMS};
 
 #[derive(Args)]
 pub struct HaArgs {
     /// Print only the JSON object on stdout.
     #[arg(long)]
     pub json: bool,
+    /// Seconds per txload window and per iperf3 run (1..=120).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=120))]
+    pub duration: u32,
+    /// Persistent TCP connections of the transaction workload.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub connections: u32,
+    /// Request size in bytes (the seed's flowgrind set-up: 1400).
+    #[arg(long, default_value_t = 1400, value_parser = clap::value_parser!(u32).range(8..=1048576))]
+    pub request_bytes: u32,
+    /// Response size in bytes.
+    #[arg(long, default_value_t = 1400, value_parser = clap::value_parser!(u32).range(0..=1048576))]
+    pub response_bytes: u32,
+    /// Lognormal request/response sizes with the sizes above as medians and this sigma (the
+    /// seed's HTTP-like model), clamped to 64 B..=64 KiB; 0 = fixed sizes.
+    #[arg(long, default_value_t = 0.0)]
+    pub size_sigma: f64,
+    /// Run only these systems (comma-separated: no_ha,pico_1k,pico_10k,remus_40,kernel_conntrackd).
+    #[arg(long, value_delimiter = ',', value_parser = SYSTEMS)]
+    pub only: Vec<String>,
+    /// Skip the failover experiments.
+    #[arg(long)]
+    pub no_failover: bool,
+    /// The pliant system whose primary is killed for the top-level `failover` section.
+    #[arg(long, default_value = "pico_1k", value_parser = FAILOVER_SYSTEMS)]
+    pub failover_system: String,
+    /// Failover trials on the pliant system, each in a fresh lab (1..=200).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=200))]
+    pub trials: u32,
+    /// UDP probe flows timing the failover (every 2 ms each).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub probe_flows: u16,
+    /// Keep checksum/segmentation offloads on in the pliant labs (default: off, as the e2e
+    /// tests run the user-space path).
+    #[arg(long)]
+    pub keep_offloads: bool,
 }
 
-pub fn run(_a: HaArgs) -> Result<(), String> {
-    Err("bench ha: not implemented yet".into())
+fn fmt(v: Option<f64>, digits: usize) -> String {
+    v.map_or_else(|| "-".to_string(), |x| format!("{x:.digits$}"))
+}
+
+fn table(r: &HaReport) {
+    println!(
+        "{:<18} {:>9} {:>8} {:>8} {:>8} {:>6} {:>7} {:>11}  note",
+        "system", "txn/s", "p50_us", "p95_us", "p99_us", "gbps", "cpu_%", "repl_B/s"
+    );
+    for (name, s) in r.systems() {
+        let note = s
+            .error
+            .clone()
+            .or_else(|| (!s.errors.is_empty()).then(|| format!("{:?}", s.errors)))
+            .unwrap_or_default();
+        println!(
+            "{name:<18} {:>9} {:>8} {:>8} {:>8} {:>6} {:>7} {:>11}  {note}",
+            fmt(s.transactions_per_s, 0),
+            fmt(s.latency_us_p50, 0),
+            fmt(s.latency_us_p95, 0),
+            fmt(s.latency_us_p99, 0),
+            fmt(s.gbps, 2),
+            fmt(s.cpu_pct, 1),
+            fmt(s.repl_bytes_per_s, 0),
+        );
+    }
+    let fo = |label: &str, f: &pliant_bench::ha::FailoverReport| {
+        println!(
+            "failover {label}: recovery {} ms, tcp stall {} ms, flows survived {}/{}{}",
+            fmt(f.recovery_ms, 1),
+            fmt(f.tcp_stall_ms, 1),
+            f.flows_survived.map_or("-".into(), |v| v.to_string()),
+            f.flows_total.map_or("-".into(), |v| v.to_string()),
+            f.error
+                .as_ref()
+                .map(|e| format!(" ({e})"))
+                .unwrap_or_default()
+        );
+    };
+    fo(&r.failover.system, &r.failover);
+    let t = &r.failover_trials;
+    if t.trials > 1 {
+        println!(
+            "failover trials: {}/{} completed, flows survived {}/{}, resets {}, recovery p50 {} \
+             max {} ms, stall max {} ms",
+            t.trials_completed,
+            t.trials,
+            t.flows_survived,
+            t.flows_total,
+            t.resets,
+            fmt(t.recovery_ms_p50, 1),
+            fmt(t.recovery_ms_max, 1),
+            fmt(t.tcp_stall_ms_max, 1)
+        );
+    }
+    if let Some(f) = &r.kernel_conntrackd.failover {
+        fo("kernel_conntrackd", f);
+    }
+}
+
+pub fn run(a: HaArgs) -> Result<(), String> {
+    if !(a.size_sigma.is_finite() && (0.0..=4.0).contains(&a.size_sigma)) {
+        return Err(format!("--size-sigma must be 0..=4, got {}", a.size_sigma));
+    }
+    let opts = HaOpts {
+        duration_s: a.duration,
+        connections: a.connections,
+        request_bytes: a.request_bytes,
+        response_bytes: a.response_bytes,
+        size_sigma: a.size_sigma,
+        pliant_bin: std::env::current_exe().ok(),
+        only: a.only,
+        failover: !a.no_failover,
+        failover_system: a.failover_system,
+        probe_flows: a.probe_flows,
+        trials: a.trials,
+        disable_offloads: !a.keep_offloads,
+        ..HaOpts::default()
+    };
+    // Ctrl-C stops between measurements; labs are torn down and the partial report printed.
+    pliant_lab::cmd::defer_interrupts();
+    let report = run_ha(&opts);
+    if !a.json {
+        table(&report);
+    }
+    let json = serde_json::to_string(&report).map_err(|e| format!("report to JSON: {e}"))?;
+    println!("{json}");
+    if pliant_lab::cmd::interrupted() {
+        return Err("interrupted: the report above is partial".into());
+    }
+    Ok(())
 }

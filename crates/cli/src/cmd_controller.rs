@@ -1,5 +1,5 @@
-//! `pliant controller|status|flows|migrate|scale|policy`: the elasticity controller daemon and
-//! the commands that talk to it over its authenticated HTTP/JSON API.
+//! `pliant controller|status|flows|migrate|scale|policy|ha`: the controller daemon and the
+//! commands that talk to it over its authenticated HTTP/JSON API.
 
 use clap::{Args, Subcommand};
 use pliant_controller::http;
@@ -29,7 +29,11 @@ const DEFAULT_TOKEN: &str = "/run/pliant/controller/token";
         per_replica = 1\n\
         [policy]\n\
         high_water_flows = 60\n\
-        low_water_flows = 40"
+        low_water_flows = 40\n\
+        [ha]                   # high availability (Pico replication); absent = off\n\
+        mode = \"pico\"          # pico | remus | off\n\
+        policy = \"chords\"      # chords | single | streams\n\
+        hz = 1000"
 )]
 pub struct ControllerArgs {
     /// Controller configuration file (TOML).
@@ -376,4 +380,145 @@ pub fn policy(a: PolicyArgs) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+#[derive(Args)]
+#[command(about = "High availability: replication status and (re-)protection")]
+pub struct HaArgs {
+    #[command(flatten)]
+    pub conn: Conn,
+    #[command(subcommand)]
+    pub op: HaOp,
+}
+
+#[derive(Subcommand)]
+pub enum HaOp {
+    /// Per replica: groups (backup, state, acked seq, held output), standby state, output
+    /// audit; plus the ownership token and recent failovers with their timings.
+    Status,
+    /// Send every replica (or one) a protection policy now; optionally change the policy
+    /// kind and checkpoint frequency first (kept by the controller).
+    Protect {
+        /// chords (consistent-hash ring over the others), single (next replica) or streams
+        /// (well-known ports and iperf3 at --hz, the rest at a lower rate elsewhere).
+        #[arg(long)]
+        policy: Option<String>,
+        /// Checkpoints per second of each protected group.
+        #[arg(long)]
+        hz: Option<u32>,
+        /// Only this replica (e.g. r1).
+        #[arg(long)]
+        replica: Option<String>,
+    },
+}
+
+pub fn ha(a: HaArgs) -> Result<(), String> {
+    match &a.op {
+        HaOp::Status => {
+            let v = call(&a.conn, "GET", "/v1/ha", None)?;
+            if a.conn.json {
+                return print_json(&v);
+            }
+            let s = &v["summary"];
+            println!(
+                "mode {} policy {} at {} Hz, token {}, failovers {}",
+                s["mode"].as_str().unwrap_or("?"),
+                s["policy"].as_str().unwrap_or("?"),
+                s["hz"],
+                s["token"],
+                s["counters"]["failovers"]
+            );
+            for r in v["replicas"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
+                let name = r["name"].as_str().unwrap_or("?");
+                if r["failed_over"] == true {
+                    println!("{name}: failed over (fenced)");
+                    continue;
+                }
+                let h = &r["ha_status"];
+                if h["ok"] != true {
+                    println!("{name}: {}", h["error"].as_str().unwrap_or("no answer"));
+                    continue;
+                }
+                println!(
+                    "{name}: token {} | audit {} checked, {} violations | held now {}",
+                    h["token"],
+                    h["output"]["audit_checked"],
+                    h["output"]["audit_violations"],
+                    h["output"]["held_now"]
+                );
+                for g in h["groups"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
+                    println!(
+                        "  group {} -> {} at {} Hz: {} (acked {}/{}, {} flows{})",
+                        g["id"],
+                        g["backup"].as_str().unwrap_or("-"),
+                        g["hz"],
+                        g["state"].as_str().unwrap_or("?"),
+                        g["acked_seq"],
+                        g["open_seq"],
+                        g["flows"],
+                        if g["needs_backup"] == true {
+                            ", needs a backup"
+                        } else {
+                            ""
+                        }
+                    );
+                }
+                for sb in h["standby"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
+                    println!(
+                        "  standby for {}: {} flows",
+                        sb["primary"].as_str().unwrap_or("?"),
+                        sb["flows"]
+                    );
+                }
+            }
+            for f in v["failovers"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
+                println!(
+                    "failover of r{}: detect {} ms, activate {} ms, steer {} ms; {} flows activated ({})",
+                    f["replica"],
+                    f["detect_ms"],
+                    f["activate_ms"],
+                    f["steer_ms"],
+                    f["activated"],
+                    f["evidence"].as_str().unwrap_or("")
+                );
+            }
+            Ok(())
+        }
+        HaOp::Protect {
+            policy,
+            hz,
+            replica,
+        } => {
+            let mut body = serde_json::Map::new();
+            if let Some(p) = policy {
+                body.insert("policy".into(), json!(p));
+            }
+            if let Some(h) = hz {
+                body.insert("hz".into(), json!(h));
+            }
+            if let Some(r) = replica {
+                body.insert("replica".into(), json!(r));
+            }
+            let v = call(&a.conn, "POST", "/v1/ha/protect", Some(Value::Object(body)))?;
+            if a.conn.json {
+                return print_json(&v);
+            }
+            println!(
+                "policy {} at {} Hz (token {})",
+                v["policy"].as_str().unwrap_or("?"),
+                v["hz"],
+                v["token"]
+            );
+            if let Some(m) = v["replicas"].as_object() {
+                for (name, ans) in m {
+                    if ans["ok"] == true {
+                        println!("  {name}: protected to {}", ans["backups"]);
+                    } else {
+                        println!("  {name}: failed: {}", ans["error"].as_str().unwrap_or("?"));
+                    }
+                }
+            }
+            Ok(())
+        }
+    }
 }

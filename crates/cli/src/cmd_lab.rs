@@ -40,6 +40,13 @@ enum LabCmd {
         /// Also serve a 100 MB file (generation takes a second or two).
         #[arg(long)]
         big_file: bool,
+        /// Number of replicas (2+ are steered by pliant-steer's tc-BPF program).
+        #[arg(long, default_value_t = 1)]
+        replicas: u8,
+        /// High availability (pliant modes): a replication secret (repl.secret, 0600) and an
+        /// [ha] section in every replica config, so replicas can protect each other.
+        #[arg(long)]
+        ha: bool,
     },
     /// Remove a lab (processes, namespaces, run directory), also after a crash.
     Down {
@@ -77,12 +84,16 @@ pub fn run(a: LabArgs) -> Result<(), String> {
             name,
             disable_offloads,
             big_file,
+            replicas,
+            ha,
         } => {
             let mode = ReplicaMode::parse(&mode).ok_or(format!("unknown mode {mode}"))?;
             let mut spec = LabSpec::new(mode);
             spec.name = name;
             spec.detached = true;
             spec.disable_offloads = disable_offloads;
+            spec.replicas = replicas;
+            spec.ha = ha;
             spec.run_root = a.run_root;
             spec.pliant_bin = Some(self_exe()?);
             if big_file {

@@ -7,6 +7,7 @@ mod cmd_bench;
 mod cmd_bench_elastic;
 mod cmd_bench_ha;
 mod cmd_controller;
+mod cmd_hub;
 mod cmd_lab;
 mod cmd_pg;
 mod cmd_replica;
@@ -50,6 +51,10 @@ enum Cmd {
     Scale(cmd_controller::ScaleArgs),
     /// Show or change the controller's elasticity policy.
     Policy(cmd_controller::PolicyArgs),
+    /// High availability through the controller: replication status, (re-)protection.
+    Ha(cmd_controller::HaArgs),
+    /// Run the coherence hub: shared state (combiners, SYNCH locks) across replica processes.
+    Hub(cmd_hub::HubArgs),
 }
 
 fn main() {
@@ -68,6 +73,8 @@ fn main() {
         Cmd::Migrate(a) => cmd_controller::migrate(a),
         Cmd::Scale(a) => cmd_controller::scale(a),
         Cmd::Policy(a) => cmd_controller::policy(a),
+        Cmd::Ha(a) => cmd_controller::ha(a),
+        Cmd::Hub(a) => cmd_hub::run(a),
     };
     if let Err(e) = res {
         eprintln!("pliant: error: {e}");

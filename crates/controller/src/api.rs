@@ -10,6 +10,8 @@
 //! | GET | /v1/policy | | the policy |
 //! | POST | /v1/policy | `{"set":{"k":"v",...}}` | changes it (all or nothing) |
 //! | POST | /v1/policy/evaluate | | runs the policy once now |
+//! | GET | /v1/ha | | HA view: config, token, failovers (timings), each replica's `ha_status` |
+//! | POST | /v1/ha/protect | `{"policy":"chords","hz":1000,"replica":"r1"}` (all optional) | (re-)protects now |
 
 use crate::controller::{Controller, ControllerError};
 use crate::http::{Request, Response};
@@ -112,6 +114,25 @@ fn route(c: &Arc<Controller>, r: &Request) -> Result<Value, Response> {
                 .map_err(err)
         }
         ("POST", "/v1/policy/evaluate") => c.policy_tick(true).map_err(err),
+        ("GET", "/v1/ha") => Ok(c.ha_view()),
+        ("POST", "/v1/ha/protect") => {
+            let b = body_json(r)?;
+            let policy = match b.get("policy") {
+                None | Some(Value::Null) => None,
+                Some(Value::String(s)) => Some(s.as_str()),
+                Some(_) => return Err(Response::error(400, "policy: expected a string")),
+            };
+            let hz = match b.get("hz") {
+                None | Some(Value::Null) => None,
+                Some(v) => Some(
+                    v.as_u64()
+                        .and_then(|x| u32::try_from(x).ok())
+                        .ok_or_else(|| Response::error(400, "hz: expected a positive integer"))?,
+                ),
+            };
+            c.ha_protect(policy, hz, field_replica(&b, "replica")?)
+                .map_err(err)
+        }
         (
             _,
             "/v1/status"
@@ -120,7 +141,9 @@ fn route(c: &Arc<Controller>, r: &Request) -> Result<Value, Response> {
             | "/v1/scale/out"
             | "/v1/scale/in"
             | "/v1/policy"
-            | "/v1/policy/evaluate",
+            | "/v1/policy/evaluate"
+            | "/v1/ha"
+            | "/v1/ha/protect",
         ) => Err(Response::error(405, "method not allowed")),
         _ => Err(Response::error(
             404,

@@ -17,6 +17,9 @@ pub struct ControllerConfig {
     pub ports: Option<PortsSection>,
     #[serde(default)]
     pub policy: Option<Policy>,
+    /// High availability (Pico replication, issue 4); absent = off.
+    #[serde(default)]
+    pub ha: Option<crate::ha::HaConfig>,
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -158,6 +161,9 @@ impl ControllerConfig {
         if let Some(p) = &c.policy {
             p.check().map_err(|e| bad(e.to_string()))?;
         }
+        if let Some(h) = &c.ha {
+            h.check().map_err(|e| bad(format!("ha: {e}")))?;
+        }
         if let Some(l) = &c.lab {
             if l.steering != "attach" && l.steering != "none" {
                 return Err(bad(format!(
@@ -232,6 +238,30 @@ low_water_flows = 10
         assert_eq!(c.controller.api_tcp.as_deref(), Some("127.0.0.1:7400"));
         assert_eq!(c.policy.unwrap().high_water_flows, 100);
         assert_eq!(c.ports.unwrap().block, 4000);
+    }
+
+    #[test]
+    fn ha_section_parses_with_defaults_and_is_validated() {
+        let c = p("[controller]\n[ha]\n").unwrap();
+        let h = c.ha.unwrap();
+        assert_eq!(h.mode, crate::ha::HaMode::Pico);
+        assert_eq!(h.policy, crate::ha::PolicyKind::Chords);
+        assert_eq!(h.hz, 1000);
+        assert_eq!(h.watch_ms, 10);
+        let c = p("[controller]\n[ha]\nmode = \"remus\"\nremus_hz = 40\npolicy = \"single\"\n")
+            .unwrap();
+        assert_eq!(c.ha.unwrap().mode, crate::ha::HaMode::Remus);
+        for (text, needle) in [
+            ("[controller]\n[ha]\nmode = \"raid\"\n", "mode"),
+            ("[controller]\n[ha]\nhz = 0\n", "hz"),
+            ("[controller]\n[ha]\nhz = 200000\n", "hz"),
+            ("[controller]\n[ha]\nwatch_ms = 0\n", "watch_ms"),
+            ("[controller]\n[ha]\nvnodes = 0\n", "vnodes"),
+            ("[controller]\n[ha]\nbogus = 1\n", "unknown field"),
+        ] {
+            let e = p(text).expect_err(text).to_string();
+            assert!(e.contains(needle), "{text:?}: {e}");
+        }
     }
 
     #[test]

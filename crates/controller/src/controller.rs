@@ -8,6 +8,7 @@
 //! Lock order when both are needed: ops -> steering -> store -> state.
 
 use crate::agent::Agent;
+use crate::ha::HaConfig;
 use crate::migrator::{MigrateError, Migrator};
 use crate::policy::{self, Decision, Move, Policy, ReplicaLoad};
 use crate::ports::PortBlocks;
@@ -86,6 +87,8 @@ pub struct Settings {
     pub rpc_timeout: Duration,
     /// NAT port blocks: (pool, blocks per replica); None when the NF needs none.
     pub port_blocks: Option<(PortBlocks, usize)>,
+    /// High availability (`[ha]`); `HaConfig::off()` without one.
+    pub ha: HaConfig,
 }
 
 impl Default for Settings {
@@ -95,6 +98,7 @@ impl Default for Settings {
             dead_after_missed: 5,
             rpc_timeout: Duration::from_secs(2),
             port_blocks: None,
+            ha: HaConfig::off(),
         }
     }
 }
@@ -120,6 +124,9 @@ pub struct Health {
     pub last_error: Option<String>,
     /// Leaving (scale-in in progress): out of the ring, not a migration target.
     pub draining: bool,
+    /// Declared dead with HA on: fenced, its flows activated elsewhere. Never revived (a
+    /// revived old owner must not act on ownership it lost; design invariant 7).
+    pub failed_over: bool,
     #[serde(skip)]
     last_rx: Option<(Instant, u64)>,
 }
@@ -136,6 +143,7 @@ pub struct Counters {
     pub replicas_died: AtomicU64,
     pub unparsable_keys: AtomicU64,
     pub events_dropped: AtomicU64,
+    pub ha: HaCounters,
 }
 
 struct State {
@@ -146,6 +154,7 @@ struct State {
     last_action: Option<Instant>,
     events: VecDeque<Value>,
     last_scale_out_ms: Option<u64>,
+    ha: HaState,
 }
 
 pub struct Controller {
@@ -157,6 +166,9 @@ pub struct Controller {
     agent: Mutex<Option<Box<dyn Agent>>>,
     migrator: Box<dyn Migrator>,
     pub counters: Counters,
+    /// Serialises failovers (never held together with `ops`: a failover must not wait behind a
+    /// long migration).
+    ha_lock: Mutex<()>,
 }
 
 fn now_ms() -> u64 {
@@ -178,6 +190,10 @@ const K_PORTS: &str = "ports";
 const K_EXCEPTIONS: &str = "exceptions";
 const K_RING: &str = "ring";
 const P_REPLICAS: &str = "replicas/";
+
+mod failover;
+pub use failover::HaCounters;
+use failover::HaState;
 
 impl Controller {
     /// Builds the controller: loads policy/epoch/ports from the store, registers the replicas
@@ -201,6 +217,7 @@ impl Controller {
             }
         };
         let epoch = store::get_json::<u64>(store.as_ref(), K_EPOCH)?.unwrap_or(0);
+        let ha = HaState::load(store.as_ref(), &settings.ha)?;
         let ports = match store::get_json::<PortBlocks>(store.as_ref(), K_PORTS)? {
             Some(p) => Some(p),
             None => settings.port_blocks.as_ref().map(|(p, _)| p.clone()),
@@ -228,9 +245,11 @@ impl Controller {
                 )
             });
         }
-        // Everything known starts alive: the first heartbeats decide otherwise.
-        for (_, h) in replicas.values_mut() {
-            h.alive = true;
+        // Everything known starts alive (the first heartbeats decide otherwise), except
+        // replicas that failed over before a restart: they stay fenced and dead.
+        for (i, (_, h)) in replicas.iter_mut() {
+            h.failed_over = ha.failed.contains_key(i);
+            h.alive = !h.failed_over;
         }
         let c = Controller {
             settings,
@@ -242,6 +261,7 @@ impl Controller {
                 last_action: None,
                 events: VecDeque::new(),
                 last_scale_out_ms: None,
+                ha,
             }),
             ops: Mutex::new(()),
             steering: Mutex::new(steering),
@@ -249,8 +269,13 @@ impl Controller {
             agent: Mutex::new(agent),
             migrator,
             counters: Counters::default(),
+            ha_lock: Mutex::new(()),
         };
         c.install_initial()?;
+        if c.ha_enabled() {
+            // Lease ownership tokens now, so no failover waits for a store write.
+            c.lease_tokens()?;
+        }
         Ok(c)
     }
 
@@ -391,9 +416,11 @@ impl Controller {
         let targets: Vec<(u32, PathBuf)> = lock(&self.state)
             .replicas
             .iter()
+            .filter(|(_, (_, h))| !h.failed_over)
             .map(|(i, (r, _))| (*i, r.socket.clone()))
             .collect();
         let timeout = self.settings.rpc_timeout.min(Duration::from_millis(500));
+        let ha_on = self.ha_enabled();
         let mut died = Vec::new();
         let mut revived = Vec::new();
         for (i, sock) in targets {
@@ -437,6 +464,17 @@ impl Controller {
             }
         }
         for i in died {
+            if ha_on {
+                // Unanswered heartbeats are evidence too (a hung replica still accepts
+                // connections, so the connect probe cannot see it): fail it over.
+                if let Err(e) = self.failover(i, "missed heartbeats") {
+                    self.event(
+                        "failover_error",
+                        json!({"replica": i, "error": e.to_string()}),
+                    );
+                }
+                continue;
+            }
             self.counters.replicas_died.fetch_add(1, Ordering::Relaxed);
             self.event("replica_dead", json!({"replica": i}));
             // New flows must not be hashed onto a dead replica; its pinned flows are lost
@@ -451,6 +489,9 @@ impl Controller {
                     json!({"replica": i, "error": e.to_string()}),
                 );
             }
+        }
+        if ha_on {
+            self.ha_poll();
         }
         for i in revived {
             self.event("replica_alive", json!({"replica": i}));
@@ -494,6 +535,7 @@ impl Controller {
                     "index": r.index, "name": format!("r{}", r.index),
                     "socket": r.socket, "managed": r.managed,
                     "alive": h.alive, "draining": h.draining, "missed": h.missed,
+                    "failed_over": h.failed_over,
                     "beats": h.beats, "flows": h.flows, "pps": h.pps,
                     "last_error": h.last_error,
                     "port_blocks": st.ports.as_ref().map(|p| p.of(r.index).iter()
@@ -517,6 +559,7 @@ impl Controller {
                 "unparsable_keys": g(&c.unparsable_keys), "events_dropped": g(&c.events_dropped),
             },
             "steering": steer,
+            "ha": self.ha_summary(&st),
             "events": st.events.iter().rev().take(20).collect::<Vec<_>>(),
         })
     }
@@ -834,6 +877,9 @@ impl Controller {
         self.install_ring()?;
         let epoch = self.bump_epoch()?;
         let serving_ms = t0.elapsed().as_millis() as u64;
+        // The new replica can back others up and needs protecting itself: every live replica
+        // gets a policy over the grown set (chords spread over the new member too).
+        let protect = self.protect_all();
         {
             let mut st = lock(&self.state);
             st.last_action = Some(Instant::now());
@@ -846,7 +892,7 @@ impl Controller {
         );
         Ok(
             json!({"ok": true, "replica": rec.index, "process_ready_ms": started.ready_ms,
-            "serving_ms": serving_ms, "epoch": epoch}),
+            "serving_ms": serving_ms, "epoch": epoch, "protect": protect}),
         )
     }
 
@@ -973,6 +1019,9 @@ impl Controller {
         lock(&self.store).delete(&format!("{P_REPLICAS}{v}"))?;
         lock(&self.state).replicas.remove(&v);
         let epoch = self.bump_epoch()?;
+        // Survivors that backed v up are protected elsewhere now; those it backed up too.
+        self.forget_replica_ha(v);
+        self.protect_all();
         lock(&self.state).last_action = Some(Instant::now());
         self.counters.scale_ins.fetch_add(1, Ordering::Relaxed);
         let ms = t0.elapsed().as_millis() as u64;
@@ -1053,8 +1102,16 @@ impl Controller {
     }
 
     /// Removes exceptions for flows no replica holds any more (the flow ended after moving).
+    /// Also retires failed-over replicas none of whose handed-over flows is steered any more
+    /// (their NAT port blocks return to the pool, the agent removes them).
     pub fn gc_exceptions(&self) -> Result<usize> {
         let _ops = lock(&self.ops);
+        let n = self.gc_exceptions_locked()?;
+        self.retire_failed()?;
+        Ok(n)
+    }
+
+    fn gc_exceptions_locked(&self) -> Result<usize> {
         let saved: BTreeMap<String, u32> =
             store::get_json(lock(&self.store).as_ref(), K_EXCEPTIONS)?.unwrap_or_default();
         if saved.is_empty() {

@@ -7,7 +7,7 @@ use crate::controller::{Controller, Settings};
 use crate::http::{Listen, Server};
 use crate::migrator::Migrator;
 use crate::ports::PortBlocks;
-use crate::steering::{FabricSteering, MemSteering, Steering};
+use crate::steering::{FabricSteering, LabLinkSteering, MemSteering, Steering};
 use crate::store::FileStore;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -62,6 +62,7 @@ pub fn build(
         dead_after_missed: c.dead_after_missed,
         rpc_timeout: Duration::from_millis(c.rpc_timeout_ms),
         port_blocks,
+        ha: cfg.ha.clone().unwrap_or_else(crate::ha::HaConfig::off),
     };
     let statics: Vec<(u32, std::path::PathBuf)> = cfg
         .replica
@@ -88,6 +89,14 @@ pub fn build(
             let steering: Box<dyn Steering> = if l.steering == "attach" {
                 let ns = format!("{}-fabric", l.name);
                 Box::new(FabricSteering::attach_lab(&ns, &known, l.nat_addr)?)
+            } else if cfg.ha.is_some() {
+                // No BPF steering but HA on: fencing falls back to taking the replica's
+                // fabric links down (lab only).
+                Box::new(LabLinkSteering {
+                    mem: MemSteering::default(),
+                    lab: l.name.clone(),
+                    run_root: l.run_root.clone(),
+                })
             } else {
                 Box::new(MemSteering::default())
             };
@@ -106,13 +115,27 @@ pub fn build(
     )?)
 }
 
-/// Spawns the heartbeat, policy and GC loops; they end when `stop` is set.
+/// Spawns the heartbeat, policy and GC loops, and with HA on the liveness watch (after
+/// protecting every replica once); they end when `stop` is set.
 pub fn spawn_loops(
     ctl: &Arc<Controller>,
     cfg: &ControllerConfig,
     stop: &Arc<AtomicBool>,
 ) -> Vec<std::thread::JoinHandle<()>> {
     let mut v = Vec::new();
+    if ctl.ha_enabled() {
+        let (c, s) = (Arc::clone(ctl), Arc::clone(stop));
+        v.push(std::thread::spawn(move || {
+            let r = c.protect_all();
+            tracing::info!(answers = %r, "initial protect");
+            let every = c.ha_watch_interval();
+            while !s.load(Ordering::SeqCst) {
+                let t = Instant::now();
+                c.ha_watch_once();
+                std::thread::sleep(every.saturating_sub(t.elapsed()));
+            }
+        }));
+    }
     let (c, s) = (Arc::clone(ctl), Arc::clone(stop));
     let hb = ctl.heartbeat_interval();
     v.push(std::thread::spawn(move || {

@@ -10,6 +10,8 @@
 //!   optional TCP), bearer token from a 0600 file.
 //! - [`agent`]: starting/stopping replicas (`LabAgent`: namespaces of a running lab).
 //! - [`steering`]: the fabric behind a trait (`FabricSteering`: pliant-steer's tc-BPF maps).
+//! - [`ha`]: high availability (Pico replication): `[ha]` config, protection policies,
+//!   liveness probe; failover and re-protection live in `controller/failover.rs`.
 //! - [`daemon`]: `pliant controller --config ctl.toml`.
 
 pub mod agent;
@@ -18,6 +20,7 @@ pub mod auth;
 pub mod config;
 pub mod controller;
 pub mod daemon;
+pub mod ha;
 pub mod http;
 pub mod migrator;
 pub mod policy;

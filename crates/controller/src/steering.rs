@@ -24,17 +24,21 @@ pub trait Steering: Send {
     fn set_port_owner(&mut self, range: RangeInclusive<u16>, owner: Option<u32>) -> Result<()>;
     /// Drops the fabric's learned pins to `index` (after it is drained).
     fn flush_pins(&mut self, index: u32) -> Result<usize>;
+    /// Fences replica `index` (design invariant 7): nothing it emits leaves the fabric and
+    /// nothing is delivered to it, until unfenced or a new replica takes the slot.
+    fn set_fenced(&mut self, index: u32, fenced: bool) -> Result<()>;
     /// Counters, for `status`.
     fn stats(&self) -> serde_json::Value;
 }
 
 /// In-memory steering: records the state it was told (tests, and running without a fabric).
-#[derive(Default, Debug)]
+#[derive(Default, Debug, Clone)]
 pub struct MemSteering {
     pub live: BTreeMap<u32, bool>,
     pub ring: Vec<u32>,
     pub exceptions: BTreeMap<FlowKey, u32>,
     pub port_owner: BTreeMap<u16, u32>,
+    pub fenced: BTreeMap<u32, bool>,
 }
 
 impl Steering for MemSteering {
@@ -77,8 +81,19 @@ impl Steering for MemSteering {
     fn flush_pins(&mut self, _index: u32) -> Result<usize> {
         Ok(0)
     }
+    fn set_fenced(&mut self, index: u32, fenced: bool) -> Result<()> {
+        self.fenced.insert(index, fenced);
+        Ok(())
+    }
     fn stats(&self) -> serde_json::Value {
-        serde_json::json!({"backend": "memory", "exceptions": self.exceptions.len(), "ring": self.ring})
+        let fenced: Vec<u32> = self
+            .fenced
+            .iter()
+            .filter(|(_, f)| **f)
+            .map(|(i, _)| *i)
+            .collect();
+        serde_json::json!({"backend": "memory", "exceptions": self.exceptions.len(),
+            "ring": self.ring, "fenced": fenced})
     }
 }
 
@@ -94,12 +109,20 @@ pub struct FabricSteering {
 
 impl FabricSteering {
     /// Attaches steering in the fabric namespace `ns` over `replicas`, with `nat_addr` (the
-    /// shared external address) steered by port block.
+    /// shared external address) steered by port block. If the lab already runs BPF steering
+    /// with pinned maps (a 2+-replica lab), this takes it over: the old maps' placement
+    /// (replica slots, ring, exceptions, conn pins, port owners) is adopted, the filters are
+    /// replaced by ours, and the pins are ours from then on.
     pub fn attach_lab(
         ns: &str,
         replicas: &[u32],
         nat_addr: Option<std::net::IpAddr>,
     ) -> Result<FabricSteering> {
+        let pins = pliant_steer::lab::pin_dir(ns);
+        let opts = pliant_steer::SteerOptions {
+            pin_dir: pins.join("config").exists().then_some(pins),
+            ..Default::default()
+        };
         let mut ports = pliant_steer::lab::lab_ports(0);
         for &n in replicas {
             ports.replicas.push(pliant_steer::ReplicaPorts {
@@ -108,9 +131,7 @@ impl FabricSteering {
                 out_port: format!("fabr{n}out"),
             });
         }
-        let mut steer =
-            pliant_steer::Steer::attach(ns, &ports, &pliant_steer::SteerOptions::default())
-                .map_err(serr)?;
+        let mut steer = pliant_steer::Steer::attach(ns, &ports, &opts).map_err(serr)?;
         if let Some(a) = nat_addr {
             steer.add_nat_addr(a).map_err(serr)?;
         }
@@ -160,14 +181,65 @@ impl Steering for FabricSteering {
     fn flush_pins(&mut self, index: u32) -> Result<usize> {
         self.steer.flush_conn_for(index).map_err(serr)
     }
+    fn set_fenced(&mut self, index: u32, fenced: bool) -> Result<()> {
+        self.steer.set_replica_fenced(index, fenced).map_err(serr)
+    }
     fn stats(&self) -> serde_json::Value {
         match self.steer.stats() {
             Ok(s) => {
                 let m: serde_json::Map<String, serde_json::Value> =
                     s.named().map(|(k, v)| (k.to_string(), v.into())).collect();
-                serde_json::json!({"backend": "tc-bpf", "netns": self.steer.netns(), "counters": m})
+                let fenced = self.steer.fenced_replicas().unwrap_or_default();
+                serde_json::json!({"backend": "tc-bpf", "netns": self.steer.netns(),
+                    "counters": m, "fenced": fenced})
             }
             Err(e) => serde_json::json!({"backend": "tc-bpf", "error": e.to_string()}),
         }
+    }
+}
+
+/// No BPF steering (a 1-replica lab's tc mirred patch panel): placement is only recorded
+/// ([`MemSteering`]), but fencing is real, by the lab-only fallback of taking the replica's
+/// fabric-side veths down (`pliant_lab::ha::fence_by_name`).
+pub struct LabLinkSteering {
+    pub mem: MemSteering,
+    pub lab: String,
+    pub run_root: std::path::PathBuf,
+}
+
+impl Steering for LabLinkSteering {
+    fn add_replica(&mut self, index: u32) -> Result<()> {
+        self.mem.add_replica(index)
+    }
+    fn set_live(&mut self, index: u32, live: bool) -> Result<()> {
+        self.mem.set_live(index, live)
+    }
+    fn set_ring(&mut self, live: &[u32]) -> Result<()> {
+        self.mem.set_ring(live)
+    }
+    fn set_exceptions(&mut self, entries: &[(FlowKey, u32)]) -> Result<()> {
+        self.mem.set_exceptions(entries)
+    }
+    fn remove_exceptions(&mut self, keys: &[FlowKey]) -> Result<usize> {
+        self.mem.remove_exceptions(keys)
+    }
+    fn exceptions(&self) -> Result<Vec<(FlowKey, u32)>> {
+        self.mem.exceptions()
+    }
+    fn set_port_owner(&mut self, range: RangeInclusive<u16>, owner: Option<u32>) -> Result<()> {
+        self.mem.set_port_owner(range, owner)
+    }
+    fn flush_pins(&mut self, index: u32) -> Result<usize> {
+        self.mem.flush_pins(index)
+    }
+    fn set_fenced(&mut self, index: u32, fenced: bool) -> Result<()> {
+        let n = u8::try_from(index).map_err(|_| SteeringError(format!("no replica r{index}")))?;
+        pliant_lab::ha::fence_by_name(&self.run_root, &self.lab, n, fenced).map_err(serr)?;
+        self.mem.set_fenced(index, fenced)
+    }
+    fn stats(&self) -> serde_json::Value {
+        let mut v = self.mem.stats();
+        v["backend"] = "lab-links".into();
+        v
     }
 }

@@ -131,6 +131,11 @@ pub struct LabSpec {
     pub run_root: PathBuf,
     /// Print progress lines to stderr.
     pub progress: bool,
+    /// High availability (issue 4; pliant modes only): the lab writes a replication secret
+    /// (`repl.secret`, 0600) and gives every replica config an `[ha]` section (its replication
+    /// socket beside the control socket, the secret), so any replica can be a primary or a
+    /// backup. Replicas added later by `scale::add_replica` inherit it.
+    pub ha: bool,
 }
 
 impl LabSpec {
@@ -149,6 +154,7 @@ impl LabSpec {
             detached: false,
             run_root: PathBuf::from(DEFAULT_RUN_ROOT),
             progress: true,
+            ha: false,
         }
     }
 
@@ -339,6 +345,20 @@ impl Lab {
     }
     pub fn nginx_access_log(&self) -> PathBuf {
         self.state.run_dir.join("nginx-access.log")
+    }
+    /// The replication secret (exists when the lab was built with [`LabSpec::ha`]).
+    pub fn repl_secret(&self) -> PathBuf {
+        crate::ha::secret_path(&self.state.run_dir)
+    }
+    /// Replica `n`'s replication socket (`[ha] repl_socket`).
+    pub fn repl_socket(&self, n: u8) -> PathBuf {
+        crate::ha::repl_socket(&self.state.run_dir, n)
+    }
+    /// PID of replica `n`'s `pliant replica` process (also for replicas added later by
+    /// `scale::add_replica`: read from `state.json`), if it is still running.
+    pub fn replica_pid(&self, n: u8) -> Option<i32> {
+        let st = state::LabState::load(&self.state.path()).unwrap_or_else(|_| self.state.clone());
+        crate::ha::replica_pid(&st, n)
     }
     /// The replica's log file (stdout and stderr of `pliant replica`).
     pub fn replica_log(&self, n: u8) -> PathBuf {
@@ -569,6 +589,14 @@ impl Lab {
             )?;
         }
         self.steer = fabric::install(&fab, replicas)?;
+        if spec.ha {
+            if !matches!(spec.mode, ReplicaMode::Pliant { .. }) {
+                return Err(LabError::Config(
+                    "ha = true needs a pliant replica mode".into(),
+                ));
+            }
+            crate::ha::write_secret(&self.repl_secret())?;
+        }
         self.start_servers(spec)?;
         for n in 1..=replicas {
             self.setup_replica(spec, n)?;
@@ -603,7 +631,13 @@ impl Lab {
             }
             ReplicaMode::Pliant { config } => {
                 let sock = self.state.run_dir.join(format!("r{n}.sock"));
-                let cfg = replica_config(n, &sock, config);
+                let mut cfg = replica_config(n, &sock, config);
+                if spec.ha {
+                    cfg.nf_sections.insert(
+                        "ha".into(),
+                        toml::Value::Table(crate::ha::ha_section(&self.state.run_dir, n)),
+                    );
+                }
                 let text = toml::to_string(&cfg).map_err(|e| LabError::Config(e.to_string()))?;
                 let cfg_path = self.state.run_dir.join(format!("r{n}.toml"));
                 std::fs::write(&cfg_path, text).map_err(io_err(&cfg_path))?;

@@ -11,6 +11,7 @@
 pub mod cmd;
 pub mod error;
 pub mod fabric;
+pub mod ha;
 mod lab;
 pub mod scale;
 pub mod state;

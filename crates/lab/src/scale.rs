@@ -299,7 +299,11 @@ fn build(
         )?;
     }
     let cfg = derive_config(template, n, &r.socket);
-    let text = toml::to_string(&cfg).map_err(|e| LabError::Config(e.to_string()))?;
+    // Serialise through a table so that an `[ha]` section (HA labs) can be pointed at this
+    // replica's own replication socket whichever way the config type carries it.
+    let mut table = toml::Table::try_from(&cfg).map_err(|e| LabError::Config(e.to_string()))?;
+    crate::ha::retarget_ha(&mut table, &st.run_dir, n);
+    let text = toml::to_string(&table).map_err(|e| LabError::Config(e.to_string()))?;
     std::fs::write(&r.config, text).map_err(io_err(&r.config))?;
     let log = st.run_dir.join(format!("r{n}.log"));
     let cfg_s = r.config.display().to_string();
@@ -376,6 +380,7 @@ pub fn remove_replica(lab: &str, n: u8, opts: &ScaleOptions) -> Result<()> {
         cmd::run_ok(&argv(&["ip", "netns", "del", &ns]), SETUP_TIMEOUT)?;
     }
     let _ = std::fs::remove_file(dir.join(format!("r{n}.sock")));
+    let _ = std::fs::remove_file(crate::ha::repl_socket(&dir, n));
     modify_state(&dir, |s| {
         s.namespaces.retain(|x| *x != ns);
         s.procs.retain(|p| p.role != role);
@@ -445,5 +450,31 @@ mod tests {
             "own peer socket, not r1's"
         );
         assert_eq!(c.inside.addresses, t.inside.addresses);
+    }
+
+    #[test]
+    fn added_replicas_of_an_ha_lab_get_their_own_repl_socket() {
+        let dir = Path::new("/run/pliant/lab1");
+        let mut t = crate::lab::replica_config(1, &dir.join("r1.sock"), &crate::PliantNf::nat());
+        t.nf_sections.insert(
+            "ha".into(),
+            toml::Value::Table(crate::ha::ha_section(dir, 1)),
+        );
+        let c = derive_config(&t, 5, &dir.join("r5.sock"));
+        let mut table = toml::Table::try_from(&c).expect("table");
+        assert!(crate::ha::retarget_ha(&mut table, dir, 5));
+        let text = toml::to_string(&table).expect("toml");
+        // (Not ReplicaConfig::parse: it refuses sections the runtime does not know yet.)
+        let back: toml::Table = toml::from_str(&text).expect("reparse");
+        let ha = back["ha"].clone();
+        assert_eq!(back["replica"]["name"].as_str(), Some("r5"));
+        assert_eq!(
+            ha["repl_socket"].as_str(),
+            Some("/run/pliant/lab1/r5.repl.sock")
+        );
+        assert_eq!(
+            ha["repl_secret"].as_str(),
+            Some("/run/pliant/lab1/repl.secret")
+        );
     }
 }

@@ -258,7 +258,11 @@ fn two_replicas_are_steered_by_bpf_and_flows_spread_over_both() {
             &["tc", "filter", "show", "dev", "fabclient", "ingress"],
         )
         .expect("tc");
-    assert!(filters.stdout.contains("pliant_steer"), "{}", filters.stdout);
+    assert!(
+        filters.stdout.contains("pliant_steer"),
+        "{}",
+        filters.stdout
+    );
     for i in 0..20 {
         let out = lab
             .exec(
@@ -271,10 +275,9 @@ fn two_replicas_are_steered_by_bpf_and_flows_spread_over_both() {
     }
     // The controller's view: every TCP connection pinned, both replicas used (a 20-flow
     // all-on-one split has probability 2^-19).
-    let maps = pliant_steer::SteerMaps::open_pinned(&pliant_steer::lab::pin_dir(
-        &lab.netns(Role::Fabric),
-    ))
-    .expect("open pinned maps");
+    let maps =
+        pliant_steer::SteerMaps::open_pinned(&pliant_steer::lab::pin_dir(&lab.netns(Role::Fabric)))
+            .expect("open pinned maps");
     let owners: std::collections::BTreeSet<u32> = maps
         .conn_entries()
         .expect("conn")

@@ -155,6 +155,13 @@ struct Group {
     /// The next checkpoint is `full` (first one, or the backup lost what we sent).
     needs_full: bool,
     dirty: Vec<FlowKey>,
+    /// Flows that moved from this group to another one and were shipped here: this backup's
+    /// copy must go (else a failover activates the flow on two survivors, invariant 1), but
+    /// only once the successor group acknowledged the checkpoint carrying it (else, for a
+    /// moment, no backup would hold it). `(key, successor group, successor seq)`.
+    evict: Vec<(FlowKey, GroupId, u64)>,
+    /// Evictions whose successor acknowledged: shipped as `Deleted` in the next checkpoint.
+    deletes: Vec<FlowKey>,
     /// Last seq shipped (0: none yet).
     last_seq: u64,
     checkpoints: u64,
@@ -218,6 +225,10 @@ pub struct ReplStats {
     /// Remus epochs postponed because a flow was busy.
     pub remus_postponed: u64,
     pub resyncs: u64,
+    /// Retired groups whose old backup copy was cleared (flows moved to other groups).
+    pub standby_cleared: u64,
+    /// Flows deleted from a backup after moving to another group (and being acked there).
+    pub standby_evicted: u64,
 }
 
 /// What happens to one output packet.
@@ -354,6 +365,8 @@ impl HaPrimary {
                         retiring: false,
                         needs_full: true,
                         dirty: Vec::new(),
+                        evict: Vec::new(),
+                        deletes: Vec::new(),
                         last_seq: 0,
                         checkpoints: 0,
                         bytes_shipped: 0,
@@ -393,9 +406,14 @@ impl HaPrimary {
             }
         };
         let mut gone = Vec::new();
+        // (key, old group, new group) of flows the old group's backup holds.
+        let mut moved = Vec::new();
         for (k, rep) in ha.reps.iter_mut() {
             let g = wire_of(assigner.assign(k));
             if g != rep.group {
+                if rep.shipped.is_some() {
+                    moved.push((*k, rep.group, g));
+                }
                 rep.group = g;
                 rep.shipped = None;
                 rep.base.clear();
@@ -407,6 +425,21 @@ impl HaPrimary {
         }
         for k in gone {
             ha.forget(&k);
+        }
+        for (k, old, new) in moved {
+            // The successor's next checkpoint carries the flow (its copy was reset above).
+            let wait = if new == 0 {
+                None
+            } else {
+                ha.gate.open_seq(new)
+            };
+            if let Some(og) = ha.groups.iter_mut().find(|g| g.id == old) {
+                match wait {
+                    Some(seq) => og.evict.push((k, new, seq)),
+                    // Unprotected from now on: no successor to wait for.
+                    None => og.deletes.push(k),
+                }
+            }
         }
         for g in ha.groups.iter_mut() {
             g.dirty.clear();
@@ -749,17 +782,57 @@ impl HaPrimary {
             }
         }
         self.acks = acks;
-        // Retiring groups leave once nothing waits for them.
+        // Evictions whose successor acknowledged the checkpoint carrying the flow (or whose
+        // successor is gone) become `Deleted` updates for the old backup.
+        for gi in 0..self.groups.len() {
+            if self.groups[gi].evict.is_empty() {
+                continue;
+            }
+            let evict = std::mem::take(&mut self.groups[gi].evict);
+            let mut keep = Vec::with_capacity(evict.len());
+            for (k, succ, seq) in evict {
+                let alive = self.gate.has_group(succ);
+                if !alive || self.gate.acked_seq(succ).is_some_and(|a| a >= seq) {
+                    self.groups[gi].deletes.push(k);
+                } else {
+                    keep.push((k, succ, seq));
+                }
+            }
+            self.groups[gi].evict = keep;
+        }
+        // Retiring groups leave once nothing waits for them and every flow they held is safe
+        // in its successor group; leaving clears the old backup's copy with an empty full
+        // checkpoint (same reason as `evict`).
         let mut i = 0;
         while i < self.groups.len() {
             let g = &self.groups[i];
-            if g.retiring && self.gate.held_len(g.id) == 0 {
-                let id = g.id;
-                self.gate.remove_group(id, tick, released);
-                self.groups.remove(i);
-            } else {
+            if !(g.retiring && g.evict.is_empty() && self.gate.held_len(g.id) == 0) {
                 i += 1;
+                continue;
             }
+            let id = g.id;
+            if g.state == GroupState::Up && !self.links[g.link].dead {
+                let seq = self.gate.open_seq(id).unwrap_or(g.last_seq + 1);
+                let clear = Checkpoint {
+                    group: id,
+                    seq,
+                    full: true,
+                    flows: Vec::new(),
+                    shared: None,
+                };
+                match self.links[g.link].link.send(clear) {
+                    Ok(()) => self.repl.standby_cleared += 1,
+                    // Queue full: try again next round.
+                    Err(LinkError::Full) => {
+                        i += 1;
+                        continue;
+                    }
+                    // A dead backup holds nothing anyone will activate through us.
+                    Err(LinkError::Dead) => {}
+                }
+            }
+            self.gate.remove_group(id, tick, released);
+            self.groups.remove(i);
         }
         self.drop_idle_links();
         self.out.audit_checked = self.gate.stats.audit_checked;
@@ -1002,10 +1075,21 @@ impl HaPrimary {
         } else {
             dirty
         };
-        if candidates.is_empty() && !full && !self.gate.waits_for_open(id) {
+        // A full checkpoint replaces the group on the backup, which drops moved flows anyway.
+        let deletes = std::mem::take(&mut self.groups[i].deletes);
+        if candidates.is_empty() && deletes.is_empty() && !full && !self.gate.waits_for_open(id) {
             return Shipped::Nothing;
         }
-        let mut flows = Vec::with_capacity(candidates.len());
+        let mut flows = Vec::with_capacity(candidates.len() + deletes.len());
+        if !full {
+            for k in &deletes {
+                flows.push(FlowUpdate {
+                    key: *k,
+                    version: 0,
+                    body: UpdateBody::Deleted,
+                });
+            }
+        }
         // (key, version, bytes) to commit; keys to forget; keys that stay dirty.
         let mut commit: Vec<(FlowKey, u64, Vec<u8>)> = Vec::new();
         let mut forget: Vec<FlowKey> = Vec::new();
@@ -1113,6 +1197,7 @@ impl HaPrimary {
                 // Nothing committed: everything stays dirty for the next try.
                 let g = &mut self.groups[i];
                 if !full {
+                    g.deletes.extend(deletes);
                     g.dirty.extend(commit.iter().map(|c| c.0));
                     g.dirty.extend(forget.iter().copied());
                     g.dirty.extend(later);
@@ -1141,6 +1226,7 @@ impl HaPrimary {
             self.gate
                 .retarget(id, seq, seq + 1, |h: &Held| h.key == Some(p));
         }
+        self.repl.standby_evicted += if full { 0 } else { deletes.len() as u64 };
         let g = &mut self.groups[i];
         g.dirty.extend(later);
         g.last_seq = seq;

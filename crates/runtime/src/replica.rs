@@ -157,6 +157,13 @@ pub fn run<N: NetworkFunction>(cfg: &ReplicaConfig, nf: N) -> Result<(), String>
             pliant_state::SharedConfig::default(),
         )
         .map_err(|e| format!("[shared] hub {}: {e}", sh.hub))?;
+    } else {
+        // Local store, but with this replica's own id: a survivor merging a retiring
+        // replica's combiner contributions (scale-in) refuses an export carrying its own id,
+        // and every replica had id 0 before.
+        let id = pliant_coherence::replica_id_for_name(&cfg.replica.name);
+        engine.ctx.shared = pliant_state::LocalCoherence::new(pliant_state::HubConfig::default())
+            .store(id, pliant_state::SharedConfig::default());
     }
     // HA: a replica with [ha] repl_secret listens for checkpoints (backup role) and may be
     // asked to protect its own flows (primary role).

@@ -22,7 +22,7 @@
 use pliant_state::FlowKey;
 
 /// Version of the map layout; equal to `STEER_LAYOUT_VERSION` in `bpf/steer.bpf.c`.
-pub const LAYOUT_VERSION: u32 = 1;
+pub const LAYOUT_VERSION: u32 = 2;
 /// Replica indexes are `0..MAX_REPLICAS`.
 pub const MAX_REPLICAS: u32 = 64;
 /// Largest ring (slots per half).
@@ -36,6 +36,10 @@ pub const ROLE_REPLICA_IN: u32 = 3;
 pub const ROLE_REPLICA_OUT: u32 = 4;
 
 pub const REPLICA_LIVE: u32 = 1;
+/// Replica slot flag: the replica is fenced (design invariant 7). Frames entering the fabric
+/// from its ports are dropped (counted `drop_fenced`) and nothing is steered to it, so a
+/// partitioned or revived old owner cannot emit output for flows that failed over elsewhere.
+pub const REPLICA_FENCED: u32 = 2;
 pub const CFG_DEBUG_KEY: u32 = 1;
 
 /// `config` map value.
@@ -110,10 +114,11 @@ pub enum Stat {
     DropLayout,
     DropBadReplica,
     IcmpInner,
+    DropFenced,
 }
 
 /// Number of counters (`ST_MAX` in C).
-pub const STAT_COUNT: u32 = 18;
+pub const STAT_COUNT: u32 = 19;
 
 impl Stat {
     pub const ALL: [Stat; STAT_COUNT as usize] = [
@@ -135,6 +140,7 @@ impl Stat {
         Stat::DropLayout,
         Stat::DropBadReplica,
         Stat::IcmpInner,
+        Stat::DropFenced,
     ];
 
     /// Stable snake_case name (used in JSON output).
@@ -158,6 +164,7 @@ impl Stat {
             Stat::DropLayout => "drop_layout",
             Stat::DropBadReplica => "drop_bad_replica",
             Stat::IcmpInner => "icmp_inner",
+            Stat::DropFenced => "drop_fenced",
         }
     }
 }

@@ -379,11 +379,43 @@ impl SteerMaps {
         self.replicas.set(i, v, 0).map_err(map_err("replicas"))
     }
 
-    /// Flips replica `i`'s live flag, keeping its ports. A dead replica's packets are dropped
-    /// (counted as `drop_dead`) until the controller re-homes its flows with exceptions.
+    /// Flips replica `i`'s live flag, keeping its ports and its fence. A dead replica's packets
+    /// are dropped (counted as `drop_dead`) until the controller re-homes its flows with
+    /// exceptions.
     pub fn set_replica_live(&mut self, i: u32, live: bool) -> Result<()> {
-        let r = self.replica(i)?;
-        self.set_replica(i, r.in_ifindex, r.out_ifindex, live)
+        let mut r = self.replica(i)?;
+        r.flags = if live {
+            r.flags | REPLICA_LIVE
+        } else {
+            r.flags & !REPLICA_LIVE
+        };
+        self.replicas.set(i, r, 0).map_err(map_err("replicas"))
+    }
+
+    /// Fences (or unfences) replica slot `i` (design invariant 7): while fenced, every frame
+    /// entering the fabric from its ports is dropped (counted `drop_fenced`) and no packet is
+    /// steered to it, whatever its live flag says. [`set_replica`](Self::set_replica) (a new
+    /// replica in the slot) clears the fence; [`set_replica_live`](Self::set_replica_live)
+    /// keeps it, so a revived old owner stays silenced.
+    pub fn set_replica_fenced(&mut self, i: u32, fenced: bool) -> Result<()> {
+        let mut r = self.replica(i)?;
+        r.flags = if fenced {
+            r.flags | REPLICA_FENCED
+        } else {
+            r.flags & !REPLICA_FENCED
+        };
+        self.replicas.set(i, r, 0).map_err(map_err("replicas"))
+    }
+
+    /// Indexes of the fenced replica slots.
+    pub fn fenced_replicas(&self) -> Result<Vec<u32>> {
+        let mut out = Vec::new();
+        for i in 0..MAX_REPLICAS {
+            if self.replica(i)?.flags & REPLICA_FENCED != 0 {
+                out.push(i);
+            }
+        }
+        Ok(out)
     }
 
     pub fn replica(&self, i: u32) -> Result<ReplicaSlot> {

@@ -319,6 +319,58 @@ fn dead_replica_drops_are_counted_never_redirected() {
     );
 }
 
+/// Invariant 7: a fenced replica's output is dropped in the fabric (counted), nothing is steered
+/// to it, a liveness flip does not lift the fence, and unfencing restores both directions.
+#[test]
+fn fenced_replica_output_is_dropped_and_counted() {
+    let mut r = rig(2);
+    let k = key(35_000, 80);
+    r.steer.set_exception(&k, 2).expect("exception");
+    r.steer.set_replica_fenced(2, true).expect("fence");
+    assert_eq!(r.steer.fenced_replicas().expect("list"), vec![2]);
+    // A revived old owner marked live again stays fenced.
+    r.steer.set_replica_live(2, true).expect("live");
+    let before = r.steer.stats().expect("stats");
+    // Output from both of r2's ports: dropped, never at the outer ports.
+    let (m1, m2) = (marker("fence", 1), marker("fence", 2));
+    r.rin[1].send(&s2c(80, 35_000, &m1));
+    r.rout[1].send(&c2s(35_000, 80, &m2));
+    assert_eq!(count_marked(&r.client.recv_for(WAIT), &m1), 0);
+    assert_eq!(count_marked(&r.server.recv_for(WAIT), &m2), 0);
+    // Input for a flow excepted to r2: not delivered to the fenced replica.
+    let m3 = marker("fence", 3);
+    r.client.send(&c2s(35_000, 80, &m3));
+    assert!(arrived(&r.rin, &m3).is_empty());
+    // r1 (not fenced) still forwards.
+    let m4 = marker("fence", 4);
+    r.rin[0].send(&s2c(80, 35_001, &m4));
+    assert_eq!(count_marked(&r.client.recv_for(WAIT), &m4), 1);
+    let d = r.steer.stats().expect("stats").since(&before);
+    assert_eq!(
+        d.get(Stat::DropFenced),
+        3,
+        "two output frames + one input frame"
+    );
+    assert_eq!(d.get(Stat::ReplicaOut), 1, "only r1's frame left");
+    // Unfenced: r2's output flows again, and the exception reaches it.
+    r.steer.set_replica_fenced(2, false).expect("unfence");
+    assert!(r.steer.fenced_replicas().expect("list").is_empty());
+    let m5 = marker("fence", 5);
+    r.rin[1].send(&s2c(80, 35_000, &m5));
+    assert_eq!(count_marked(&r.client.recv_for(WAIT), &m5), 1);
+    let m6 = marker("fence", 6);
+    r.client.send(&c2s(35_000, 80, &m6));
+    assert_eq!(arrived(&r.rin, &m6), vec![2]);
+    // A new replica in the slot (set_replica) starts unfenced.
+    r.steer.set_replica_fenced(1, true).expect("fence r1");
+    let s = r.steer.replica(1).expect("slot");
+    r.steer
+        .set_replica(1, s.in_ifindex, s.out_ifindex, true)
+        .expect("reset");
+    assert!(r.steer.fenced_replicas().expect("list").is_empty());
+    assert!(r.steer.set_replica_fenced(64, true).is_err());
+}
+
 #[test]
 fn batch_exceptions_install_and_remove() {
     let mut r = rig(2);

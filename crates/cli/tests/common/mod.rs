@@ -2,6 +2,9 @@
 //! file uses every helper).
 #![allow(dead_code)]
 
+/// The HA harness (3-replica HA lab + controller), used by the `e2e_ha_*` tests.
+pub mod ha;
+
 use pliant_lab::{Lab, LabSpec, PliantNf, ReplicaMode};
 use pliant_runtime::config::ReplicaConfig;
 use std::path::PathBuf;

@@ -19,6 +19,12 @@ struct FakeState {
     port_blocks: Option<Value>,
     merged: Vec<Value>,
     down: bool,
+    // HA (the runtime's side of the contract, faked).
+    token: u64,
+    standby: BTreeMap<String, Vec<FlowEntry>>,
+    protects: Vec<Value>,
+    activations: Vec<(String, u64)>,
+    needs_backup: bool,
 }
 
 type Shared = Arc<Mutex<FakeState>>;
@@ -27,6 +33,7 @@ struct FakeReplica {
     path: PathBuf,
     state: Shared,
     stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl FakeReplica {
@@ -38,7 +45,7 @@ impl FakeReplica {
         let state: Shared = Arc::default();
         let stop = Arc::new(AtomicBool::new(false));
         let (st, sp) = (Arc::clone(&state), Arc::clone(&stop));
-        std::thread::spawn(move || loop {
+        let thread = std::thread::spawn(move || loop {
             if sp.load(Ordering::SeqCst) {
                 return;
             }
@@ -70,12 +77,68 @@ impl FakeReplica {
                     g.merged.push(req["bytes"].clone());
                     json!({"ok": true})
                 }
+                Some("protect") => {
+                    let t = req["token"].as_u64().unwrap_or(0);
+                    if t < g.token {
+                        json!({"ok": false, "error": format!("stale token {t} < {}", g.token)})
+                    } else {
+                        g.token = t;
+                        g.protects.push(req["policy"].clone());
+                        g.needs_backup = false;
+                        let groups: Vec<Value> = match req["policy"]["kind"].as_str() {
+                            Some("chords") => req["policy"]["backups"]
+                                .as_array()
+                                .unwrap()
+                                .iter()
+                                .map(|b| json!({"backup": b["name"]}))
+                                .collect(),
+                            Some("single") => {
+                                vec![json!({"backup": req["policy"]["backup"]["name"]})]
+                            }
+                            _ => vec![],
+                        };
+                        json!({"ok": true, "groups": groups})
+                    }
+                }
+                Some("ha_status") => json!({"ok": true, "mode": "pico", "token": g.token,
+                    "groups": [{"id": 1, "state": if g.needs_backup {"unprotected"} else {"up"},
+                        "needs_backup": g.needs_backup}],
+                    "standby": g.standby.iter().map(|(p, f)| json!({"primary": p, "flows": f.len()}))
+                        .collect::<Vec<_>>(),
+                    "output": {"audit_checked": 1, "audit_violations": 0}}),
+                Some("activate") => {
+                    let p = req["primary"].as_str().unwrap_or("").to_string();
+                    let t = req["token"].as_u64().unwrap_or(0);
+                    g.token = g.token.max(t);
+                    g.activations.push((p.clone(), t));
+                    let got = g.standby.remove(&p).unwrap_or_default();
+                    g.flows.extend(got.iter().cloned());
+                    json!({"ok": true, "activated": got.len(), "failed": 0, "flows": got})
+                }
+                Some("drop_standby") => {
+                    let p = req["primary"].as_str().unwrap_or("");
+                    g.standby.remove(p);
+                    json!({"ok": true})
+                }
                 _ => json!({"ok": false, "error": "unknown cmd"}),
             };
             drop(g);
             let _ = writeln!(w, "{ans}");
         });
-        FakeReplica { path, state, stop }
+        FakeReplica {
+            path,
+            state,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    /// What SIGKILL leaves: the socket file stays, nothing listens (ECONNREFUSED).
+    fn kill(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            t.join().unwrap();
+        }
     }
 }
 
@@ -243,12 +306,19 @@ impl Steering for SharedSteer {
     fn flush_pins(&mut self, i: u32) -> crate::steering::Result<usize> {
         self.0.lock().unwrap().flush_pins(i)
     }
+    fn set_fenced(&mut self, i: u32, f: bool) -> crate::steering::Result<()> {
+        self.0.lock().unwrap().set_fenced(i, f)
+    }
     fn stats(&self) -> Value {
         self.0.lock().unwrap().stats()
     }
 }
 
 fn setup(tag: &str, n: u32, policy: Policy) -> (World, SharedSteer, Controller) {
+    setup_with(tag, n, policy, HaConfig::off())
+}
+
+fn setup_with(tag: &str, n: u32, policy: Policy, ha: HaConfig) -> (World, SharedSteer, Controller) {
     let w = World::new(tag);
     let statics: Vec<(u32, PathBuf)> = (1..=n).map(|i| (i, w.add(i))).collect();
     let steer = SharedSteer::default();
@@ -257,6 +327,7 @@ fn setup(tag: &str, n: u32, policy: Policy) -> (World, SharedSteer, Controller) 
         dead_after_missed: 3,
         rpc_timeout: Duration::from_secs(2),
         port_blocks: Some((PortBlocks::new(20000, 59999, 4000).unwrap(), 1)),
+        ha,
     };
     let c = Controller::new(
         settings,
@@ -547,4 +618,314 @@ fn flows_that_fail_to_move_are_steered_back_to_the_source() {
     assert_eq!(ex.get(&a666), Some(&1), "alias back at the source");
     assert_eq!(ex.get(&k665), Some(&2));
     assert_eq!((w.flows(1), w.flows(2)), (1, 2));
+}
+
+// ---------------------------------------------------------------- high availability
+
+impl World {
+    fn kill(&self, index: u32) {
+        let p = self.by_index.lock().unwrap()[&index].clone();
+        self.replicas.lock().unwrap().get_mut(&p).unwrap().kill();
+    }
+    /// A new process on the old socket (a revived old owner).
+    fn revive(&self, index: u32) {
+        let r = FakeReplica::start(&self.dir, index);
+        self.replicas.lock().unwrap().insert(r.path.clone(), r);
+    }
+}
+
+fn ha3(tag: &str) -> (World, SharedSteer, Controller) {
+    // A re-protection gap no test run reaches: the rate limit is deterministic.
+    let ha = HaConfig {
+        reprotect_min_ms: 600_000,
+        ..HaConfig::default()
+    };
+    let (w, steer, c) = setup_with(tag, 3, manual(), ha);
+    // r1 holds 6 flows; r2 backs up 0..3, r3 backs up 3..6 (chords over two backups).
+    w.fill(1, 0..6);
+    w.state(2)
+        .lock()
+        .unwrap()
+        .standby
+        .insert("r1".into(), (0..3).map(flow).collect());
+    w.state(3)
+        .lock()
+        .unwrap()
+        .standby
+        .insert("r1".into(), (3..6).map(flow).collect());
+    let p = c.protect_all();
+    assert_eq!(p["r1"]["backups"], json!(["r2", "r3"]), "{p}");
+    (w, steer, c)
+}
+
+#[test]
+fn protect_sends_each_replica_a_chords_policy_over_the_others() {
+    let (w, _s, c) = ha3("protect");
+    for (i, want) in [(1, ["r2", "r3"]), (2, ["r3", "r1"]), (3, ["r1", "r2"])] {
+        let g = w.state(i);
+        let g = g.lock().unwrap();
+        let pol = g.protects.last().unwrap();
+        assert_eq!(pol["kind"], "chords");
+        assert_eq!(pol["hz"], 1000);
+        let names: Vec<&str> = pol["backups"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(names, want, "r{i}");
+        assert!(pol["backups"][0]["socket"]
+            .as_str()
+            .unwrap()
+            .ends_with(".repl.sock"));
+    }
+    assert_eq!(c.counters.ha.protects.load(Ordering::Relaxed), 3);
+}
+
+#[test]
+fn a_dead_primary_is_fenced_activated_on_its_backups_steered_and_survivors_reprotected() {
+    let (w, steer, c) = ha3("failover");
+    c.ha_watch_once();
+    assert_eq!(
+        c.counters.ha.failovers.load(Ordering::Relaxed),
+        0,
+        "all alive"
+    );
+    w.kill(1);
+    c.ha_watch_once();
+    assert_eq!(c.counters.ha.failovers.load(Ordering::Relaxed), 1);
+    let s = steer.0.lock().unwrap().clone();
+    assert_eq!(s.fenced.get(&1), Some(&true), "fenced");
+    assert_eq!(s.live.get(&1), Some(&false));
+    assert_eq!(s.ring, vec![2, 3], "out of the ring");
+    // Every key and alias at the replica that activated it.
+    for p in 0..6u16 {
+        let want = if p < 3 { 2 } else { 3 };
+        let f = flow(p);
+        for k in std::iter::once(&f.key).chain(f.aliases.iter()) {
+            assert_eq!(
+                s.exceptions.get(&k.parse::<FlowKey>().unwrap()),
+                Some(&want),
+                "{k}"
+            );
+        }
+    }
+    // Both backups activated with the bumped token, and were re-protected with it over the
+    // survivors only.
+    for i in [2, 3] {
+        let g = w.state(i);
+        let g = g.lock().unwrap();
+        assert_eq!(g.activations, vec![("r1".to_string(), 1)], "r{i}");
+        assert_eq!(g.token, 1);
+        let pol = g.protects.last().unwrap();
+        let names: Vec<&str> = pol["backups"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(names, vec![if i == 2 { "r3" } else { "r2" }]);
+        assert_eq!(g.flows.len(), 3);
+    }
+    let st = c.status();
+    assert_eq!(st["ha"]["token"], 1);
+    let rec = &st["ha"]["last_failover"];
+    assert_eq!(rec["activated"], 6, "{rec}");
+    assert_eq!(rec["keys_steered"], 12, "6 keys + 6 aliases");
+    assert_eq!(rec["duplicates"], json!([]));
+    for k in ["detect_ms", "activate_ms", "steer_ms", "failover_ms"] {
+        assert!(rec[k].is_number(), "{k}: {rec}");
+    }
+    // Idempotent: a second detection or a heartbeat death does nothing more.
+    c.ha_watch_once();
+    assert!(c.failover(1, "again").unwrap()["note"].is_string());
+    assert_eq!(c.counters.ha.failovers.load(Ordering::Relaxed), 1);
+    // A revived old owner is never taken back: it stays fenced, dead and out of the ring.
+    w.revive(1);
+    for _ in 0..3 {
+        c.heartbeat_once();
+        c.ha_watch_once();
+    }
+    let s = steer.0.lock().unwrap().clone();
+    assert_eq!(s.fenced.get(&1), Some(&true));
+    assert_eq!(s.ring, vec![2, 3]);
+    assert!(c.status()["replicas"][0]["failed_over"] == true);
+    assert!(matches!(
+        c.migrate_count(2, 1, 1),
+        Err(ControllerError::Dead(1))
+    ));
+}
+
+#[test]
+fn a_flow_activated_by_two_survivors_is_reported_as_a_duplicate() {
+    let (w, _s, c) = ha3("dup");
+    // r3 kept a stale standby copy of flow 0 (it moved to r2's group since).
+    w.state(3)
+        .lock()
+        .unwrap()
+        .standby
+        .get_mut("r1")
+        .unwrap()
+        .push(flow(0));
+    w.kill(1);
+    c.ha_watch_once();
+    let rec = c.status()["ha"]["last_failover"].clone();
+    assert_eq!(rec["duplicates"], json!([flow(0).key]), "{rec}");
+    assert_eq!(
+        c.counters.ha.duplicate_activations.load(Ordering::Relaxed),
+        1
+    );
+}
+
+#[test]
+fn a_backup_that_lost_its_backup_is_reprotected_at_a_bounded_rate() {
+    let (w, _s, c) = ha3("needs-backup");
+    let before = w.state(1).lock().unwrap().protects.len();
+    w.state(1).lock().unwrap().needs_backup = true;
+    c.heartbeat_once();
+    assert_eq!(w.state(1).lock().unwrap().protects.len(), before + 1);
+    assert_eq!(c.counters.ha.reprotects.load(Ordering::Relaxed), 1);
+    // Still reporting it right away (say the new protect raced): not again within the gap.
+    w.state(1).lock().unwrap().needs_backup = true;
+    c.heartbeat_once();
+    assert_eq!(w.state(1).lock().unwrap().protects.len(), before + 1);
+}
+
+#[test]
+fn a_failed_replica_is_retired_once_none_of_its_flows_is_steered() {
+    let (w, steer, c) = ha3("retire");
+    w.kill(1);
+    c.ha_watch_once();
+    c.heartbeat_once();
+    assert_eq!(
+        steer.0.lock().unwrap().port_owner.get(&20000),
+        Some(&1),
+        "quarantined"
+    );
+    assert_eq!(
+        c.gc_exceptions().unwrap(),
+        0,
+        "handed-over flows still live"
+    );
+    assert!(c.status()["ha"]["failed_over"] == json!([1]));
+    // The flows end at their new owners.
+    w.state(2).lock().unwrap().flows.clear();
+    w.state(3).lock().unwrap().flows.clear();
+    assert_eq!(c.gc_exceptions().unwrap(), 12);
+    assert_eq!(c.counters.ha.retired.load(Ordering::Relaxed), 1);
+    assert_eq!(
+        steer.0.lock().unwrap().port_owner.get(&20000),
+        None,
+        "block released"
+    );
+    assert!(
+        !w.by_index.lock().unwrap().contains_key(&1),
+        "agent removed r1"
+    );
+    assert_eq!(c.status()["replicas"].as_array().unwrap().len(), 2);
+    // A new replica may now take the block.
+    c.scale_out().unwrap();
+    assert_eq!(steer.0.lock().unwrap().port_owner.get(&20000), Some(&4));
+}
+
+#[test]
+fn ha_api_shows_status_and_protects_with_validation() {
+    let (w, _s, c) = ha3("ha-api");
+    let c = Arc::new(c);
+    let sock = w.dir.join("api.sock");
+    let token = "tok-0123456789abcdef".to_string();
+    let hc = Arc::clone(&c);
+    let _srv = crate::http::Server::start(
+        &crate::http::Listen {
+            unix: Some(sock.clone()),
+            tcp: None,
+        },
+        token.clone(),
+        Box::new(move |r| crate::api::handle(&hc, r)),
+    )
+    .unwrap();
+    let ep = sock.display().to_string();
+    let req = |m: &str, p: &str, b: Option<&str>| {
+        crate::http::request(&ep, &token, m, p, b, Duration::from_secs(5)).unwrap()
+    };
+    let (st, body) = req("GET", "/v1/ha", None);
+    assert_eq!(st, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["replicas"][0]["ha_status"]["output"]["audit_checked"], 1);
+    assert_eq!(v["replicas"][0]["protected_to"], json!(["r2", "r3"]));
+    assert_eq!(
+        req("POST", "/v1/ha/protect", Some(r#"{"policy":"raid"}"#)).0,
+        400
+    );
+    assert_eq!(req("POST", "/v1/ha/protect", Some(r#"{"hz":0}"#)).0, 400);
+    assert_eq!(
+        req("POST", "/v1/ha/protect", Some(r#"{"replica":"r9"}"#)).0,
+        409
+    );
+    let (st, body) = req(
+        "POST",
+        "/v1/ha/protect",
+        Some(r#"{"policy":"single","hz":10000}"#),
+    );
+    assert_eq!(st, 200, "{body}");
+    let pol = w.state(1).lock().unwrap().protects.last().unwrap().clone();
+    assert_eq!(pol["kind"], "single");
+    assert_eq!(pol["hz"], 10000);
+    assert_eq!(c.ha_config().hz, 10000);
+    assert_eq!(req("DELETE", "/v1/ha", None).0, 405);
+}
+
+#[test]
+fn tokens_are_leased_so_a_restart_never_reuses_one() {
+    let w = World::new("lease");
+    let statics: Vec<(u32, PathBuf)> = (1..=2).map(|i| (i, w.add(i))).collect();
+    let path = w.dir.join("store.json");
+    let mk = || {
+        Controller::new(
+            Settings {
+                ha: HaConfig::default(),
+                ..Settings::default()
+            },
+            Box::new(FileStore::open(&path).unwrap()),
+            Box::new(MemSteering::default()),
+            None,
+            Box::new(FakeMigrator(w.clone())),
+            statics.clone(),
+            Some(manual()),
+        )
+        .unwrap()
+    };
+    let c = mk();
+    assert_eq!(c.bump_ha_token().unwrap(), 1);
+    assert_eq!(c.bump_ha_token().unwrap(), 2);
+    drop(c);
+    // A new controller on the same store starts above every token the old one could issue.
+    let c = mk();
+    let t = c.bump_ha_token().unwrap();
+    assert!(t > crate::controller::failover::TOKEN_LEASE, "{t}");
+    // Exhausting a lease takes a new one transparently.
+    for _ in 0..crate::controller::failover::TOKEN_LEASE + 5 {
+        c.bump_ha_token().unwrap();
+    }
+    assert!(
+        c.status()["ha"]["token"].as_u64().unwrap() > 2 * crate::controller::failover::TOKEN_LEASE
+    );
+}
+
+#[test]
+fn ha_off_protects_nothing_and_death_is_not_a_failover() {
+    let (w, steer, c) = setup("ha-off", 2, manual());
+    assert!(c.protect_all().is_null());
+    w.kill(2);
+    c.ha_watch_once();
+    for _ in 0..3 {
+        c.heartbeat_once();
+    }
+    assert_eq!(c.counters.ha.failovers.load(Ordering::Relaxed), 0);
+    assert_eq!(steer.0.lock().unwrap().fenced.get(&2), None);
+    assert!(w.state(1).lock().unwrap().protects.is_empty());
+    assert!(matches!(
+        c.ha_protect(None, None, None),
+        Err(ControllerError::Refused(_))
+    ));
 }

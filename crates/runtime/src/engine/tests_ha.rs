@@ -1017,3 +1017,105 @@ fn a_busy_flow_is_not_copied_and_its_output_waits_for_the_next_checkpoint() {
     e.poll_once(t0 + MS * 5);
     assert_eq!(sent(&mut e), [(1, b'm', 1)]);
 }
+
+/// Flows a backup's standby store holds (all primaries).
+fn standby_flows(backups: &Backups, socket: &str) -> usize {
+    let b = backups.get(socket);
+    let b = b.lock().unwrap();
+    let st = b.store.lock().unwrap().stats();
+    st.flows
+}
+
+#[test]
+fn a_flow_moved_to_another_group_leaves_its_old_backup_only_after_the_new_one_acked() {
+    let (mut e, backups, t0) = engine();
+    protect(&mut e, 1, single(1000), t0);
+    backups.up("/fake/b", 1, vec![]);
+    e.port_mut(Side::Inside).inject(&pkt(1, b'm'));
+    e.port_mut(Side::Inside).inject(&pkt(2, b'm'));
+    e.poll_once(t0 + MS);
+    backups.deliver("/fake/b");
+    e.poll_once(t0 + MS * 2);
+    assert_eq!(sent(&mut e).len(), 2);
+    assert_eq!(standby_flows(&backups, "/fake/b"), 2);
+    // Re-protect to c: the flows change group (and backup).
+    let ans = protect(
+        &mut e,
+        2,
+        Policy::Single {
+            backup: target("c"),
+            hz: 1000,
+        },
+        t0 + MS * 3,
+    );
+    assert_eq!(ans["ok"], true, "{ans}");
+    backups.up("/fake/c", 1, vec![]);
+    e.poll_once(t0 + MS * 4);
+    // Shipped to c but not acknowledged: b must keep its copy (else no backup holds them).
+    assert_eq!(backups.unapplied("/fake/b"), 0, "nothing sent to b yet");
+    let cps = backups.deliver("/fake/c");
+    assert!(cps[0].full && cps[0].flows.len() == 2, "{cps:?}");
+    e.poll_once(t0 + MS * 5);
+    e.poll_once(t0 + MS * 6);
+    // c acknowledged: the old group leaves b, so a failover cannot activate the flows twice.
+    let cleared = backups.deliver("/fake/b");
+    assert_eq!(cleared.len(), 1, "{cleared:?}");
+    assert!(
+        cleared[0].full && cleared[0].flows.is_empty(),
+        "{cleared:?}"
+    );
+    assert_eq!(standby_flows(&backups, "/fake/b"), 0);
+    assert_eq!(standby_flows(&backups, "/fake/c"), 2);
+    let st = status(&mut e, t0 + MS * 7);
+    assert_eq!(st["replication"]["standby_cleared"], 1, "{st}");
+}
+
+#[test]
+fn chord_growth_moves_flows_to_the_new_backup_and_evicts_them_from_the_old_after_its_ack() {
+    let (mut e, backups, t0) = engine();
+    let chords = |names: &[&str]| Policy::Chords {
+        backups: names.iter().map(|n| target(n)).collect(),
+        vnodes: 64,
+        hz: 1000,
+    };
+    const FLOWS: u16 = 24;
+    assert_eq!(protect(&mut e, 1, chords(&["b", "c"]), t0)["ok"], true);
+    backups.up("/fake/b", 1, vec![]);
+    backups.up("/fake/c", 1, vec![]);
+    for f in 0..FLOWS {
+        e.port_mut(Side::Inside).inject(&pkt(f, b'm'));
+    }
+    e.poll_once(t0 + MS);
+    backups.deliver("/fake/b");
+    backups.deliver("/fake/c");
+    e.poll_once(t0 + MS * 2);
+    assert_eq!(sent(&mut e).len(), FLOWS as usize);
+    let held = |s: &str| standby_flows(&backups, s);
+    assert_eq!(held("/fake/b") + held("/fake/c"), FLOWS as usize);
+    // A third backup joins the ring: some flows now belong to d's group.
+    assert_eq!(
+        protect(&mut e, 2, chords(&["b", "c", "d"]), t0 + MS * 3)["ok"],
+        true
+    );
+    backups.up("/fake/d", 1, vec![]);
+    e.poll_once(t0 + MS * 4);
+    backups.deliver("/fake/b");
+    backups.deliver("/fake/c");
+    // Shipped to d, not acknowledged: the old copies stay (no instant without a backup).
+    assert_eq!(held("/fake/b") + held("/fake/c"), FLOWS as usize);
+    let to_d = backups.deliver("/fake/d");
+    let moved: usize = to_d.iter().map(|c| c.flows.len()).sum();
+    assert!(moved > 0, "the ring gave d no flow: {to_d:?}");
+    e.poll_once(t0 + MS * 5);
+    e.poll_once(t0 + MS * 6);
+    backups.deliver("/fake/b");
+    backups.deliver("/fake/c");
+    // Exactly one standby copy per flow again (invariant 1 at the next failover).
+    assert_eq!(held("/fake/d"), moved);
+    assert_eq!(
+        held("/fake/b") + held("/fake/c") + held("/fake/d"),
+        FLOWS as usize
+    );
+    let st = status(&mut e, t0 + MS * 7);
+    assert_eq!(st["replication"]["standby_evicted"], moved as u64, "{st}");
+}

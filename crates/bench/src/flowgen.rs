@@ -1,0 +1,774 @@
+//! Traffic with sequence numbers, for counting loss and reordering at the receiver across
+//! migrations (`bench migrate`, `bench scale-in`).
+//!
+//! Generators and receivers are threads of the bench process moved into the lab's namespaces
+//! with `setns(CLONE_NEWNET)` (it changes only the calling thread): no helper programs, and the
+//! counters are plain atomics the bench reads directly.
+//!
+//! - [`UdpFlows`]: `n` UDP flows from the client (one connected socket per source port) to one
+//!   server port, paced round-robin; every datagram carries `(magic, flow id, seq)`. The server
+//!   thread counts per flow: received, reordered (a seq not above the highest seen), and the
+//!   largest inter-arrival gap since the last [`UdpFlows::take_max_gap_us`] (flow 0: the pause a
+//!   migration caused, seen on the wire). It also records the source port each flow arrives from
+//!   (the NAT's external port: the flow's alias at the replica). Flows can be ended one by one
+//!   ([`UdpFlows::end_flow`]); an ended flow sends nothing more.
+//! - [`TcpStream`]: one TCP connection from a fixed client port, the client writing a known
+//!   byte pattern at a paced rate, the server verifying every byte. A reset or a corrupted byte
+//!   is counted, never hidden.
+
+use crate::BenchError;
+use std::fs::File;
+use std::io::{ErrorKind, Read, Write};
+use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// First 4 bytes of every generated datagram (anything else reaching the port is ignored).
+pub const MAGIC: u32 = 0x706c_6e74;
+/// Bytes of the (magic, flow, seq) header.
+const HDR: usize = 16;
+/// Bound on flows per generator (one socket each).
+pub const MAX_FLOWS: usize = 20_000;
+
+/// Spawns a thread that enters network namespace `ns` (a name under /run/netns) and runs `f`.
+pub fn spawn_in_netns<T: Send + 'static>(
+    ns: &str,
+    name: &str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<JoinHandle<Result<T, BenchError>>, BenchError> {
+    if ns.is_empty() || ns.contains('/') {
+        return Err(BenchError::Lab(format!("bad namespace name {ns:?}")));
+    }
+    let path = Path::new("/run/netns").join(ns);
+    let file = File::open(&path).map_err(|e| BenchError::Io(path.clone(), e))?;
+    std::thread::Builder::new()
+        .name(name.to_string())
+        .spawn(move || {
+            // SAFETY: `file` is an open netns fd; setns(CLONE_NEWNET) changes only this thread.
+            let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
+            if rc != 0 {
+                return Err(BenchError::Io(path, std::io::Error::last_os_error()));
+            }
+            Ok(f())
+        })
+        .map_err(|e| BenchError::Io("thread".into(), e))
+}
+
+/// Receiver-side counters of one flow.
+#[derive(Default)]
+pub struct FlowCounters {
+    pub sent: AtomicU64,
+    pub send_errors: AtomicU64,
+    pub received: AtomicU64,
+    pub reordered: AtomicU64,
+    /// Highest seq seen + 1 (0: nothing yet).
+    pub next_expected: AtomicU64,
+    /// Source port at the server (the NAT's external port); 0 until the first datagram.
+    pub seen_sport: AtomicU16,
+    pub active: AtomicBool,
+    /// Largest inter-arrival gap (µs) since it was last taken.
+    pub max_gap_us: AtomicU64,
+    last_arrival_us: AtomicU64,
+}
+
+/// Totals over flows.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct UdpTotals {
+    pub flows: u64,
+    pub sent: u64,
+    pub received: u64,
+    /// `sent - received` per flow, summed (never negative per flow).
+    pub lost: u64,
+    pub reordered: u64,
+    /// Datagrams the client's kernel refused (ENOBUFS...): not sent, so not lost.
+    pub send_errors: u64,
+    /// Received more than sent (duplicates), summed over flows.
+    pub duplicated: u64,
+}
+
+struct Shared {
+    stop: AtomicBool,
+    flows: Vec<FlowCounters>,
+    epoch: Instant,
+}
+
+/// `n` sequence-numbered UDP flows (see the module docs).
+pub struct UdpFlows {
+    shared: Arc<Shared>,
+    threads: Vec<JoinHandle<Result<Result<(), String>, BenchError>>>,
+    pub sport_base: u16,
+    pub dport: u16,
+}
+
+#[derive(Clone, Debug)]
+pub struct UdpSpec {
+    pub client_ns: String,
+    pub server_ns: String,
+    pub client_ip: Ipv4Addr,
+    pub server_ip: Ipv4Addr,
+    pub sport_base: u16,
+    pub dport: u16,
+    pub flows: usize,
+    /// Datagrams per second per flow.
+    pub pps_per_flow: f64,
+    pub payload: usize,
+}
+
+impl UdpFlows {
+    /// Starts the receiver, then the sender (so the first datagrams are counted).
+    pub fn start(spec: &UdpSpec) -> Result<UdpFlows, BenchError> {
+        if spec.flows == 0 || spec.flows > MAX_FLOWS {
+            return Err(BenchError::Tool {
+                tool: "udp generator",
+                reason: format!("flows must be 1..={MAX_FLOWS}, got {}", spec.flows),
+            });
+        }
+        if usize::from(spec.sport_base) + spec.flows > 65_535 {
+            return Err(BenchError::Tool {
+                tool: "udp generator",
+                reason: "source ports run past 65535".into(),
+            });
+        }
+        if !(spec.pps_per_flow > 0.0 && spec.pps_per_flow.is_finite()) {
+            return Err(BenchError::Tool {
+                tool: "udp generator",
+                reason: format!("bad rate {}", spec.pps_per_flow),
+            });
+        }
+        let shared = Arc::new(Shared {
+            stop: AtomicBool::new(false),
+            flows: (0..spec.flows)
+                .map(|_| FlowCounters {
+                    active: AtomicBool::new(true),
+                    ..Default::default()
+                })
+                .collect(),
+            epoch: Instant::now(),
+        });
+        let mut threads = Vec::new();
+        let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel::<Result<(), String>>(1);
+        {
+            let sh = shared.clone();
+            let bind = SocketAddrV4::new(spec.server_ip, spec.dport);
+            threads.push(spawn_in_netns(&spec.server_ns, "udp-recv", move || {
+                receive_loop(&sh, bind, ready_tx)
+            })?);
+        }
+        match ready_rx.recv_timeout(Duration::from_secs(5)) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                shared.stop.store(true, Ordering::SeqCst);
+                return Err(BenchError::Tool {
+                    tool: "udp receiver",
+                    reason: e,
+                });
+            }
+            Err(_) => {
+                shared.stop.store(true, Ordering::SeqCst);
+                return Err(BenchError::Tool {
+                    tool: "udp receiver",
+                    reason: "did not start".into(),
+                });
+            }
+        }
+        {
+            let sh = shared.clone();
+            let s = spec.clone();
+            threads.push(spawn_in_netns(&spec.client_ns, "udp-send", move || {
+                send_loop(&sh, &s)
+            })?);
+        }
+        Ok(UdpFlows {
+            shared,
+            threads,
+            sport_base: spec.sport_base,
+            dport: spec.dport,
+        })
+    }
+
+    pub fn flows(&self) -> &[FlowCounters] {
+        &self.shared.flows
+    }
+
+    /// The flow's source port at the server (NAT external port), once seen.
+    pub fn seen_sport(&self, i: usize) -> Option<u16> {
+        let p = self.shared.flows.get(i)?.seen_sport.load(Ordering::Relaxed);
+        (p != 0).then_some(p)
+    }
+
+    /// Stops flow `i` for good (it sends nothing more).
+    pub fn end_flow(&self, i: usize) {
+        if let Some(f) = self.shared.flows.get(i) {
+            f.active.store(false, Ordering::SeqCst);
+        }
+    }
+
+    /// The largest inter-arrival gap of flow `i` since the last call, in µs.
+    pub fn take_max_gap_us(&self, i: usize) -> u64 {
+        self.shared
+            .flows
+            .get(i)
+            .map_or(0, |f| f.max_gap_us.swap(0, Ordering::Relaxed))
+    }
+
+    /// Totals over flows `range` (all: `0..n`).
+    pub fn totals(&self, range: std::ops::Range<usize>) -> UdpTotals {
+        let mut t = UdpTotals::default();
+        for f in self.shared.flows.get(range).unwrap_or(&[]) {
+            let (s, r) = (
+                f.sent.load(Ordering::Relaxed),
+                f.received.load(Ordering::Relaxed),
+            );
+            t.flows += 1;
+            t.sent += s;
+            t.received += r;
+            t.lost += s.saturating_sub(r);
+            t.duplicated += r.saturating_sub(s);
+            t.reordered += f.reordered.load(Ordering::Relaxed);
+            t.send_errors += f.send_errors.load(Ordering::Relaxed);
+        }
+        t
+    }
+
+    /// Ends every flow, waits `settle` for datagrams in flight, stops the threads.
+    pub fn stop(mut self, settle: Duration) -> (UdpTotals, Vec<String>) {
+        for f in &self.shared.flows {
+            f.active.store(false, Ordering::SeqCst);
+        }
+        std::thread::sleep(settle);
+        self.shared.stop.store(true, Ordering::SeqCst);
+        let mut errors = Vec::new();
+        for t in self.threads.drain(..) {
+            match t.join() {
+                Ok(Ok(Ok(()))) => {}
+                Ok(Ok(Err(e))) => errors.push(e),
+                Ok(Err(e)) => errors.push(e.to_string()),
+                Err(_) => errors.push("generator thread panicked".into()),
+            }
+        }
+        let n = self.shared.flows.len();
+        (self.totals(0..n), errors)
+    }
+}
+
+impl Drop for UdpFlows {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+fn receive_loop(
+    sh: &Shared,
+    bind: SocketAddrV4,
+    ready: std::sync::mpsc::SyncSender<Result<(), String>>,
+) -> Result<(), String> {
+    let sock = match UdpSocket::bind(bind) {
+        Ok(s) => s,
+        Err(e) => {
+            let _ = ready.send(Err(format!("bind {bind}: {e}")));
+            return Err(format!("bind {bind}: {e}"));
+        }
+    };
+    let _ = sock.set_read_timeout(Some(Duration::from_millis(50)));
+    set_rcvbuf(&sock, 32 << 20);
+    let _ = ready.send(Ok(()));
+    let mut buf = [0u8; 2048];
+    while !sh.stop.load(Ordering::Relaxed) {
+        let (n, from) = match sock.recv_from(&mut buf) {
+            Ok(x) => x,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => continue,
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) => return Err(format!("recv: {e}")),
+        };
+        let Some((flow, seq)) = parse_datagram(&buf[..n]) else {
+            continue;
+        };
+        let Some(f) = sh.flows.get(flow as usize) else {
+            continue;
+        };
+        let now_us = sh.epoch.elapsed().as_micros() as u64 + 1;
+        f.received.fetch_add(1, Ordering::Relaxed);
+        let next = f.next_expected.load(Ordering::Relaxed);
+        if seq < next {
+            f.reordered.fetch_add(1, Ordering::Relaxed);
+        } else {
+            f.next_expected.store(seq + 1, Ordering::Relaxed);
+        }
+        let last = f.last_arrival_us.swap(now_us, Ordering::Relaxed);
+        if last != 0 {
+            f.max_gap_us
+                .fetch_max(now_us.saturating_sub(last), Ordering::Relaxed);
+        }
+        if f.seen_sport.load(Ordering::Relaxed) == 0 {
+            f.seen_sport.store(from.port(), Ordering::Relaxed);
+        }
+    }
+    Ok(())
+}
+
+/// `(flow, seq)` of a generated datagram, or None for anything else.
+pub fn parse_datagram(b: &[u8]) -> Option<(u32, u64)> {
+    if b.len() < HDR || u32::from_be_bytes(b[0..4].try_into().ok()?) != MAGIC {
+        return None;
+    }
+    let flow = u32::from_be_bytes(b[4..8].try_into().ok()?);
+    let seq = u64::from_be_bytes(b[8..16].try_into().ok()?);
+    Some((flow, seq))
+}
+
+fn datagram(buf: &mut [u8], flow: u32, seq: u64) {
+    buf[0..4].copy_from_slice(&MAGIC.to_be_bytes());
+    buf[4..8].copy_from_slice(&flow.to_be_bytes());
+    buf[8..16].copy_from_slice(&seq.to_be_bytes());
+}
+
+/// A large receive buffer: the receiver thread can be descheduled for tens of milliseconds on
+/// a loaded machine, and a default-sized buffer (rmem_max, ~200 KiB = a few hundred small
+/// datagrams) would then overflow and count as loss. SO_RCVBUFFORCE (root) passes rmem_max;
+/// SO_RCVBUF is the fallback. Overflows that still happen show as `UdpRcvbufErrors`.
+fn set_rcvbuf(s: &impl AsRawFd, bytes: i32) {
+    for opt in [libc::SO_RCVBUFFORCE, libc::SO_RCVBUF] {
+        // SAFETY: setsockopt on a socket we own with a valid int option.
+        let rc = unsafe {
+            libc::setsockopt(
+                s.as_raw_fd(),
+                libc::SOL_SOCKET,
+                opt,
+                (&bytes as *const i32).cast(),
+                std::mem::size_of::<i32>() as libc::socklen_t,
+            )
+        };
+        if rc == 0 {
+            return;
+        }
+    }
+}
+
+fn send_loop(sh: &Shared, spec: &UdpSpec) -> Result<(), String> {
+    let mut socks = Vec::with_capacity(spec.flows);
+    for i in 0..spec.flows {
+        let sport = spec.sport_base + i as u16;
+        let s = UdpSocket::bind(SocketAddrV4::new(spec.client_ip, sport))
+            .map_err(|e| format!("bind {}:{sport}: {e}", spec.client_ip))?;
+        s.connect(SocketAddrV4::new(spec.server_ip, spec.dport))
+            .map_err(|e| format!("connect: {e}"))?;
+        s.set_nonblocking(true)
+            .map_err(|e| format!("nonblocking: {e}"))?;
+        socks.push(s);
+    }
+    let mut buf = vec![0u8; spec.payload.max(HDR)];
+    let mut seqs = vec![0u64; spec.flows];
+    // One datagram per tick, flows round-robin: the aggregate rate is flows * pps_per_flow.
+    let tick = Duration::from_secs_f64(1.0 / (spec.pps_per_flow * spec.flows as f64));
+    let mut next = Instant::now();
+    let mut i = 0usize;
+    while !sh.stop.load(Ordering::Relaxed) {
+        let f = &sh.flows[i];
+        if f.active.load(Ordering::Relaxed) {
+            datagram(&mut buf, i as u32, seqs[i]);
+            match socks[i].send(&buf) {
+                Ok(_) => {
+                    seqs[i] += 1;
+                    f.sent.store(seqs[i], Ordering::Relaxed);
+                }
+                Err(_) => {
+                    // Not on the wire, so not a loss: the seq is reused for the next datagram.
+                    f.send_errors.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        i = (i + 1) % spec.flows;
+        next += tick;
+        let now = Instant::now();
+        if next > now {
+            let d = next - now;
+            if d > Duration::from_micros(200) {
+                std::thread::sleep(d - Duration::from_micros(100));
+            }
+            while Instant::now() < next {
+                std::hint::spin_loop();
+            }
+        } else if now - next > Duration::from_millis(50) {
+            // Fell far behind (descheduled): do not burst to catch up.
+            next = now;
+        }
+    }
+    Ok(())
+}
+
+// ------------------------------------------------------------------------------------ TCP
+
+/// Counters of the TCP stream.
+#[derive(Default)]
+pub struct TcpCounters {
+    pub bytes_sent: AtomicU64,
+    pub bytes_received: AtomicU64,
+    /// Bytes that did not match the pattern at the receiver.
+    pub corrupted: AtomicU64,
+    /// ECONNRESET/EPIPE seen by either end.
+    pub resets: AtomicU64,
+    pub other_errors: AtomicU64,
+    /// The client's port as the server sees it (the NAT's external port).
+    pub seen_sport: AtomicU16,
+    pub connected: AtomicBool,
+    stop: AtomicBool,
+}
+
+/// Summary of the stream after [`TcpStream::stop`].
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct TcpSummary {
+    pub bytes_sent: u64,
+    pub bytes_received: u64,
+    pub corrupted_bytes: u64,
+    pub resets_seen: u64,
+    /// The server read to EOF and got exactly what the client wrote.
+    pub complete: bool,
+    pub errors: Vec<String>,
+}
+
+pub struct TcpStream {
+    c: Arc<TcpCounters>,
+    client: Option<JoinHandle<Result<Result<(), String>, BenchError>>>,
+    server: Option<JoinHandle<Result<Result<(), String>, BenchError>>>,
+}
+
+/// Byte `i` of the stream.
+#[inline]
+pub fn pattern_byte(i: u64) -> u8 {
+    (i % 251) as u8
+}
+
+fn is_reset(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        ErrorKind::ConnectionReset | ErrorKind::BrokenPipe | ErrorKind::ConnectionAborted
+    )
+}
+
+impl TcpStream {
+    /// Server listens on `server`, the client connects from `client` (a fixed port, so the
+    /// flow key is known before the first packet) and writes `chunk` bytes every `every`.
+    pub fn start(
+        client_ns: &str,
+        server_ns: &str,
+        client: SocketAddrV4,
+        server: SocketAddrV4,
+        chunk: usize,
+        every: Duration,
+    ) -> Result<TcpStream, BenchError> {
+        let c = Arc::new(TcpCounters::default());
+        let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel::<Result<(), String>>(1);
+        let cs = c.clone();
+        let srv = spawn_in_netns(server_ns, "tcp-server", move || {
+            tcp_server(&cs, server, ready_tx)
+        })?;
+        match ready_rx.recv_timeout(Duration::from_secs(5)) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                return Err(BenchError::Tool {
+                    tool: "tcp server",
+                    reason: e,
+                })
+            }
+            Err(_) => {
+                return Err(BenchError::Tool {
+                    tool: "tcp server",
+                    reason: "did not start".into(),
+                })
+            }
+        }
+        let cc = c.clone();
+        let cli = spawn_in_netns(client_ns, "tcp-client", move || {
+            tcp_client(&cc, client, server, chunk, every)
+        })?;
+        Ok(TcpStream {
+            c,
+            client: Some(cli),
+            server: Some(srv),
+        })
+    }
+
+    pub fn counters(&self) -> &TcpCounters {
+        &self.c
+    }
+
+    /// Closes the client's side, waits for the server to read to EOF (bounded), joins both.
+    pub fn stop(mut self, timeout: Duration) -> TcpSummary {
+        self.c.stop.store(true, Ordering::SeqCst);
+        let mut errors = Vec::new();
+        let end = Instant::now() + timeout;
+        for h in [self.client.take(), self.server.take()]
+            .into_iter()
+            .flatten()
+        {
+            while !h.is_finished() && Instant::now() < end {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            if !h.is_finished() {
+                errors.push("tcp thread did not finish in time".into());
+                continue;
+            }
+            match h.join() {
+                Ok(Ok(Ok(()))) => {}
+                Ok(Ok(Err(e))) => errors.push(e),
+                Ok(Err(e)) => errors.push(e.to_string()),
+                Err(_) => errors.push("tcp thread panicked".into()),
+            }
+        }
+        let c = &self.c;
+        let (s, r) = (
+            c.bytes_sent.load(Ordering::SeqCst),
+            c.bytes_received.load(Ordering::SeqCst),
+        );
+        let corrupted = c.corrupted.load(Ordering::SeqCst);
+        TcpSummary {
+            bytes_sent: s,
+            bytes_received: r,
+            corrupted_bytes: corrupted,
+            resets_seen: c.resets.load(Ordering::SeqCst),
+            complete: errors.is_empty() && s == r && corrupted == 0 && s > 0,
+            errors,
+        }
+    }
+}
+
+fn tcp_server(
+    c: &TcpCounters,
+    addr: SocketAddrV4,
+    ready: std::sync::mpsc::SyncSender<Result<(), String>>,
+) -> Result<(), String> {
+    let l = match std::net::TcpListener::bind(addr) {
+        Ok(l) => l,
+        Err(e) => {
+            let _ = ready.send(Err(format!("listen {addr}: {e}")));
+            return Err(format!("listen {addr}: {e}"));
+        }
+    };
+    let _ = ready.send(Ok(()));
+    l.set_nonblocking(true).map_err(|e| e.to_string())?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let (mut s, from) = loop {
+        match l.accept() {
+            Ok(x) => break x,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                if c.stop.load(Ordering::Relaxed) || Instant::now() > deadline {
+                    return Err("no connection accepted".into());
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => return Err(format!("accept: {e}")),
+        }
+    };
+    c.seen_sport.store(from.port(), Ordering::SeqCst);
+    s.set_nonblocking(false).map_err(|e| e.to_string())?;
+    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
+    let mut buf = vec![0u8; 64 << 10];
+    let mut pos = 0u64;
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return Ok(()),
+            Ok(n) => {
+                let bad = buf[..n]
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, b)| **b != pattern_byte(pos + *i as u64))
+                    .count();
+                c.corrupted.fetch_add(bad as u64, Ordering::Relaxed);
+                pos += n as u64;
+                c.bytes_received.store(pos, Ordering::Relaxed);
+            }
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) if is_reset(&e) => {
+                c.resets.fetch_add(1, Ordering::SeqCst);
+                return Err(format!("server read: {e}"));
+            }
+            Err(e) => {
+                c.other_errors.fetch_add(1, Ordering::SeqCst);
+                return Err(format!("server read: {e}"));
+            }
+        }
+    }
+}
+
+/// A TCP socket bound to `local` and connected to `remote` (std cannot bind before connect).
+fn connect_from(local: SocketAddrV4, remote: SocketAddrV4) -> std::io::Result<std::net::TcpStream> {
+    fn sa(a: SocketAddrV4) -> libc::sockaddr_in {
+        libc::sockaddr_in {
+            sin_family: libc::AF_INET as libc::sa_family_t,
+            sin_port: a.port().to_be(),
+            sin_addr: libc::in_addr {
+                s_addr: u32::from(*a.ip()).to_be(),
+            },
+            sin_zero: [0; 8],
+        }
+    }
+    // SAFETY: plain socket syscalls on an fd we own; the sockaddr structs live across the calls.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let s = std::net::TcpStream::from_raw_fd(fd);
+        let one: libc::c_int = 1;
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_REUSEADDR,
+            (&one as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        );
+        let l = sa(local);
+        let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        if libc::bind(fd, (&l as *const libc::sockaddr_in).cast(), len) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let r = sa(remote);
+        if libc::connect(fd, (&r as *const libc::sockaddr_in).cast(), len) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(s)
+    }
+}
+
+fn tcp_client(
+    c: &TcpCounters,
+    local: SocketAddrV4,
+    remote: SocketAddrV4,
+    chunk: usize,
+    every: Duration,
+) -> Result<(), String> {
+    let mut s = connect_from(local, remote).map_err(|e| format!("connect {remote}: {e}"))?;
+    c.connected.store(true, Ordering::SeqCst);
+    let _ = s.set_write_timeout(Some(Duration::from_secs(10)));
+    let mut pos = 0u64;
+    let mut buf = vec![0u8; chunk.max(1)];
+    let mut next = Instant::now();
+    while !c.stop.load(Ordering::Relaxed) {
+        for (i, b) in buf.iter_mut().enumerate() {
+            *b = pattern_byte(pos + i as u64);
+        }
+        match s.write_all(&buf) {
+            Ok(()) => {
+                pos += buf.len() as u64;
+                c.bytes_sent.store(pos, Ordering::Relaxed);
+            }
+            Err(e) if is_reset(&e) => {
+                c.resets.fetch_add(1, Ordering::SeqCst);
+                return Err(format!("client write: {e}"));
+            }
+            Err(e) => {
+                c.other_errors.fetch_add(1, Ordering::SeqCst);
+                return Err(format!("client write: {e}"));
+            }
+        }
+        next += every;
+        let now = Instant::now();
+        if next > now {
+            std::thread::sleep(next - now);
+        } else {
+            next = now;
+        }
+    }
+    s.shutdown(std::net::Shutdown::Write)
+        .map_err(|e| format!("shutdown: {e}"))?;
+    // Wait for the server's FIN so the connection ends cleanly (no RST from unread data).
+    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
+    let mut b = [0u8; 64];
+    loop {
+        match s.read(&mut b) {
+            Ok(0) => return Ok(()),
+            Ok(_) => continue,
+            Err(e) if is_reset(&e) => {
+                c.resets.fetch_add(1, Ordering::SeqCst);
+                return Err(format!("client read: {e}"));
+            }
+            Err(e) => return Err(format!("client read: {e}")),
+        }
+    }
+}
+
+/// `TcpEstabResets`, `TcpOutRsts`, `TcpExtTCPAbortOn*` (resets, aborts) and `UdpRcvbufErrors`,
+/// `UdpInErrors` (datagrams a receiving socket dropped) of a namespace, from `nstat -asz`.
+pub fn parse_nstat_resets(text: &str) -> Vec<(String, u64)> {
+    text.lines()
+        .filter_map(|l| {
+            let mut it = l.split_whitespace();
+            let name = it.next()?;
+            let v: u64 = it.next()?.parse().ok()?;
+            let wanted = name == "TcpEstabResets"
+                || name == "TcpOutRsts"
+                || name.starts_with("TcpExtTCPAbortOn")
+                || name == "UdpRcvbufErrors"
+                || name == "UdpInErrors";
+            wanted.then(|| (name.to_string(), v))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn datagrams_round_trip_and_foreign_ones_are_ignored() {
+        let mut b = [0u8; 32];
+        datagram(&mut b, 7, 123_456_789_012);
+        assert_eq!(parse_datagram(&b), Some((7, 123_456_789_012)));
+        assert_eq!(parse_datagram(&b[..15]), None);
+        b[0] ^= 1;
+        assert_eq!(parse_datagram(&b), None);
+    }
+
+    #[test]
+    fn pattern_is_not_constant() {
+        assert_ne!(pattern_byte(0), pattern_byte(1));
+        assert_eq!(pattern_byte(0), pattern_byte(251));
+    }
+
+    #[test]
+    fn nstat_reset_counters_are_picked() {
+        let t = "#kernel\nTcpActiveOpens 3 0.0\nTcpEstabResets 1 0.0\nTcpOutRsts 2 0.0\n\
+                 TcpExtTCPAbortOnData 4 0.0\nTcpExtTCPAbortOnClose 0 0.0\nIpInReceives 9 0.0\n";
+        let v = parse_nstat_resets(t);
+        assert_eq!(
+            v,
+            vec![
+                ("TcpEstabResets".into(), 1),
+                ("TcpOutRsts".into(), 2),
+                ("TcpExtTCPAbortOnData".into(), 4),
+                ("TcpExtTCPAbortOnClose".into(), 0)
+            ]
+        );
+    }
+
+    #[test]
+    fn generator_refuses_bad_specs() {
+        let spec = UdpSpec {
+            client_ns: "x".into(),
+            server_ns: "y".into(),
+            client_ip: Ipv4Addr::LOCALHOST,
+            server_ip: Ipv4Addr::LOCALHOST,
+            sport_base: 65_000,
+            dport: 9,
+            flows: 1000,
+            pps_per_flow: 1.0,
+            payload: 64,
+        };
+        assert!(UdpFlows::start(&spec).is_err());
+        let zero = UdpSpec {
+            flows: 0,
+            ..spec.clone()
+        };
+        assert!(UdpFlows::start(&zero).is_err());
+        let rate = UdpSpec {
+            sport_base: 1000,
+            pps_per_flow: 0.0,
+            ..spec
+        };
+        assert!(UdpFlows::start(&rate).is_err());
+    }
+}

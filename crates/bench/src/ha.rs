@@ -1,0 +1,1323 @@
+//! `bench ha`: high-availability systems side by side on the same workloads, one after another
+//! in one run, plus failover experiments.
+//!
+//! Systems: `no_ha` (pliant NAT, 3 replicas, controller, no protection), `pico_1k` / `pico_10k`
+//! (the controller protects every replica with elastic Pico chords at 1 / 10 kHz), `remus_40`
+//! (Remus mode, whole-replica epochs at 40 Hz, all output held), `kernel_conntrackd` (the
+//! kernel peer, see [`crate::ha_kernel`]).
+//!
+//! Per system, in this order:
+//! 1. txload ([`crate::txload`]): `connections` persistent TCP connections, 1400-byte
+//!    request / 1400-byte response transactions, closed loop, for `duration_s` after 0.5 s of
+//!    warm-up: `transactions_per_s`, `latency_us_p50/p95/p99` (nearest rank over every
+//!    transaction in the window). Meanwhile: `cpu_pct` and `repl_bytes_per_s` (see below).
+//! 2. iperf3, one TCP stream for `duration_s`: `gbps` (receiver side).
+//! 3. Failover (the pliant system named by `failover_system`, and the kernel peer): a fresh
+//!    txload run with `probe_flows` UDP probe flows; 1.5 s in, the primary fails (pliant:
+//!    SIGKILL of replica r1; kernel: the master's links are cut and its keepalived and
+//!    conntrackd SIGKILLed). `recovery_ms`: worst probe flow's time from the failure to the
+//!    echo of its first probe sent after the failure (the first packet of the flow forwarded
+//!    both ways by the new owner; probes every 2 ms). `tcp_stall_ms`: the longest gap between
+//!    received bytes on any TCP connection. `flows_survived`: connections with no reset/error
+//!    that completed a transaction started after the failure; `flows_total`: connections.
+//!
+//! `cpu_pct` (100 = one core): pliant — the replica processes' utime+stime over the txload run
+//! (all replicas, from /proc/<pid>/stat); kernel peer — the HA daemons' (conntrackd and
+//! keepalived on both routers) utime+stime: the kernel's own forwarding and NAT run in softirq
+//! context that no process or namespace is charged for, so it cannot be separated; the
+//! whole-machine busy CPU over the same run is given for every system as `host_cpu_pct`
+//! (it includes the load generator, identical for all systems).
+//! `repl_bytes_per_s`: pliant — growth of the sum of `bytes_shipped` over every group of every
+//! replica's `ha_status`, over the txload run; kernel peer — bytes sent on both routers' sync
+//! veths (conntrackd FTFW) over the same run.
+
+use crate::ha_kernel::{self, KernelPeer};
+use crate::parse::parse_iperf3_gbps;
+use crate::txload::{self, Marker, TxClientOpts, TxReport, TxServer, PROBE_PORT, TX_PORT};
+use crate::BenchError;
+use pliant_lab::{cmd, Lab, LabSpec, PliantNf, ReplicaMode};
+use serde::Serialize;
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Write};
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub const SYSTEMS: [&str; 5] = [
+    "no_ha",
+    "pico_1k",
+    "pico_10k",
+    "remus_40",
+    "kernel_conntrackd",
+];
+/// Systems a failover experiment can run on (pliant ones need protection).
+pub const FAILOVER_SYSTEMS: [&str; 3] = ["pico_1k", "pico_10k", "remus_40"];
+/// Time from the start of the failover window to the failure.
+const KILL_AFTER: Duration = Duration::from_millis(1500);
+/// Failover window after the failure (long enough for a TCP retransmission or two).
+const AFTER_KILL: Duration = Duration::from_secs(3);
+const PROTECT_TIMEOUT: Duration = Duration::from_secs(20);
+const REACH_TIMEOUT: Duration = Duration::from_secs(10);
+const REPLICAS: u8 = 3;
+/// Run directories of the kernel peer (configs, pid files, logs; removed on teardown).
+pub const KERNEL_RUN_ROOT: &str = "/run/pliant-ha-peer";
+
+#[derive(Clone, Debug)]
+pub struct HaOpts {
+    /// Seconds per txload window and per iperf3 run.
+    pub duration_s: u32,
+    pub connections: u32,
+    pub request_bytes: u32,
+    pub response_bytes: u32,
+    /// 0: fixed sizes; > 0: lognormal sizes with these medians and this sigma (the seed's
+    /// HTTP-like flowgrind model), clamped to 64 B..=64 KiB.
+    pub size_sigma: f64,
+    pub pliant_bin: Option<PathBuf>,
+    /// Systems to run; empty = all.
+    pub only: Vec<String>,
+    /// Run the failover experiments.
+    pub failover: bool,
+    /// The pliant system whose failover fills the top-level `failover` section.
+    pub failover_system: String,
+    pub probe_flows: u16,
+    /// Pliant failover trials (each in a fresh lab); the first fills `failover`, all of them
+    /// `failover_trials`.
+    pub trials: u32,
+    /// Turn off checksum/segmentation offloads in the pliant labs (the user-space path wants
+    /// MTU-sized frames with real checksums, as the e2e tests run it).
+    pub disable_offloads: bool,
+    pub run_root: PathBuf,
+}
+
+impl Default for HaOpts {
+    fn default() -> Self {
+        HaOpts {
+            duration_s: 5,
+            connections: 32,
+            request_bytes: 1400,
+            response_bytes: 1400,
+            size_sigma: 0.0,
+            pliant_bin: None,
+            only: Vec::new(),
+            failover: true,
+            failover_system: "pico_1k".into(),
+            probe_flows: 8,
+            trials: 1,
+            disable_offloads: true,
+            run_root: PathBuf::from("/run/pliant"),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct FailoverReport {
+    /// What failed (system and victim); empty when not run.
+    pub system: String,
+    pub victim: String,
+    pub error: Option<String>,
+    pub recovery_ms: Option<f64>,
+    pub tcp_stall_ms: Option<f64>,
+    pub flows_survived: Option<u32>,
+    pub flows_total: Option<u32>,
+    pub resets: Option<u64>,
+    /// Earliest / latest first completion of a transaction started after the failure, over
+    /// the connections (ms after the failure).
+    pub first_txn_after_failure_ms: Option<f64>,
+    pub all_flows_txn_after_failure_ms: Option<f64>,
+    pub probe_flows: Option<usize>,
+    pub probe_flows_recovered: Option<usize>,
+    /// First errors of failed connections (at most 5).
+    pub conn_errors: Vec<String>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct HaSystemReport {
+    pub mode: String,
+    /// Set when the system could not be brought up; then nothing else was measured.
+    pub error: Option<String>,
+    pub transactions_per_s: Option<f64>,
+    pub latency_us_p50: Option<f64>,
+    pub latency_us_p95: Option<f64>,
+    pub latency_us_p99: Option<f64>,
+    pub transactions: Option<u64>,
+    /// Resets + errors on the txload connections (0 expected without a failure).
+    pub tx_resets: Option<u64>,
+    pub tx_errors: Option<u64>,
+    pub tx_stall_ms: Option<f64>,
+    pub gbps: Option<f64>,
+    pub tcp_retransmits: Option<u64>,
+    pub cpu_pct: Option<f64>,
+    pub host_cpu_pct: Option<f64>,
+    pub repl_bytes_per_s: Option<f64>,
+    /// The system's own failover (kernel peer; the pliant one is the top-level section).
+    pub failover: Option<FailoverReport>,
+    /// Per-measurement failures (name -> reason); the others still ran.
+    pub errors: BTreeMap<String, String>,
+}
+
+/// A system compared with `no_ha` (only from measured numbers).
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct VsNoHa {
+    pub transactions_per_s_ratio: Option<f64>,
+    pub gbps_ratio: Option<f64>,
+    pub latency_us_p50_added: Option<f64>,
+    pub latency_us_p95_added: Option<f64>,
+    pub latency_us_p99_added: Option<f64>,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct HaReport {
+    pub bench: &'static str,
+    pub duration_s: u32,
+    pub connections: u32,
+    pub request_bytes: u32,
+    pub response_bytes: u32,
+    pub size_sigma: f64,
+    pub workload: &'static str,
+    pub cpu_method: &'static str,
+    pub failover_method: &'static str,
+    pub no_ha: HaSystemReport,
+    pub pico_1k: HaSystemReport,
+    pub pico_10k: HaSystemReport,
+    pub remus_40: HaSystemReport,
+    pub kernel_conntrackd: HaSystemReport,
+    /// Pliant failover (primary killed under txload).
+    pub failover: FailoverReport,
+    /// Every pliant failover trial summed up (`--trials`).
+    pub failover_trials: TrialsSummary,
+    pub vs_no_ha: BTreeMap<String, VsNoHa>,
+    pub total_s: f64,
+}
+
+fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => Some(a / b),
+        _ => None,
+    }
+}
+
+fn diff(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    Some(a? - b?)
+}
+
+impl HaReport {
+    pub fn new(
+        opts: &HaOpts,
+        systems: [HaSystemReport; 5],
+        trials: &[FailoverReport],
+        total_s: f64,
+    ) -> Self {
+        let failover = trials.first().cloned().unwrap_or_else(|| FailoverReport {
+            system: opts.failover_system.clone(),
+            error: Some(if opts.failover {
+                format!("not run: {} was not measured", opts.failover_system)
+            } else {
+                "not run (--no-failover)".into()
+            }),
+            ..Default::default()
+        });
+        let [no_ha, pico_1k, pico_10k, remus_40, kernel_conntrackd] = systems;
+        let mut vs = BTreeMap::new();
+        for (name, s) in [
+            ("pico_1k", &pico_1k),
+            ("pico_10k", &pico_10k),
+            ("remus_40", &remus_40),
+            ("kernel_conntrackd", &kernel_conntrackd),
+        ] {
+            vs.insert(
+                name.to_string(),
+                VsNoHa {
+                    transactions_per_s_ratio: ratio(s.transactions_per_s, no_ha.transactions_per_s),
+                    gbps_ratio: ratio(s.gbps, no_ha.gbps),
+                    latency_us_p50_added: diff(s.latency_us_p50, no_ha.latency_us_p50),
+                    latency_us_p95_added: diff(s.latency_us_p95, no_ha.latency_us_p95),
+                    latency_us_p99_added: diff(s.latency_us_p99, no_ha.latency_us_p99),
+                },
+            );
+        }
+        HaReport {
+            bench: "ha",
+            duration_s: opts.duration_s,
+            connections: opts.connections,
+            request_bytes: opts.request_bytes,
+            response_bytes: opts.response_bytes,
+            size_sigma: opts.size_sigma,
+            workload: "txload: persistent TCP connections, one request/response transaction \
+                       outstanding per connection (closed loop), nearest-rank latency \
+                       percentiles over every transaction in the window; iperf3 -P1 for gbps",
+            cpu_method: "cpu_pct (100 = one core): pliant = replica processes' utime+stime; \
+                         kernel_conntrackd = conntrackd+keepalived on both routers (kernel \
+                         forwarding/NAT is softirq, charged to no process); host_cpu_pct = \
+                         whole machine busy incl. the load generator",
+            failover_method: "failure 1.5 s into a txload run with UDP probe flows every 2 ms; \
+                              recovery_ms = worst probe flow's failure-to-first-echo of a probe \
+                              sent after the failure; tcp_stall_ms = longest gap between \
+                              received bytes on any connection; survived = no reset/error and a \
+                              transaction started after the failure completed",
+            no_ha,
+            pico_1k,
+            pico_10k,
+            remus_40,
+            kernel_conntrackd,
+            failover,
+            failover_trials: TrialsSummary::of(trials),
+            vs_no_ha: vs,
+            total_s,
+        }
+    }
+
+    pub fn systems(&self) -> [(&'static str, &HaSystemReport); 5] {
+        [
+            ("no_ha", &self.no_ha),
+            ("pico_1k", &self.pico_1k),
+            ("pico_10k", &self.pico_10k),
+            ("remus_40", &self.remus_40),
+            ("kernel_conntrackd", &self.kernel_conntrackd),
+        ]
+    }
+}
+
+fn progress(msg: &str) {
+    eprintln!("[bench ha] {msg}");
+}
+
+/// Run the whole benchmark. Never fails as a whole: a system that cannot be measured carries
+/// its error in the report.
+pub fn run_ha(opts: &HaOpts) -> HaReport {
+    let start = Instant::now();
+    let mut out: [HaSystemReport; 5] = Default::default();
+    let mut trials: Vec<FailoverReport> = Vec::new();
+    for (i, sys) in SYSTEMS.iter().enumerate() {
+        out[i].mode = mode_label(sys).into();
+        if !opts.only.is_empty() && !opts.only.iter().any(|o| o == sys) {
+            out[i].error = Some("not selected (--only)".into());
+            continue;
+        }
+        if cmd::interrupted() {
+            out[i].error = Some("interrupted before this system ran".into());
+            continue;
+        }
+        progress(&format!("{sys}: start ({})", mode_label(sys)));
+        let do_failover = opts.failover && *sys == opts.failover_system;
+        if *sys == "kernel_conntrackd" {
+            out[i] = measure_kernel(opts);
+        } else {
+            let (r, f) = measure_pliant(opts, sys, do_failover);
+            out[i] = r;
+            trials = f;
+        }
+        progress(&format!(
+            "{sys}: done ({:.0} s elapsed)",
+            start.elapsed().as_secs_f64()
+        ));
+    }
+    if opts.failover && !FAILOVER_SYSTEMS.contains(&opts.failover_system.as_str()) {
+        trials = vec![FailoverReport {
+            system: opts.failover_system.clone(),
+            error: Some(format!(
+                "failover_system {} is not one of {FAILOVER_SYSTEMS:?}",
+                opts.failover_system
+            )),
+            ..Default::default()
+        }];
+    }
+    HaReport::new(opts, out, &trials, start.elapsed().as_secs_f64())
+}
+
+fn mode_label(sys: &str) -> &'static str {
+    match sys {
+        "no_ha" => "pliant-nat x3, no protection",
+        "pico_1k" => "pliant-nat x3, pico chords 1000 Hz",
+        "pico_10k" => "pliant-nat x3, pico chords 10000 Hz",
+        "remus_40" => "pliant-nat x3, remus 40 Hz",
+        _ => "nftables NAT pair, conntrackd FTFW + keepalived VRRPv3 100 ms",
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// CPU accounting
+
+/// utime+stime of a process in clock ticks.
+pub fn proc_cpu_ticks(pid: i32) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    parse_stat_ticks(&s)
+}
+
+/// Fields 14 and 15 of /proc/<pid>/stat (counted after the `)` that ends the command name,
+/// which may itself contain spaces and parentheses).
+pub fn parse_stat_ticks(stat: &str) -> Option<u64> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // rest starts at field 3 (state): utime is field 14 -> index 11.
+    let u: u64 = f.get(11)?.parse().ok()?;
+    let s: u64 = f.get(12)?.parse().ok()?;
+    Some(u + s)
+}
+
+/// (busy, total) jiffies over all CPUs from /proc/stat's first line.
+pub fn parse_proc_stat(text: &str) -> Option<(u64, u64)> {
+    let line = text.lines().next()?;
+    let mut it = line.split_whitespace();
+    if it.next()? != "cpu" {
+        return None;
+    }
+    let v: Vec<u64> = it.filter_map(|x| x.parse().ok()).collect();
+    if v.len() < 4 {
+        return None;
+    }
+    // Guest time is already included in user/nice; count the first 8 fields only.
+    let total: u64 = v.iter().take(8).sum();
+    let idle = v[3] + v.get(4).copied().unwrap_or(0);
+    Some((total.saturating_sub(idle), total))
+}
+
+struct CpuSnap {
+    t: Instant,
+    ticks: u64,
+    host: Option<(u64, u64)>,
+}
+
+fn cpu_snap(pids: &[i32]) -> CpuSnap {
+    CpuSnap {
+        t: Instant::now(),
+        ticks: pids.iter().filter_map(|p| proc_cpu_ticks(*p)).sum(),
+        host: std::fs::read_to_string("/proc/stat")
+            .ok()
+            .and_then(|s| parse_proc_stat(&s)),
+    }
+}
+
+fn clk_tck() -> f64 {
+    // SAFETY: sysconf has no preconditions.
+    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if t > 0 {
+        t as f64
+    } else {
+        100.0
+    }
+}
+
+fn ncpu() -> f64 {
+    std::thread::available_parallelism()
+        .map(|n| n.get() as f64)
+        .unwrap_or(1.0)
+}
+
+/// (process cpu %, host cpu %) between two snapshots; 100 = one core.
+fn cpu_pcts(a: &CpuSnap, b: &CpuSnap) -> (Option<f64>, Option<f64>) {
+    let secs = b.t.duration_since(a.t).as_secs_f64();
+    let proc =
+        (secs > 0.0).then(|| b.ticks.saturating_sub(a.ticks) as f64 / clk_tck() / secs * 100.0);
+    let host = match (a.host, b.host) {
+        (Some((b0, t0)), Some((b1, t1))) if t1 > t0 => {
+            Some((b1.saturating_sub(b0)) as f64 / (t1 - t0) as f64 * ncpu() * 100.0)
+        }
+        _ => None,
+    };
+    (proc, host)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Common measurement
+
+/// What a system under test offers the common measurement code.
+trait Sut {
+    fn client_ns(&self) -> String;
+    fn server_ip(&self) -> Ipv4Addr;
+    /// Processes whose CPU is the system's `cpu_pct`.
+    fn cpu_pids(&self) -> Vec<i32>;
+    /// Replication bytes so far (monotonic while nothing fails).
+    fn repl_bytes(&self) -> Result<u64, BenchError>;
+}
+
+fn tx_opts(opts: &HaOpts, server: Ipv4Addr, dur: Duration) -> TxClientOpts {
+    let mut o = TxClientOpts::new(SocketAddrV4::new(server, TX_PORT), opts.connections, dur);
+    let dist = |median: u32| {
+        if opts.size_sigma > 0.0 {
+            txload::SizeDist::Lognormal {
+                median: median.max(1),
+                sigma: opts.size_sigma,
+                min: 64,
+                max: 64 << 10,
+            }
+        } else {
+            txload::SizeDist::Fixed(median)
+        }
+    };
+    o.request = dist(opts.request_bytes);
+    o.response = dist(opts.response_bytes);
+    o.probe_port = PROBE_PORT;
+    o
+}
+
+fn tx_err(e: txload::TxError) -> BenchError {
+    BenchError::Tool {
+        tool: "txload",
+        reason: e.to_string(),
+    }
+}
+
+/// txload + CPU + replication bytes into `r`.
+fn measure_txload(opts: &HaOpts, sut: &dyn Sut, r: &mut HaSystemReport) -> Result<(), BenchError> {
+    let o = tx_opts(
+        opts,
+        sut.server_ip(),
+        Duration::from_secs(u64::from(opts.duration_s)),
+    );
+    let sizes = if opts.size_sigma > 0.0 {
+        format!("lognormal (sigma {})", opts.size_sigma)
+    } else {
+        "fixed".into()
+    };
+    progress(&format!(
+        "  txload: {} connections, {}B/{}B {sizes} transactions, {} s",
+        opts.connections, opts.request_bytes, opts.response_bytes, opts.duration_s
+    ));
+    let pids = sut.cpu_pids();
+    let repl0 = sut.repl_bytes();
+    let c0 = cpu_snap(&pids);
+    let m = Marker::default();
+    let rep = txload::run_client(Some(&sut.client_ns()), &o, &m).map_err(tx_err)?;
+    let c1 = cpu_snap(&pids);
+    let repl1 = sut.repl_bytes();
+    let (p, h) = cpu_pcts(&c0, &c1);
+    r.cpu_pct = p.filter(|_| !pids.is_empty());
+    r.host_cpu_pct = h;
+    match (repl0, repl1) {
+        (Ok(a), Ok(b)) => {
+            let secs = c1.t.duration_since(c0.t).as_secs_f64();
+            r.repl_bytes_per_s = (secs > 0.0).then(|| b.saturating_sub(a) as f64 / secs);
+        }
+        (Err(e), _) | (_, Err(e)) => {
+            r.errors.insert("repl_bytes".into(), e.to_string());
+        }
+    }
+    fill_tx(r, &rep);
+    progress(&format!(
+        "  txload: {:.0} txn/s, p50 {} us, p99 {} us, resets {}",
+        rep.transactions_per_s,
+        rep.latency_us_p50.unwrap_or(f64::NAN),
+        rep.latency_us_p99.unwrap_or(f64::NAN),
+        rep.resets
+    ));
+    Ok(())
+}
+
+fn fill_tx(r: &mut HaSystemReport, rep: &TxReport) {
+    r.transactions_per_s = Some(rep.transactions_per_s);
+    r.latency_us_p50 = rep.latency_us_p50;
+    r.latency_us_p95 = rep.latency_us_p95;
+    r.latency_us_p99 = rep.latency_us_p99;
+    r.transactions = Some(rep.transactions);
+    r.tx_resets = Some(rep.resets);
+    r.tx_errors = Some(rep.errors);
+    r.tx_stall_ms = Some(rep.tcp_stall_ms);
+}
+
+fn measure_iperf(client_ns: &str, server: Ipv4Addr, secs: u32) -> Result<(f64, u64), BenchError> {
+    progress(&format!("  iperf3: 1 TCP stream for {secs} s"));
+    let (t, s) = (secs.to_string(), server.to_string());
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        let out = cmd::run(
+            &cmd::in_ns(
+                client_ns,
+                &[
+                    "iperf3",
+                    "-c",
+                    &s,
+                    "-t",
+                    &t,
+                    "-J",
+                    "--connect-timeout",
+                    "3000",
+                ],
+            ),
+            Duration::from_secs(u64::from(secs) + 30),
+        )
+        .map_err(|e| BenchError::Tool {
+            tool: "iperf3",
+            reason: e.to_string(),
+        })?;
+        // The server says "busy" for a moment after a previous test; not a measurement.
+        if attempt < 3 && out.stdout.contains("the server is busy") {
+            std::thread::sleep(Duration::from_secs(1));
+            continue;
+        }
+        let r = parse_iperf3_gbps(&out.stdout)?;
+        return Ok((r.gbps, r.retransmits));
+    }
+}
+
+/// A txload run with probe flows during which `fail` injects the failure (it must set the
+/// marker at the failure instant) and returns a description of the victim.
+fn run_failover(
+    opts: &HaOpts,
+    sut: &dyn Sut,
+    system: &str,
+    fail: &mut dyn FnMut(&Marker) -> Result<String, BenchError>,
+) -> FailoverReport {
+    let mut f = FailoverReport {
+        system: system.into(),
+        ..Default::default()
+    };
+    let mut o = tx_opts(opts, sut.server_ip(), KILL_AFTER + AFTER_KILL);
+    o.probe_flows = opts.probe_flows;
+    o.warmup = Duration::ZERO;
+    progress(&format!(
+        "  failover: txload with {} probe flows, failure after {:?}",
+        opts.probe_flows, KILL_AFTER
+    ));
+    let m = Arc::new(Marker::default());
+    let h = match txload::spawn_client(Some(sut.client_ns()), o, m.clone()) {
+        Ok(h) => h,
+        Err(e) => {
+            f.error = Some(e.to_string());
+            return f;
+        }
+    };
+    std::thread::sleep(KILL_AFTER);
+    let failed = fail(&m);
+    let rep = txload::join_client(h);
+    match (failed, rep) {
+        (Err(e), _) => f.error = Some(format!("failure injection: {e}")),
+        (_, Err(e)) => f.error = Some(format!("txload: {e}")),
+        (Ok(victim), Ok(rep)) => {
+            f.victim = victim;
+            fill_failover(&mut f, &rep);
+            progress(&format!(
+                "  failover: recovery {:?} ms, tcp stall {:.0} ms, survived {}/{}",
+                f.recovery_ms,
+                rep.tcp_stall_ms,
+                rep.conns_survived(true),
+                rep.connections
+            ));
+        }
+    }
+    f
+}
+
+fn fill_failover(f: &mut FailoverReport, rep: &TxReport) {
+    f.recovery_ms = rep.probe_recovery_ms();
+    f.tcp_stall_ms = Some(rep.tcp_stall_ms);
+    f.flows_survived = Some(rep.conns_survived(true));
+    f.flows_total = Some(rep.connections);
+    f.resets = Some(rep.resets);
+    let firsts: Vec<f64> = rep
+        .per_conn
+        .iter()
+        .filter_map(|c| c.first_done_after_mark_ms)
+        .collect();
+    f.first_txn_after_failure_ms = firsts.iter().copied().reduce(f64::min);
+    f.all_flows_txn_after_failure_ms =
+        (firsts.len() == rep.per_conn.len()).then(|| firsts.iter().copied().fold(0.0, f64::max));
+    f.probe_flows = Some(rep.probes.len());
+    f.probe_flows_recovered = Some(
+        rep.probes
+            .iter()
+            .filter(|p| p.recovery_ms.is_some())
+            .count(),
+    );
+    f.conn_errors = rep
+        .per_conn
+        .iter()
+        .filter_map(|c| c.error.clone())
+        .take(5)
+        .collect();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernel peer
+
+struct KernelSut<'a>(&'a KernelPeer);
+
+impl Sut for KernelSut<'_> {
+    fn client_ns(&self) -> String {
+        self.0.client_ns()
+    }
+    fn server_ip(&self) -> Ipv4Addr {
+        ha_kernel::SERVER_IP
+    }
+    fn cpu_pids(&self) -> Vec<i32> {
+        self.0.ha_pids()
+    }
+    fn repl_bytes(&self) -> Result<u64, BenchError> {
+        self.0.sync_tx_bytes()
+    }
+}
+
+fn measure_kernel(opts: &HaOpts) -> HaSystemReport {
+    let mut r = HaSystemReport {
+        mode: mode_label("kernel_conntrackd").into(),
+        ..Default::default()
+    };
+    // Not under the labs' run root: lab listings would take the peer's directory for a lab.
+    let mut peer = match KernelPeer::up(Path::new(KERNEL_RUN_ROOT)) {
+        Ok(p) => p,
+        Err(e) => {
+            r.error = Some(format!("kernel peer up: {e}"));
+            return r;
+        }
+    };
+    let bind = SocketAddrV4::new(ha_kernel::SERVER_IP, TX_PORT);
+    let srv = match TxServer::start(Some(&peer.server_ns()), bind, PROBE_PORT) {
+        Ok(s) => s,
+        Err(e) => {
+            r.error = Some(format!("txload server: {e}"));
+            return r;
+        }
+    };
+    if let Err(e) = measure_txload(opts, &KernelSut(&peer), &mut r) {
+        r.errors.insert("txload".into(), e.to_string());
+    }
+    if !cmd::interrupted() {
+        let res = peer
+            .start_iperf_server()
+            .and_then(|()| measure_iperf(&peer.client_ns(), ha_kernel::SERVER_IP, opts.duration_s));
+        match res {
+            Ok((g, rt)) => {
+                r.gbps = Some(g);
+                r.tcp_retransmits = Some(rt);
+            }
+            Err(e) => {
+                r.errors.insert("iperf3".into(), e.to_string());
+            }
+        }
+    }
+    if opts.failover && !cmd::interrupted() {
+        // The failure needs `&mut peer` while the Sut borrows it: take what the run needs first.
+        let cl = peer.client_ns();
+        struct Ns(String);
+        impl Sut for Ns {
+            fn client_ns(&self) -> String {
+                self.0.clone()
+            }
+            fn server_ip(&self) -> Ipv4Addr {
+                ha_kernel::SERVER_IP
+            }
+            fn cpu_pids(&self) -> Vec<i32> {
+                Vec::new()
+            }
+            fn repl_bytes(&self) -> Result<u64, BenchError> {
+                Ok(0)
+            }
+        }
+        let mut fail = |m: &Marker| {
+            peer.kill_master(m).map(|router| {
+                format!("router {router:?} (links cut, keepalived+conntrackd SIGKILLed)")
+            })
+        };
+        r.failover = Some(run_failover(opts, &Ns(cl), "kernel_conntrackd", &mut fail));
+    }
+    drop(srv);
+    drop(peer);
+    r
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pliant labs
+
+/// `[ha]` of the controller config for a system.
+pub fn controller_ha_section(sys: &str) -> Option<&'static str> {
+    match sys {
+        "no_ha" => Some("[ha]\nmode = \"off\"\n"),
+        "pico_1k" => Some("[ha]\nmode = \"pico\"\npolicy = \"chords\"\nhz = 1000\n"),
+        "pico_10k" => Some("[ha]\nmode = \"pico\"\npolicy = \"chords\"\nhz = 10000\n"),
+        "remus_40" => Some("[ha]\nmode = \"remus\"\nremus_hz = 40\n"),
+        _ => None,
+    }
+}
+
+/// Expected `ha_status` mode of every replica once the controller protected it.
+fn expected_mode(sys: &str) -> &'static str {
+    match sys {
+        "no_ha" => "off",
+        "remus_40" => "remus",
+        _ => "pico",
+    }
+}
+
+/// A pliant lab with 3 HA-capable replicas and a controller. Drop stops the controller (it
+/// detaches its steering) and then the lab removes everything it made.
+struct PliantSys {
+    dir: PathBuf,
+    controller: Option<Child>,
+    lab: Option<Lab>,
+    srv: Option<TxServer>,
+}
+
+impl Drop for PliantSys {
+    fn drop(&mut self) {
+        self.srv = None;
+        if let Some(mut c) = self.controller.take() {
+            // SAFETY: SIGTERM to the controller process we spawned (not yet reaped).
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            if cmd::wait_bounded(&mut c, Duration::from_secs(5)).is_none() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+        if let Some(lab) = self.lab.take() {
+            let opts = pliant_lab::scale::ScaleOptions::default();
+            if let Ok(rs) = pliant_lab::scale::replicas(lab.name(), &opts) {
+                for r in rs.iter().filter(|r| r.index > REPLICAS) {
+                    let _ = pliant_lab::scale::remove_replica(lab.name(), r.index, &opts);
+                }
+            }
+            drop(lab);
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl PliantSys {
+    fn lab(&self) -> &Lab {
+        // Invariant: `lab` is Some from construction until Drop.
+        self.lab.as_ref().expect("lab present until drop")
+    }
+
+    fn replica_pids(&self) -> Vec<i32> {
+        let st = pliant_lab::state::LabState::load(&self.lab().state().path())
+            .unwrap_or_else(|_| self.lab().state().clone());
+        st.procs
+            .iter()
+            .filter(|p| p.role.starts_with("pliant-r"))
+            .map(|p| p.pid)
+            .filter(|p| Path::new(&format!("/proc/{p}")).exists())
+            .collect()
+    }
+
+    fn sockets(&self) -> Vec<(u8, PathBuf)> {
+        (1..=REPLICAS)
+            .filter_map(|n| Some((n, self.lab().replica_socket(n)?.to_path_buf())))
+            .collect()
+    }
+}
+
+/// One request/answer on a replica control socket.
+pub fn replica_request(sock: &Path, req: &Value) -> Result<Value, BenchError> {
+    let err = |reason: String| BenchError::Tool {
+        tool: "replica control",
+        reason: format!("{}: {reason}", sock.display()),
+    };
+    let mut s = std::os::unix::net::UnixStream::connect(sock).map_err(|e| err(e.to_string()))?;
+    s.set_read_timeout(Some(Duration::from_secs(3)))
+        .map_err(|e| err(e.to_string()))?;
+    let mut line = req.to_string();
+    line.push('\n');
+    s.write_all(line.as_bytes())
+        .map_err(|e| err(e.to_string()))?;
+    let mut ans = String::new();
+    // A control answer is one short line; bound what we read anyway.
+    BufReader::new(std::io::Read::take(s, 1 << 20))
+        .read_line(&mut ans)
+        .map_err(|e| err(e.to_string()))?;
+    let v: Value = serde_json::from_str(&ans).map_err(|e| err(format!("bad answer: {e}")))?;
+    if v["ok"] != true {
+        return Err(err(format!("refused: {}", v["error"])));
+    }
+    Ok(v)
+}
+
+/// Sum of `bytes_shipped` over every group of an `ha_status` answer.
+pub fn shipped_bytes(status: &Value) -> u64 {
+    status["groups"]
+        .as_array()
+        .map(|g| g.iter().filter_map(|x| x["bytes_shipped"].as_u64()).sum())
+        .unwrap_or(0)
+}
+
+/// True when a replica's `ha_status` shows `mode` with every group up (or, for "off", no
+/// protected group).
+pub fn protected_as(status: &Value, mode: &str) -> bool {
+    if status["mode"] != mode {
+        return false;
+    }
+    if mode == "off" {
+        return true;
+    }
+    status["groups"]
+        .as_array()
+        .is_some_and(|g| !g.is_empty() && g.iter().all(|x| x["state"] == "up"))
+}
+
+struct PliantSut<'a>(&'a PliantSys);
+
+impl Sut for PliantSut<'_> {
+    fn client_ns(&self) -> String {
+        self.0.lab().netns(pliant_lab::Role::Client)
+    }
+    fn server_ip(&self) -> Ipv4Addr {
+        pliant_lab::SERVER_IP
+            .parse()
+            .unwrap_or(Ipv4Addr::new(10, 77, 2, 2))
+    }
+    fn cpu_pids(&self) -> Vec<i32> {
+        self.0.replica_pids()
+    }
+    fn repl_bytes(&self) -> Result<u64, BenchError> {
+        let mut sum = 0;
+        for (_, s) in self.0.sockets() {
+            sum += shipped_bytes(&replica_request(
+                &s,
+                &serde_json::json!({"cmd":"ha_status"}),
+            )?);
+        }
+        Ok(sum)
+    }
+}
+
+fn pliant_up(opts: &HaOpts, sys: &str) -> Result<PliantSys, String> {
+    let bin = opts
+        .pliant_bin
+        .clone()
+        .ok_or("no pliant binary given (needed for the replicas and the controller)")?;
+    let ha = controller_ha_section(sys).ok_or_else(|| format!("{sys} is not a pliant system"))?;
+    let mut spec = LabSpec::new(ReplicaMode::Pliant {
+        config: PliantNf::nat(),
+    });
+    spec.pliant_bin = Some(bin.clone());
+    spec.replicas = REPLICAS;
+    spec.disable_offloads = opts.disable_offloads;
+    spec.files.clear();
+    spec.ha = true;
+    spec.run_root = opts.run_root.clone();
+    let lab = Lab::up(spec).map_err(|e| format!("lab up: {e}"))?;
+    let dir = lab.run_dir().join("bench-ha");
+    std::fs::create_dir_all(&dir).map_err(|e| format!("mkdir {}: {e}", dir.display()))?;
+    let mut sys_ = PliantSys {
+        dir: dir.clone(),
+        controller: None,
+        lab: Some(lab),
+        srv: None,
+    };
+    // As the e2e HA harness runs it: 10 ms liveness probes, NAT port blocks of 1000 (a
+    // failed-over replica's block stays quarantined while its flows live on elsewhere).
+    let ctl = format!(
+        "[controller]\napi_socket = \"{d}/api.sock\"\ntoken_file = \"{d}/token\"\n\
+         store = \"{d}/store.json\"\nheartbeat_ms = 100\ndead_after_missed = 5\n\
+         [lab]\nname = \"{name}\"\nrun_root = \"{root}\"\nnat_addr = \"{nat}\"\n\
+         [ports]\nlo = 20000\nhi = 59999\nblock = 1000\nper_replica = 1\n\
+         [policy]\nauto = false\nmax_replicas = 60\n{ha}watch_ms = 10\n",
+        d = dir.display(),
+        name = sys_.lab().name(),
+        root = opts.run_root.display(),
+        nat = pliant_lab::OUTSIDE_GW_IP,
+    );
+    let cfg = dir.join("ctl.toml");
+    std::fs::write(&cfg, ctl).map_err(|e| format!("write {}: {e}", cfg.display()))?;
+    let log = std::fs::File::create(dir.join("controller.log")).map_err(|e| e.to_string())?;
+    let log2 = log.try_clone().map_err(|e| e.to_string())?;
+    let child = Command::new(&bin)
+        .args(["controller", "--config"])
+        .arg(&cfg)
+        .stdin(Stdio::null())
+        .stdout(log)
+        .stderr(log2)
+        .spawn()
+        .map_err(|e| format!("start controller: {e}"))?;
+    sys_.controller = Some(child);
+    let ctl_log = || pliant_lab::log_tail(&dir.join("controller.log"), 10);
+    // Every replica must report the mode this system asks for, every group up.
+    let want = expected_mode(sys);
+    let t = Instant::now();
+    loop {
+        if let Some(c) = sys_.controller.as_mut() {
+            if let Ok(Some(st)) = c.try_wait() {
+                return Err(format!("controller exited ({st}): {}", ctl_log()));
+            }
+        }
+        let ok = controller_sees_all(&bin, &dir)
+            && sys_.sockets().iter().all(|(_, s)| {
+                replica_request(s, &serde_json::json!({"cmd":"ha_status"}))
+                    .map(|v| protected_as(&v, want))
+                    .unwrap_or(false)
+            });
+        if ok && sys_.sockets().len() == usize::from(REPLICAS) {
+            break;
+        }
+        if t.elapsed() > PROTECT_TIMEOUT {
+            let st: Vec<String> = sys_
+                .sockets()
+                .iter()
+                .map(|(n, s)| {
+                    format!(
+                        "r{n}: {}",
+                        replica_request(s, &serde_json::json!({"cmd":"ha_status"}))
+                            .map(|v| v.to_string())
+                            .unwrap_or_else(|e| e.to_string())
+                    )
+                })
+                .collect();
+            return Err(format!(
+                "replicas not in mode {want} with all groups up after {PROTECT_TIMEOUT:?}: {}; \
+                 controller: {}",
+                st.join("; "),
+                ctl_log()
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let server = PliantSut(&sys_).server_ip();
+    let ns = sys_.lab().netns(pliant_lab::Role::Server);
+    let srv = TxServer::start(Some(&ns), SocketAddrV4::new(server, TX_PORT), PROBE_PORT)
+        .map_err(|e| format!("txload server: {e}"))?;
+    sys_.srv = Some(srv);
+    let cl = sys_.lab().netns(pliant_lab::Role::Client);
+    wait_reachable(&cl, SocketAddrV4::new(server, TX_PORT))?;
+    Ok(sys_)
+}
+
+/// The controller answers `status` and lists every lab replica alive.
+fn controller_sees_all(bin: &Path, dir: &Path) -> bool {
+    let out = Command::new(bin)
+        .arg("status")
+        .arg("--api")
+        .arg(dir.join("api.sock"))
+        .arg("--token-file")
+        .arg(dir.join("token"))
+        .arg("--json")
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output();
+    let Ok(out) = out else { return false };
+    let Ok(v) = serde_json::from_slice::<Value>(&out.stdout) else {
+        return false;
+    };
+    let alive = v["replicas"]
+        .as_array()
+        .map(|a| a.iter().filter(|r| r["alive"] == true).count())
+        .unwrap_or(0);
+    out.status.success() && alive == usize::from(REPLICAS)
+}
+
+/// One TCP connection from the client namespace must get through before measuring (the first
+/// packets after start-up can meet steering that is still being installed).
+fn wait_reachable(client_ns: &str, server: SocketAddrV4) -> Result<(), String> {
+    let ns = client_ns.to_string();
+    let h = std::thread::spawn(move || -> Result<(), String> {
+        txload::enter_netns(&ns).map_err(|e| e.to_string())?;
+        let t = Instant::now();
+        loop {
+            let a = std::net::SocketAddr::V4(server);
+            match std::net::TcpStream::connect_timeout(&a, Duration::from_millis(500)) {
+                Ok(_) => return Ok(()),
+                Err(e) if t.elapsed() > REACH_TIMEOUT => {
+                    return Err(format!("{server} unreachable from the client: {e}"))
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(100)),
+            }
+        }
+    });
+    h.join()
+        .map_err(|_| "reachability thread panicked".to_string())?
+}
+
+fn measure_pliant(
+    opts: &HaOpts,
+    sys: &str,
+    do_failover: bool,
+) -> (HaSystemReport, Vec<FailoverReport>) {
+    let mut r = HaSystemReport {
+        mode: mode_label(sys).into(),
+        ..Default::default()
+    };
+    let mut trials = Vec::new();
+    let p = match pliant_up(opts, sys) {
+        Ok(p) => p,
+        Err(e) => {
+            progress(&format!("  {sys}: {e}"));
+            r.error = Some(e);
+            if do_failover {
+                trials.push(FailoverReport {
+                    system: sys.into(),
+                    error: Some("system did not come up".into()),
+                    ..Default::default()
+                });
+            }
+            return (r, trials);
+        }
+    };
+    if let Err(e) = measure_txload(opts, &PliantSut(&p), &mut r) {
+        progress(&format!("  txload failed: {e}"));
+        r.errors.insert("txload".into(), e.to_string());
+    }
+    if !cmd::interrupted() {
+        let sut = PliantSut(&p);
+        match measure_iperf(&sut.client_ns(), sut.server_ip(), opts.duration_s) {
+            Ok((g, rt)) => {
+                r.gbps = Some(g);
+                r.tcp_retransmits = Some(rt);
+            }
+            Err(e) => {
+                r.errors.insert("iperf3".into(), e.to_string());
+            }
+        }
+    }
+    if do_failover && !cmd::interrupted() {
+        trials.push(kill_r1(opts, &p, sys));
+    }
+    drop(p);
+    // Further trials, each in a fresh lab (the first one's lab lost r1).
+    for n in 2..=opts.trials {
+        if !do_failover || cmd::interrupted() {
+            break;
+        }
+        progress(&format!("  failover trial {n}/{}", opts.trials));
+        match pliant_up(opts, sys) {
+            Ok(p) => trials.push(kill_r1(opts, &p, sys)),
+            Err(e) => trials.push(FailoverReport {
+                system: sys.into(),
+                error: Some(format!("trial {n}: {e}")),
+                ..Default::default()
+            }),
+        }
+    }
+    (r, trials)
+}
+
+/// One failover experiment on a pliant system: replica r1 SIGKILLed under txload.
+fn kill_r1(opts: &HaOpts, p: &PliantSys, sys: &str) -> FailoverReport {
+    let victim = p
+        .replica_pids()
+        .into_iter()
+        .find(|pid| pliant_lab::state::proc_cmdline(*pid).is_some_and(|c| c.contains("r1.toml")));
+    let mut fail = |m: &Marker| match victim {
+        Some(pid) => {
+            m.set();
+            // SAFETY: SIGKILL to replica r1, a process of our lab (cmdline checked above).
+            let rc = unsafe { libc::kill(pid, libc::SIGKILL) };
+            if rc != 0 {
+                return Err(BenchError::Tool {
+                    tool: "kill",
+                    reason: format!("r1 (pid {pid}): {}", std::io::Error::last_os_error()),
+                });
+            }
+            Ok(format!("replica r1 (pid {pid}) SIGKILLed"))
+        }
+        None => Err(BenchError::Tool {
+            tool: "kill",
+            reason: "replica r1's process not found".into(),
+        }),
+    };
+    run_failover(opts, &PliantSut(p), sys, &mut fail)
+}
+
+/// All failover trials of a run.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct TrialsSummary {
+    pub trials: usize,
+    /// Trials that ran to the end (failure injected, txload finished).
+    pub trials_completed: usize,
+    pub flows_survived: u32,
+    pub flows_total: u32,
+    pub resets: u64,
+    pub recovery_ms_p50: Option<f64>,
+    pub recovery_ms_max: Option<f64>,
+    /// Completed trials in which some probe flow never came back.
+    pub trials_unrecovered: usize,
+    pub tcp_stall_ms_p50: Option<f64>,
+    pub tcp_stall_ms_max: Option<f64>,
+    /// First errors (at most 5).
+    pub errors: Vec<String>,
+}
+
+impl TrialsSummary {
+    pub fn of(trials: &[FailoverReport]) -> Self {
+        let done: Vec<&FailoverReport> = trials.iter().filter(|t| t.error.is_none()).collect();
+        let rec: Vec<f64> = done.iter().filter_map(|t| t.recovery_ms).collect();
+        let stall: Vec<f64> = done.iter().filter_map(|t| t.tcp_stall_ms).collect();
+        let max = |v: &[f64]| v.iter().copied().reduce(f64::max);
+        TrialsSummary {
+            trials: trials.len(),
+            trials_completed: done.len(),
+            flows_survived: done.iter().filter_map(|t| t.flows_survived).sum(),
+            flows_total: done.iter().filter_map(|t| t.flows_total).sum(),
+            resets: done.iter().filter_map(|t| t.resets).sum(),
+            recovery_ms_p50: crate::parse::percentile(&rec, 50.0),
+            recovery_ms_max: max(&rec),
+            trials_unrecovered: done.iter().filter(|t| t.recovery_ms.is_none()).count(),
+            tcp_stall_ms_p50: crate::parse::percentile(&stall, 50.0),
+            tcp_stall_ms_max: max(&stall),
+            errors: trials
+                .iter()
+                .filter_map(|t| t.error.clone())
+                .take(5)
+                .collect(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_ticks_skip_a_command_name_with_spaces() {
+        let s = "1234 (my (odd) prog) S 1 2 3 4 5 6 7 8 9 10 110 25 0 0 20 0 1 0";
+        assert_eq!(parse_stat_ticks(s), Some(135));
+        assert_eq!(parse_stat_ticks("garbage"), None);
+    }
+
+    #[test]
+    fn proc_stat_busy_excludes_idle_and_iowait() {
+        let t = "cpu  100 0 50 800 50 0 0 0 0 0\ncpu0 1 2 3\n";
+        assert_eq!(parse_proc_stat(t), Some((150, 1000)));
+        assert_eq!(parse_proc_stat("intr 1 2"), None);
+    }
+
+    #[test]
+    fn shipped_bytes_sums_groups_and_protection_needs_every_group_up() {
+        let v: Value = serde_json::json!({"ok":true,"mode":"pico","groups":[
+            {"id":1,"state":"up","bytes_shipped":100},{"id":2,"state":"up","bytes_shipped":23}]});
+        assert_eq!(shipped_bytes(&v), 123);
+        assert!(protected_as(&v, "pico"));
+        assert!(!protected_as(&v, "remus"));
+        let v2: Value = serde_json::json!({"ok":true,"mode":"pico","groups":[
+            {"id":1,"state":"connecting"}]});
+        assert!(!protected_as(&v2, "pico"));
+        let off: Value = serde_json::json!({"ok":true,"mode":"off","groups":[]});
+        assert!(protected_as(&off, "off"));
+        assert!(!protected_as(
+            &serde_json::json!({"ok":true,"mode":"pico","groups":[]}),
+            "pico"
+        ));
+        assert_eq!(shipped_bytes(&off), 0);
+    }
+
+    #[test]
+    fn controller_ha_sections_match_the_systems() {
+        assert!(controller_ha_section("pico_10k").is_some_and(|s| s.contains("hz = 10000")));
+        assert!(controller_ha_section("remus_40").is_some_and(|s| s.contains("remus_hz = 40")));
+        assert!(controller_ha_section("no_ha").is_some_and(|s| s.contains("\"off\"")));
+        assert_eq!(controller_ha_section("kernel_conntrackd"), None);
+    }
+
+    #[test]
+    fn report_has_the_contract_fields_and_ratios_only_from_measured_numbers() {
+        let base = HaSystemReport {
+            transactions_per_s: Some(1000.0),
+            latency_us_p50: Some(100.0),
+            latency_us_p99: Some(400.0),
+            gbps: Some(10.0),
+            ..Default::default()
+        };
+        let pico = HaSystemReport {
+            transactions_per_s: Some(900.0),
+            latency_us_p50: Some(130.0),
+            latency_us_p99: Some(1000.0),
+            ..Default::default()
+        };
+        let r = HaReport::new(
+            &HaOpts::default(),
+            [
+                base,
+                pico,
+                Default::default(),
+                Default::default(),
+                Default::default(),
+            ],
+            &[],
+            1.0,
+        );
+        let v = serde_json::to_value(&r).expect("json");
+        for s in SYSTEMS {
+            for k in [
+                "transactions_per_s",
+                "latency_us_p50",
+                "latency_us_p95",
+                "latency_us_p99",
+                "gbps",
+                "cpu_pct",
+                "repl_bytes_per_s",
+            ] {
+                assert!(v[s].get(k).is_some(), "{s}.{k} missing");
+            }
+        }
+        for k in [
+            "recovery_ms",
+            "tcp_stall_ms",
+            "flows_survived",
+            "flows_total",
+        ] {
+            assert!(v["failover"].get(k).is_some(), "failover.{k} missing");
+        }
+        let p = &r.vs_no_ha["pico_1k"];
+        assert_eq!(p.transactions_per_s_ratio, Some(0.9));
+        assert_eq!(p.latency_us_p50_added, Some(30.0));
+        assert_eq!(p.latency_us_p99_added, Some(600.0));
+        assert_eq!(p.gbps_ratio, None, "pico gbps was not measured");
+        assert_eq!(r.vs_no_ha["remus_40"].transactions_per_s_ratio, None);
+    }
+
+    #[test]
+    fn trials_summary_sums_completed_trials_only() {
+        let t = |rec: Option<f64>, surv: u32, err: Option<&str>| FailoverReport {
+            recovery_ms: rec,
+            tcp_stall_ms: rec.map(|r| r * 2.0),
+            flows_survived: Some(surv),
+            flows_total: Some(4),
+            resets: Some(u64::from(4 - surv)),
+            error: err.map(str::to_string),
+            ..Default::default()
+        };
+        let s = TrialsSummary::of(&[
+            t(Some(10.0), 4, None),
+            t(Some(30.0), 3, None),
+            t(None, 4, None),
+            t(Some(1.0), 0, Some("lab up failed")),
+        ]);
+        assert_eq!((s.trials, s.trials_completed), (4, 3));
+        assert_eq!((s.flows_survived, s.flows_total, s.resets), (11, 12, 1));
+        assert_eq!(s.recovery_ms_p50, Some(10.0));
+        assert_eq!(s.recovery_ms_max, Some(30.0));
+        assert_eq!(s.tcp_stall_ms_max, Some(60.0));
+        assert_eq!(s.trials_unrecovered, 1);
+        assert_eq!(s.errors, vec!["lab up failed".to_string()]);
+        let none = TrialsSummary::of(&[]);
+        assert_eq!((none.trials, none.recovery_ms_p50), (0, None));
+    }
+
+    #[test]
+    fn failover_fill_counts_survivors_and_recovery() {
+        use crate::txload::{ConnStats, ProbeStats};
+        let ok = ConnStats {
+            transactions: 10,
+            first_done_after_mark_ms: Some(40.0),
+            max_stall_ms: 35.0,
+            ..Default::default()
+        };
+        let reset = ConnStats {
+            transactions: 3,
+            resets: 1,
+            error: Some("receive: reset".into()),
+            ..Default::default()
+        };
+        let rep = TxReport {
+            connections: 2,
+            resets: 1,
+            tcp_stall_ms: 35.0,
+            per_conn: vec![ok, reset],
+            probes: vec![ProbeStats {
+                recovery_ms: Some(12.0),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let mut f = FailoverReport::default();
+        fill_failover(&mut f, &rep);
+        assert_eq!(f.flows_survived, Some(1));
+        assert_eq!(f.flows_total, Some(2));
+        assert_eq!(f.recovery_ms, Some(12.0));
+        assert_eq!(f.first_txn_after_failure_ms, Some(40.0));
+        assert_eq!(
+            f.all_flows_txn_after_failure_ms, None,
+            "one flow never came back"
+        );
+        assert_eq!(f.conn_errors, vec!["receive: reset".to_string()]);
+    }
+}

@@ -1,0 +1,129 @@
+//! `pliant bench ha` for real, short: the kernel peer (conntrackd + keepalived NAT pair) and
+//! pliant without HA, 2-second windows, failover experiments on. Checks the JSON contract on the
+//! last stdout line and that the numbers are measured and sane.
+//!
+//! Needs root, conntrackd, keepalived, nftables, iperf3 (skips without root). Run in release:
+//! `cargo test --release -p pliant-cli --test e2e_bench_ha -- --nocapture`.
+
+use serde_json::Value;
+use std::process::Command;
+
+mod common;
+use common::{is_root, pliant};
+
+const CONTRACT: [&str; 7] = [
+    "transactions_per_s",
+    "latency_us_p50",
+    "latency_us_p95",
+    "latency_us_p99",
+    "gbps",
+    "cpu_pct",
+    "repl_bytes_per_s",
+];
+
+fn num(v: &Value, what: &str) -> f64 {
+    v.as_f64()
+        .unwrap_or_else(|| panic!("{what} must be a measured number, got {v}"))
+}
+
+/// Checks one measured system section; returns its transactions/s.
+fn check_system(r: &Value, sys: &str) -> f64 {
+    let s = &r[sys];
+    assert!(s["error"].is_null(), "{sys} failed: {}", s["error"]);
+    for k in CONTRACT {
+        assert!(s.get(k).is_some(), "{sys}.{k} missing: {s}");
+    }
+    let tps = num(
+        &s["transactions_per_s"],
+        &format!("{sys}.transactions_per_s"),
+    );
+    assert!(tps > 0.0, "{sys}: no transactions: {s}");
+    assert!(num(&s["transactions"], "transactions") > 0.0);
+    let (p50, p95, p99) = (
+        num(&s["latency_us_p50"], "p50"),
+        num(&s["latency_us_p95"], "p95"),
+        num(&s["latency_us_p99"], "p99"),
+    );
+    assert!(
+        0.0 < p50 && p50 <= p95 && p95 <= p99,
+        "{sys}: percentiles out of order: {p50} {p95} {p99}"
+    );
+    // No failure during the measured window: not a single reset or error.
+    assert_eq!(s["tx_resets"], 0, "{sys}: {s}");
+    assert_eq!(s["tx_errors"], 0, "{sys}: {s}");
+    assert!(num(&s["gbps"], "gbps") > 0.0, "{sys}: {s}");
+    assert!(num(&s["host_cpu_pct"], "host_cpu_pct") > 0.0, "{sys}: {s}");
+    tps
+}
+
+#[test]
+fn bench_ha_kernel_peer_and_no_ha_report_the_contract() {
+    if !is_root() {
+        eprintln!("skipping: needs root");
+        return;
+    }
+    let out = Command::new(pliant())
+        .args([
+            "bench",
+            "ha",
+            "--json",
+            "--duration",
+            "2",
+            "--connections",
+            "8",
+            "--only",
+            "kernel_conntrackd,no_ha",
+        ])
+        .output()
+        .expect("run pliant bench ha");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "bench ha failed: {stderr}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let last = stdout.lines().last().expect("a JSON line on stdout");
+    let r: Value = serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {last}"));
+    eprintln!("{last}");
+    assert_eq!(r["bench"], "ha");
+    for sys in [
+        "no_ha",
+        "pico_1k",
+        "pico_10k",
+        "remus_40",
+        "kernel_conntrackd",
+    ] {
+        for k in CONTRACT {
+            assert!(r[sys].get(k).is_some(), "{sys}.{k} missing");
+        }
+    }
+    // Not selected: an explanation and no numbers.
+    assert!(r["pico_1k"]["error"]
+        .as_str()
+        .is_some_and(|e| e.contains("not selected")));
+    assert!(r["pico_1k"]["transactions_per_s"].is_null());
+
+    let k = check_system(&r, "kernel_conntrackd");
+    // conntrackd shipped state over the sync link while the transactions ran.
+    assert!(num(&r["kernel_conntrackd"]["repl_bytes_per_s"], "repl") > 0.0);
+    assert!(num(&r["kernel_conntrackd"]["cpu_pct"], "cpu") >= 0.0);
+    let f = &r["kernel_conntrackd"]["failover"];
+    let total = num(&f["flows_total"], "flows_total");
+    assert_eq!(total, 8.0, "{f}");
+    let survived = num(&f["flows_survived"], "flows_survived");
+    assert!(survived <= total, "{f}");
+    // VRRP at 100 ms adverts cannot take over in less than 3 intervals.
+    let rec = num(&f["recovery_ms"], "recovery_ms");
+    assert!(rec > 200.0, "kernel peer recovered in {rec} ms: {f}");
+    assert!(num(&f["tcp_stall_ms"], "tcp_stall_ms") >= rec * 0.5, "{f}");
+
+    let n = check_system(&r, "no_ha");
+    // Unprotected pliant ships nothing.
+    assert_eq!(num(&r["no_ha"]["repl_bytes_per_s"], "repl"), 0.0);
+    assert!(num(&r["no_ha"]["cpu_pct"], "cpu") > 0.0);
+    let ratio = num(
+        &r["vs_no_ha"]["kernel_conntrackd"]["transactions_per_s_ratio"],
+        "ratio",
+    );
+    assert!(
+        (ratio - k / n).abs() < 1e-6 * ratio.max(1.0),
+        "{ratio} vs {k}/{n}"
+    );
+}

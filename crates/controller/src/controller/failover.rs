@@ -1,0 +1,684 @@
+//! High availability in the controller (Pico replication, issue 4): failure detection,
+//! failover and re-protection.
+//!
+//! Failover of a dead primary A (`Controller::failover`), in this order:
+//! 1. **fence** A in the fabric (frames from its ports dropped, nothing steered to it; design
+//!    invariant 7) and take it out of liveness, so a partitioned or revived A cannot emit;
+//! 2. bump the **ownership token**: tokens are leased from the store in blocks
+//!    ([`TOKEN_LEASE`], compare-and-swap of the lease ceiling), so every token is durable
+//!    before use (after a restart the controller starts above the old ceiling, never reusing
+//!    one) without an fsync on the failover's critical path;
+//! 3. **activate** A's standby state on every live survivor, in parallel, with the new token
+//!    (a survivor holding no standby of A answers with no flows; the backups fence A's
+//!    checkpoint stream at that token);
+//! 4. **steer** every returned key and alias to the survivor that activated it (exceptions take
+//!    precedence over conn pins, port owners and the ring: NAT return traffic follows too),
+//!    drop A's conn pins (`steer_ms`), then take A out of the ring (`ring_ms`);
+//! 5. **re-protect** every survivor with a fresh policy over the survivors (their policies
+//!    still name A: output of groups backed by A would wait for A's link to time out);
+//! 6. persist exceptions + the record of A's handed-over keys (for a controller restart; off
+//!    the critical path), record timings (`detect_ms`, `activate_ms`, `steer_ms`, ...).
+//!
+//! A's NAT port blocks stay assigned to A (quarantined: its return traffic is dropped by the
+//! fence unless an exception re-homes it) until no exception for a flow A handed over remains;
+//! then the exception GC retires A (blocks back to the pool, the agent removes it). Reusing the
+//! block earlier could hand a port to a new flow while a failed-over flow still uses it.
+
+use super::*;
+use crate::ha::{self, HaBrief, Probe};
+
+/// Failover records kept for `ha status` (newest last).
+pub const MAX_FAILOVER_RECORDS: usize = 64;
+/// Tokens leased per store write (see the module doc).
+pub const TOKEN_LEASE: u64 = 1024;
+/// Store key of the lease ceiling: no token above it was ever handed out.
+const K_HA_TOKEN: &str = "ha/token";
+const K_HA_CONFIG: &str = "ha/config";
+const K_HA_FAILED: &str = "ha/failed";
+
+#[derive(Default, Debug)]
+pub struct HaCounters {
+    pub probes: AtomicU64,
+    pub probes_dead: AtomicU64,
+    pub failovers: AtomicU64,
+    pub flows_activated: AtomicU64,
+    pub flows_failed_activation: AtomicU64,
+    pub activate_errors: AtomicU64,
+    pub fence_errors: AtomicU64,
+    pub protects: AtomicU64,
+    pub protect_errors: AtomicU64,
+    /// Re-protections asked for by a replica (`needs_backup`) or for a never-protected one.
+    pub reprotects: AtomicU64,
+    pub retired: AtomicU64,
+    /// Flows two survivors both activated (see `failover`).
+    pub duplicate_activations: AtomicU64,
+    pub records_dropped: AtomicU64,
+}
+
+/// HA part of the controller state (under the `state` lock).
+#[derive(Debug, Default)]
+pub(super) struct HaState {
+    pub cfg: HaConfig,
+    pub token: u64,
+    /// Highest token the store allows us to hand out (exclusive of a new lease).
+    pub token_ceiling: u64,
+    /// Backups each primary was last protected to (from its `protect` answer).
+    pub protected: BTreeMap<u32, Vec<String>>,
+    pub brief: BTreeMap<u32, HaBrief>,
+    pub last_seen: BTreeMap<u32, Instant>,
+    pub last_protect: BTreeMap<u32, Instant>,
+    /// Last re-protection a replica asked for (rate limit: a replica stuck in `needs_backup`
+    /// must not make the controller send `protect` at the heartbeat rate).
+    pub last_reprotect: BTreeMap<u32, Instant>,
+    /// Failed-over replicas -> the keys (and aliases) they handed to survivors.
+    pub failed: BTreeMap<u32, BTreeSet<String>>,
+    pub failovers: VecDeque<Value>,
+}
+
+impl HaState {
+    pub(super) fn load(s: &dyn Store, configured: &HaConfig) -> Result<HaState> {
+        Ok(HaState {
+            // The config file decides the mode; the policy/hz the API last set survive a
+            // restart.
+            cfg: match store::get_json::<HaConfig>(s, K_HA_CONFIG)? {
+                Some(c) if c.mode == configured.mode => c,
+                _ => configured.clone(),
+            },
+            // Start at the old ceiling: above every token issued before a restart.
+            token: store::get_json::<u64>(s, K_HA_TOKEN)?.unwrap_or(0),
+            failed: store::get_json(s, K_HA_FAILED)?.unwrap_or_default(),
+            ..HaState::default()
+        })
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    (d.as_secs_f64() * 1e3 * 100.0).round() / 100.0
+}
+
+impl Controller {
+    pub fn ha_enabled(&self) -> bool {
+        lock(&self.state).ha.cfg.mode != ha::HaMode::Off
+    }
+
+    pub fn ha_config(&self) -> HaConfig {
+        lock(&self.state).ha.cfg.clone()
+    }
+
+    /// The watch interval (the daemon's HA loop period).
+    pub fn ha_watch_interval(&self) -> Duration {
+        Duration::from_millis(lock(&self.state).ha.cfg.watch_ms.max(1))
+    }
+
+    fn ha_rpc_timeout(&self) -> Duration {
+        Duration::from_millis(lock(&self.state).ha.cfg.rpc_timeout_ms.max(1))
+    }
+
+    pub(super) fn ha_summary(&self, st: &State) -> Value {
+        let c = &self.counters.ha;
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        json!({
+            "mode": st.ha.cfg.mode, "policy": st.ha.cfg.policy, "hz": st.ha.cfg.hz,
+            "token": st.ha.token,
+            "failed_over": st.ha.failed.keys().collect::<Vec<_>>(),
+            "last_failover": st.ha.failovers.back(),
+            "counters": {
+                "probes": g(&c.probes), "probes_dead": g(&c.probes_dead),
+                "failovers": g(&c.failovers), "flows_activated": g(&c.flows_activated),
+                "flows_failed_activation": g(&c.flows_failed_activation),
+                "activate_errors": g(&c.activate_errors), "fence_errors": g(&c.fence_errors),
+                "protects": g(&c.protects), "protect_errors": g(&c.protect_errors),
+                "reprotects": g(&c.reprotects), "retired": g(&c.retired),
+                "duplicate_activations": g(&c.duplicate_activations),
+                "records_dropped": g(&c.records_dropped),
+            },
+        })
+    }
+
+    /// Live replicas that take part in HA (not failed over, not leaving).
+    fn ha_members(&self) -> Vec<(u32, PathBuf)> {
+        lock(&self.state)
+            .replicas
+            .iter()
+            .filter(|(_, (_, h))| h.alive && !h.failed_over && !h.draining)
+            .map(|(i, (r, _))| (*i, r.socket.clone()))
+            .collect()
+    }
+
+    /// One liveness round: a non-blocking connect to every live replica's control socket
+    /// (`ha::probe`); a refused connection fails the replica over at once.
+    pub fn ha_watch_once(&self) {
+        if !self.ha_enabled() {
+            return;
+        }
+        for (i, sock) in self.ha_members() {
+            self.counters.ha.probes.fetch_add(1, Ordering::Relaxed);
+            match ha::probe(&sock) {
+                Probe::Listening => {
+                    lock(&self.state).ha.last_seen.insert(i, Instant::now());
+                }
+                Probe::Dead(why) => {
+                    self.counters.ha.probes_dead.fetch_add(1, Ordering::Relaxed);
+                    if let Err(e) = self.failover(i, &why) {
+                        self.event(
+                            "failover_error",
+                            json!({"replica": i, "error": e.to_string()}),
+                        );
+                    }
+                }
+                Probe::Unknown(_) => {}
+            }
+        }
+    }
+
+    /// `ha_status` of every member (with the heartbeat): caches what it learns and re-protects
+    /// replicas that lost a backup (`needs_backup`) or were never protected.
+    pub(super) fn ha_poll(&self) {
+        let members = self.ha_members();
+        let timeout = self.settings.rpc_timeout.min(Duration::from_millis(500));
+        let min_gap = Duration::from_millis(lock(&self.state).ha.cfg.reprotect_min_ms);
+        for (i, sock) in &members {
+            let Ok(v) = rc::call(sock, &json!({"cmd": "ha_status"}), timeout) else {
+                continue;
+            };
+            let b = ha::parse_ha_status(&v);
+            let due = {
+                let mut st = lock(&self.state);
+                let unprotected = !st.ha.protected.contains_key(i);
+                let recent = st
+                    .ha
+                    .last_reprotect
+                    .get(i)
+                    .is_some_and(|t| t.elapsed() < min_gap);
+                let due = (b.needs_backup || unprotected) && members.len() > 1 && !recent;
+                st.ha.brief.insert(*i, b);
+                if due {
+                    st.ha.last_reprotect.insert(*i, Instant::now());
+                }
+                due
+            };
+            if due {
+                self.counters.ha.reprotects.fetch_add(1, Ordering::Relaxed);
+                let r = self.protect_one(*i, &members);
+                self.event("reprotect", json!({"replica": i, "answer": r}));
+            }
+        }
+    }
+
+    /// Leases the next [`TOKEN_LEASE`] tokens: compare-and-swap of the ceiling in the store
+    /// (a second controller on the same store loses the race and sees an error).
+    pub(super) fn lease_tokens(&self) -> Result<u64> {
+        let mut st = lock(&self.store);
+        let cur = st.get(K_HA_TOKEN)?;
+        let (rev, val) = match &cur {
+            Some(v) => (v.mod_revision, v.value.parse::<u64>().unwrap_or(0)),
+            None => (0, 0),
+        };
+        let floor = val.max(lock(&self.state).ha.token);
+        let ceiling = floor + TOKEN_LEASE;
+        match st.compare_and_swap(K_HA_TOKEN, rev, &ceiling.to_string())? {
+            Ok(_) => {
+                let mut s = lock(&self.state);
+                s.ha.token = floor;
+                s.ha.token_ceiling = ceiling;
+                Ok(ceiling)
+            }
+            Err(now) => Err(ControllerError::Refused(format!(
+                "HA token lease changed under us (store revision {now}): another controller?"
+            ))),
+        }
+    }
+
+    /// The next ownership token (durable: within a lease persisted before it is used).
+    pub(super) fn bump_ha_token(&self) -> Result<u64> {
+        let need_lease = {
+            let s = lock(&self.state);
+            s.ha.token >= s.ha.token_ceiling
+        };
+        if need_lease {
+            self.lease_tokens()?;
+        }
+        let mut s = lock(&self.state);
+        s.ha.token += 1;
+        Ok(s.ha.token)
+    }
+
+    fn save_failed(&self) -> Result<()> {
+        let failed = lock(&self.state).ha.failed.clone();
+        store::put_json(lock(&self.store).as_mut(), K_HA_FAILED, &failed)?;
+        Ok(())
+    }
+
+    /// Fails replica `a` over (see the module doc). Idempotent: a replica already failed over
+    /// is left alone.
+    pub fn failover(&self, a: u32, evidence: &str) -> Result<Value> {
+        let _g = lock(&self.ha_lock);
+        let t0 = Instant::now();
+        let detected_unix_ms = now_ms();
+        let last_seen = {
+            let mut st = lock(&self.state);
+            let last_seen = st.ha.last_seen.get(&a).copied();
+            let Some((_, h)) = st.replicas.get_mut(&a) else {
+                return Err(ControllerError::NoReplica(a));
+            };
+            if h.failed_over {
+                return Ok(json!({"ok": true, "replica": a, "note": "already failed over"}));
+            }
+            h.failed_over = true;
+            h.alive = false;
+            h.pps = 0;
+            st.ha.failed.entry(a).or_default();
+            last_seen
+        };
+        self.counters.replicas_died.fetch_add(1, Ordering::Relaxed);
+        // 1. Fence before anyone else may act for A's flows.
+        let fenced = {
+            let mut s = lock(&self.steering);
+            s.set_fenced(a, true).and_then(|_| s.set_live(a, false))
+        };
+        if let Err(e) = &fenced {
+            // Fail-stop is the model: a SIGKILLed replica emits nothing anyway. Carry on (its
+            // flows would be lost otherwise) but make the gap visible.
+            self.counters
+                .ha
+                .fence_errors
+                .fetch_add(1, Ordering::Relaxed);
+            self.event("fence_error", json!({"replica": a, "error": e.to_string()}));
+        }
+        let fence_ms = ms(t0.elapsed());
+        // 2. Token.
+        let token = self.bump_ha_token()?;
+        // 3. Activate on every survivor in parallel.
+        let t_act = Instant::now();
+        let survivors = self.ha_members();
+        let timeout = self.ha_rpc_timeout();
+        let req = json!({"cmd": "activate", "primary": format!("r{a}"), "token": token});
+        let answers: Vec<(u32, std::result::Result<Value, rc::ReplicaError>)> =
+            std::thread::scope(|sc| {
+                let hs: Vec<_> = survivors
+                    .iter()
+                    .map(|(i, sock)| {
+                        let req = &req;
+                        (*i, sc.spawn(move || rc::call(sock, req, timeout)))
+                    })
+                    .collect();
+                hs.into_iter()
+                    .map(|(i, h)| {
+                        (
+                            i,
+                            h.join().unwrap_or_else(|_| {
+                                Err(rc::ReplicaError::Io {
+                                    path: format!("r{i}"),
+                                    reason: "activate thread panicked".into(),
+                                })
+                            }),
+                        )
+                    })
+                    .collect()
+            });
+        let activate_ms = ms(t_act.elapsed());
+        // 4. Steer every key and alias to its new owner.
+        let t_steer = Instant::now();
+        let mut entries: Vec<(FlowKey, u32)> = Vec::new();
+        let mut per: BTreeMap<u32, Value> = BTreeMap::new();
+        let mut handed: BTreeSet<String> = BTreeSet::new();
+        let (mut activated, mut failed) = (0u64, 0u64);
+        // A flow activated by two survivors would have two live copies (design invariant 1):
+        // only possible if a backup kept a stale standby copy after the flow moved to another
+        // group. Counted and reported; steering points at one of them (the last answer).
+        let mut first_owner: BTreeMap<String, u32> = BTreeMap::new();
+        let mut duplicates: Vec<String> = Vec::new();
+        for (i, ans) in &answers {
+            match ans {
+                Ok(v) => {
+                    let (n, f, flows) = ha::parse_activate(v);
+                    activated += n;
+                    failed += f;
+                    for fl in &flows {
+                        if first_owner.insert(fl.key.clone(), *i).is_some() {
+                            self.counters
+                                .ha
+                                .duplicate_activations
+                                .fetch_add(1, Ordering::Relaxed);
+                            if duplicates.len() < 16 {
+                                duplicates.push(fl.key.clone());
+                            }
+                        }
+                        for k in std::iter::once(&fl.key).chain(fl.aliases.iter()) {
+                            match k.parse::<FlowKey>() {
+                                Ok(key) => {
+                                    entries.push((key, *i));
+                                    handed.insert(k.clone());
+                                }
+                                Err(_) => {
+                                    self.counters
+                                        .unparsable_keys
+                                        .fetch_add(1, Ordering::Relaxed);
+                                }
+                            }
+                        }
+                    }
+                    per.insert(
+                        *i,
+                        json!({"activated": n, "failed": f, "errors": v.get("errors")}),
+                    );
+                }
+                Err(e) => {
+                    self.counters
+                        .ha
+                        .activate_errors
+                        .fetch_add(1, Ordering::Relaxed);
+                    per.insert(*i, json!({"error": e.to_string()}));
+                }
+            }
+        }
+        let steer_res = {
+            let mut s = lock(&self.steering);
+            let r = if entries.is_empty() {
+                Ok(())
+            } else {
+                s.set_exceptions(&entries)
+            };
+            // Pins to A are useless now (A is fenced): new packets of unknown flows go by ring.
+            let _ = s.flush_pins(a);
+            r
+        };
+        let steer_ms = ms(t_steer.elapsed());
+        // New flows must not hash onto A (they would be dropped at the fence). Not part of
+        // `steer_ms`: existing flows are already re-homed by their exceptions.
+        let t_ring = Instant::now();
+        let ring_res = self.install_ring();
+        let ring_ms = ms(t_ring.elapsed());
+        let total_ms = ms(t0.elapsed());
+        self.counters.ha.failovers.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .ha
+            .flows_activated
+            .fetch_add(activated, Ordering::Relaxed);
+        self.counters
+            .ha
+            .flows_failed_activation
+            .fetch_add(failed, Ordering::Relaxed);
+        // 5. Re-protect the survivors (their backup A is gone; activated flows need backups).
+        let t_prot = Instant::now();
+        let protect = self.protect_all();
+        let protect_ms = ms(t_prot.elapsed());
+        // 6. Persist (for a controller restart; the store's fsyncs are off the critical path).
+        let mut by_owner: BTreeMap<u32, Vec<FlowKey>> = BTreeMap::new();
+        for (k, o) in &entries {
+            by_owner.entry(*o).or_default().push(*k);
+        }
+        for (o, keys) in &by_owner {
+            self.save_exceptions(keys, Some(*o))?;
+        }
+        lock(&self.state)
+            .ha
+            .failed
+            .entry(a)
+            .or_default()
+            .extend(handed);
+        self.save_failed()?;
+        let epoch = self.bump_epoch()?;
+        {
+            let mut st = lock(&self.state);
+            // Until the next heartbeat, account the activated flows at their new owners.
+            for (i, v) in &per {
+                let n = v["activated"].as_u64().unwrap_or(0);
+                if let Some((_, h)) = st.replicas.get_mut(i) {
+                    h.flows += n;
+                }
+            }
+            if let Some((_, h)) = st.replicas.get_mut(&a) {
+                h.flows = 0;
+            }
+            st.ha.protected.remove(&a);
+            st.ha.brief.remove(&a);
+        }
+        let record = json!({
+            "replica": a, "evidence": evidence, "token": token, "epoch": epoch,
+            "detected_unix_ms": detected_unix_ms,
+            "detect_ms": last_seen.map(|t| ms(t0.saturating_duration_since(t))),
+            "fence_ms": fence_ms, "activate_ms": activate_ms, "steer_ms": steer_ms,
+            "ring_ms": ring_ms,
+            "failover_ms": total_ms, "protect_ms": protect_ms,
+            "activated": activated, "failed": failed, "keys_steered": entries.len(),
+            "duplicates": duplicates,
+            "by_replica": per,
+            "fenced": fenced.is_ok(),
+            "reprotected": protect,
+            "steering_error": steer_res.err().map(|e| e.to_string())
+                .or_else(|| ring_res.err().map(|e| e.to_string())),
+        });
+        {
+            let mut st = lock(&self.state);
+            if st.ha.failovers.len() >= MAX_FAILOVER_RECORDS {
+                st.ha.failovers.pop_front();
+                self.counters
+                    .ha
+                    .records_dropped
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            st.ha.failovers.push_back(record.clone());
+        }
+        self.event("failover", record.clone());
+        Ok(record)
+    }
+
+    /// Sends `protect` with a fresh policy to every member (in parallel). Answers per replica.
+    pub fn protect_all(&self) -> Value {
+        if !self.ha_enabled() {
+            return Value::Null;
+        }
+        let members = self.ha_members();
+        let out: Vec<(u32, Value)> = std::thread::scope(|sc| {
+            let hs: Vec<_> = members
+                .iter()
+                .map(|(i, _)| {
+                    let m = &members;
+                    (*i, sc.spawn(move || self.protect_one(*i, m)))
+                })
+                .collect();
+            hs.into_iter()
+                .map(|(i, h)| (i, h.join().unwrap_or(json!({"error": "panicked"}))))
+                .collect()
+        });
+        Value::Object(out.into_iter().map(|(i, v)| (format!("r{i}"), v)).collect())
+    }
+
+    /// Sends `protect` to replica `i` with the policy over `members`; records its backups.
+    fn protect_one(&self, i: u32, members: &[(u32, PathBuf)]) -> Value {
+        let (cfg, token) = {
+            let st = lock(&self.state);
+            (st.ha.cfg.clone(), st.ha.token)
+        };
+        let Some((_, sock)) = members.iter().find(|(x, _)| *x == i) else {
+            return json!({"error": format!("r{i} is not a live member")});
+        };
+        let policy = ha::build_policy(&cfg, i, members);
+        let req = json!({"cmd": "protect", "token": token, "policy": policy});
+        self.counters.ha.protects.fetch_add(1, Ordering::Relaxed);
+        lock(&self.state).ha.last_protect.insert(i, Instant::now());
+        match rc::call(sock, &req, self.ha_rpc_timeout()) {
+            Ok(v) => {
+                let backups = ha::protect_backups(&v);
+                lock(&self.state).ha.protected.insert(i, backups.clone());
+                json!({"ok": true, "policy": policy["kind"], "backups": backups,
+                    "groups": v["groups"]})
+            }
+            Err(e) => {
+                self.counters
+                    .ha
+                    .protect_errors
+                    .fetch_add(1, Ordering::Relaxed);
+                lock(&self.state).ha.protected.remove(&i);
+                json!({"ok": false, "error": e.to_string()})
+            }
+        }
+    }
+
+    /// Forgets HA bookkeeping of a replica that left by scale-in, and tells the survivors to
+    /// drop any standby state they hold for it (best effort).
+    pub(super) fn forget_replica_ha(&self, v: u32) {
+        {
+            let mut st = lock(&self.state);
+            st.ha.protected.remove(&v);
+            st.ha.brief.remove(&v);
+            st.ha.last_seen.remove(&v);
+            st.ha.last_protect.remove(&v);
+            st.ha.last_reprotect.remove(&v);
+        }
+        if !self.ha_enabled() {
+            return;
+        }
+        let req = json!({"cmd": "drop_standby", "primary": format!("r{v}")});
+        for (_, sock) in self.ha_members() {
+            let _ = rc::call(&sock, &req, self.ha_rpc_timeout());
+        }
+    }
+
+    /// Retires failed-over replicas none of whose handed-over flows is steered any more: port
+    /// blocks released (and unowned in the fabric), the agent removes the replica, records go.
+    pub(super) fn retire_failed(&self) -> Result<usize> {
+        let saved: BTreeMap<String, u32> =
+            store::get_json(lock(&self.store).as_ref(), K_EXCEPTIONS)?.unwrap_or_default();
+        let done: Vec<u32> = lock(&self.state)
+            .ha
+            .failed
+            .iter()
+            .filter(|(_, keys)| !keys.iter().any(|k| saved.contains_key(k)))
+            .map(|(i, _)| *i)
+            .collect();
+        for &v in &done {
+            let released = lock(&self.state)
+                .ports
+                .as_mut()
+                .map(|p| p.release(v))
+                .unwrap_or_default();
+            {
+                let mut s = lock(&self.steering);
+                for r in &released {
+                    s.set_port_owner(r.clone(), None)?;
+                }
+            }
+            let pb = lock(&self.state).ports.clone();
+            if let Some(pb) = pb {
+                store::put_json(lock(&self.store).as_mut(), K_PORTS, &pb)?;
+            }
+            let managed_by_agent = lock(&self.agent).is_some();
+            if managed_by_agent {
+                if let Some(a) = lock(&self.agent).as_mut() {
+                    if let Err(e) = a.remove_replica(v) {
+                        self.event(
+                            "retire_error",
+                            json!({"replica": v, "error": e.to_string()}),
+                        );
+                    }
+                }
+            }
+            lock(&self.store).delete(&format!("{P_REPLICAS}{v}"))?;
+            {
+                let mut st = lock(&self.state);
+                st.replicas.remove(&v);
+                st.ha.failed.remove(&v);
+                st.ha.last_seen.remove(&v);
+            }
+            self.save_failed()?;
+            self.counters.ha.retired.fetch_add(1, Ordering::Relaxed);
+            self.event(
+                "retired",
+                json!({"replica": v, "ports_released": released.len()}),
+            );
+        }
+        Ok(done.len())
+    }
+
+    /// `GET /v1/ha`: the controller's HA view plus each live replica's `ha_status`, fresh.
+    pub fn ha_view(&self) -> Value {
+        let members = self.ha_members();
+        let timeout = self.settings.rpc_timeout;
+        let live: Vec<(u32, Value)> = std::thread::scope(|sc| {
+            let hs: Vec<_> = members
+                .iter()
+                .map(|(i, sock)| {
+                    (
+                        *i,
+                        sc.spawn(move || rc::call(sock, &json!({"cmd": "ha_status"}), timeout)),
+                    )
+                })
+                .collect();
+            hs.into_iter()
+                .map(|(i, h)| {
+                    let v = match h.join() {
+                        Ok(Ok(v)) => v,
+                        Ok(Err(e)) => json!({"ok": false, "error": e.to_string()}),
+                        Err(_) => json!({"ok": false, "error": "panicked"}),
+                    };
+                    (i, v)
+                })
+                .collect()
+        });
+        let st = lock(&self.state);
+        let replicas: Vec<Value> = st
+            .replicas
+            .iter()
+            .map(|(i, (_, h))| {
+                let status = live
+                    .iter()
+                    .find(|(x, _)| x == i)
+                    .map(|(_, v)| v.clone())
+                    .unwrap_or(Value::Null);
+                json!({"index": i, "name": format!("r{i}"), "alive": h.alive,
+                    "failed_over": h.failed_over, "draining": h.draining,
+                    "protected_to": st.ha.protected.get(i),
+                    "ha_status": status})
+            })
+            .collect();
+        json!({
+            "ok": true,
+            "config": st.ha.cfg,
+            "summary": self.ha_summary(&st),
+            "replicas": replicas,
+            "failovers": st.ha.failovers.iter().rev().take(16).collect::<Vec<_>>(),
+        })
+    }
+
+    /// `POST /v1/ha/protect`: optionally changes the policy kind / frequency (stored), then
+    /// protects `only` (or every member) now.
+    pub fn ha_protect(
+        &self,
+        policy: Option<&str>,
+        hz: Option<u32>,
+        only: Option<u32>,
+    ) -> Result<Value> {
+        let cfg = {
+            let st = lock(&self.state);
+            if st.ha.cfg.mode == ha::HaMode::Off {
+                return Err(ControllerError::Refused(
+                    "HA is off (add an [ha] section with mode = \"pico\" to ctl.toml)".into(),
+                ));
+            }
+            st.ha
+                .cfg
+                .with(policy, hz)
+                .map_err(|e| ControllerError::BadRequest(e.to_string()))?
+        };
+        store::put_json(lock(&self.store).as_mut(), K_HA_CONFIG, &cfg)?;
+        lock(&self.state).ha.cfg = cfg.clone();
+        let answers = match only {
+            Some(i) => {
+                let members = self.ha_members();
+                if !members.iter().any(|(x, _)| *x == i) {
+                    return Err(ControllerError::Dead(i));
+                }
+                json!({format!("r{i}"): self.protect_one(i, &members)})
+            }
+            None => self.protect_all(),
+        };
+        self.event(
+            "protect",
+            json!({"policy": cfg.policy, "hz": cfg.hz, "only": only}),
+        );
+        Ok(json!({"ok": true, "policy": cfg.policy, "hz": cfg.hz,
+            "token": lock(&self.state).ha.token, "replicas": answers}))
+    }
+}

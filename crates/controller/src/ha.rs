@@ -1,0 +1,502 @@
+//! High availability (Pico replication, issue 4), the controller's pure parts: the `[ha]`
+//! config, the protection policy each replica gets (as the `protect` JSON of the HA contract),
+//! parsing of `ha_status` / `activate` answers, and the liveness probe. The orchestration
+//! (failure detection, fencing, activation, re-steering, re-protection) is in
+//! `controller/failover.rs`.
+//!
+//! Liveness probe: a *non-blocking* `connect(2)` to the replica's control socket, closed at once.
+//! A SIGKILLed replica's listening socket is gone with its process, so the connect fails with
+//! `ECONNREFUSED` (or `ENOENT` once the file is removed): immediate evidence of death, no
+//! timeout involved, which is what makes detection take one watch interval (10 ms) instead of
+//! several missed heartbeats. A hung-but-alive replica still accepts connections (the kernel
+//! queues them), so it is caught by the heartbeats instead (`dead_after_missed` * `heartbeat_ms`).
+//! Non-blocking, because a blocking connect to a hung replica whose backlog is full would block
+//! the watcher (for unix sockets that is `EAGAIN`, which is *not* evidence of death).
+
+use crate::replica_client::FlowEntry;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HaMode {
+    /// No replication: replicas are not protected, a dead replica's flows are lost.
+    Off,
+    /// Pico replication: per-group checkpoints, output commit per group.
+    Pico,
+    /// The Remus-mode baseline: whole-replica epochs, all output held.
+    Remus,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PolicyKind {
+    /// Elastic Pico chords: consistent-hash ring with virtual nodes over the other replicas.
+    Chords,
+    /// One backup per primary: the next live replica by index (cyclic).
+    Single,
+    /// Differentiated streams: flows of `streams_ports` to one backup at `hz`, the rest to
+    /// another at `streams_default_hz`.
+    Streams,
+}
+
+impl PolicyKind {
+    pub fn parse(s: &str) -> Option<PolicyKind> {
+        match s {
+            "chords" => Some(PolicyKind::Chords),
+            "single" => Some(PolicyKind::Single),
+            "streams" => Some(PolicyKind::Streams),
+            _ => None,
+        }
+    }
+}
+
+/// Most checkpoints per second a group may be asked for (the issue's goal is >= 10 kHz).
+pub const MAX_HZ: u32 = 100_000;
+/// Bound on virtual nodes per backup in the chords ring.
+pub const MAX_VNODES: u32 = 4096;
+
+/// `[ha]` in `ctl.toml`.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct HaConfig {
+    #[serde(default = "d_mode")]
+    pub mode: HaMode,
+    #[serde(default = "d_policy")]
+    pub policy: PolicyKind,
+    /// Checkpoint frequency of every protected group (Pico).
+    #[serde(default = "d_hz")]
+    pub hz: u32,
+    /// Virtual nodes per backup (chords).
+    #[serde(default = "d_vnodes")]
+    pub vnodes: u32,
+    /// Epoch rate in Remus mode.
+    #[serde(default = "d_remus_hz")]
+    pub remus_hz: u32,
+    /// Port ranges of the high-priority class (streams).
+    #[serde(default = "d_streams_ports")]
+    pub streams_ports: Vec<[u16; 2]>,
+    /// Frequency of the default (low-priority) class (streams).
+    #[serde(default = "d_streams_default_hz")]
+    pub streams_default_hz: u32,
+    /// Liveness probe interval (failure detection takes about one interval).
+    #[serde(default = "d_watch_ms")]
+    pub watch_ms: u64,
+    /// Bound on each `activate` / `protect` request during a failover.
+    #[serde(default = "d_ha_rpc_ms")]
+    pub rpc_timeout_ms: u64,
+    /// Least time between two re-protections of one replica answering `needs_backup`.
+    #[serde(default = "d_reprotect_ms")]
+    pub reprotect_min_ms: u64,
+}
+
+fn d_mode() -> HaMode {
+    HaMode::Pico
+}
+fn d_policy() -> PolicyKind {
+    PolicyKind::Chords
+}
+fn d_hz() -> u32 {
+    1000
+}
+fn d_vnodes() -> u32 {
+    64
+}
+fn d_remus_hz() -> u32 {
+    40
+}
+fn d_streams_ports() -> Vec<[u16; 2]> {
+    vec![[1, 1023], [5201, 5201]]
+}
+fn d_streams_default_hz() -> u32 {
+    100
+}
+fn d_watch_ms() -> u64 {
+    10
+}
+fn d_ha_rpc_ms() -> u64 {
+    2000
+}
+fn d_reprotect_ms() -> u64 {
+    500
+}
+
+impl Default for HaConfig {
+    fn default() -> Self {
+        HaConfig {
+            mode: d_mode(),
+            policy: d_policy(),
+            hz: d_hz(),
+            vnodes: d_vnodes(),
+            remus_hz: d_remus_hz(),
+            streams_ports: d_streams_ports(),
+            streams_default_hz: d_streams_default_hz(),
+            watch_ms: d_watch_ms(),
+            rpc_timeout_ms: d_ha_rpc_ms(),
+            reprotect_min_ms: d_reprotect_ms(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("{0}")]
+pub struct HaConfigError(pub String);
+
+impl HaConfig {
+    /// An HA config with everything off (the controller's default without `[ha]`).
+    pub fn off() -> HaConfig {
+        HaConfig {
+            mode: HaMode::Off,
+            ..HaConfig::default()
+        }
+    }
+
+    pub fn check(&self) -> Result<(), HaConfigError> {
+        let bad = |s: String| Err(HaConfigError(s));
+        for (name, hz) in [
+            ("hz", self.hz),
+            ("remus_hz", self.remus_hz),
+            ("streams_default_hz", self.streams_default_hz),
+        ] {
+            if hz == 0 || hz > MAX_HZ {
+                return bad(format!("{name} = {hz}: must be 1..={MAX_HZ}"));
+            }
+        }
+        if self.vnodes == 0 || self.vnodes > MAX_VNODES {
+            return bad(format!(
+                "vnodes = {}: must be 1..={MAX_VNODES}",
+                self.vnodes
+            ));
+        }
+        if self.watch_ms == 0 || self.watch_ms > 10_000 {
+            return bad(format!("watch_ms = {}: must be 1..=10000", self.watch_ms));
+        }
+        if self.rpc_timeout_ms == 0 {
+            return bad("rpc_timeout_ms must be >= 1".into());
+        }
+        if self.streams_ports.is_empty() || self.streams_ports.len() > 64 {
+            return bad("streams_ports: 1..=64 ranges".into());
+        }
+        if let Some(r) = self.streams_ports.iter().find(|r| r[0] > r[1]) {
+            return bad(format!("streams_ports: range {}-{} is empty", r[0], r[1]));
+        }
+        Ok(())
+    }
+
+    /// Applies `key=value` assignments (`pliant ha protect --policy .. --hz ..`), all or none.
+    pub fn with(&self, policy: Option<&str>, hz: Option<u32>) -> Result<HaConfig, HaConfigError> {
+        let mut c = self.clone();
+        if let Some(p) = policy {
+            c.policy = PolicyKind::parse(p).ok_or_else(|| {
+                HaConfigError(format!("policy {p:?}: expected chords, single or streams"))
+            })?;
+        }
+        if let Some(h) = hz {
+            c.hz = h;
+        }
+        c.check()?;
+        Ok(c)
+    }
+}
+
+/// Replica `socket`'s replication socket: beside the control socket, `<stem>.repl.sock`
+/// (`/run/pliant/lab/r1.sock` -> `/run/pliant/lab/r1.repl.sock`), the runtime's default.
+pub fn repl_socket_of(control_socket: &Path) -> PathBuf {
+    let stem = control_socket
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "replica".into());
+    control_socket.with_file_name(format!("{stem}.repl.sock"))
+}
+
+fn target(index: u32, control_socket: &Path) -> Value {
+    json!({"name": format!("r{index}"), "socket": repl_socket_of(control_socket)})
+}
+
+/// The policy `primary` gets, over the other live replicas `live` (index, control socket; the
+/// primary itself may be in it and is skipped). No other replica => `{"kind":"off"}` (nothing
+/// to protect to; the primary runs unprotected and is protected again when one appears).
+pub fn build_policy(cfg: &HaConfig, primary: u32, live: &[(u32, PathBuf)]) -> Value {
+    let mut others: Vec<&(u32, PathBuf)> = live.iter().filter(|(i, _)| *i != primary).collect();
+    others.sort_by_key(|(i, _)| *i);
+    others.dedup_by_key(|(i, _)| *i);
+    if cfg.mode == HaMode::Off || others.is_empty() {
+        return json!({"kind": "off"});
+    }
+    // "Next after the primary" (cyclic by index): spreads single backups evenly over a ring
+    // of replicas instead of piling every primary onto the lowest index.
+    let start = others.iter().position(|(i, _)| *i > primary).unwrap_or(0);
+    let ring: Vec<&(u32, PathBuf)> = others[start..]
+        .iter()
+        .chain(others[..start].iter())
+        .copied()
+        .collect();
+    let first = target(ring[0].0, &ring[0].1);
+    if cfg.mode == HaMode::Remus {
+        return json!({"kind": "remus", "backup": first, "hz": cfg.remus_hz});
+    }
+    match cfg.policy {
+        PolicyKind::Single => json!({"kind": "single", "backup": first, "hz": cfg.hz}),
+        PolicyKind::Chords => json!({
+            "kind": "chords",
+            "backups": ring.iter().map(|(i, s)| target(*i, s)).collect::<Vec<_>>(),
+            "vnodes": cfg.vnodes,
+            "hz": cfg.hz,
+        }),
+        PolicyKind::Streams => {
+            let low = ring.get(1).copied().unwrap_or(ring[0]);
+            json!({
+                "kind": "streams",
+                "classes": [{
+                    "ports": cfg.streams_ports,
+                    "backup": first,
+                    "hz": cfg.hz,
+                }],
+                "default": {"backup": target(low.0, &low.1), "hz": cfg.streams_default_hz},
+            })
+        }
+    }
+}
+
+/// Backup names a `protect` answer lists (`groups[].backup`).
+pub fn protect_backups(answer: &Value) -> Vec<String> {
+    let mut v: Vec<String> = answer["groups"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or(&[])
+        .iter()
+        .filter_map(|g| g["backup"].as_str().map(str::to_string))
+        .collect();
+    v.sort();
+    v.dedup();
+    v
+}
+
+/// What the controller reads from an `ha_status` answer.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HaBrief {
+    pub token: u64,
+    /// Some group lost its backup and runs unprotected: the controller must send `protect`.
+    pub needs_backup: bool,
+    /// Groups in each state (`up`, `connecting`, `dead`, `unprotected`).
+    pub groups_up: u64,
+    pub groups_total: u64,
+    /// Primaries whose standby state this replica holds, with flow counts.
+    pub standby: Vec<(String, u64)>,
+    pub audit_checked: u64,
+    pub audit_violations: u64,
+}
+
+/// Parses an `ha_status` answer; missing fields count as zero / empty.
+pub fn parse_ha_status(v: &Value) -> HaBrief {
+    let groups = v["groups"].as_array().map(Vec::as_slice).unwrap_or(&[]);
+    HaBrief {
+        token: v["token"].as_u64().unwrap_or(0),
+        needs_backup: groups.iter().any(|g| g["needs_backup"] == true),
+        groups_up: groups.iter().filter(|g| g["state"] == "up").count() as u64,
+        groups_total: groups.len() as u64,
+        standby: v["standby"]
+            .as_array()
+            .map(Vec::as_slice)
+            .unwrap_or(&[])
+            .iter()
+            .filter_map(|s| {
+                Some((
+                    s["primary"].as_str()?.to_string(),
+                    s["flows"].as_u64().unwrap_or(0),
+                ))
+            })
+            .collect(),
+        audit_checked: v["output"]["audit_checked"].as_u64().unwrap_or(0),
+        audit_violations: v["output"]["audit_violations"].as_u64().unwrap_or(0),
+    }
+}
+
+/// Parses an `activate` answer: (activated, failed, flows with their aliases).
+pub fn parse_activate(v: &Value) -> (u64, u64, Vec<FlowEntry>) {
+    let flows = crate::replica_client::parse_flows(v).1;
+    (
+        v["activated"].as_u64().unwrap_or(flows.len() as u64),
+        v["failed"].as_u64().unwrap_or(0),
+        flows,
+    )
+}
+
+/// Result of one liveness probe.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Probe {
+    /// Something accepts connections on the socket.
+    Listening,
+    /// No listener (`ECONNREFUSED`) or no socket file (`ENOENT`): the process is gone.
+    Dead(String),
+    /// Anything else (a full backlog, a transient error): no evidence either way.
+    Unknown(String),
+}
+
+/// Non-blocking connect to `path`, closed at once (see the module doc).
+pub fn probe(path: &Path) -> Probe {
+    use std::os::unix::ffi::OsStrExt;
+    let bytes = path.as_os_str().as_bytes();
+    // SAFETY: sockaddr_un is plain old data; zeroed is a valid value.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    if bytes.len() >= addr.sun_path.len() {
+        return Probe::Unknown(format!("socket path too long: {}", path.display()));
+    }
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (d, s) in addr.sun_path.iter_mut().zip(bytes) {
+        *d = *s as libc::c_char;
+    }
+    // SAFETY: plain socket(2); the fd is closed below on every path.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_UNIX,
+            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            0,
+        )
+    };
+    if fd < 0 {
+        return Probe::Unknown(format!("socket: {}", std::io::Error::last_os_error()));
+    }
+    let len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
+    // SAFETY: addr is a valid sockaddr_un of `len` bytes; fd is ours.
+    let r = unsafe { libc::connect(fd, &addr as *const _ as *const libc::sockaddr, len) };
+    let err = std::io::Error::last_os_error();
+    // SAFETY: closing the fd we opened.
+    unsafe {
+        libc::close(fd);
+    }
+    if r == 0 {
+        return Probe::Listening;
+    }
+    match err.raw_os_error() {
+        Some(libc::ECONNREFUSED) | Some(libc::ENOENT) => Probe::Dead(format!("connect: {err}")),
+        // A unix stream connect completes or fails at once; EINPROGRESS does not happen, and
+        // EAGAIN means the listener's backlog is full (alive but busy).
+        _ => Probe::Unknown(format!("connect: {err}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixListener;
+
+    fn live(n: &[u32]) -> Vec<(u32, PathBuf)> {
+        n.iter()
+            .map(|i| (*i, PathBuf::from(format!("/run/pliant/lab/r{i}.sock"))))
+            .collect()
+    }
+
+    #[test]
+    fn repl_socket_sits_beside_the_control_socket() {
+        assert_eq!(
+            repl_socket_of(Path::new("/run/pliant/lab/r3.sock")),
+            PathBuf::from("/run/pliant/lab/r3.repl.sock")
+        );
+    }
+
+    #[test]
+    fn chords_lists_every_other_replica_starting_after_the_primary() {
+        let c = HaConfig::default();
+        let p = build_policy(&c, 2, &live(&[1, 2, 3]));
+        assert_eq!(p["kind"], "chords");
+        assert_eq!(p["hz"], 1000);
+        assert_eq!(p["vnodes"], 64);
+        let names: Vec<&str> = p["backups"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(names, vec!["r3", "r1"]);
+        assert_eq!(p["backups"][0]["socket"], "/run/pliant/lab/r3.repl.sock");
+    }
+
+    #[test]
+    fn single_streams_remus_and_off() {
+        let mut c = HaConfig {
+            policy: PolicyKind::Single,
+            ..HaConfig::default()
+        };
+        let p = build_policy(&c, 3, &live(&[1, 2, 3]));
+        assert_eq!(p["kind"], "single");
+        assert_eq!(p["backup"]["name"], "r1", "cyclic: after r3 comes r1");
+        c.policy = PolicyKind::Streams;
+        let p = build_policy(&c, 1, &live(&[1, 2, 3]));
+        assert_eq!(p["kind"], "streams");
+        assert_eq!(p["classes"][0]["backup"]["name"], "r2");
+        assert_eq!(p["classes"][0]["ports"], json!([[1, 1023], [5201, 5201]]));
+        assert_eq!(p["default"]["backup"]["name"], "r3");
+        assert_eq!(p["default"]["hz"], 100);
+        // Streams with one other replica: both classes go to it.
+        let p = build_policy(&c, 1, &live(&[1, 2]));
+        assert_eq!(p["default"]["backup"]["name"], "r2");
+        c.mode = HaMode::Remus;
+        let p = build_policy(&c, 1, &live(&[1, 2]));
+        assert_eq!(
+            p,
+            json!({"kind": "remus", "hz": 40,
+            "backup": {"name": "r2", "socket": "/run/pliant/lab/r2.repl.sock"}})
+        );
+        // Alone, or HA off: nothing to protect to.
+        assert_eq!(build_policy(&c, 1, &live(&[1]))["kind"], "off");
+        assert_eq!(
+            build_policy(&HaConfig::off(), 1, &live(&[1, 2]))["kind"],
+            "off"
+        );
+    }
+
+    #[test]
+    fn ha_status_and_activate_answers_parse_and_tolerate_gaps() {
+        let v = json!({"ok": true, "mode": "pico", "token": 4,
+            "groups": [{"id": 1, "state": "up", "needs_backup": false},
+                       {"id": 2, "state": "unprotected", "needs_backup": true}],
+            "standby": [{"primary": "r1", "flows": 7, "groups": [[1, 9]]}, {"flows": 1}],
+            "output": {"audit_checked": 100, "audit_violations": 0}});
+        let b = parse_ha_status(&v);
+        assert_eq!(b.token, 4);
+        assert!(b.needs_backup);
+        assert_eq!((b.groups_up, b.groups_total), (1, 2));
+        assert_eq!(b.standby, vec![("r1".to_string(), 7)]);
+        assert_eq!((b.audit_checked, b.audit_violations), (100, 0));
+        assert_eq!(parse_ha_status(&json!({"ok": true})), HaBrief::default());
+        let a = json!({"ok": true, "activated": 2, "failed": 1, "flows": [
+            {"key": "tcp 10.77.1.2:1 <-> 10.77.2.2:80", "aliases": ["tcp 10.77.2.1:20001 <-> 10.77.2.2:80"]},
+            {"key": "udp 10.77.1.2:5 <-> 10.77.2.2:53"}]});
+        let (n, f, flows) = parse_activate(&a);
+        assert_eq!((n, f, flows.len()), (2, 1, 2));
+        assert_eq!(flows[0].aliases.len(), 1);
+        assert_eq!(
+            protect_backups(
+                &json!({"groups": [{"backup": "r3"}, {"backup": "r2"}, {"backup": "r3"}]})
+            ),
+            vec!["r2".to_string(), "r3".to_string()]
+        );
+    }
+
+    #[test]
+    fn protect_options_apply_all_or_nothing() {
+        let c = HaConfig::default();
+        let d = c.with(Some("single"), Some(10_000)).unwrap();
+        assert_eq!((d.policy, d.hz), (PolicyKind::Single, 10_000));
+        assert!(c.with(Some("raid"), None).is_err());
+        assert!(c.with(Some("single"), Some(0)).is_err());
+    }
+
+    #[test]
+    fn probe_tells_a_listener_from_a_dead_socket() {
+        let dir = std::env::temp_dir().join(format!("pliant-ha-probe-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("r1.sock");
+        assert!(matches!(probe(&p), Probe::Dead(_)), "no file: ENOENT");
+        let l = UnixListener::bind(&p).unwrap();
+        assert_eq!(probe(&p), Probe::Listening);
+        drop(l);
+        // The file stays, the listener is gone (what SIGKILL leaves behind): ECONNREFUSED.
+        assert!(p.exists());
+        assert!(matches!(probe(&p), Probe::Dead(e) if e.contains("refused")));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
