@@ -32,6 +32,7 @@ static void *(*bpf_map_lookup_elem)(void *map, const void *key) = (void *)BPF_FU
 static long (*bpf_map_update_elem)(void *map, const void *key, const void *value,
                                    __u64 flags) = (void *)BPF_FUNC_map_update_elem;
 static long (*bpf_redirect)(__u32 ifindex, __u64 flags) = (void *)BPF_FUNC_redirect;
+static long (*bpf_skb_pull_data)(struct __sk_buff *skb, __u32 len) = (void *)BPF_FUNC_skb_pull_data;
 static long (*bpf_clone_redirect)(struct __sk_buff *skb, __u32 ifindex,
                                   __u64 flags) = (void *)BPF_FUNC_clone_redirect;
 
@@ -360,8 +361,19 @@ struct parsed {
 	int icmp_inner;
 };
 
+// Longest header stretch parse() reads: Ethernet + 2 VLAN tags + IPv6 + extension headers + an
+// ICMP error's inner IPv6 header and ports, with room to spare.
+#define PULL_LEN 192
+
 static __always_inline int parse(struct __sk_buff *skb, struct parsed *out)
 {
+	// Frames built in user-space TX rings (trafgen, AF_PACKET senders) can arrive with only a
+	// short linear part and the headers in a page fragment; direct access would then see a
+	// truncated frame (counted as drop_parse). Pull the headers into the linear area first;
+	// the pull invalidates packet pointers, so they are loaded after it.
+	__u32 want = skb->len < PULL_LEN ? skb->len : PULL_LEN;
+	if ((long)skb->data_end - (long)skb->data < (long)want)
+		bpf_skb_pull_data(skb, want);
 	void *data = (void *)(long)skb->data;
 	void *end = (void *)(long)skb->data_end;
 	__u8 *p = data;
