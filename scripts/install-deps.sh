@@ -19,8 +19,9 @@ set -euo pipefail
 #   postgresql-client-15     psql sessions in the pg session-survival test
 #   conntrackd, keepalived   the kernel NAT HA peer (conntrack state sync + VRRP) in `pliant bench ha`
 #   patroni, etcd-server, etcd-client  the PostgreSQL HA peer measured by `pliant bench pg`
+#   default-jdk-headless, libpostgresql-jdbc-java  a JDBC client (pgJDBC) through the pg proxy in the e2e test
 pkgs=(iproute2 nftables iperf3 nginx-light netsniff-ng curl iputils-ping cbindgen clang llvm ethtool
-      conntrackd keepalived patroni etcd-server etcd-client
+      conntrackd keepalived patroni etcd-server etcd-client default-jdk-headless libpostgresql-jdbc-java
       tcpdump fonts-dejavu-core gcc g++ make pkg-config postgresql-15 postgresql-client-15)
 missing=()
 for p in "${pkgs[@]}"; do

@@ -482,6 +482,45 @@ fn pgbench(lab: &Lab, args: &[&str]) -> std::process::Output {
         .expect("pgbench")
 }
 
+/// A JDBC client (pgJDBC from Debian's libpostgresql-jdbc-java, run as a single-file Java
+/// program): SCRAM login through the proxy, ApplicationName and a SET as session state, a
+/// server-side prepared statement (prepareThreshold=1, so the extended protocol with a named
+/// statement), a transaction; once per line read from stdin, on the same connection.
+const JDBC_JAVA: &str = r#"
+import java.io.*;
+import java.sql.*;
+import java.util.Properties;
+public class JdbcCheck {
+    public static void main(String[] a) throws Exception {
+        Properties p = new Properties();
+        p.setProperty("user", a[2]);
+        p.setProperty("password", a[3]);
+        p.setProperty("ApplicationName", "jdbc-test");
+        p.setProperty("prepareThreshold", "1");
+        Connection c = DriverManager.getConnection("jdbc:postgresql://" + a[0] + ":" + a[1] + "/postgres", p);
+        try (Statement st = c.createStatement()) { st.execute("SET search_path TO public, pg_catalog"); }
+        PreparedStatement ps = c.prepareStatement("SELECT ?::int + 1, current_setting('application_name'), current_setting('search_path')");
+        System.out.println("READY");
+        BufferedReader in = new BufferedReader(new InputStreamReader(System.in));
+        while (in.readLine() != null) {
+            StringBuilder out = new StringBuilder("OK");
+            c.setAutoCommit(false);
+            for (int i = 0; i < 3; i++) {
+                ps.setInt(1, 41 + i);
+                try (ResultSet r = ps.executeQuery()) {
+                    r.next();
+                    if (i == 2) out.append(" ").append(r.getInt(1)).append(" ").append(r.getString(2)).append(" ").append(r.getString(3).replace(" ", ""));
+                }
+            }
+            c.commit();
+            c.setAutoCommit(true);
+            System.out.println(out);
+        }
+        c.close();
+    }
+}
+"#;
+
 /// psycopg2 session (Debian's /usr/bin/python3) that runs `SELECT pg_sleep(30)` and cancels it
 /// from another thread with `conn.cancel()` (a real CancelRequest on a new connection), once
 /// per line read from stdin; prints one result line per round.
@@ -609,6 +648,46 @@ fn pg_scram_auth_and_cancel_forwarding() {
             })
     };
     assert_eq!(next(), "READY");
+    // JDBC: pgJDBC logs in over SCRAM and uses named prepared statements; the same connection
+    // is used again after the failover below.
+    let java_src = std::env::temp_dir().join(format!("JdbcCheck-{}.java", std::process::id()));
+    std::fs::write(&java_src, JDBC_JAVA).expect("write java");
+    let mut jv = Command::new("java")
+        .args(["-cp", "/usr/share/java/postgresql.jar"])
+        .arg(&java_src)
+        .args([&a.ip().to_string(), &a.port().to_string(), &user, &pw])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("java (default-jdk-headless)");
+    let mut jv_in = jv.stdin.take().expect("stdin");
+    let (jtx, jrx) = mpsc::channel();
+    let jout = jv.stdout.take().expect("stdout");
+    std::thread::spawn(move || {
+        for l in BufReader::new(jout).lines().map_while(Result::ok) {
+            let _ = jtx.send(l);
+        }
+    });
+    let mut jv = Kill(jv);
+    let mut jnext = || {
+        jrx.recv_timeout(Duration::from_secs(60))
+            .unwrap_or_else(|_| {
+                let _ = jv.0.kill();
+                let mut e = String::new();
+                if let Some(mut se) = jv.0.stderr.take() {
+                    let _ = se.read_to_string(&mut e);
+                }
+                format!("<no answer> {e}")
+            })
+    };
+    assert_eq!(jnext(), "READY", "JDBC client did not connect");
+    writeln!(jv_in, "go").expect("to java");
+    assert_eq!(
+        jnext(),
+        "OK 44 jdbc-test public,pg_catalog",
+        "JDBC before failover"
+    );
     for round in 0..2 {
         if round == 1 {
             lab.wait_protected();
@@ -623,6 +702,16 @@ fn pg_scram_auth_and_cancel_forwarding() {
         assert_eq!(w.next(), Some("cancel-test"), "session kept: {l}");
     }
     drop(py_in);
+    // The JDBC session outlived the failover: same connection, session state replayed
+    // (ApplicationName, search_path, the named prepared statement).
+    writeln!(jv_in, "go").expect("to java");
+    assert_eq!(
+        jnext(),
+        "OK 44 jdbc-test public,pg_catalog",
+        "JDBC after failover"
+    );
+    drop(jv_in);
+    let _ = std::fs::remove_file(&java_src);
     // A CancelRequest with a wrong key is dropped and counted.
     let mut s = TcpStream::connect(a).expect("connect");
     let mut pkt = 16u32.to_be_bytes().to_vec();

@@ -352,6 +352,11 @@ impl SessionState {
                 };
                 let sql = self.stmt_sql.get(stmt).cloned();
                 let (inject_before, hold) = self.start_cycle_if_idle(sql.as_deref());
+                // A SET sent with the extended protocol (pgJDBC sends every Statement.execute
+                // that way) is session state too: recorded when its cycle ends without error.
+                if let Some(q) = sql.as_deref().filter(|q| set_kind(q) != SetKind::None) {
+                    self.cycle_set = Some(q.to_string());
+                }
                 self.push_inflight(f);
                 self.ext_open = true;
                 ClientAction::Forward {
@@ -728,6 +733,28 @@ mod tests {
         s.on_server(&proto::error_response("ERROR", "42704", "x"));
         s.on_server(&z(b'I'));
         assert_eq!(s.sets.len(), 1);
+    }
+
+    #[test]
+    fn sets_sent_with_the_extended_protocol_are_recorded() {
+        // pgJDBC: Parse (unnamed) / Bind / Execute / Sync for `Statement.execute("SET ...")`.
+        let mut s = SessionState::new(vec![]);
+        s.on_client(&parse("", "SET search_path TO public, pg_catalog"));
+        let mut bind = Vec::new();
+        proto::put_cstr(&mut bind, "");
+        proto::put_cstr(&mut bind, "");
+        bind.extend([0, 0, 0, 0, 0, 0]);
+        s.on_client(&Frame::new(b'B', bind));
+        s.on_client(&Frame::new(b'E', vec![0, 0, 0, 0, 0]));
+        s.on_client(&Frame::new(b'S', Vec::new()));
+        s.on_server(&Frame::new(b'1', Vec::new()));
+        s.on_server(&Frame::new(b'2', Vec::new()));
+        s.on_server(&proto::command_complete("SET"));
+        s.on_server(&z(b'I'));
+        assert_eq!(
+            s.sets,
+            vec!["SET search_path TO public, pg_catalog".to_string()]
+        );
     }
 
     #[test]
