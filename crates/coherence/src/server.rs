@@ -21,12 +21,13 @@ use crate::wire::{
 };
 use crate::CoherenceError;
 use pliant_ha::auth::{server_handshake, AuthError, Secret};
+use pliant_ha::unix as crate_unix;
 use pliant_state::{Coherence, LocalCoherence, LockService, LockToken, ReplicaId};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::io::{self, BufReader};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -266,67 +267,38 @@ impl Drop for HubServer {
             let _ = t.join();
         }
         // Unlink only our own socket: a newer hub may have replaced the file meanwhile.
-        if let Ok(m) = std::fs::symlink_metadata(&self.path) {
-            if (m.dev(), m.ino()) == self.inode {
-                let _ = std::fs::remove_file(&self.path);
-            }
-        }
+        crate_unix::remove_if_same(&self.path, self.inode);
     }
 }
 
 fn bind(path: &Path) -> Result<UnixListener, CoherenceError> {
-    let io_err = |source| CoherenceError::Io {
-        path: path.to_path_buf(),
-        source,
-    };
-    match UnixListener::bind(path) {
-        Ok(l) => Ok(l),
-        Err(e) if e.kind() == io::ErrorKind::AddrInUse => {
-            let meta = std::fs::symlink_metadata(path).map_err(io_err)?;
-            if !meta.file_type().is_socket() {
-                return Err(CoherenceError::NotASocket {
-                    path: path.to_path_buf(),
-                });
-            }
-            // A live hub accepts; the file of a dead one refuses.
-            if UnixStream::connect(path).is_ok() {
-                return Err(CoherenceError::InUse {
-                    path: path.to_path_buf(),
-                });
-            }
-            std::fs::remove_file(path).map_err(io_err)?;
-            UnixListener::bind(path).map_err(io_err)
-        }
-        Err(e) => Err(io_err(e)),
-    }
+    use crate_unix::BindError;
+    crate_unix::bind_replacing_stale(path).map_err(|e| match e {
+        BindError::InUse => CoherenceError::InUse {
+            path: path.to_path_buf(),
+        },
+        BindError::NotASocket => CoherenceError::NotASocket {
+            path: path.to_path_buf(),
+        },
+        BindError::Io(source) => CoherenceError::Io {
+            path: path.to_path_buf(),
+            source,
+        },
+    })
 }
 
 fn accept_loop(listener: UnixListener, stop_r: UnixStream, sh: Arc<Shared>) {
     let mut next_id: u64 = 0;
     loop {
-        let mut fds = [
-            libc::pollfd {
-                fd: listener.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-            libc::pollfd {
-                fd: stop_r.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-        ];
-        // SAFETY: `fds` is a valid array of two pollfd for the duration of the call.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
+        match crate_unix::wait_accept_or_stop(&listener, &stop_r) {
+            crate_unix::Wake::Accept => {}
+            crate_unix::Wake::Stop => return,
+            crate_unix::Wake::Failed(e) => {
+                tracing::error!(error = %e, "coherence hub accept loop: poll failed");
+                return;
             }
-            tracing::error!(error = %e, "coherence hub accept loop: poll failed");
-            return;
         }
-        if sh.stop.load(Ordering::SeqCst) || fds[1].revents != 0 {
+        if sh.stop.load(Ordering::SeqCst) {
             return;
         }
         loop {

@@ -19,6 +19,7 @@ pub mod gate;
 pub mod policy;
 pub mod standby;
 pub mod transport;
+pub mod unix;
 pub mod wire;
 
 pub use auth::{AuthError, Secret};

@@ -34,12 +34,13 @@
 
 use crate::auth::{client_handshake, server_handshake, AuthError, Secret};
 use crate::standby::StandbyStore;
+use crate::unix as crate_unix;
 use crate::wire::{self, Ack, Checkpoint, GroupId, ReplMsg, WireError};
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap};
 use std::io::{self, BufReader, Read};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -288,67 +289,38 @@ impl Drop for ReplServer {
             let _ = t.join();
         }
         // Unlink only our own socket: a newer server may have replaced the file meanwhile.
-        if let Ok(m) = std::fs::symlink_metadata(&self.path) {
-            if (m.dev(), m.ino()) == self.inode {
-                let _ = std::fs::remove_file(&self.path);
-            }
-        }
+        crate_unix::remove_if_same(&self.path, self.inode);
     }
 }
 
 fn bind(path: &Path) -> Result<UnixListener, TransportError> {
-    let io_err = |source| TransportError::Io {
-        path: path.to_path_buf(),
-        source,
-    };
-    match UnixListener::bind(path) {
-        Ok(l) => Ok(l),
-        Err(e) if e.kind() == io::ErrorKind::AddrInUse => {
-            let meta = std::fs::symlink_metadata(path).map_err(io_err)?;
-            if !meta.file_type().is_socket() {
-                return Err(TransportError::NotASocket {
-                    path: path.to_path_buf(),
-                });
-            }
-            // A live server accepts; the file of a dead one refuses.
-            if UnixStream::connect(path).is_ok() {
-                return Err(TransportError::InUse {
-                    path: path.to_path_buf(),
-                });
-            }
-            std::fs::remove_file(path).map_err(io_err)?;
-            UnixListener::bind(path).map_err(io_err)
-        }
-        Err(e) => Err(io_err(e)),
-    }
+    use crate_unix::BindError;
+    crate_unix::bind_replacing_stale(path).map_err(|e| match e {
+        BindError::InUse => TransportError::InUse {
+            path: path.to_path_buf(),
+        },
+        BindError::NotASocket => TransportError::NotASocket {
+            path: path.to_path_buf(),
+        },
+        BindError::Io(source) => TransportError::Io {
+            path: path.to_path_buf(),
+            source,
+        },
+    })
 }
 
 fn accept_loop(listener: UnixListener, stop_r: UnixStream, sh: Arc<ServerShared>) {
     let mut next_id: u64 = 0;
     loop {
-        let mut fds = [
-            libc::pollfd {
-                fd: listener.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-            libc::pollfd {
-                fd: stop_r.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-        ];
-        // SAFETY: `fds` is a valid array of two pollfd for the duration of the call.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
+        match crate_unix::wait_accept_or_stop(&listener, &stop_r) {
+            crate_unix::Wake::Accept => {}
+            crate_unix::Wake::Stop => return,
+            crate_unix::Wake::Failed(e) => {
+                tracing::error!(error = %e, "replication accept loop: poll failed");
+                return;
             }
-            tracing::error!(error = %e, "replication accept loop: poll failed");
-            return;
         }
-        if sh.stop.load(Ordering::SeqCst) || fds[1].revents != 0 {
+        if sh.stop.load(Ordering::SeqCst) {
             return;
         }
         loop {
