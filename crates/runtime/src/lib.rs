@@ -14,6 +14,7 @@ pub mod config;
 pub mod control;
 pub mod engine;
 pub mod forward;
+pub mod ftmb;
 pub mod ha;
 pub mod kernel;
 pub mod logging;
