@@ -3,8 +3,10 @@
 //!
 //! Systems: `no_ha` (pliant NAT, 3 replicas, controller, no protection), `pico_1k` / `pico_10k`
 //! (the controller protects every replica with elastic Pico chords at 1 / 10 kHz), `remus_40`
-//! (Remus mode, whole-replica epochs at 40 Hz, all output held), `kernel_conntrackd` (the
-//! kernel peer, see [`crate::ha_kernel`]).
+//! (Remus mode, whole-replica epochs at 40 Hz, all output held), `ftmb` (issue 6: every
+//! replica runs its NAT on 2 FTMB worker threads with ordered logging to a logger in its ring
+//! successor, snapshots every 50 ms; the controller recovers a dead primary by replay on that
+//! host), `kernel_conntrackd` (the kernel peer, see [`crate::ha_kernel`]).
 //!
 //! Per system, in this order:
 //! 1. txload ([`crate::txload`]): `connections` persistent TCP connections, 1400-byte
@@ -17,7 +19,9 @@
 //!    SIGKILL of replica r1; kernel: the master's links are cut and its keepalived and
 //!    conntrackd SIGKILLed). `recovery_ms`: worst probe flow's time from the failure to the
 //!    echo of its first probe sent after the failure (the first packet of the flow forwarded
-//!    both ways by the new owner; probes every 2 ms). `tcp_stall_ms`: the longest gap between
+//!    both ways by the new owner; probes every 2 ms). The `ftmb` system always runs its own
+//!    failover (in `ftmb.failover`, summarised as `failover.ftmb_recovery_ms` etc.), whatever
+//!    `failover_system` is. `tcp_stall_ms`: the longest gap between
 //!    received bytes on any TCP connection. `flows_survived`: connections with no reset/error
 //!    that completed a transaction started after the failure; `flows_total`: connections.
 //!
@@ -29,7 +33,8 @@
 //! (it includes the load generator, identical for all systems).
 //! `repl_bytes_per_s`: pliant — growth of the sum of `bytes_shipped` over every group of every
 //! replica's `ha_status`, over the txload run; kernel peer — bytes sent on both routers' sync
-//! veths (conntrackd FTFW) over the same run.
+//! veths (conntrackd FTFW) over the same run; ftmb — growth of the bytes the replicas' FTMB
+//! loggers received (`ftmb_status`: `hosting.server.bytes_in`, summed over the replicas).
 
 use crate::ha_kernel::{self, KernelPeer};
 use crate::parse::parse_iperf3_gbps;
@@ -46,15 +51,16 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-pub const SYSTEMS: [&str; 5] = [
+pub const SYSTEMS: [&str; 6] = [
     "no_ha",
     "pico_1k",
     "pico_10k",
     "remus_40",
+    "ftmb",
     "kernel_conntrackd",
 ];
 /// Systems a failover experiment can run on (pliant ones need protection).
-pub const FAILOVER_SYSTEMS: [&str; 3] = ["pico_1k", "pico_10k", "remus_40"];
+pub const FAILOVER_SYSTEMS: [&str; 4] = ["pico_1k", "pico_10k", "remus_40", "ftmb"];
 /// Time from the start of the failover window to the failure.
 const KILL_AFTER: Duration = Duration::from_millis(1500);
 /// Failover window after the failure (long enough for a TCP retransmission or two).
@@ -131,6 +137,10 @@ pub struct FailoverReport {
     pub probe_flows_recovered: Option<usize>,
     /// First errors of failed connections (at most 5).
     pub conn_errors: Vec<String>,
+    /// Pliant: the controller's record of this failover (detect/activate/steer times; ftmb:
+    /// the logger host's replay time and replayed packets).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub controller_record: Option<Value>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, PartialEq)]
@@ -152,8 +162,12 @@ pub struct HaSystemReport {
     pub cpu_pct: Option<f64>,
     pub host_cpu_pct: Option<f64>,
     pub repl_bytes_per_s: Option<f64>,
-    /// The system's own failover (kernel peer; the pliant one is the top-level section).
+    /// The system's own failover (kernel peer, ftmb; the pliant one is the top-level section).
     pub failover: Option<FailoverReport>,
+    /// ftmb only: the replicas' FTMB numbers after the txload run (snapshot pause
+    /// percentiles, snapshots, output-commit audit over the hosted loggers).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ftmb_detail: Option<Value>,
     /// Per-measurement failures (name -> reason); the others still ran.
     pub errors: BTreeMap<String, String>,
 }
@@ -166,6 +180,48 @@ pub struct VsNoHa {
     pub latency_us_p50_added: Option<f64>,
     pub latency_us_p95_added: Option<f64>,
     pub latency_us_p99_added: Option<f64>,
+}
+
+/// The top-level failover section: the `failover_system`'s failover plus the ftmb system's
+/// (issue 6 asks for `failover.ftmb_recovery_ms` beside Pico's numbers).
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct TopFailover {
+    #[serde(flatten)]
+    pub primary: FailoverReport,
+    pub ftmb_recovery_ms: Option<f64>,
+    pub ftmb_tcp_stall_ms: Option<f64>,
+    pub ftmb_flows_survived: Option<u32>,
+    pub ftmb_flows_total: Option<u32>,
+    pub ftmb_resets: Option<u64>,
+    /// Why the ftmb numbers are missing (not selected, failed, ...).
+    pub ftmb_error: Option<String>,
+}
+
+impl TopFailover {
+    fn new(primary: FailoverReport, ftmb: &HaSystemReport) -> Self {
+        let mut t = TopFailover {
+            primary,
+            ..Default::default()
+        };
+        match &ftmb.failover {
+            Some(f) => {
+                t.ftmb_recovery_ms = f.recovery_ms;
+                t.ftmb_tcp_stall_ms = f.tcp_stall_ms;
+                t.ftmb_flows_survived = f.flows_survived;
+                t.ftmb_flows_total = f.flows_total;
+                t.ftmb_resets = f.resets;
+                t.ftmb_error = f.error.clone();
+            }
+            None => {
+                t.ftmb_error = Some(
+                    ftmb.error
+                        .clone()
+                        .unwrap_or_else(|| "ftmb failover not run".into()),
+                )
+            }
+        }
+        t
+    }
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -183,9 +239,10 @@ pub struct HaReport {
     pub pico_1k: HaSystemReport,
     pub pico_10k: HaSystemReport,
     pub remus_40: HaSystemReport,
+    pub ftmb: HaSystemReport,
     pub kernel_conntrackd: HaSystemReport,
-    /// Pliant failover (primary killed under txload).
-    pub failover: FailoverReport,
+    /// Pliant failover (primary killed under txload), with the ftmb system's numbers.
+    pub failover: TopFailover,
     /// Every pliant failover trial summed up (`--trials`).
     pub failover_trials: TrialsSummary,
     pub vs_no_ha: BTreeMap<String, VsNoHa>,
@@ -206,7 +263,7 @@ fn diff(a: Option<f64>, b: Option<f64>) -> Option<f64> {
 impl HaReport {
     pub fn new(
         opts: &HaOpts,
-        systems: [HaSystemReport; 5],
+        systems: [HaSystemReport; 6],
         trials: &[FailoverReport],
         total_s: f64,
     ) -> Self {
@@ -219,12 +276,14 @@ impl HaReport {
             }),
             ..Default::default()
         });
-        let [no_ha, pico_1k, pico_10k, remus_40, kernel_conntrackd] = systems;
+        let [no_ha, pico_1k, pico_10k, remus_40, ftmb, kernel_conntrackd] = systems;
+        let failover = TopFailover::new(failover, &ftmb);
         let mut vs = BTreeMap::new();
         for (name, s) in [
             ("pico_1k", &pico_1k),
             ("pico_10k", &pico_10k),
             ("remus_40", &remus_40),
+            ("ftmb", &ftmb),
             ("kernel_conntrackd", &kernel_conntrackd),
         ] {
             vs.insert(
@@ -261,6 +320,7 @@ impl HaReport {
             pico_1k,
             pico_10k,
             remus_40,
+            ftmb,
             kernel_conntrackd,
             failover,
             failover_trials: TrialsSummary::of(trials),
@@ -269,12 +329,13 @@ impl HaReport {
         }
     }
 
-    pub fn systems(&self) -> [(&'static str, &HaSystemReport); 5] {
+    pub fn systems(&self) -> [(&'static str, &HaSystemReport); 6] {
         [
             ("no_ha", &self.no_ha),
             ("pico_1k", &self.pico_1k),
             ("pico_10k", &self.pico_10k),
             ("remus_40", &self.remus_40),
+            ("ftmb", &self.ftmb),
             ("kernel_conntrackd", &self.kernel_conntrackd),
         ]
     }
@@ -288,7 +349,7 @@ fn progress(msg: &str) {
 /// its error in the report.
 pub fn run_ha(opts: &HaOpts) -> HaReport {
     let start = Instant::now();
-    let mut out: [HaSystemReport; 5] = Default::default();
+    let mut out: [HaSystemReport; 6] = Default::default();
     let mut trials: Vec<FailoverReport> = Vec::new();
     for (i, sys) in SYSTEMS.iter().enumerate() {
         out[i].mode = mode_label(sys).into();
@@ -307,7 +368,11 @@ pub fn run_ha(opts: &HaOpts) -> HaReport {
         } else {
             let (r, f) = measure_pliant(opts, sys, do_failover);
             out[i] = r;
-            trials = f;
+            // Only the failover system's trials: a later system's empty list must not
+            // overwrite them.
+            if do_failover {
+                trials = f;
+            }
         }
         progress(&format!(
             "{sys}: done ({:.0} s elapsed)",
@@ -333,6 +398,7 @@ fn mode_label(sys: &str) -> &'static str {
         "pico_1k" => "pliant-nat x3, pico chords 1000 Hz",
         "pico_10k" => "pliant-nat x3, pico chords 10000 Hz",
         "remus_40" => "pliant-nat x3, remus 40 Hz",
+        "ftmb" => "pliant-nat x3, ftmb 2 workers, snapshots every 50 ms",
         _ => "nftables NAT pair, conntrackd FTFW + keepalived VRRPv3 100 ms",
     }
 }
@@ -728,6 +794,7 @@ pub fn controller_ha_section(sys: &str) -> Option<&'static str> {
         "pico_1k" => Some("[ha]\nmode = \"pico\"\npolicy = \"chords\"\nhz = 1000\n"),
         "pico_10k" => Some("[ha]\nmode = \"pico\"\npolicy = \"chords\"\nhz = 10000\n"),
         "remus_40" => Some("[ha]\nmode = \"remus\"\nremus_hz = 40\n"),
+        "ftmb" => Some("[ha]\nmode = \"ftmb\"\n"),
         _ => None,
     }
 }
@@ -737,6 +804,7 @@ fn expected_mode(sys: &str) -> &'static str {
     match sys {
         "no_ha" => "off",
         "remus_40" => "remus",
+        "ftmb" => "ftmb",
         _ => "pico",
     }
 }
@@ -831,6 +899,22 @@ pub fn shipped_bytes(status: &Value) -> u64 {
         .unwrap_or(0)
 }
 
+/// True when a replica's `ftmb_status` shows it logging to a logger with its first (full)
+/// snapshot acknowledged.
+pub fn ftmb_protected(status: &Value) -> bool {
+    status["mode"] == "ftmb" && status["protected"] == true && status["logger"].is_string()
+}
+
+/// Replication bytes as the logger a replica hosts received them (`ftmb_status`:
+/// `hosting.server.bytes_in`: input log, PALs, output records and snapshots of the primary
+/// logging to it). Summed over every replica, that is everything FTMB shipped; measured at
+/// the receiving end because the primaries' per-queue streams publish no byte counters.
+pub fn ftmb_logged_bytes(status: &Value) -> u64 {
+    status["hosting"]["server"]["bytes_in"]
+        .as_u64()
+        .unwrap_or(0)
+}
+
 /// True when a replica's `ha_status` shows `mode` with every group up (or, for "off", no
 /// protected group).
 pub fn protected_as(status: &Value, mode: &str) -> bool {
@@ -845,7 +929,7 @@ pub fn protected_as(status: &Value, mode: &str) -> bool {
         .is_some_and(|g| !g.is_empty() && g.iter().all(|x| x["state"] == "up"))
 }
 
-struct PliantSut<'a>(&'a PliantSys);
+struct PliantSut<'a>(&'a PliantSys, bool);
 
 impl Sut for PliantSut<'_> {
     fn client_ns(&self) -> String {
@@ -862,10 +946,17 @@ impl Sut for PliantSut<'_> {
     fn repl_bytes(&self) -> Result<u64, BenchError> {
         let mut sum = 0;
         for (_, s) in self.0.sockets() {
-            sum += shipped_bytes(&replica_request(
-                &s,
-                &serde_json::json!({"cmd":"ha_status"}),
-            )?);
+            sum += if self.1 {
+                ftmb_logged_bytes(&replica_request(
+                    &s,
+                    &serde_json::json!({"cmd":"ftmb_status"}),
+                )?)
+            } else {
+                shipped_bytes(&replica_request(
+                    &s,
+                    &serde_json::json!({"cmd":"ha_status"}),
+                )?)
+            };
         }
         Ok(sum)
     }
@@ -885,6 +976,9 @@ fn pliant_up(opts: &HaOpts, sys: &str) -> Result<PliantSys, String> {
     spec.disable_offloads = opts.disable_offloads;
     spec.files.clear();
     spec.ha = true;
+    if sys == "ftmb" {
+        spec.ha_mode = pliant_lab::LabHaMode::Ftmb;
+    }
     spec.run_root = opts.run_root.clone();
     let lab = Lab::up(spec).map_err(|e| format!("lab up: {e}"))?;
     let dir = lab.run_dir().join("bench-ha");
@@ -933,9 +1027,15 @@ fn pliant_up(opts: &HaOpts, sys: &str) -> Result<PliantSys, String> {
         }
         let ok = controller_sees_all(&bin, &dir)
             && sys_.sockets().iter().all(|(_, s)| {
-                replica_request(s, &serde_json::json!({"cmd":"ha_status"}))
-                    .map(|v| protected_as(&v, want))
-                    .unwrap_or(false)
+                if want == "ftmb" {
+                    replica_request(s, &serde_json::json!({"cmd":"ftmb_status"}))
+                        .map(|v| ftmb_protected(&v))
+                        .unwrap_or(false)
+                } else {
+                    replica_request(s, &serde_json::json!({"cmd":"ha_status"}))
+                        .map(|v| protected_as(&v, want))
+                        .unwrap_or(false)
+                }
             });
         if ok && sys_.sockets().len() == usize::from(REPLICAS) {
             break;
@@ -945,9 +1045,14 @@ fn pliant_up(opts: &HaOpts, sys: &str) -> Result<PliantSys, String> {
                 .sockets()
                 .iter()
                 .map(|(n, s)| {
+                    let cmd = if want == "ftmb" {
+                        "ftmb_status"
+                    } else {
+                        "ha_status"
+                    };
                     format!(
                         "r{n}: {}",
-                        replica_request(s, &serde_json::json!({"cmd":"ha_status"}))
+                        replica_request(s, &serde_json::json!({ "cmd": cmd }))
                             .map(|v| v.to_string())
                             .unwrap_or_else(|e| e.to_string())
                     )
@@ -962,7 +1067,7 @@ fn pliant_up(opts: &HaOpts, sys: &str) -> Result<PliantSys, String> {
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    let server = PliantSut(&sys_).server_ip();
+    let server = PliantSut(&sys_, false).server_ip();
     let ns = sys_.lab().netns(pliant_lab::Role::Server);
     let srv = TxServer::start(Some(&ns), SocketAddrV4::new(server, TX_PORT), PROBE_PORT)
         .map_err(|e| format!("txload server: {e}"))?;
@@ -1027,10 +1132,18 @@ fn measure_pliant(
         ..Default::default()
     };
     let mut trials = Vec::new();
+    let ftmb = sys == "ftmb";
     let p = match pliant_up(opts, sys) {
         Ok(p) => p,
         Err(e) => {
             progress(&format!("  {sys}: {e}"));
+            if ftmb && opts.failover {
+                r.failover = Some(FailoverReport {
+                    system: sys.into(),
+                    error: Some("system did not come up".into()),
+                    ..Default::default()
+                });
+            }
             r.error = Some(e);
             if do_failover {
                 trials.push(FailoverReport {
@@ -1042,12 +1155,15 @@ fn measure_pliant(
             return (r, trials);
         }
     };
-    if let Err(e) = measure_txload(opts, &PliantSut(&p), &mut r) {
+    if let Err(e) = measure_txload(opts, &PliantSut(&p, ftmb), &mut r) {
         progress(&format!("  txload failed: {e}"));
         r.errors.insert("txload".into(), e.to_string());
     }
+    if ftmb {
+        r.ftmb_detail = Some(ftmb_detail(&p));
+    }
     if !cmd::interrupted() {
-        let sut = PliantSut(&p);
+        let sut = PliantSut(&p, ftmb);
         match measure_iperf(&sut.client_ns(), sut.server_ip(), opts.duration_s) {
             Ok((g, rt)) => {
                 r.gbps = Some(g);
@@ -1058,8 +1174,14 @@ fn measure_pliant(
             }
         }
     }
-    if do_failover && !cmd::interrupted() {
-        trials.push(kill_r1(opts, &p, sys));
+    if (do_failover || (ftmb && opts.failover)) && !cmd::interrupted() {
+        let f = kill_r1(opts, &p, sys);
+        if ftmb {
+            r.failover = Some(f.clone());
+        }
+        if do_failover {
+            trials.push(f);
+        }
     }
     drop(p);
     // Further trials, each in a fresh lab (the first one's lab lost r1).
@@ -1104,7 +1226,94 @@ fn kill_r1(opts: &HaOpts, p: &PliantSys, sys: &str) -> FailoverReport {
             reason: "replica r1's process not found".into(),
         }),
     };
-    run_failover(opts, &PliantSut(p), sys, &mut fail)
+    let t_kill = unix_ms();
+    let mut f = run_failover(opts, &PliantSut(p, sys == "ftmb"), sys, &mut fail);
+    f.controller_record = controller_failover(opts, p, 1, t_kill);
+    f
+}
+
+fn unix_ms() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64() * 1e3)
+        .unwrap_or(0.0)
+}
+
+/// The controller's failover record of replica `n` detected after `since_unix_ms`.
+fn controller_failover(opts: &HaOpts, p: &PliantSys, n: u32, since_unix_ms: f64) -> Option<Value> {
+    let bin = opts.pliant_bin.as_ref()?;
+    let out = Command::new(bin)
+        .args(["ha", "status", "--json", "--api"])
+        .arg(p.dir.join("api.sock"))
+        .arg("--token-file")
+        .arg(p.dir.join("token"))
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()
+        .ok()?;
+    let v: Value = serde_json::from_slice(&out.stdout).ok()?;
+    v["failovers"]
+        .as_array()?
+        .iter()
+        .find(|f| {
+            f["replica"] == n && f["detected_unix_ms"].as_f64().unwrap_or(0.0) >= since_unix_ms
+        })
+        .cloned()
+}
+
+/// The ftmb replicas' own numbers (snapshot pauses, audit of the loggers they host).
+fn ftmb_detail(p: &PliantSys) -> Value {
+    let mut per = serde_json::Map::new();
+    let (mut checked, mut violations) = (0u64, 0u64);
+    for (n, s) in p.sockets() {
+        match replica_request(&s, &serde_json::json!({"cmd":"ftmb_status"})) {
+            Ok(v) => {
+                // Every released output is checked against its PAL vector.
+                checked += sum_named(&v["hosting"], "outputs_released");
+                violations += sum_named(&v["hosting"], "audit_violations");
+                per.insert(
+                    format!("r{n}"),
+                    serde_json::json!({
+                        "snapshots": v["snapshots"],
+                        "snapshot_pause_us_p50": v["snapshot_pause_us_p50"],
+                        "snapshot_pause_us_p99": v["snapshot_pause_us_p99"],
+                        "last_snapshot_acked": v["last_snapshot_acked"],
+                        "snapshot_failures": v["snapshot_failures"],
+                        "hosted_logger_bytes_in": ftmb_logged_bytes(&v),
+                        "held": v["dispatch"]["held"],
+                        "hold_full": v["dispatch"]["hold_full"],
+                    }),
+                );
+            }
+            Err(e) => {
+                per.insert(format!("r{n}"), serde_json::json!({"error": e.to_string()}));
+            }
+        }
+    }
+    serde_json::json!({"replicas": per, "audit_checked": checked,
+        "audit_violations": violations})
+}
+
+/// Sums every number under a key named `name` anywhere in `v` (the loggers' status nests
+/// per-master, per-queue objects).
+pub fn sum_named(v: &Value, name: &str) -> u64 {
+    match v {
+        Value::Object(m) => m
+            .iter()
+            .map(|(k, x)| {
+                if k == name {
+                    x.as_u64().unwrap_or(0)
+                } else {
+                    sum_named(x, name)
+                }
+            })
+            .fold(0, u64::saturating_add),
+        Value::Array(a) => a
+            .iter()
+            .map(|x| sum_named(x, name))
+            .fold(0, u64::saturating_add),
+        _ => 0,
+    }
 }
 
 /// All failover trials of a run.
@@ -1194,6 +1403,8 @@ mod tests {
         assert!(controller_ha_section("pico_10k").is_some_and(|s| s.contains("hz = 10000")));
         assert!(controller_ha_section("remus_40").is_some_and(|s| s.contains("remus_hz = 40")));
         assert!(controller_ha_section("no_ha").is_some_and(|s| s.contains("\"off\"")));
+        assert!(controller_ha_section("ftmb").is_some_and(|s| s.contains("mode = \"ftmb\"")));
+        assert_eq!(expected_mode("ftmb"), "ftmb");
         assert_eq!(controller_ha_section("kernel_conntrackd"), None);
     }
 
@@ -1219,6 +1430,18 @@ mod tests {
                 pico,
                 Default::default(),
                 Default::default(),
+                HaSystemReport {
+                    transactions_per_s: Some(980.0),
+                    latency_us_p50: Some(110.0),
+                    failover: Some(FailoverReport {
+                        recovery_ms: Some(42.0),
+                        tcp_stall_ms: Some(90.0),
+                        flows_survived: Some(8),
+                        flows_total: Some(8),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                },
                 Default::default(),
             ],
             &[],
@@ -1246,12 +1469,48 @@ mod tests {
         ] {
             assert!(v["failover"].get(k).is_some(), "failover.{k} missing");
         }
+        // The ftmb section and its failover numbers beside the top-level ones.
+        assert_eq!(v["failover"]["ftmb_recovery_ms"], 42.0);
+        assert_eq!(v["failover"]["ftmb_tcp_stall_ms"], 90.0);
+        assert_eq!(v["failover"]["ftmb_flows_survived"], 8);
+        assert!(v["failover"]["ftmb_error"].is_null());
+        assert_eq!(v["ftmb"]["failover"]["recovery_ms"], 42.0);
+        assert!(v["ftmb"].get("ftmb_detail").is_none(), "only when measured");
+        assert_eq!(r.vs_no_ha["ftmb"].transactions_per_s_ratio, Some(0.98));
+        assert_eq!(r.vs_no_ha["ftmb"].latency_us_p50_added, Some(10.0));
+        // Not run: the reason instead of numbers.
+        let none = HaReport::new(&HaOpts::default(), Default::default(), &[], 1.0);
+        let v = serde_json::to_value(&none).expect("json");
+        assert!(v["failover"]["ftmb_recovery_ms"].is_null());
+        assert!(v["failover"]["ftmb_error"].is_string());
         let p = &r.vs_no_ha["pico_1k"];
         assert_eq!(p.transactions_per_s_ratio, Some(0.9));
         assert_eq!(p.latency_us_p50_added, Some(30.0));
         assert_eq!(p.latency_us_p99_added, Some(600.0));
         assert_eq!(p.gbps_ratio, None, "pico gbps was not measured");
         assert_eq!(r.vs_no_ha["remus_40"].transactions_per_s_ratio, None);
+    }
+
+    #[test]
+    fn ftmb_status_shows_protection_and_shipped_bytes() {
+        let v: Value = serde_json::json!({"ok": true, "mode": "ftmb", "logger": "/x/r2.ftmb.sock",
+            "protected": true,
+            "hosting": {"masters": {"r3": {"logger": {"outputs_released": 4, "audit_violations": 1}}},
+                        "server": {"bytes_in": 125, "bytes_out": 7}}});
+        assert!(ftmb_protected(&v));
+        assert_eq!(ftmb_logged_bytes(&v), 125);
+        assert_eq!(ftmb_logged_bytes(&serde_json::json!({"hosting": null})), 0);
+        assert_eq!(sum_named(&v["hosting"], "outputs_released"), 4);
+        assert_eq!(sum_named(&v["hosting"], "audit_violations"), 1);
+        let mut u = v.clone();
+        u["protected"] = Value::Bool(false);
+        assert!(!ftmb_protected(&u));
+        u["protected"] = Value::Bool(true);
+        u["logger"] = Value::Null;
+        assert!(!ftmb_protected(&u), "no logger");
+        assert!(!ftmb_protected(
+            &serde_json::json!({"mode": "pico", "protected": true})
+        ));
     }
 
     #[test]

@@ -22,7 +22,9 @@
 use crate::flowgen::{parse_nstat_resets, TcpStream, TcpSummary, UdpFlows, UdpSpec, UdpTotals};
 use crate::parse::percentile;
 use crate::BenchError;
-use pliant_lab::{Lab, LabSpec, PliantNf, ReplicaMode, Role, CLIENT_IP, OUTSIDE_GW_IP, SERVER_IP};
+use pliant_lab::{
+    Lab, LabSpec, PliantNf, ReplicaMode, Role, CLIENT_IP, INSIDE_GW_IP, OUTSIDE_GW_IP, SERVER_IP,
+};
 use pliant_state::FlowKey;
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -97,6 +99,9 @@ pub struct MoveSample {
     pub held_us_max: u64,
     /// Source: request to export (waiting for its RX rings to drain and refcounts 0).
     pub source_drain_us: u64,
+    /// Part of `source_drain_us` spent waiting for the source's emitted frames to leave the
+    /// kernel's queues (0 when they had already: the common case).
+    pub source_settle_us: u64,
     /// Source: request to `Done` queued (export, ship, one more quiet round).
     pub source_done_us: u64,
     /// Source: `Done` queued to the destination's Ack handled (release + peer round trip).
@@ -152,6 +157,16 @@ pub struct MigrateReport {
     /// replica, plus the fabric's drop counters; all should be 0.
     pub pliant_drops: BTreeMap<String, u64>,
     pub fabric_drops: BTreeMap<String, u64>,
+    /// Exports (both replicas) that found the source's own earlier output still queued in the
+    /// kernel and waited for it (without that wait the destination could overtake it: the
+    /// reordering this guards against), and the longest wait in microseconds. Timeouts of that
+    /// wait are in `pliant_drops` (`tx_settle_timeouts`, must be 0).
+    pub source_output_waits: Option<u64>,
+    pub source_output_wait_us_max: Option<u64>,
+    /// Frames the kernel dropped because a replica's RX ring was full (the replica thread was
+    /// descheduled longer than the ring lasts), per replica and port: on a loaded machine this,
+    /// not the migration, is where `packets_lost` comes from.
+    pub replica_rx_ring_drops: BTreeMap<String, u64>,
     pub tcp: Option<TcpSummary>,
     pub nstat: BTreeMap<String, u64>,
     pub single: Phase,
@@ -296,6 +311,7 @@ impl Pair {
             pause_us_max: u(&p["pause_us_max"]),
             held_us_max: u(&p["held_us_max"]),
             source_drain_us: u(&r["drain_us"]),
+            source_settle_us: u(&r["settle_us"]),
             source_done_us: u(&r["done_us"]),
             source_ack_us: u(&r["ack_us"]),
             released_packets: u(&p["released_packets"]),
@@ -378,6 +394,51 @@ pub fn run_migrate(opts: &MigrateOpts) -> MigrateReport {
     r
 }
 
+/// Neighbour states in which the kernel sends at once (anything else queues or drops).
+fn neigh_usable(ip_neigh_show: &str) -> bool {
+    ["REACHABLE", "STALE", "DELAY", "PROBE", "PERMANENT", "NOARP"]
+        .iter()
+        .any(|s| ip_neigh_show.contains(s))
+}
+
+/// Resolves the client's gateway before sequence-numbered traffic starts.
+///
+/// Why: a fresh namespace has no neighbour entry for its gateway, so the first datagrams of a
+/// flow wait in the kernel's ARP queue; when the answer comes, a datagram the sender thread
+/// sends meanwhile from another CPU can leave before the queue is flushed. The receiver then
+/// counts the queued ones as reordered although no migration happened yet (seen here: seq 2
+/// left the client before seq 0 and 1, on the client's own veth). Pinging the gateway makes the
+/// kernel resolve it first (the replicas answer ARP and echo requests for the inside gateway
+/// address). Only the client: the measured datagrams flow client -> server, and an echo
+/// request from the server to the outside address would reach the NAT (`nat_no_mapping`).
+pub(crate) fn resolve_gateways(lab: &Lab) -> Result<(), BenchError> {
+    for (role, gw) in [(Role::Client, INSIDE_GW_IP)] {
+        let mut state = String::new();
+        for _ in 0..3 {
+            // The echo reply does not matter; the ARP exchange it causes does.
+            let _ = lab.exec_timeout(
+                role,
+                &["ping", "-c", "1", "-W", "1", gw],
+                Duration::from_secs(3),
+            );
+            state = lab
+                .exec(role, &["ip", "-4", "neigh", "show", gw])
+                .map(|o| o.stdout)
+                .unwrap_or_default();
+            if neigh_usable(&state) {
+                break;
+            }
+        }
+        if !neigh_usable(&state) {
+            return Err(BenchError::Tool {
+                tool: "arp warm-up",
+                reason: format!("{role:?} could not resolve its gateway {gw}: {state:?}"),
+            });
+        }
+    }
+    Ok(())
+}
+
 fn measure(lab: &Lab, opts: &MigrateOpts, r: &mut MigrateReport) -> Result<(), BenchError> {
     let socks: [String; 2] = [1u8, 2].map(|n| {
         lab.replica_socket(n)
@@ -423,6 +484,7 @@ fn measure(lab: &Lab, opts: &MigrateOpts, r: &mut MigrateReport) -> Result<(), B
         .map(|x| nstat(lab, *x))
         .collect();
     let (cip, sip, gw) = (v4(CLIENT_IP), v4(SERVER_IP), v4(OUTSIDE_GW_IP));
+    resolve_gateways(lab)?;
 
     // ---------------------------------------------------------------- single flows
     let udp_key = FlowKey::v4(17, cip, UDP_SINGLE_SPORT, sip, UDP_SINGLE_DPORT).0;
@@ -589,11 +651,23 @@ fn measure(lab: &Lab, opts: &MigrateOpts, r: &mut MigrateReport) -> Result<(), B
                     "forward_failed",
                     "forward_loops",
                     "late_after_release",
+                    "tx_settle_timeouts",
                 ] {
                     let v = st["migration"][c].as_u64().unwrap_or(0);
                     r.pliant_drops
                         .insert(format!("r{}.migration.{c}", i + 1), v);
                 }
+                for side in ["inside", "outside"] {
+                    let d = st["ports"][side]["rx_kernel_drops"].as_u64().unwrap_or(0);
+                    r.replica_rx_ring_drops
+                        .insert(format!("r{}.{side}", i + 1), d);
+                }
+                let m = &st["migration"];
+                let waits = m["tx_settle_waits"].as_u64().unwrap_or(0);
+                let wmax = m["tx_settle_wait_us_max"].as_u64().unwrap_or(0);
+                r.source_output_waits = Some(r.source_output_waits.unwrap_or(0) + waits);
+                r.source_output_wait_us_max =
+                    Some(r.source_output_wait_us_max.unwrap_or(0).max(wmax));
             }
             Err(e) => r.errors.push(format!("stats r{}: {e}", i + 1)),
         }
@@ -816,6 +890,19 @@ mod tests {
         ] {
             assert!(v.get(k).is_some(), "missing {k}");
         }
+    }
+
+    #[test]
+    fn only_resolved_neighbours_count_as_usable() {
+        assert!(neigh_usable(
+            "10.77.1.1 dev client0 lladdr 02:70:6c:00:01:01 REACHABLE\n"
+        ));
+        assert!(neigh_usable(
+            "10.77.1.1 dev client0 lladdr 02:70:6c:00:01:01 STALE\n"
+        ));
+        assert!(!neigh_usable("10.77.1.1 dev client0 INCOMPLETE\n"));
+        assert!(!neigh_usable("10.77.1.1 dev client0 FAILED\n"));
+        assert!(!neigh_usable(""));
     }
 
     #[test]

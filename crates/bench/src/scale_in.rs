@@ -395,6 +395,13 @@ fn one_run(opts: &ScaleInOpts, merge: bool) -> RunReport {
             return rr;
         }
     };
+    // The client's gateway must be resolved before sequence-numbered datagrams start: while
+    // it is not, the client kernel queues them on ARP and a later send overtakes the queue
+    // (a reorder that has nothing to do with pliant; crates/bench/src/migrate.rs).
+    if let Err(e) = crate::migrate::resolve_gateways(lab) {
+        rr.errors.push(e.to_string());
+        return rr;
+    }
     let cip: Ipv4Addr = CLIENT_IP.parse().unwrap_or(Ipv4Addr::UNSPECIFIED);
     let sip: Ipv4Addr = SERVER_IP.parse().unwrap_or(Ipv4Addr::UNSPECIFIED);
     let flows = match UdpFlows::start(&UdpSpec {

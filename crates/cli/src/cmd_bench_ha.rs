@@ -25,7 +25,8 @@ pub struct HaArgs {
     /// seed's HTTP-like model), clamped to 64 B..=64 KiB; 0 = fixed sizes.
     #[arg(long, default_value_t = 0.0)]
     pub size_sigma: f64,
-    /// Run only these systems (comma-separated: no_ha,pico_1k,pico_10k,remus_40,kernel_conntrackd).
+    /// Run only these systems (comma-separated: no_ha,pico_1k,pico_10k,remus_40,ftmb,
+    /// kernel_conntrackd).
     #[arg(long, value_delimiter = ',', value_parser = SYSTEMS)]
     pub only: Vec<String>,
     /// Skip the failover experiments.
@@ -85,7 +86,21 @@ fn table(r: &HaReport) {
                 .unwrap_or_default()
         );
     };
-    fo(&r.failover.system, &r.failover);
+    fo(&r.failover.primary.system, &r.failover.primary);
+    if let Some(f) = r
+        .ftmb
+        .failover
+        .as_ref()
+        .filter(|_| r.failover.primary.system != "ftmb")
+    {
+        fo("ftmb", f);
+    }
+    if let Some(d) = &r.ftmb.ftmb_detail {
+        println!(
+            "ftmb: output audit {} released outputs checked, {} violations",
+            d["audit_checked"], d["audit_violations"]
+        );
+    }
     let t = &r.failover_trials;
     if t.trials > 1 {
         println!(

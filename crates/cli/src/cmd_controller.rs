@@ -31,7 +31,7 @@ const DEFAULT_TOKEN: &str = "/run/pliant/controller/token";
         high_water_flows = 60\n\
         low_water_flows = 40\n\
         [ha]                   # high availability (Pico replication); absent = off\n\
-        mode = \"pico\"          # pico | remus | off\n\
+        mode = \"pico\"          # pico | remus | ftmb | off\n\
         policy = \"chords\"      # chords | single | streams\n\
         hz = 1000"
 )]
@@ -420,18 +420,50 @@ pub fn ha(a: HaArgs) -> Result<(), String> {
                 return print_json(&v);
             }
             let s = &v["summary"];
-            println!(
-                "mode {} policy {} at {} Hz, token {}, failovers {}",
-                s["mode"].as_str().unwrap_or("?"),
-                s["policy"].as_str().unwrap_or("?"),
-                s["hz"],
-                s["token"],
-                s["counters"]["failovers"]
-            );
+            if s["mode"] == "ftmb" {
+                // No Pico policy: each replica logs to its ring successor.
+                println!(
+                    "mode ftmb (each replica logs to its successor), token {}, failovers {}",
+                    s["token"], s["counters"]["failovers"]
+                );
+            } else {
+                println!(
+                    "mode {} policy {} at {} Hz, token {}, failovers {}",
+                    s["mode"].as_str().unwrap_or("?"),
+                    s["policy"].as_str().unwrap_or("?"),
+                    s["hz"],
+                    s["token"],
+                    s["counters"]["failovers"]
+                );
+            }
             for r in v["replicas"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
                 let name = r["name"].as_str().unwrap_or("?");
                 if r["failed_over"] == true {
                     println!("{name}: failed over (fenced)");
+                    continue;
+                }
+                let fs = &r["ftmb_status"];
+                if fs["ok"] == true {
+                    // FTMB member: where it logs, its snapshots, the loggers it hosts.
+                    let hosting: Vec<&String> = fs["hosting"]["masters"]
+                        .as_object()
+                        .map(|m| m.keys().collect())
+                        .unwrap_or_default();
+                    println!(
+                        "{name}: ftmb, {} workers, logs to {} ({}), {} snapshots (pause p50 {} \
+                         us, p99 {} us), hosts the logger of {:?}",
+                        fs["workers"],
+                        r["ftmb_logger_host"].as_str().unwrap_or("-"),
+                        if fs["protected"] == true {
+                            "protected"
+                        } else {
+                            "not protected"
+                        },
+                        fs["snapshots"],
+                        fs["snapshot_pause_us_p50"],
+                        fs["snapshot_pause_us_p99"],
+                        hosting
+                    );
                     continue;
                 }
                 let h = &r["ha_status"];
@@ -472,6 +504,21 @@ pub fn ha(a: HaArgs) -> Result<(), String> {
                 }
             }
             for f in v["failovers"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
+                if f["mode"] == "ftmb" {
+                    println!(
+                        "failover of r{} (ftmb, recovered on r{}): detect {} ms, activate {} ms \
+                         (replay {} ms, {} packets), steer {} ms; {} flows recovered",
+                        f["replica"],
+                        f["ftmb"]["logger_host"],
+                        f["detect_ms"],
+                        f["activate_ms"],
+                        f["ftmb"]["replay_ms"],
+                        f["ftmb"]["replayed_packets"],
+                        f["steer_ms"],
+                        f["activated"]
+                    );
+                    continue;
+                }
                 println!(
                     "failover of r{}: detect {} ms, activate {} ms, steer {} ms; {} flows activated ({})",
                     f["replica"],

@@ -47,6 +47,10 @@ enum LabCmd {
         /// [ha] section in every replica config, so replicas can protect each other.
         #[arg(long)]
         ha: bool,
+        /// HA mode of the replicas (implies --ha): pico (default) or ftmb (FTMB rollback
+        /// recovery: [ha] mode = "ftmb", 2 workers, a snapshot every 50 ms).
+        #[arg(long, value_parser = ["pico", "ftmb"])]
+        ha_mode: Option<String>,
     },
     /// Remove a lab (processes, namespaces, run directory), also after a crash.
     Down {
@@ -86,6 +90,7 @@ pub fn run(a: LabArgs) -> Result<(), String> {
             big_file,
             replicas,
             ha,
+            ha_mode,
         } => {
             let mode = ReplicaMode::parse(&mode).ok_or(format!("unknown mode {mode}"))?;
             let mut spec = LabSpec::new(mode);
@@ -93,7 +98,11 @@ pub fn run(a: LabArgs) -> Result<(), String> {
             spec.detached = true;
             spec.disable_offloads = disable_offloads;
             spec.replicas = replicas;
-            spec.ha = ha;
+            spec.ha = ha || ha_mode.is_some();
+            if let Some(m) = ha_mode.as_deref() {
+                spec.ha_mode = pliant_lab::LabHaMode::parse(m)
+                    .ok_or_else(|| format!("unknown HA mode {m} (pico or ftmb)"))?;
+            }
             spec.run_root = a.run_root;
             spec.pliant_bin = Some(self_exe()?);
             if big_file {

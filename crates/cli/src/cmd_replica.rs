@@ -77,6 +77,19 @@ fn dispatch(cfg: &ReplicaConfig, text: &str, file: &str, check_only: bool) -> Re
     }
     let kind = cfg.nf.kind.as_str();
     let bad = |e: String| format!("{file}: [{kind}]: {e}");
+    if cfg.ftmb().is_some() {
+        // `[ha] mode = "ftmb"`: the NF runs on FTMB worker threads (config validation
+        // already refused every kind but nat).
+        let nf = pliant_nf_nat::ftmb::FtmbNat::new(section(text, file, kind)?).map_err(bad)?;
+        if check_only {
+            println!(
+                "config ok: nf {} in ftmb mode for replica {:?}",
+                kind, cfg.replica.name
+            );
+            return Ok(());
+        }
+        return replica::run_ftmb(cfg, nf);
+    }
     match kind {
         "nat" => go(
             cfg,

@@ -88,6 +88,7 @@ fn bench_ha_kernel_peer_and_no_ha_report_the_contract() {
         "pico_1k",
         "pico_10k",
         "remus_40",
+        "ftmb",
         "kernel_conntrackd",
     ] {
         for k in CONTRACT {
@@ -99,6 +100,15 @@ fn bench_ha_kernel_peer_and_no_ha_report_the_contract() {
         .as_str()
         .is_some_and(|e| e.contains("not selected")));
     assert!(r["pico_1k"]["transactions_per_s"].is_null());
+    // The FTMB failover numbers sit in the failover section even when ftmb did not run.
+    for k in [
+        "ftmb_recovery_ms",
+        "ftmb_tcp_stall_ms",
+        "ftmb_flows_survived",
+    ] {
+        assert!(r["failover"].get(k).is_some(), "failover.{k} missing");
+    }
+    assert!(r["failover"]["ftmb_error"].is_string(), "{}", r["failover"]);
 
     let k = check_system(&r, "kernel_conntrackd");
     // conntrackd shipped state over the sync link while the transactions ran.

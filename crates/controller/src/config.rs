@@ -251,6 +251,8 @@ low_water_flows = 10
         let c = p("[controller]\n[ha]\nmode = \"remus\"\nremus_hz = 40\npolicy = \"single\"\n")
             .unwrap();
         assert_eq!(c.ha.unwrap().mode, crate::ha::HaMode::Remus);
+        let c = p("[controller]\n[ha]\nmode = \"ftmb\"\nwatch_ms = 10\n").unwrap();
+        assert_eq!(c.ha.unwrap().mode, crate::ha::HaMode::Ftmb);
         for (text, needle) in [
             ("[controller]\n[ha]\nmode = \"raid\"\n", "mode"),
             ("[controller]\n[ha]\nhz = 0\n", "hz"),

@@ -368,24 +368,30 @@ impl Controller {
     }
 
     /// Gives `r` its NAT port blocks if it has none: tells the replica, then the fabric.
+    /// FTMB replicas' blocks are pinned by index, not told (see `ports`).
     fn ensure_port_blocks(&self, r: &ReplicaRecord) -> Result<()> {
         let Some((_, per)) = &self.settings.port_blocks else {
             return Ok(());
         };
+        let ftmb = self.settings.ha.mode == crate::ha::HaMode::Ftmb;
         let ranges = {
             let mut st = lock(&self.state);
             let Some(pb) = st.ports.as_mut() else {
                 return Ok(());
             };
             let have = pb.of(r.index);
-            if have.is_empty() {
-                pb.assign(r.index, *per)?
-            } else {
+            if !have.is_empty() {
                 have
+            } else if ftmb {
+                pb.assign_at(r.index, PortBlocks::pinned_first(r.index, *per), *per)?
+            } else {
+                pb.assign(r.index, *per)?
             }
         };
         let blocks: Vec<[u16; 2]> = ranges.iter().map(|x| [*x.start(), *x.end()]).collect();
-        if let Err(e) = rc::call(
+        if ftmb {
+            // Its pool is fixed by its config (see `ports`): nothing to tell the replica.
+        } else if let Err(e) = rc::call(
             &r.socket,
             &json!({"cmd": "set_port_blocks", "blocks": blocks}),
             self.settings.rpc_timeout,

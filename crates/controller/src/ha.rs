@@ -27,6 +27,10 @@ pub enum HaMode {
     Pico,
     /// The Remus-mode baseline: whole-replica epochs, all output held.
     Remus,
+    /// FTMB rollback recovery (issue 6): every replica is a primary logging to an FTMB
+    /// logger hosted by its successor in the ring of live replicas; a dead primary is
+    /// recovered by replay on that host.
+    Ftmb,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -210,6 +214,119 @@ pub fn repl_socket_of(control_socket: &Path) -> PathBuf {
     control_socket.with_file_name(format!("{stem}.repl.sock"))
 }
 
+/// Replica `socket`'s FTMB logger socket: beside the control socket, `<stem>.ftmb.sock`
+/// (`/run/pliant/lab/r1.sock` -> `/run/pliant/lab/r1.ftmb.sock`), the runtime's default for
+/// `[ha] ftmb_socket` (contract: ftmb-contract.md, "Replica config").
+pub fn ftmb_socket_of(control_socket: &Path) -> PathBuf {
+    let stem = control_socket
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "replica".into());
+    control_socket.with_file_name(format!("{stem}.ftmb.sock"))
+}
+
+/// The replica that hosts `primary`'s FTMB logger: the next live replica after it by index
+/// (cyclic), so every replica hosts exactly one logger when all are live and a death moves
+/// only the dead one's predecessor. `None` when `primary` is alone.
+pub fn ftmb_successor(primary: u32, live: &[(u32, PathBuf)]) -> Option<(u32, PathBuf)> {
+    let mut others: Vec<&(u32, PathBuf)> = live.iter().filter(|(i, _)| *i != primary).collect();
+    others.sort_by_key(|(i, _)| *i);
+    others
+        .iter()
+        .find(|(i, _)| *i > primary)
+        .or_else(|| others.first())
+        .map(|(i, s)| (*i, s.clone()))
+}
+
+/// The `ftmb_protect` request that points `primary`'s workers at the logger of `host`
+/// (whose control socket is `host_socket`).
+pub fn ftmb_protect_request(host_socket: &Path) -> Value {
+    json!({"cmd": "ftmb_protect", "logger": ftmb_socket_of(host_socket)})
+}
+
+/// What the controller reads from an `ftmb_status` answer.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FtmbBrief {
+    /// The logger socket the replica's workers log to, if any.
+    pub logger: Option<String>,
+    /// Connected to its logger with a full snapshot acknowledged (the runtime's view).
+    pub protected: bool,
+    pub snapshots: u64,
+    pub last_snapshot_acked: u64,
+    /// Primaries whose logger this replica hosts.
+    pub hosting: Vec<String>,
+    /// Output-commit audit over the hosted loggers: releases checked (every released output
+    /// is checked against its vector of PAL sequence numbers) / found early. A recovered
+    /// primary's logger leaves the status with it, so these cover live primaries only.
+    pub audit_checked: u64,
+    pub audit_violations: u64,
+}
+
+/// Sums every number under a key named `name` anywhere in `v` (the loggers' status nests
+/// per-master and per-queue objects whose exact shape belongs to pliant-ftmb).
+pub fn sum_named(v: &Value, name: &str) -> u64 {
+    match v {
+        Value::Object(m) => m
+            .iter()
+            .map(|(k, x)| {
+                if k == name {
+                    x.as_u64().unwrap_or(0)
+                } else {
+                    sum_named(x, name)
+                }
+            })
+            .fold(0, u64::saturating_add),
+        Value::Array(a) => a
+            .iter()
+            .map(|x| sum_named(x, name))
+            .fold(0, u64::saturating_add),
+        _ => 0,
+    }
+}
+
+/// Names of the primaries a logger status lists: an object keyed by primary, or an array of
+/// objects with a `master` / `primary` field.
+fn hosted_names(h: &Value) -> Vec<String> {
+    let mut v: Vec<String> = match h {
+        Value::Object(m) => match m.get("masters") {
+            Some(inner) => return hosted_names(inner),
+            None => m.keys().cloned().collect(),
+        },
+        Value::Array(a) => a
+            .iter()
+            .filter_map(|x| {
+                x.get("master")
+                    .or_else(|| x.get("primary"))
+                    .and_then(Value::as_str)
+                    .map(str::to_string)
+            })
+            .collect(),
+        _ => Vec::new(),
+    };
+    v.sort();
+    v.dedup();
+    v
+}
+
+/// Parses an `ftmb_status` answer; missing fields count as zero / empty.
+pub fn parse_ftmb_status(v: &Value) -> FtmbBrief {
+    FtmbBrief {
+        logger: v["logger"].as_str().map(str::to_string),
+        protected: v["protected"] == true,
+        snapshots: v["snapshots"].as_u64().unwrap_or(0),
+        last_snapshot_acked: v["last_snapshot_acked"].as_u64().unwrap_or(0),
+        hosting: hosted_names(&v["hosting"]),
+        audit_checked: sum_named(&v["hosting"], "outputs_released"),
+        audit_violations: sum_named(&v["hosting"], "audit_violations"),
+    }
+}
+
+/// The FTMB-specific numbers of an `ftmb_activate` answer, for the failover record.
+pub fn ftmb_activate_detail(v: &Value) -> Value {
+    json!({"replay_ms": v.get("replay_ms"), "total_ms": v.get("total_ms"),
+        "replayed_packets": v.get("replayed_packets"), "suppressed": v.get("suppressed")})
+}
+
 fn target(index: u32, control_socket: &Path) -> Value {
     json!({"name": format!("r{index}"), "socket": repl_socket_of(control_socket)})
 }
@@ -221,7 +338,8 @@ pub fn build_policy(cfg: &HaConfig, primary: u32, live: &[(u32, PathBuf)]) -> Va
     let mut others: Vec<&(u32, PathBuf)> = live.iter().filter(|(i, _)| *i != primary).collect();
     others.sort_by_key(|(i, _)| *i);
     others.dedup_by_key(|(i, _)| *i);
-    if cfg.mode == HaMode::Off || others.is_empty() {
+    // FTMB replicas are not protected by a Pico policy (see `ftmb_protect_request`).
+    if matches!(cfg.mode, HaMode::Off | HaMode::Ftmb) || others.is_empty() {
         return json!({"kind": "off"});
     }
     // "Next after the primary" (cyclic by index): spreads single backups evenly over a ring
@@ -393,6 +511,64 @@ mod tests {
         assert_eq!(
             repl_socket_of(Path::new("/run/pliant/lab/r3.sock")),
             PathBuf::from("/run/pliant/lab/r3.repl.sock")
+        );
+    }
+
+    #[test]
+    fn ftmb_logger_is_the_next_live_replica_and_sits_beside_its_control_socket() {
+        assert_eq!(
+            ftmb_socket_of(Path::new("/run/pliant/lab/r3.sock")),
+            PathBuf::from("/run/pliant/lab/r3.ftmb.sock")
+        );
+        let l = live(&[1, 2, 3]);
+        let succ = |p| ftmb_successor(p, &l).map(|(i, _)| i);
+        assert_eq!((succ(1), succ(2), succ(3)), (Some(2), Some(3), Some(1)));
+        // r2 died: r1's logger moves to r3, r3 keeps r1.
+        let l = live(&[1, 3]);
+        assert_eq!(ftmb_successor(1, &l).map(|(i, _)| i), Some(3));
+        assert_eq!(ftmb_successor(3, &l).map(|(i, _)| i), Some(1));
+        assert_eq!(ftmb_successor(1, &live(&[1])), None, "alone");
+        // A primary not in the list (just died) still gets its would-be successor.
+        assert_eq!(
+            ftmb_successor(4, &live(&[1, 2, 5])).map(|(i, _)| i),
+            Some(5)
+        );
+        assert_eq!(
+            ftmb_protect_request(Path::new("/run/pliant/lab/r2.sock")),
+            json!({"cmd": "ftmb_protect", "logger": "/run/pliant/lab/r2.ftmb.sock"})
+        );
+        // FTMB replicas get no Pico policy.
+        let c = HaConfig {
+            mode: HaMode::Ftmb,
+            ..HaConfig::default()
+        };
+        assert_eq!(build_policy(&c, 1, &live(&[1, 2]))["kind"], "off");
+    }
+
+    #[test]
+    fn ftmb_status_parses_hosted_masters_and_sums_the_audit_wherever_it_nests() {
+        let v = json!({"ok": true, "mode": "ftmb", "workers": 2,
+            "logger": "/run/pliant/lab/r2.ftmb.sock", "protected": true, "snapshots": 40,
+            "last_snapshot_acked": 39,
+            "hosting": {"masters": {
+                "r3": {"queues": [{"logged_pal_seq": 4}],
+                       "logger": {"outputs_released": 15, "audit_violations": 2}},
+                "r9": {"logger": {"outputs_released": 1, "audit_violations": 0}}},
+                "fenced": {}, "server": {"accepted": 3}}});
+        let b = parse_ftmb_status(&v);
+        assert_eq!(b.logger.as_deref(), Some("/run/pliant/lab/r2.ftmb.sock"));
+        assert!(b.protected);
+        assert_eq!((b.snapshots, b.last_snapshot_acked), (40, 39));
+        assert_eq!(b.hosting, vec!["r3".to_string(), "r9".to_string()]);
+        assert_eq!((b.audit_checked, b.audit_violations), (16, 2));
+        let arr = json!({"hosting": [{"master": "r1"}, {"primary": "r2"}, {}]});
+        assert_eq!(
+            parse_ftmb_status(&arr).hosting,
+            vec!["r1".to_string(), "r2".to_string()]
+        );
+        assert_eq!(
+            parse_ftmb_status(&json!({"ok": true})),
+            FtmbBrief::default()
         );
     }
 

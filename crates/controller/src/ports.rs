@@ -5,6 +5,12 @@
 //!
 //! Blocks are assigned lowest-free-first and never move while their owner lives, so a live
 //! mapping's port always stays with the replica that allocated it.
+//!
+//! FTMB replicas (issue 6) cannot take blocks at run time: their pool is a shared variable
+//! captured in every snapshot and replayed by index, so it is fixed by the replica's config
+//! (`[nat] port_blocks`). For them blocks are *pinned* by replica index
+//! ([`PortBlocks::pinned_first`]): replica n owns blocks `(n-1)*per .. n*per`, the rule the lab
+//! writes into each FTMB replica's config.
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -16,6 +22,12 @@ pub enum PortError {
     Empty { lo: u16, hi: u16, block: u16 },
     #[error("no free NAT port block for replica r{0} (all {1} blocks assigned)")]
     Exhausted(u32, usize),
+    #[error("NAT port block {block} pinned to replica r{replica} is {why}")]
+    Pinned {
+        replica: u32,
+        block: u32,
+        why: String,
+    },
 }
 
 /// The pool and who owns which block (persisted in the store).
@@ -76,6 +88,42 @@ impl PortBlocks {
         Ok(free.into_iter().map(|b| self.range(b)).collect())
     }
 
+    /// The first block pinned to replica `index` when every replica owns `per` blocks.
+    pub fn pinned_first(index: u32, per: usize) -> u32 {
+        index.saturating_sub(1).saturating_mul(per as u32)
+    }
+
+    /// Assigns `replica` exactly the blocks `first..first + n` (see the module doc): all or
+    /// none; a block past the pool or owned by another replica is an error.
+    pub fn assign_at(
+        &mut self,
+        replica: u32,
+        first: u32,
+        n: usize,
+    ) -> Result<Vec<RangeInclusive<u16>>, PortError> {
+        let want: Vec<u32> = (0..n as u32).map(|k| first.saturating_add(k)).collect();
+        for &b in &want {
+            if b as usize >= self.count() {
+                return Err(PortError::Pinned {
+                    replica,
+                    block: b,
+                    why: format!("past the pool ({} blocks)", self.count()),
+                });
+            }
+            if let Some(&o) = self.owner.get(&b).filter(|&&o| o != replica) {
+                return Err(PortError::Pinned {
+                    replica,
+                    block: b,
+                    why: format!("owned by r{o}"),
+                });
+            }
+        }
+        for &b in &want {
+            self.owner.insert(b, replica);
+        }
+        Ok(want.into_iter().map(|b| self.range(b)).collect())
+    }
+
     /// Releases `replica`'s blocks, returning their ranges.
     pub fn release(&mut self, replica: u32) -> Vec<RangeInclusive<u16>> {
         let mine: Vec<u32> = self
@@ -114,6 +162,29 @@ mod tests {
         // Lowest free first: r3 gets r1's old block.
         assert_eq!(pb.assign(3, 1).unwrap(), vec![20000..=23999]);
         assert_eq!(pb.range(9), 56000..=59999);
+    }
+
+    #[test]
+    fn pinned_blocks_follow_the_index_and_refuse_conflicts() {
+        let mut pb = PortBlocks::new(20000, 59999, 1000).unwrap();
+        assert_eq!(PortBlocks::pinned_first(3, 1), 2);
+        assert_eq!(PortBlocks::pinned_first(2, 2), 2);
+        assert_eq!(pb.assign_at(3, 2, 1).unwrap(), vec![22000..=22999]);
+        // Idempotent for the owner; refused for anyone else.
+        assert_eq!(pb.assign_at(3, 2, 1).unwrap(), vec![22000..=22999]);
+        assert!(matches!(
+            pb.assign_at(4, 2, 1),
+            Err(PortError::Pinned { block: 2, .. })
+        ));
+        assert!(matches!(
+            pb.assign_at(41, 40, 1),
+            Err(PortError::Pinned { block: 40, .. })
+        ));
+        // All or none: block 3 free, block 2 taken -> nothing assigned.
+        assert!(pb.assign_at(5, 1, 2).is_err());
+        assert!(pb.of(5).is_empty());
+        // Lowest-free assignment skips pinned blocks.
+        assert_eq!(pb.assign(9, 1).unwrap(), vec![20000..=20999]);
     }
 
     #[test]

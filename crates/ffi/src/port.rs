@@ -36,6 +36,20 @@ impl FramePort for AnyPort {
         }
     }
 
+    fn tx_mark(&self) -> u64 {
+        match self {
+            AnyPort::Mem(p) => p.tx_mark(),
+            AnyPort::Packet(p) => p.tx_mark(),
+        }
+    }
+
+    fn tx_settled(&mut self, mark: u64) -> bool {
+        match self {
+            AnyPort::Mem(p) => p.tx_settled(mark),
+            AnyPort::Packet(p) => p.tx_settled(mark),
+        }
+    }
+
     fn poll_fd(&self) -> Option<RawFd> {
         match self {
             AnyPort::Mem(p) => p.poll_fd(),

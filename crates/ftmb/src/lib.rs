@@ -19,10 +19,17 @@
 //!    [`master::Master::recovering`] replays input from the [`wire::Snapshot`]'s positions with
 //!    PAL-gated lock acquisition and logged clock/RNG values, while the logger suppresses output
 //!    already released; each worker goes live when its schedule runs out.
+//!
+//! Between processes, [`net::NetTransport`] (one per worker queue) and [`net::SnapshotLink`]
+//! carry the same streams, plus each packet's input record ([`wire::LogMsg::Input`]) and the
+//! snapshots, over authenticated unix sockets to a [`server::LoggerServer`] hosted by another
+//! replica, which hands a standby a [`server::RecoveryBundle`] after a failure.
 
 pub mod input;
 pub mod logger;
 pub mod master;
+pub mod net;
+pub mod server;
 pub mod transport;
 pub mod wire;
 
@@ -34,7 +41,10 @@ pub use master::{
     Determinants, FtmbError, Master, MasterConfig, SharedVar, UnlockEvent, UnlockProbe, Worker,
     WorkerStats,
 };
+pub use net::{NetError, NetOptions, NetStats, NetTransport, SnapshotLink};
+pub use server::{LoggerServer, RecoveryBundle, ReleaseFn, ServerOptions, ServerStats};
 pub use transport::{spawn_logger, ChannelTransport, LogTransport, LoggerHandle, TransportError};
 pub use wire::{
-    Feedback, LogBatch, LogMsg, OutputId, PacketId, Pal, PalKind, QueueId, Snapshot, VarId,
+    Feedback, LogBatch, LogMsg, NetMsg, OutputId, PacketId, Pal, PalKind, QueueId, RecordDelta,
+    Snapshot, SnapshotMsg, StreamKind, VarId,
 };

@@ -96,6 +96,8 @@ pub struct LoggerStats {
     /// PALs beyond the consistent cut, dropped at recovery (no released output depends on them).
     pub pals_dropped_on_recovery: u64,
     pub bad_batches: u64,
+    /// `LogMsg::Input` records seen (not kept: the input log lives beside this logger).
+    pub input_records: u64,
     /// Batches of another master generation (a dead master's stragglers), refused.
     pub stale_batches: u64,
     /// A release whose VOR was not covered by logged PALs. Must stay 0.
@@ -268,6 +270,8 @@ impl OutputLogger {
                     self.on_pal(qi, seq, pal);
                     pal_arrived = true;
                 }
+                // The input log is the network logger's (`server`); here it is only counted.
+                LogMsg::Input { .. } => self.stats.input_records += 1,
                 LogMsg::Output { id, vor, payload } => {
                     if let Err(e) = self.on_output(qi, id, vor, payload) {
                         self.stats.bad_batches += 1;
@@ -450,6 +454,30 @@ impl OutputLogger {
                 q.base += 1;
             }
         }
+    }
+
+    /// Starts the logs of a master that is already running (a network logger connected to it
+    /// mid-run): queue q's PALs up to `pal_seq[q]` are covered by the snapshot this logger
+    /// starts from, so logging continues at `pal_seq[q] + 1` instead of asking for PALs the
+    /// worker no longer has. Queues already logged that far are left alone.
+    pub fn start_at(&mut self, pal_seq: &[u64]) {
+        for (q, &s) in self.q.iter_mut().zip(pal_seq) {
+            if q.logged >= s {
+                continue;
+            }
+            q.pals.clear();
+            q.base = s;
+            q.logged = s;
+            q.reported = s;
+            q.requested_from = 0;
+            // Received past the old gap: what the snapshot covers is dropped, the rest waits.
+            q.ooo.retain(|&seq, _| seq > s);
+            while let Some(p) = q.ooo.remove(&(q.logged + 1)) {
+                q.pals.push_back(p);
+                q.logged += 1;
+            }
+        }
+        self.try_release_all();
     }
 
     /// The master died. Computes the consistent cut of the logs after the snapshot (`pal_seq`,
@@ -713,5 +741,32 @@ mod tests {
             l.recover(&[0, 0], &[]),
             Err(LoggerError::LogTruncatedPastSnapshot { .. })
         ));
+    }
+
+    #[test]
+    fn input_records_are_ignored_and_start_at_skips_covered_pals() {
+        let mut l = OutputLogger::new(LoggerConfig::new(2)).unwrap();
+        // The master ran before: PALs up to 5 (queue 0) and 3 (queue 1) are covered.
+        l.start_at(&[5, 3]);
+        l.ingest(batch(
+            0,
+            vec![
+                LogMsg::Input {
+                    id: PacketId { queue: 0, seq: 9 },
+                    frame: vec![1],
+                },
+                pal(0, 6, 1, 1, 6),
+                out(0, 9, vec![6, 3]),
+            ],
+        ))
+        .unwrap();
+        assert_eq!(l.stats.input_records, 1);
+        assert_eq!(l.logged(0), Some(6));
+        assert_eq!(l.drain_released().len(), 1, "queue 1 is covered up to 3");
+        assert!(l.drain_feedback().is_empty(), "no resend of covered PALs");
+        // A queue already past the position is left alone.
+        l.start_at(&[2, 3]);
+        assert_eq!(l.logged(0), Some(6));
+        assert_eq!(l.pals(0).count(), 1);
     }
 }

@@ -255,6 +255,11 @@ impl Master {
         self.queues.len()
     }
 
+    /// The generation stamped on this master's batches (0 fresh, `Recovery::epoch` recovered).
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
     /// Declares shared variable `id` with value `init` (for a recovering master: the value from
     /// the snapshot; its access counter and replay position are restored here).
     pub fn shared_var<T: Send + 'static>(
@@ -462,6 +467,33 @@ impl Worker {
         self.out_index = 0;
         self.stats.packets += 1;
         Ok(())
+    }
+
+    /// [`Worker::begin`], and the packet's input-log record ([`LogMsg::Input`]) queued first
+    /// on this worker's stream, ahead of the packet's PALs: a logger that has the PALs then
+    /// also has the input to replay them from (network loggers, `net`/`server`).
+    pub fn begin_input(&mut self, id: PacketId, frame: Vec<u8>) -> Result<(), FtmbError> {
+        self.begin(id)?;
+        self.pending.push(LogMsg::Input { id, frame });
+        Ok(())
+    }
+
+    /// Replaces this worker's transport (a new logger). What is queued and not yet flushed
+    /// goes to the new one; PALs kept for retransmission are forgotten (the new logger starts
+    /// from the next snapshot, which the caller ships before resuming the worker).
+    pub fn set_transport(&mut self, transport: Box<dyn LogTransport>) -> Box<dyn LogTransport> {
+        self.retained.clear();
+        std::mem::replace(&mut self.transport, transport)
+    }
+
+    /// The transport's link counters, if it has any (see [`LogTransport::net_stats`]).
+    pub fn transport_stats(&self) -> Option<crate::net::NetStats> {
+        self.transport.net_stats()
+    }
+
+    /// Highest PAL seq of this queue (assigned or replayed).
+    pub fn pal_seq(&self) -> u64 {
+        self.seq
     }
 
     /// Ends the current packet and hands the queue to the transport.
@@ -979,5 +1011,43 @@ mod tests {
             ws3[0].random(),
             Err(FtmbError::ReplayDiverged { queue: 0, n: 1, .. })
         ));
+    }
+
+    #[test]
+    fn input_record_precedes_the_packets_pals_and_transports_can_be_replaced() {
+        let m = Master::new(MasterConfig::new(1)).unwrap();
+        let v = m.shared_var(1, 0u64).unwrap();
+        let (mut ws, hs) = workers(&m);
+        ws[0].begin_input(pid(0, 0), vec![42]).unwrap();
+        ws[0].access(&v, |x| *x += 1).unwrap();
+        ws[0].output(vec![1]).unwrap();
+        ws[0].end().unwrap();
+        let b = hs[0].0.try_recv().unwrap();
+        assert_eq!(
+            b.msgs[0],
+            LogMsg::Input {
+                id: pid(0, 0),
+                frame: vec![42]
+            }
+        );
+        assert!(matches!(b.msgs[1], LogMsg::Pal { seq: 1, .. }));
+        assert!(matches!(b.msgs[2], LogMsg::Output { .. }));
+        assert_eq!(ws[0].pal_seq(), 1);
+        assert_eq!(m.epoch(), 0);
+        assert!(ws[0].transport_stats().is_none());
+        // A new logger: the stream continues there.
+        let (otx, orx) = mpsc::channel();
+        let (_ftx, frx) = mpsc::channel();
+        let _old = ws[0].set_transport(Box::new(HandTransport { out: otx, fb: frx }));
+        ws[0].begin_input(pid(0, 1), vec![43]).unwrap();
+        ws[0].access(&v, |x| *x += 1).unwrap();
+        ws[0].end().unwrap();
+        assert!(hs[0].0.try_recv().is_err());
+        let b = orx.try_recv().unwrap();
+        assert!(matches!(b.msgs[1], LogMsg::Pal { seq: 2, .. }));
+        assert!(
+            ws[0].retained.len() == 1,
+            "only the new stream's PAL is retained"
+        );
     }
 }

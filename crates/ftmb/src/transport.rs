@@ -14,6 +14,15 @@ pub enum TransportError {
     Closed,
     #[error("queue {0} has no feedback channel installed")]
     NoQueue(QueueId),
+    /// Network transport: the logger did not take any byte for `waited_ms` (socket buffer full;
+    /// the logger is stalled or gone). The stream is unusable after it (a frame may be cut).
+    #[error("the logger took nothing for {waited_ms} ms (socket buffer full): link given up")]
+    TimedOut { waited_ms: u64 },
+    /// Network transport: the link broke earlier or now (reset, refused, protocol error).
+    #[error("logger link broken: {0}")]
+    Broken(String),
+    #[error("batch of {0} bytes is over the frame bound")]
+    TooLarge(usize),
 }
 
 /// One worker queue's link to the output logger.
@@ -23,6 +32,10 @@ pub trait LogTransport: Send {
     fn send(&mut self, batch: LogBatch) -> Result<(), TransportError>;
     /// The next feedback from the logger for this queue, if any (non-blocking).
     fn poll_feedback(&mut self) -> Option<Feedback>;
+    /// Link counters, for transports that have them (network: bytes, frames, blocked writes).
+    fn net_stats(&self) -> Option<crate::net::NetStats> {
+        None
+    }
 }
 
 /// What the logger thread takes: a batch, or a closure run on the logger between batches (so a

@@ -58,6 +58,11 @@ pub struct Pal {
 /// packet's PALs always precede it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum LogMsg {
+    /// Input-log record (paper §5.1, the input logger's copy of the packet): sent on the
+    /// queue's stream *before* the packet's PALs, so a logger that logged a packet's PALs also
+    /// holds its input and can hand it to a replaying standby. The output logger ignores it
+    /// (the network logger strips it into its per-queue input log, see `server`).
+    Input { id: PacketId, frame: Vec<u8> },
     /// `seq`: this queue's PAL sequence number (1-based, contiguous).
     Pal { seq: u64, pal: Pal },
     /// An output packet and its VOR: for every queue u, the highest PAL seq u had enqueued when
@@ -105,10 +110,78 @@ pub struct Snapshot {
     pub pal_seq: Vec<u64>,
 }
 
+/// A flow record's change in a snapshot: (key, `Some(record)` | `None` = deleted); both are
+/// the NF's own encoding, opaque here.
+pub type RecordDelta = (Vec<u8>, Option<Vec<u8>>);
+
+/// One snapshot as the primary ships it to its logger on the session stream
+/// (`net::SnapshotLink`): metadata + shared variables' image, and per queue the flow records
+/// changed since the previous snapshot (`full`: every record, replacing the image).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotMsg {
+    /// Strictly increasing per session; the logger acks the highest applied.
+    pub id: u64,
+    /// True: replaces the image; false: a delta on top of the previous snapshot.
+    pub full: bool,
+    /// `pal_seq`, `var_accesses`, `input_next`; `meta.nf_state` = the shared variables' image.
+    pub meta: Snapshot,
+    /// Per queue: key -> `Some(record)` (created/changed) or `None` (deleted).
+    pub locals: Vec<Vec<RecordDelta>>,
+}
+
+/// Which stream of a master a connection carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum StreamKind {
+    /// One worker queue's log stream (inputs, PALs, outputs; feedback comes back).
+    Queue(QueueId),
+    /// The session stream: snapshots go, snapshot acks come back. Declares the worker count;
+    /// it opens (or replaces) the master's logs, so it connects before the queues.
+    Session { workers: u16 },
+}
+
+/// Frames of the network logger protocol (`net`, `server`), after the `pliant_ha::auth`
+/// handshake. Framed by [`encode_frame`]/[`decode_frame`] (4-byte LE length + postcard).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum NetMsg {
+    /// Client's first frame: the master (replica name), its session generation (fencing:
+    /// older ones are refused once a newer session or a recovery happened) and the stream.
+    Hello {
+        master: String,
+        epoch: u64,
+        stream: StreamKind,
+    },
+    /// Server's answer to an accepted `Hello`.
+    Welcome,
+    /// Server's answer to a refused `Hello` (fenced, unknown session, over a bound); the
+    /// connection is closed after it.
+    Refused { reason: String },
+    /// Queue stream, client -> server.
+    Batch(LogBatch),
+    /// Queue stream, server -> client.
+    Feedback(Feedback),
+    /// Session stream, client -> server.
+    Snapshot(SnapshotMsg),
+    /// Session stream, server -> client: snapshot `id` is applied (logs truncated).
+    SnapshotAck { id: u64 },
+}
+
+/// Encodes as `NetMsg::Snapshot(snapshot)` without copying the snapshot into a `NetMsg`
+/// (a full snapshot can be megabytes). The variant index must match [`NetMsg`]'s order; a
+/// test compares both encodings.
+pub struct SnapshotFrame<'a>(pub &'a SnapshotMsg);
+
+impl Serialize for SnapshotFrame<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_newtype_variant("NetMsg", 5, "Snapshot", self.0)
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum WireError {
     #[error("frame of {0} bytes is over the {max} byte bound", max = MAX_FRAME)]
     TooLarge(usize),
+    #[error("frame of {len} bytes is over the {max} byte bound of its stream")]
+    OverBound { len: usize, max: usize },
     #[error("frame is shorter than its {0}-byte length prefix says")]
     Truncated(usize),
     #[error("undecodable frame: {0}")]
@@ -143,6 +216,39 @@ pub fn decode_batch(buf: &[u8]) -> Result<(LogBatch, usize), WireError> {
     };
     let b = postcard::from_bytes(body).map_err(|e| WireError::Decode(e.to_string()))?;
     Ok((b, 4 + n))
+}
+
+/// Length-prefixed postcard encoding of any record, bounded by `max` bytes of body.
+pub fn encode_frame<T: Serialize>(m: &T, max: usize) -> Result<Vec<u8>, WireError> {
+    let mut out = vec![0u8; 4];
+    let mut out = postcard::to_extend(m, std::mem::take(&mut out))
+        .map_err(|e| WireError::Encode(e.to_string()))?;
+    let n = out.len() - 4;
+    if n > max {
+        return Err(WireError::OverBound { len: n, max });
+    }
+    out[..4].copy_from_slice(&(n as u32).to_le_bytes());
+    Ok(out)
+}
+
+/// Decodes one frame from the front of `buf`: `Ok(None)` if it is not complete yet, else the
+/// record and the bytes consumed. A length over `max` is an error before anything is read.
+pub fn decode_frame<T: for<'de> Deserialize<'de>>(
+    buf: &[u8],
+    max: usize,
+) -> Result<Option<(T, usize)>, WireError> {
+    let Some(len) = buf.get(..4) else {
+        return Ok(None);
+    };
+    let n = u32::from_le_bytes([len[0], len[1], len[2], len[3]]) as usize;
+    if n > max {
+        return Err(WireError::OverBound { len: n, max });
+    }
+    let Some(body) = buf.get(4..4 + n) else {
+        return Ok(None);
+    };
+    let m = postcard::from_bytes(body).map_err(|e| WireError::Decode(e.to_string()))?;
+    Ok(Some((m, 4 + n)))
 }
 
 impl Snapshot {
@@ -199,5 +305,55 @@ mod tests {
             decode_batch(&[2, 0, 0, 0, 0xff, 0xff]),
             Err(WireError::Decode(_))
         ));
+    }
+
+    #[test]
+    fn net_frames_round_trip_wait_for_more_and_respect_their_bound() {
+        let m = NetMsg::Batch(LogBatch {
+            queue: 0,
+            epoch: 0,
+            msgs: vec![LogMsg::Input {
+                id: PacketId { queue: 0, seq: 4 },
+                frame: vec![9; 100],
+            }],
+        });
+        let f = encode_frame(&m, MAX_FRAME).unwrap();
+        let (back, used) = decode_frame::<NetMsg>(&f, MAX_FRAME).unwrap().unwrap();
+        assert_eq!((back, used), (m.clone(), f.len()));
+        // Incomplete: wait for more, at every cut.
+        for cut in 0..f.len() {
+            assert!(decode_frame::<NetMsg>(&f[..cut], MAX_FRAME)
+                .unwrap()
+                .is_none());
+        }
+        assert!(matches!(
+            encode_frame(&m, 50),
+            Err(WireError::OverBound { max: 50, .. })
+        ));
+        assert!(matches!(
+            decode_frame::<NetMsg>(&f, 50),
+            Err(WireError::OverBound { max: 50, .. })
+        ));
+        assert!(matches!(
+            decode_frame::<NetMsg>(&[2, 0, 0, 0, 0xff, 0xff], MAX_FRAME),
+            Err(WireError::Decode(_))
+        ));
+    }
+
+    #[test]
+    fn a_borrowed_snapshot_frame_encodes_like_the_owned_message() {
+        let s = SnapshotMsg {
+            id: 3,
+            full: false,
+            meta: Snapshot {
+                nf_state: vec![1, 2],
+                input_next: vec![4],
+                var_accesses: vec![(1, 9)],
+                pal_seq: vec![7],
+            },
+            locals: vec![vec![(vec![1], None), (vec![2], Some(vec![3]))]],
+        };
+        let owned = encode_frame(&NetMsg::Snapshot(s.clone()), MAX_FRAME).unwrap();
+        assert_eq!(encode_frame(&SnapshotFrame(&s), MAX_FRAME).unwrap(), owned);
     }
 }

@@ -121,6 +121,20 @@ pub trait FramePort {
     /// Pushes queued frames to the kernel.
     fn flush(&mut self) -> std::io::Result<()>;
 
+    /// A mark covering every frame queued so far, for [`FramePort::tx_settled`].
+    fn tx_mark(&self) -> u64 {
+        0
+    }
+
+    /// True once every frame queued before `mark` has left the kernel's queues: delivered to
+    /// the receiving host's stack or socket (the kernel drops the sender's claim on a frame
+    /// there) or dropped. "Flushed" is not enough: a flushed frame can still sit in a per-CPU
+    /// backlog (veth) or a qdisc on the path while a frame sent later by another host passes it.
+    /// Ports that cannot tell report true.
+    fn tx_settled(&mut self, _mark: u64) -> bool {
+        true
+    }
+
     /// File descriptor to poll for readability (None for in-memory ports).
     fn poll_fd(&self) -> Option<std::os::fd::RawFd>;
 

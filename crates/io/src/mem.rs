@@ -51,6 +51,12 @@ pub struct MemPort {
     pending: VecDeque<TxRecord>,
     /// Flushed ("on the wire"), waiting for the test to collect them.
     wire: VecDeque<TxRecord>,
+    /// With [`MemPort::set_hold_tx`]: flushed but not yet delivered (a frame still in a kernel
+    /// queue on its way); [`MemPort::complete_tx`] delivers them, oldest first.
+    in_flight: VecDeque<TxRecord>,
+    hold_tx: bool,
+    /// Frames delivered to `wire` since creation (the [`FramePort::tx_settled`] count).
+    delivered: u64,
     stats: PortStats,
 }
 
@@ -69,6 +75,9 @@ impl MemPort {
             rx: VecDeque::new(),
             pending: VecDeque::new(),
             wire: VecDeque::new(),
+            in_flight: VecDeque::new(),
+            hold_tx: false,
+            delivered: 0,
             stats: PortStats::default(),
         }
     }
@@ -106,6 +115,29 @@ impl MemPort {
     /// Frames sent but not yet flushed.
     pub fn tx_unflushed(&self) -> usize {
         self.pending.len()
+    }
+
+    /// While on, flushed frames stay in flight (not collectable, not settled) until
+    /// [`MemPort::complete_tx`]: models a frame waiting in a kernel queue after the kick.
+    /// Turning it off delivers everything in flight.
+    pub fn set_hold_tx(&mut self, on: bool) {
+        self.hold_tx = on;
+        if !on {
+            self.complete_tx(usize::MAX);
+        }
+    }
+
+    /// Delivers up to `n` in-flight frames, oldest first; returns how many.
+    pub fn complete_tx(&mut self, n: usize) -> usize {
+        let k = n.min(self.in_flight.len());
+        self.wire.extend(self.in_flight.drain(..k));
+        self.delivered += k as u64;
+        k
+    }
+
+    /// Frames flushed but not delivered (see [`MemPort::set_hold_tx`]).
+    pub fn tx_in_flight(&self) -> usize {
+        self.in_flight.len()
     }
 
     /// Removes and returns every flushed frame, oldest first.
@@ -181,7 +213,9 @@ impl FramePort for MemPort {
         if offload.validate(frame.len()).is_err() {
             return Err(self.tx_error("offload metadata does not fit the frame"));
         }
-        if self.pending.len() + self.wire.len() >= self.limits.tx_queue_frames {
+        if self.pending.len() + self.wire.len() + self.in_flight.len()
+            >= self.limits.tx_queue_frames
+        {
             self.stats.tx_dropped_full += 1;
             return Err(io::ErrorKind::WouldBlock.into());
         }
@@ -200,9 +234,22 @@ impl FramePort for MemPort {
     fn flush(&mut self) -> io::Result<()> {
         if !self.pending.is_empty() {
             self.stats.tx_kicks += 1;
-            self.wire.extend(self.pending.drain(..));
+            if self.hold_tx {
+                self.in_flight.extend(self.pending.drain(..));
+            } else {
+                self.delivered += self.pending.len() as u64;
+                self.wire.extend(self.pending.drain(..));
+            }
         }
         Ok(())
+    }
+
+    fn tx_mark(&self) -> u64 {
+        self.stats.tx_frames
+    }
+
+    fn tx_settled(&mut self, mark: u64) -> bool {
+        self.delivered >= mark
     }
 
     fn poll_fd(&self) -> Option<std::os::fd::RawFd> {
@@ -287,6 +334,31 @@ mod tests {
         assert_eq!((s.tx_frames, s.tx_bytes, s.tx_dropped_full), (2, 120, 1));
         // Space is back once collected.
         p.send(&[4; 60]).unwrap();
+    }
+
+    #[test]
+    fn held_tx_settles_only_when_delivered() {
+        let mut p = MemPort::new(MAC);
+        p.send(&[1; 60]).unwrap();
+        p.flush().unwrap();
+        let m1 = p.tx_mark();
+        assert!(p.tx_settled(m1), "delivered at flush by default");
+        p.set_hold_tx(true);
+        p.send(&[2; 60]).unwrap();
+        p.send(&[3; 60]).unwrap();
+        let m3 = p.tx_mark();
+        assert!(!p.tx_settled(m3), "not even flushed");
+        p.flush().unwrap();
+        assert!(!p.tx_settled(m3), "flushed but in flight");
+        assert!(p.tx_settled(m1), "older frames stay settled");
+        assert_eq!(p.take_tx().len(), 1);
+        assert_eq!(p.complete_tx(1), 1);
+        assert!(!p.tx_settled(m3));
+        assert_eq!(p.take_tx()[0].frame, vec![2; 60]);
+        p.set_hold_tx(false);
+        assert!(p.tx_settled(m3));
+        assert_eq!(p.take_tx()[0].frame, vec![3; 60]);
+        assert_eq!(p.tx_in_flight(), 0);
     }
 
     #[test]

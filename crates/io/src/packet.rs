@@ -225,6 +225,12 @@ pub struct PacketPort {
     tx_block_bytes: usize,
     /// Slots filled since the last successful kick.
     tx_unkicked: usize,
+    /// Ring slots filled since open (slot = seq % tx_slots): the mark of `tx_settled`.
+    tx_seq: u64,
+    /// Every ring frame with a lower seq is known to be released by the kernel.
+    tx_settled_seq: u64,
+    /// A frame went out with sendmsg/sendmmsg on the RX socket (its skbs are charged there).
+    sendmsg_used: bool,
     /// Scratch buffer for frames whose VLAN tag is re-inserted (bounded by the largest frame).
     scratch: Vec<u8>,
     stats: PortStats,
@@ -497,6 +503,9 @@ impl PacketPort {
             tx_frames_per_block: tx_fpb,
             tx_block_bytes,
             tx_unkicked: 0,
+            tx_seq: 0,
+            tx_settled_seq: 0,
+            sendmsg_used: false,
             scratch: Vec::new(),
             stats: PortStats::default(),
             kernel_drops: Cell::new(0),
@@ -955,6 +964,7 @@ impl PacketPort {
             // SAFETY: msg describes valid buffers.
             let r = unsafe { libc::sendmsg(self.rx_fd.as_raw_fd(), &msg, libc::MSG_DONTWAIT) };
             if r >= 0 {
+                self.sendmsg_used = true;
                 self.stats.tx_frames += 1;
                 self.stats.tx_bytes += frame.len() as u64;
                 self.stats.tx_direct += 1;
@@ -1146,6 +1156,7 @@ impl FramePort for PacketPort {
                 return Err(io::ErrorKind::WouldBlock.into());
             }
             self.tx_unkicked += 1;
+            self.sendmsg_used = true;
             self.stats.tx_frames += 1;
             self.stats.tx_bytes += frame.len() as u64;
             if offload.gso.is_some() {
@@ -1182,6 +1193,7 @@ impl FramePort for PacketPort {
         }
         status.store(libc::TP_STATUS_SEND_REQUEST, Ordering::Release);
         self.tx_slot = (self.tx_slot + 1) % self.tx_slots;
+        self.tx_seq += 1;
         self.tx_unkicked += 1;
         self.stats.tx_frames += 1;
         self.stats.tx_bytes += frame.len() as u64;
@@ -1225,6 +1237,47 @@ impl FramePort for PacketPort {
             }
         }
         Ok(())
+    }
+
+    fn tx_mark(&self) -> u64 {
+        self.tx_seq
+    }
+
+    /// A TX-ring slot stays SEND_REQUEST/SENDING until the kernel releases its skb, which
+    /// happens where the frame leaves the last queue on its way: the receiving host's IP layer
+    /// orphans it (ip_rcv), an AF_PACKET receiver copies it into its ring and frees it, or it is
+    /// dropped. veth and L2 forwarding (bridge, tc redirect) keep the claim, so a frame waiting
+    /// in a per-CPU backlog or a qdisc downstream keeps its slot busy. Frames sent with
+    /// sendmsg/sendmmsg are charged to the RX socket's send buffer the same way; for those only
+    /// "none in flight" (SIOCOUTQ = 0) can be told, which is stricter than needed.
+    fn tx_settled(&mut self, mark: u64) -> bool {
+        if self.tx_ring.is_some() && self.tx_slots > 0 {
+            let slots = self.tx_slots as u64;
+            // Slots are refilled in order and only once released: a seq a whole ring behind
+            // the newest has had its slot reused, so its frame was released.
+            self.tx_settled_seq = self.tx_settled_seq.max(self.tx_seq.saturating_sub(slots));
+            let upto = mark.min(self.tx_seq);
+            while self.tx_settled_seq < upto {
+                let slot = (self.tx_settled_seq % slots) as usize;
+                // SAFETY: ring mode and slot < tx_slots; tp_status is the slot's first u32.
+                let status = unsafe { status_word(self.tx_slot_ptr(slot)) }.load(Ordering::Acquire);
+                if status & (libc::TP_STATUS_SEND_REQUEST | libc::TP_STATUS_SENDING) != 0 {
+                    return false;
+                }
+                self.tx_settled_seq += 1;
+            }
+        }
+        if self.mmsg.as_ref().is_some_and(|q| q.len > 0) {
+            // Not even handed to the kernel yet (a flush was refused).
+            return false;
+        }
+        if !self.sendmsg_used {
+            return true;
+        }
+        let mut outq: libc::c_int = 0;
+        // SAFETY: SIOCOUTQ (= TIOCOUTQ) writes one int: bytes still charged to the socket.
+        let rc = unsafe { libc::ioctl(self.rx_fd.as_raw_fd(), libc::TIOCOUTQ, &mut outq) };
+        rc == 0 && outq == 0
     }
 
     fn poll_fd(&self) -> Option<RawFd> {
@@ -1283,6 +1336,9 @@ mod tests {
             tx_frames_per_block: 1,
             tx_block_bytes: 0,
             tx_unkicked: 0,
+            tx_seq: 0,
+            tx_settled_seq: 0,
+            sendmsg_used: false,
             scratch: Vec::new(),
             stats: PortStats::default(),
             kernel_drops: Cell::new(0),

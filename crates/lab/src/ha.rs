@@ -16,9 +16,89 @@ pub const SECRET_FILE: &str = "repl.secret";
 /// Random bytes in a secret (`pliant_ha::auth`'s size).
 pub const SECRET_BYTES: usize = 32;
 
+/// Worker threads of a replica in FTMB mode (the runtime's default; >= 2 so that workers
+/// contend on the NAT's shared port pool, as issue 6 asks).
+pub const FTMB_WORKERS: u32 = 2;
+/// Snapshot interval of a replica in FTMB mode (the issue's recovery goal is stated at 50 ms).
+pub const FTMB_SNAPSHOT_MS: u32 = 50;
+
+/// First NAT port of the pinned blocks of FTMB replicas (the NAT's default pool start).
+pub const FTMB_PORT_LO: u16 = 20000;
+/// Ports per pinned block: replica n owns `FTMB_PORT_LO + (n-1)*FTMB_PORT_BLOCK ..` for one
+/// block. The controller pins the same blocks when its `[ports]` say `lo = 20000`,
+/// `block = 1000`, `per_replica = 1` (as the HA benches and e2e tests configure it).
+pub const FTMB_PORT_BLOCK: u16 = 1000;
+
+/// Replica `n`'s pinned NAT port block in an FTMB lab. An FTMB replica's pool is fixed by its
+/// config (the controller cannot move blocks at run time: the pool is a shared variable in
+/// every snapshot), so the lab and the controller derive it from the index alike. `None`
+/// past the 16-bit port space.
+pub fn ftmb_port_block(n: u8) -> Option<(u16, u16)> {
+    let lo = u32::from(FTMB_PORT_LO) + u32::from(n.checked_sub(1)?) * u32::from(FTMB_PORT_BLOCK);
+    let hi = lo + u32::from(FTMB_PORT_BLOCK) - 1;
+    Some((u16::try_from(lo).ok()?, u16::try_from(hi).ok()?))
+}
+
+/// In an FTMB replica config (`table`, the whole file) whose NF has a `[nat]` section, pins
+/// `[nat] port_blocks` to replica `n`'s block. Returns whether it did (no FTMB or no NAT:
+/// nothing to do).
+pub fn pin_ftmb_ports(table: &mut toml::Table, n: u8) -> Result<bool> {
+    let ftmb = table
+        .get("ha")
+        .and_then(|h| h.get("mode"))
+        .and_then(toml::Value::as_str)
+        == Some("ftmb");
+    let Some(toml::Value::Table(nat)) = table.get_mut("nat") else {
+        return Ok(false);
+    };
+    if !ftmb {
+        return Ok(false);
+    }
+    let (lo, hi) = ftmb_port_block(n)
+        .ok_or_else(|| LabError::Config(format!("r{n}: no NAT port block left for FTMB")))?;
+    let block = toml::Value::Array(vec![i64::from(lo).into(), i64::from(hi).into()]);
+    nat.insert("port_blocks".into(), toml::Value::Array(vec![block]));
+    Ok(true)
+}
+
+/// Which HA mode the replicas of an HA lab run (`[ha] mode` of their configs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LabHaMode {
+    /// Pico replication (the runtime's default: no `mode` key written).
+    #[default]
+    Pico,
+    /// FTMB rollback recovery (issue 6): `mode = "ftmb"`, [`FTMB_WORKERS`] workers, a
+    /// snapshot every [`FTMB_SNAPSHOT_MS`]; the logger listens on `r<n>.ftmb.sock` (the
+    /// runtime's default beside the control socket, so added replicas need no retargeting).
+    Ftmb,
+}
+
+impl LabHaMode {
+    pub fn parse(s: &str) -> Option<LabHaMode> {
+        match s {
+            "pico" => Some(LabHaMode::Pico),
+            "ftmb" => Some(LabHaMode::Ftmb),
+            _ => None,
+        }
+    }
+
+    pub fn label(self) -> &'static str {
+        match self {
+            LabHaMode::Pico => "pico",
+            LabHaMode::Ftmb => "ftmb",
+        }
+    }
+}
+
 /// `<run_dir>/repl.secret`.
 pub fn secret_path(run_dir: &Path) -> PathBuf {
     run_dir.join(SECRET_FILE)
+}
+
+/// Replica `n`'s FTMB logger socket: beside its control socket, `r<n>.ftmb.sock` (the
+/// runtime's default for `[ha] ftmb_socket`; the controller derives the same path).
+pub fn ftmb_socket(run_dir: &Path, n: u8) -> PathBuf {
+    run_dir.join(format!("r{n}.ftmb.sock"))
 }
 
 /// Replica `n`'s replication socket: beside its control socket, `r<n>.repl.sock` (the
@@ -35,7 +115,21 @@ pub fn write_secret(path: &Path) -> Result<()> {
         .map_err(|e| LabError::Config(format!("replication secret: {e}")))
 }
 
-/// The `[ha]` table of replica `n`'s config.
+/// The `[ha]` table of replica `n`'s config in `mode`.
+pub fn ha_section_for(run_dir: &Path, n: u8, mode: LabHaMode) -> toml::Table {
+    let mut t = ha_section(run_dir, n);
+    if mode == LabHaMode::Ftmb {
+        t.insert("mode".into(), "ftmb".into());
+        t.insert("ftmb_workers".into(), i64::from(FTMB_WORKERS).into());
+        t.insert(
+            "ftmb_snapshot_ms".into(),
+            i64::from(FTMB_SNAPSHOT_MS).into(),
+        );
+    }
+    t
+}
+
+/// The `[ha]` table of replica `n`'s config (Pico: the runtime's default mode).
 pub fn ha_section(run_dir: &Path, n: u8) -> toml::Table {
     let mut t = toml::Table::new();
     t.insert(
@@ -138,6 +232,72 @@ mod tests {
             "fresh randomness"
         );
         std::fs::remove_dir_all(&dir).expect("cleanup");
+    }
+
+    #[test]
+    fn ftmb_mode_writes_its_keys_and_pico_writes_none() {
+        let dir = Path::new("/run/pliant/lab1");
+        let f = ha_section_for(dir, 2, LabHaMode::Ftmb);
+        assert_eq!(f["mode"].as_str(), Some("ftmb"));
+        assert_eq!(f["ftmb_workers"].as_integer(), Some(2));
+        assert_eq!(f["ftmb_snapshot_ms"].as_integer(), Some(50));
+        assert_eq!(
+            f["repl_secret"].as_str(),
+            Some("/run/pliant/lab1/repl.secret")
+        );
+        let p = ha_section_for(dir, 2, LabHaMode::Pico);
+        assert_eq!(p, ha_section(dir, 2));
+        assert!(p.get("mode").is_none());
+        assert_eq!(LabHaMode::parse("ftmb"), Some(LabHaMode::Ftmb));
+        assert_eq!(LabHaMode::parse("pico").map(LabHaMode::label), Some("pico"));
+        assert_eq!(LabHaMode::parse("remus"), None);
+        assert_eq!(
+            ftmb_socket(dir, 3),
+            PathBuf::from("/run/pliant/lab1/r3.ftmb.sock")
+        );
+        // An added replica copies the template's [ha] (mode and all) and gets its own
+        // replication socket; its logger socket is the runtime's default.
+        let mut whole = toml::Table::new();
+        whole.insert("ha".into(), toml::Value::Table(f));
+        assert!(retarget_ha(&mut whole, dir, 4));
+        assert_eq!(whole["ha"]["mode"].as_str(), Some("ftmb"));
+        assert!(whole["ha"].get("ftmb_socket").is_none());
+    }
+
+    #[test]
+    fn ftmb_nat_replicas_get_their_pinned_port_block() {
+        assert_eq!(ftmb_port_block(1), Some((20000, 20999)));
+        assert_eq!(ftmb_port_block(3), Some((22000, 22999)));
+        assert_eq!(ftmb_port_block(0), None);
+        assert_eq!(ftmb_port_block(46), None, "past 65535");
+        let dir = Path::new("/run/pliant/lab1");
+        let mut t = toml::Table::new();
+        let mut nat = toml::Table::new();
+        nat.insert("external_ip".into(), "10.77.2.1".into());
+        t.insert("nat".into(), toml::Value::Table(nat));
+        assert!(
+            !pin_ftmb_ports(&mut t, 2).unwrap(),
+            "pico: the controller tells blocks"
+        );
+        t.insert(
+            "ha".into(),
+            toml::Value::Table(ha_section_for(dir, 2, LabHaMode::Ftmb)),
+        );
+        assert!(pin_ftmb_ports(&mut t, 2).unwrap());
+        let text = toml::to_string(&t).unwrap();
+        assert!(text.contains("port_blocks = [[21000, 21999]]"), "{text}");
+        // A replica added later (the template's table copied) is re-pinned to its own block.
+        assert!(pin_ftmb_ports(&mut t, 5).unwrap());
+        assert!(toml::to_string(&t)
+            .unwrap()
+            .contains("port_blocks = [[24000, 24999]]"));
+        assert!(pin_ftmb_ports(&mut t, 60).is_err());
+        let mut no_nat = toml::Table::new();
+        no_nat.insert(
+            "ha".into(),
+            toml::Value::Table(ha_section_for(dir, 2, LabHaMode::Ftmb)),
+        );
+        assert!(!pin_ftmb_ports(&mut no_nat, 2).unwrap());
     }
 
     #[test]

@@ -136,6 +136,9 @@ pub struct LabSpec {
     /// socket beside the control socket, the secret), so any replica can be a primary or a
     /// backup. Replicas added later by `scale::add_replica` inherit it.
     pub ha: bool,
+    /// The HA mode the replicas run (with `ha`): Pico (default) or FTMB (issue 6; `[ha]`
+    /// gets `mode = "ftmb"`, `ftmb_workers`, `ftmb_snapshot_ms`). FTMB without `ha` is refused.
+    pub ha_mode: crate::ha::LabHaMode,
 }
 
 impl LabSpec {
@@ -155,6 +158,7 @@ impl LabSpec {
             run_root: PathBuf::from(DEFAULT_RUN_ROOT),
             progress: true,
             ha: false,
+            ha_mode: crate::ha::LabHaMode::Pico,
         }
     }
 
@@ -249,6 +253,13 @@ impl Lab {
                 asked: spec.replicas,
                 max: MAX_REPLICAS,
             });
+        }
+        // Checked before anything exists: a half-built lab would be torn down anyway.
+        if spec.ha_mode != crate::ha::LabHaMode::Pico && !spec.ha {
+            return Err(LabError::Config(format!(
+                "ha_mode = {} needs ha = true",
+                spec.ha_mode.label()
+            )));
         }
         if matches!(spec.mode, ReplicaMode::Pliant { .. })
             && spec.pliant_bin.is_none()
@@ -349,6 +360,10 @@ impl Lab {
     /// The replication secret (exists when the lab was built with [`LabSpec::ha`]).
     pub fn repl_secret(&self) -> PathBuf {
         crate::ha::secret_path(&self.state.run_dir)
+    }
+    /// Replica `n`'s FTMB logger socket (FTMB labs; the runtime's default path).
+    pub fn ftmb_socket(&self, n: u8) -> PathBuf {
+        crate::ha::ftmb_socket(&self.state.run_dir, n)
     }
     /// Replica `n`'s replication socket (`[ha] repl_socket`).
     pub fn repl_socket(&self, n: u8) -> PathBuf {
@@ -635,8 +650,15 @@ impl Lab {
                 if spec.ha {
                     cfg.nf_sections.insert(
                         "ha".into(),
-                        toml::Value::Table(crate::ha::ha_section(&self.state.run_dir, n)),
+                        toml::Value::Table(crate::ha::ha_section_for(
+                            &self.state.run_dir,
+                            n,
+                            spec.ha_mode,
+                        )),
                     );
+                    // FTMB NAT pools are fixed by the config: pin this replica's block
+                    // (`[ha]` and `[nat]` both sit in the flattened NF sections).
+                    crate::ha::pin_ftmb_ports(&mut cfg.nf_sections, n)?;
                 }
                 let text = toml::to_string(&cfg).map_err(|e| LabError::Config(e.to_string()))?;
                 let cfg_path = self.state.run_dir.join(format!("r{n}.toml"));

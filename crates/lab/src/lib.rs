@@ -19,6 +19,7 @@ pub mod topology;
 
 pub use cmd::ExecOutput;
 pub use error::{LabError, Result};
+pub use ha::LabHaMode;
 pub use lab::*;
 pub use state::LabState;
 pub use topology::{Role, CLIENT_IP, INSIDE_GW_IP, OUTSIDE_GW_IP, SERVER_IP};

@@ -303,6 +303,8 @@ fn build(
     // replica's own replication socket whichever way the config type carries it.
     let mut table = toml::Table::try_from(&cfg).map_err(|e| LabError::Config(e.to_string()))?;
     crate::ha::retarget_ha(&mut table, &st.run_dir, n);
+    // FTMB NAT replicas own a pinned port block (the template's is another replica's).
+    crate::ha::pin_ftmb_ports(&mut table, n)?;
     let text = toml::to_string(&table).map_err(|e| LabError::Config(e.to_string()))?;
     std::fs::write(&r.config, text).map_err(io_err(&r.config))?;
     let log = st.run_dir.join(format!("r{n}.log"));

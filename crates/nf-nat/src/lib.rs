@@ -25,6 +25,7 @@
 //! TCP/UDP/ICMP (`nat_unsupported_proto`), other ICMP types (`nat_icmp_unsupported`),
 //! non-first fragments (`nat_fragment`).
 
+pub mod ftmb;
 mod icmp_err;
 mod pool;
 mod xlate;

@@ -29,6 +29,10 @@
 //! # [ha]                       # optional: Pico replication (backup listener + protect)
 //! # repl_socket = "/run/pliant/lab-x/r1.repl.sock"  # default: control_socket .sock -> .repl.sock
 //! # repl_secret = "/run/pliant/lab-x/repl.secret"   # required for the listener
+//! # mode = "ftmb"            # FTMB worker mode (needs repl_secret and nf.kind = "nat")
+//! # ftmb_workers = 2         # 1..=16 worker threads
+//! # ftmb_snapshot_ms = 50    # 5..=10000
+//! # ftmb_socket = "/run/pliant/lab-x/r1.ftmb.sock"  # hosted logger; default .sock -> .ftmb.sock
 //!
 //! # [shared]                   # optional: shared state coherent across replicas (`pliant hub`)
 //! # hub = "/run/pliant/lab-x/hub.sock"
@@ -90,6 +94,38 @@ pub struct HaSection {
     /// `protect` is refused.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub repl_secret: Option<String>,
+    /// `"ftmb"`: IP packets run on FTMB worker threads with ordered logging to a logger hosted
+    /// by another replica (crates/runtime/README.md, "FTMB mode"). Absent, `"pico"` or
+    /// `"remus"`: the single-threaded engine, protected by `protect` policies.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<String>,
+    /// FTMB worker threads (= log queues), 1..=16; default 2.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ftmb_workers: Option<usize>,
+    /// Interval between FTMB snapshots to the logger, 5..=10000 ms; default 50.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ftmb_snapshot_ms: Option<u64>,
+    /// The FTMB logger socket this replica hosts for another primary (default: beside the
+    /// control socket, `<name>.ftmb.sock`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ftmb_socket: Option<String>,
+}
+
+/// Bounds of the `[ha]` FTMB knobs (checked by `ReplicaConfig::parse`).
+pub const FTMB_WORKERS: std::ops::RangeInclusive<usize> = 1..=16;
+pub const FTMB_SNAPSHOT_MS: std::ops::RangeInclusive<u64> = 5..=10_000;
+pub const FTMB_DEFAULT_WORKERS: usize = 2;
+pub const FTMB_DEFAULT_SNAPSHOT_MS: u64 = 50;
+
+/// The effective FTMB settings of a replica with `[ha] mode = "ftmb"` (defaults filled in).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FtmbSettings {
+    pub workers: usize,
+    pub snapshot_ms: u64,
+    /// Where this replica's hosted logger listens.
+    pub socket: String,
+    /// The shared secret file (required in ftmb mode).
+    pub secret: String,
 }
 
 /// The optional `[shared]` section: the coherence hub's socket and the secret file it
@@ -349,11 +385,13 @@ impl ReplicaConfig {
             for (k, v) in [
                 ("repl_socket", &parsed.repl_socket),
                 ("repl_secret", &parsed.repl_secret),
+                ("ftmb_socket", &parsed.ftmb_socket),
             ] {
                 if v.as_ref().is_some_and(|p| !p.starts_with('/')) {
                     return Err((Some(k.into()), format!("[ha] {k} must be an absolute path")));
                 }
             }
+            self.validate_ftmb(&parsed)?;
         }
         if let Some(s) = self.nf_sections.get("shared") {
             let parsed: SharedSection = s.clone().try_into().map_err(|e: toml::de::Error| {
@@ -384,6 +422,95 @@ impl ReplicaConfig {
             }
         }
         Ok(())
+    }
+
+    /// `[ha]` FTMB checks: known mode, knobs in range and only with `mode = "ftmb"`, which
+    /// needs the shared secret (the logger streams are authenticated) and the NAT (the only NF
+    /// with an FTMB implementation).
+    fn validate_ftmb(&self, h: &HaSection) -> Result<(), (Option<String>, String)> {
+        let ftmb = match h.mode.as_deref() {
+            None | Some("pico") | Some("remus") => false,
+            Some("ftmb") => true,
+            Some(other) => {
+                return Err((
+                    Some("mode".into()),
+                    format!("[ha] mode {other:?} unknown; known modes: pico, remus, ftmb"),
+                ))
+            }
+        };
+        if !ftmb {
+            for (k, set) in [
+                ("ftmb_workers", h.ftmb_workers.is_some()),
+                ("ftmb_snapshot_ms", h.ftmb_snapshot_ms.is_some()),
+                ("ftmb_socket", h.ftmb_socket.is_some()),
+            ] {
+                if set {
+                    return Err((
+                        Some(k.into()),
+                        format!("[ha] {k} is only meaningful with mode = \"ftmb\""),
+                    ));
+                }
+            }
+            return Ok(());
+        }
+        if let Some(w) = h.ftmb_workers.filter(|w| !FTMB_WORKERS.contains(w)) {
+            return Err((
+                Some("ftmb_workers".into()),
+                format!(
+                    "[ha] ftmb_workers = {w}: must be within {}..={}",
+                    FTMB_WORKERS.start(),
+                    FTMB_WORKERS.end()
+                ),
+            ));
+        }
+        if let Some(ms) = h.ftmb_snapshot_ms.filter(|m| !FTMB_SNAPSHOT_MS.contains(m)) {
+            return Err((
+                Some("ftmb_snapshot_ms".into()),
+                format!(
+                    "[ha] ftmb_snapshot_ms = {ms}: must be within {}..={}",
+                    FTMB_SNAPSHOT_MS.start(),
+                    FTMB_SNAPSHOT_MS.end()
+                ),
+            ));
+        }
+        if h.repl_secret.is_none() {
+            return Err((
+                Some("mode".into()),
+                "[ha] mode = \"ftmb\" needs repl_secret (the logger streams are authenticated)"
+                    .into(),
+            ));
+        }
+        if self.nf.kind != "nat" {
+            return Err((
+                Some("kind".into()),
+                format!(
+                    "[ha] mode = \"ftmb\" is implemented for nf.kind = \"nat\" only, not {:?}",
+                    self.nf.kind
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The FTMB settings when `[ha] mode = "ftmb"` (validated by `parse`), defaults filled in.
+    pub fn ftmb(&self) -> Option<FtmbSettings> {
+        let h = self.ha()?;
+        if h.mode.as_deref() != Some("ftmb") {
+            return None;
+        }
+        let socket = h.ftmb_socket.clone().unwrap_or_else(|| {
+            let c = &self.replica.control_socket;
+            match c.strip_suffix(".sock") {
+                Some(stem) => format!("{stem}.ftmb.sock"),
+                None => format!("{c}.ftmb"),
+            }
+        });
+        Some(FtmbSettings {
+            workers: h.ftmb_workers.unwrap_or(FTMB_DEFAULT_WORKERS),
+            snapshot_ms: h.ftmb_snapshot_ms.unwrap_or(FTMB_DEFAULT_SNAPSHOT_MS),
+            socket,
+            secret: h.repl_secret?,
+        })
     }
 
     /// The replica-to-replica peer socket (migration): `[migration] peer_socket`, or by default
@@ -593,6 +720,7 @@ port_min = 1000
         let h = HaSection {
             repl_socket: Some("/run/x/r1.repl.sock".into()),
             repl_secret: Some("/s".into()),
+            ..HaSection::default()
         };
         c.set_ha(Some(&h));
         let again = ReplicaConfig::parse(&c.to_toml().unwrap(), "t2.toml").expect("round trip");
@@ -602,6 +730,67 @@ port_min = 1000
         assert!(ReplicaConfig::parse(&bad, "t.toml").is_err());
         let bad = format!("{GOOD}\n[ha]\nbogus = 1\n");
         assert!(ReplicaConfig::parse(&bad, "t.toml").is_err());
+    }
+
+    #[test]
+    fn ftmb_mode_defaults_bounds_and_requirements() {
+        let ha = |body: &str| format!("{GOOD}\n[ha]\nrepl_secret = \"/s\"\n{body}");
+        let c = ReplicaConfig::parse(&ha("mode = \"ftmb\"\n"), "t.toml").expect("valid");
+        assert_eq!(
+            c.ftmb(),
+            Some(FtmbSettings {
+                workers: 2,
+                snapshot_ms: 50,
+                socket: "/tmp/r1.ftmb.sock".into(),
+                secret: "/s".into(),
+            })
+        );
+        let c = ReplicaConfig::parse(
+            &ha("mode = \"ftmb\"\nftmb_workers = 4\nftmb_snapshot_ms = 20\nftmb_socket = \"/x/l.sock\"\n"),
+            "t.toml",
+        )
+        .expect("valid");
+        let f = c.ftmb().unwrap();
+        assert_eq!(
+            (f.workers, f.snapshot_ms, f.socket.as_str()),
+            (4, 20, "/x/l.sock")
+        );
+        let again = ReplicaConfig::parse(&c.to_toml().unwrap(), "t2.toml").expect("round trip");
+        assert_eq!(again.ftmb(), c.ftmb());
+        // Pico mode (explicit or absent) has no FTMB settings.
+        let c = ReplicaConfig::parse(&ha("mode = \"pico\"\n"), "t.toml").expect("valid");
+        assert_eq!(c.ftmb(), None);
+        let refused = |text: &str, want: &str, line: usize| {
+            let e = ReplicaConfig::parse(text, "t.toml").unwrap_err();
+            assert!(e.reason.contains(want), "{e}");
+            assert_eq!(e.line, Some(line), "{e}");
+        };
+        refused(
+            &ha("mode = \"ftmb\"\nftmb_workers = 0\n"),
+            "ftmb_workers = 0",
+            25,
+        );
+        refused(&ha("mode = \"ftmb\"\nftmb_workers = 17\n"), "1..=16", 25);
+        refused(
+            &ha("mode = \"ftmb\"\nftmb_snapshot_ms = 4\n"),
+            "5..=10000",
+            25,
+        );
+        refused(
+            &ha("mode = \"ftmb\"\nftmb_socket = \"rel\"\n"),
+            "absolute",
+            25,
+        );
+        refused(&ha("mode = \"raft\"\n"), "mode \"raft\" unknown", 24);
+        refused(&ha("ftmb_workers = 2\n"), "only meaningful", 24);
+        refused(
+            &format!("{GOOD}\n[ha]\nmode = \"ftmb\"\n"),
+            "needs repl_secret",
+            23,
+        );
+        let fw = ha("mode = \"ftmb\"\n").replace("kind = \"nat\"", "kind = \"firewall\"");
+        let fw = fw.replace("[nat]\nexternal_ip = \"10.77.2.1\"\nport_min = 1000\n", "");
+        refused(&fw, "nat\" only", 16);
     }
 
     #[test]

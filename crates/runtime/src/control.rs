@@ -27,6 +27,9 @@ pub const MAX_REQUEST_BYTES: usize = 2 << 20;
 const CHANNEL_BOUND: usize = 16;
 /// How long a client may take to send a line, and we wait for the packet thread.
 const IO_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long `ftmb_protect`/`ftmb_activate` may take (connects, barriers, replay: each bounded
+/// on its own, this is their sum with margin).
+pub const FTMB_WAIT: Duration = Duration::from_secs(20);
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Cmd {
@@ -69,6 +72,16 @@ pub enum Cmd {
     },
     /// HA (backup): forget `primary`'s standby state.
     DropStandby {
+        primary: String,
+    },
+    /// FTMB: log to the logger at `logger` (another replica's `.ftmb.sock`).
+    FtmbProtect {
+        logger: String,
+    },
+    /// FTMB: workers, logger, snapshots, hosted logs, recoveries.
+    FtmbStatus,
+    /// FTMB (logger host): recover `primary` by replay and import its flows.
+    FtmbActivate {
         primary: String,
     },
 }
@@ -165,6 +178,13 @@ impl Cmd {
             "drop_standby" => Cmd::DropStandby {
                 primary: str_field(&v, "primary")?,
             },
+            "ftmb_protect" => Cmd::FtmbProtect {
+                logger: str_field(&v, "logger")?,
+            },
+            "ftmb_status" => Cmd::FtmbStatus,
+            "ftmb_activate" => Cmd::FtmbActivate {
+                primary: str_field(&v, "primary")?,
+            },
             "shared_merge" => Cmd::SharedMerge {
                 bytes: from_hex(&str_field(&v, "bytes")?).ok_or("\"bytes\" is not hex")?,
             },
@@ -176,7 +196,7 @@ impl Cmd {
                 return Err(format!(
                     "unknown cmd {shown:?} (known: stats, metrics, query, flows, shutdown, migrate_in, \
                      migrate_out, set_port_blocks, shared_export, shared_merge, protect, ha_status, \
-                     activate, drop_standby)"
+                     activate, drop_standby, ftmb_protect, ftmb_status, ftmb_activate)"
                 ));
             }
         })
@@ -237,6 +257,8 @@ impl Shared {
     /// Hands `cmd` to the packet thread and waits (bounded) for its answer.
     fn ask(&self, cmd: Cmd) -> Value {
         let migrating = matches!(cmd, Cmd::MigrateOut { .. });
+        // FTMB protect (connect + full snapshot) and activate (replay) answer when done.
+        let ftmb_slow = matches!(cmd, Cmd::FtmbProtect { .. } | Cmd::FtmbActivate { .. });
         let (rtx, rrx) = mpsc::sync_channel(1);
         match self.tx.try_send(Request { cmd, reply: rtx }) {
             Ok(()) => {}
@@ -250,6 +272,8 @@ impl Shared {
         // ACK_WAIT on the packet thread).
         let wait = if migrating {
             crate::migrate::BUSY_WAIT + crate::migrate::ACK_WAIT + Duration::from_secs(2)
+        } else if ftmb_slow {
+            FTMB_WAIT
         } else {
             IO_TIMEOUT
         };
@@ -529,6 +553,21 @@ mod tests {
                 primary: "r1".into()
             })
         );
+        assert_eq!(
+            Cmd::parse(r#"{"cmd":"ftmb_protect","logger":"/run/x/r2.ftmb.sock"}"#),
+            Ok(Cmd::FtmbProtect {
+                logger: "/run/x/r2.ftmb.sock".into()
+            })
+        );
+        assert!(Cmd::parse(r#"{"cmd":"ftmb_protect"}"#).is_err());
+        assert_eq!(Cmd::parse(r#"{"cmd":"ftmb_status"}"#), Ok(Cmd::FtmbStatus));
+        assert_eq!(
+            Cmd::parse(r#"{"cmd":"ftmb_activate","primary":"r1"}"#),
+            Ok(Cmd::FtmbActivate {
+                primary: "r1".into()
+            })
+        );
+        assert!(Cmd::parse(r#"{"cmd":"ftmb_activate","primary":3}"#).is_err());
         assert!(Cmd::parse("not json").unwrap_err().contains("malformed"));
         assert!(
             Cmd::parse(&format!(r#"{{"cmd":"{}"}}"#, "x".repeat(1000)))

@@ -106,6 +106,8 @@ pub struct Engine<N: NetworkFunction, P: FramePort> {
     /// Pico replication / Remus mode, when a policy is set (`protect`).
     pub(crate) ha: Option<Box<crate::ha::HaPrimary>>,
     pub(crate) ha_side: ha::HaSide,
+    /// FTMB mode (`[ha] mode = "ftmb"`): IP packets go to its worker threads (engine/ftmb.rs).
+    pub(crate) ftmb: Option<Box<dyn crate::ftmb::FtmbMode>>,
 }
 
 impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
@@ -145,6 +147,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             rings_drained: false,
             ha: None,
             ha_side: ha::HaSide::default(),
+            ftmb: None,
         }
     }
 
@@ -213,6 +216,9 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             timeout = timeout.min(dl.saturating_duration_since(now));
         }
         let mut ha_fds = Vec::new();
+        if let Some(f) = &self.ftmb {
+            ha_fds.push(f.wake_fd()); // released FTMB output (drained with the HA fds)
+        }
         if self.ha.is_some() {
             // The next epoch deadline, and acks / link state changes.
             if let Some(dl) = self.ha_sleep_params(now, &mut ha_fds) {
@@ -298,6 +304,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             .any(|f| f.revents & libc::POLLIN != 0)
         {
             self.ha_drain_wakes();
+            self.ftmb_drain_wake();
         }
         Ok(())
     }
@@ -455,6 +462,9 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
                 None => return,
             }
         }
+        if self.ftmb.is_some() {
+            return self.ftmb_dispatch(pkt);
+        }
         if let Some(ha) = self.ha.as_deref_mut() {
             ha.touch(pkt.meta.key);
         }
@@ -563,6 +573,9 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
     fn route_output(&mut self, now: Instant) {
         let mut out = std::mem::take(&mut self.out);
         self.ctx.drain_output(&mut out);
+        if self.ftmb.is_some() {
+            self.ftmb_poll(&mut out);
+        }
         if self.ha.is_some() {
             // Pico/Remus: the output rule decides what leaves now and what waits for a
             // checkpoint's ack (crates/runtime/README.md, "Output commit").
@@ -724,6 +737,9 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
     /// Serves one control request; `migrate_out` answers on `reply` later (after the
     /// destination's Ack), everything else at once. Tests call it without a socket.
     pub fn submit(&mut self, cmd: Cmd, reply: std::sync::mpsc::SyncSender<Value>, now: Instant) {
+        let Some((cmd, reply)) = self.ftmb_submit(cmd, reply) else {
+            return; // an FTMB command, or one refused in ftmb mode: answered
+        };
         match cmd {
             Cmd::MigrateOut { to, keys } => self.start_migrate_out(to, keys, reply, now),
             other => {
@@ -735,6 +751,9 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
 
     /// The answer to one control request (also used by tests without a socket).
     pub fn answer(&mut self, cmd: Cmd, now: Instant) -> Value {
+        if let Some(refused) = self.ftmb_refusal(&cmd) {
+            return refused;
+        }
         match cmd {
             Cmd::Stats => {
                 let mut v = self.stats_json(now);
@@ -790,9 +809,12 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
                 }
             }
             Cmd::Protect { token, policy } => self.protect(token, *policy, now),
-            Cmd::HaStatus => self.ha_status(),
+            Cmd::HaStatus => self.ha_status_any(),
             Cmd::Activate { primary, token } => self.activate(&primary, token, now),
             Cmd::DropStandby { primary } => self.drop_standby(&primary),
+            Cmd::FtmbProtect { .. } | Cmd::FtmbStatus | Cmd::FtmbActivate { .. } => {
+                self.ftmb_answer(cmd)
+            }
             Cmd::Shutdown => {
                 self.stop_requested = true;
                 json!({"ok": true, "shutting_down": true})
@@ -870,10 +892,12 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
         });
         self.migration_metrics(&mut text);
         self.ha_metrics(&mut text);
+        self.ftmb_metrics(&mut text);
         text
     }
 }
 
+mod ftmb;
 mod ha;
 pub(crate) mod io_loop;
 mod migration;
@@ -889,6 +913,8 @@ pub fn fmt_mac(m: [u8; 6]) -> String {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_ftmb;
 #[cfg(test)]
 mod tests_ha;
 #[cfg(test)]

@@ -10,8 +10,9 @@
 //! 3. `migrate_out` at S: S keeps running rounds until one round's receive found both RX rings
 //!    empty *after* the request arrived (every frame the fabric steered to S before the switch
 //!    sits in S's rings, so by then each was processed and its output emitted — the NF writes
-//!    output in the same round it processes a frame) and every flow's refcount is 0 (export
-//!    refuses `Busy`; S retries each round up to [`BUSY_WAIT`]). Then it exports all flows
+//!    output in the same round it processes a frame), every flow's refcount is 0 (export
+//!    refuses `Busy`; S retries each round up to [`BUSY_WAIT`]) and every frame S has emitted
+//!    so far has left the kernel's queues (see "Output order" below). Then it exports all flows
 //!    in one [`PeerMsg::Batch`] and ships it over the peer channel.
 //! 4. Late packets at S (still in flight in the fabric at the switch) hit the forwarding map
 //!    (filled at export with each key and alias) and go to D as [`PeerMsg::Fwd`], on the same
@@ -27,6 +28,20 @@
 //!
 //! A forwarded packet that arrives at D after D released the flow is processed too, but may
 //! have been overtaken by a released one: counted as `late_after_release`.
+//!
+//! ## Output order
+//!
+//! S's last outputs of a moving flow and D's first ones travel different links to the same
+//! receiver. "Flushed before the export" does not order them: a flushed frame can still wait
+//! in a kernel queue on its way (a veth hands it to a per-CPU backlog of the sending CPU, and
+//! when that CPU's softirq work is deferred, a frame D sends later from another CPU passes it;
+//! a qdisc downstream holds it the same way). So S exports only in a round where, after the
+//! flush, every frame it ever queued has been released by the kernel
+//! ([`pliant_io::FramePort::tx_settled`]: the sender's claim on a frame ends where it leaves
+//! the last queue — the receiving host's IP layer, an AF_PACKET receiver, or a drop) and no
+//! frame waits for a neighbour answer. D emits nothing of the flows before the batch arrives,
+//! which is after the export. The wait is bounded by [`TX_SETTLE_WAIT`]; past it S exports
+//! anyway and counts `tx_settle_timeouts` (order then not guaranteed for that move).
 
 use crate::nf::Side;
 use pliant_io::Offload;
@@ -52,6 +67,10 @@ pub const MAX_OUT_MIGRATIONS: usize = 8;
 pub const BUSY_WAIT: Duration = Duration::from_millis(1000);
 /// How long a source waits for the destination's Ack.
 pub const ACK_WAIT: Duration = Duration::from_millis(2500);
+/// How long a source waits for its emitted frames to leave the kernel's queues before it
+/// exports anyway (counted as `tx_settle_timeouts`). Frames queued behind deferred softirq
+/// work are normally released within a few milliseconds.
+pub const TX_SETTLE_WAIT: Duration = Duration::from_millis(20);
 /// Pause samples kept for the p50/p99 statistics.
 const MAX_PAUSE_SAMPLES: usize = 4096;
 
@@ -218,6 +237,15 @@ pub struct MigrateStats {
     /// Forwarded packets for a key we forward ourselves (not forwarded twice: dropped).
     pub forward_loops: u64,
     pub peer_errors: u64,
+    /// Exports that found frames this replica had emitted still in kernel queues (or waiting
+    /// for a neighbour) and waited for them first: each is a move whose destination could
+    /// otherwise have overtaken the source's last output.
+    pub tx_settle_waits: u64,
+    /// Longest such wait, microseconds.
+    pub tx_settle_wait_us_max: u64,
+    /// Exports that went ahead after [`TX_SETTLE_WAIT`] with output still queued: the order of
+    /// that move's output is not guaranteed.
+    pub tx_settle_timeouts: u64,
 }
 
 /// One held key at a destination.
@@ -254,6 +282,10 @@ pub(crate) struct OutMig {
     /// A flow was busy (refcount > 0) at an export attempt: retries are paced, not spun.
     pub busy_seen: bool,
     pub deadline: Instant,
+    /// First round that found emitted output still queued in the kernel (see "Output order").
+    pub settle_since: Option<Instant>,
+    /// How long the export waited for that output, microseconds.
+    pub settle_us: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -482,6 +514,8 @@ mod tests {
             done_at: None,
             busy_seen,
             deadline: now,
+            settle_since: None,
+            settle_us: 0,
         }
     }
 

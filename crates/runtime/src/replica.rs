@@ -106,6 +106,47 @@ fn spin_budget() -> std::time::Duration {
 
 /// Runs a replica with NF `nf` until SIGTERM/SIGINT or a `shutdown` control request.
 pub fn run<N: NetworkFunction>(cfg: &ReplicaConfig, nf: N) -> Result<(), String> {
+    if cfg.ftmb().is_some() {
+        return Err(format!(
+            "[ha] mode = \"ftmb\": the {} NF must be run with replica::run_ftmb",
+            N::NAME
+        ));
+    }
+    run_with(cfg, nf, |_| Ok(()))
+}
+
+/// Runs a replica in FTMB mode (`[ha] mode = "ftmb"`): the engine's I/O thread hands IP
+/// packets to `ftmb_workers` worker threads running `nf`, and this replica hosts an FTMB
+/// logger for another primary on `ftmb_socket`.
+pub fn run_ftmb<F: crate::ftmb::FtmbNf>(cfg: &ReplicaConfig, nf: F) -> Result<(), String> {
+    let Some(s) = cfg.ftmb() else {
+        return Err("run_ftmb needs [ha] mode = \"ftmb\" in the config".into());
+    };
+    let secret = pliant_ha::auth::Secret::load(std::path::Path::new(&s.secret))
+        .map_err(|e| format!("[ha] repl_secret {}: {e}", s.secret))?;
+    let mut opts = crate::ftmb::FtmbOptions::new(&cfg.replica.name, s.workers);
+    opts.snapshot_every = std::time::Duration::from_millis(s.snapshot_ms);
+    opts.secret = Some(secret);
+    opts.host_socket = Some(std::path::PathBuf::from(&s.socket));
+    run_with(cfg, crate::ftmb::FtmbShell::<F>::default(), move |engine| {
+        let mode = crate::ftmb::start(nf, opts)?;
+        engine.set_ftmb(mode);
+        tracing::info!(
+            workers = s.workers,
+            snapshot_ms = s.snapshot_ms,
+            ftmb_socket = %s.socket,
+            "ftmb mode: workers started, hosting a logger"
+        );
+        Ok(())
+    })
+}
+
+/// Start-up shared by both modes; `setup` runs on the built engine before the loop starts.
+fn run_with<N: NetworkFunction>(
+    cfg: &ReplicaConfig,
+    nf: N,
+    setup: impl FnOnce(&mut Engine<N, PacketPort>) -> Result<(), String>,
+) -> Result<(), String> {
     cfg.check_interfaces()?;
     let nets = [
         SideNet::from_config(&cfg.inside)?,
@@ -169,7 +210,12 @@ pub fn run<N: NetworkFunction>(cfg: &ReplicaConfig, nf: N) -> Result<(), String>
     // asked to protect its own flows (primary role).
     let repl_path = cfg.repl_socket();
     let mut repl_server = None;
-    if let Some(secret_path) = cfg.ha().and_then(|h| h.repl_secret) {
+    // In ftmb mode the secret authenticates the FTMB logger streams instead (`setup`).
+    let pico_secret = cfg
+        .ha()
+        .and_then(|h| h.repl_secret)
+        .filter(|_| cfg.ftmb().is_none());
+    if let Some(secret_path) = pico_secret {
         let secret = pliant_ha::auth::Secret::load(std::path::Path::new(&secret_path))
             .map_err(|e| format!("[ha] repl_secret {secret_path}: {e}"))?;
         let store = std::sync::Arc::new(std::sync::Mutex::new(
@@ -196,6 +242,7 @@ pub fn run<N: NetworkFunction>(cfg: &ReplicaConfig, nf: N) -> Result<(), String>
         });
         repl_server = Some(server);
     }
+    setup(&mut engine)?;
     tracing::info!(
         replica = %cfg.replica.name,
         nf = N::NAME,

@@ -19,6 +19,18 @@
 //! 6. persist exceptions + the record of A's handed-over keys (for a controller restart; off
 //!    the critical path), record timings (`detect_ms`, `activate_ms`, `steer_ms`, ...).
 //!
+//! FTMB mode (`[ha] mode = "ftmb"`, issue 6) differs in steps 3-5: every live replica is a
+//! primary whose FTMB logger runs in its ring successor (the next live replica by index;
+//! `protect` sends `ftmb_protect` with that replica's logger socket and remembers the host).
+//! On A's death, right after the fence, A's port blocks are re-homed to the host H that ran
+//! A's logger (return traffic of A's flows then reaches H, which holds it while it recovers
+//! instead of the fence dropping it); `ftmb_activate {primary: A}` goes to H alone (H replays
+//! A's logged input from its last snapshot and imports the flows) and its answer is steered
+//! exactly like a Pico activation; exceptions still naming A afterwards belong to flows that
+//! ended on A and are removed (the runtime lists no flows in FTMB mode, so the exception GC
+//! cannot); re-protection then re-points only the replicas whose successor changed (A's
+//! predecessor now logs to H).
+//!
 //! A's NAT port blocks stay assigned to A (quarantined: its return traffic is dropped by the
 //! fence unless an exception re-homes it) until no exception for a flow A handed over remains;
 //! then the exception GC retires A (blocks back to the pool, the agent removes it). Reusing the
@@ -53,6 +65,10 @@ pub struct HaCounters {
     /// Flows two survivors both activated (see `failover`).
     pub duplicate_activations: AtomicU64,
     pub records_dropped: AtomicU64,
+    /// FTMB: failovers of a primary with no live logger host (its flows are lost).
+    pub ftmb_no_logger: AtomicU64,
+    /// FTMB: `ftmb_protect` not sent because the replica already logs to its successor.
+    pub ftmb_protect_unchanged: AtomicU64,
 }
 
 /// HA part of the controller state (under the `state` lock).
@@ -72,6 +88,9 @@ pub(super) struct HaState {
     pub last_reprotect: BTreeMap<u32, Instant>,
     /// Failed-over replicas -> the keys (and aliases) they handed to survivors.
     pub failed: BTreeMap<u32, BTreeSet<String>>,
+    /// FTMB: primary -> the replica hosting its logger, as of its last successful
+    /// `ftmb_protect` (the one to recover it if it dies).
+    pub ftmb_logger: BTreeMap<u32, u32>,
     pub failovers: VecDeque<Value>,
 }
 
@@ -91,6 +110,9 @@ impl HaState {
         })
     }
 }
+
+/// One replica's answer to an activation request.
+type Answer = (u32, std::result::Result<Value, rc::ReplicaError>);
 
 fn ms(d: Duration) -> f64 {
     (d.as_secs_f64() * 1e3 * 100.0).round() / 100.0
@@ -114,12 +136,23 @@ impl Controller {
         Duration::from_millis(lock(&self.state).ha.cfg.rpc_timeout_ms.max(1))
     }
 
+    fn ftmb_mode(&self) -> bool {
+        lock(&self.state).ha.cfg.mode == ha::HaMode::Ftmb
+    }
+
     pub(super) fn ha_summary(&self, st: &State) -> Value {
         let c = &self.counters.ha;
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let loggers: BTreeMap<String, String> = st
+            .ha
+            .ftmb_logger
+            .iter()
+            .map(|(p, h)| (format!("r{p}"), format!("r{h}")))
+            .collect();
         json!({
             "mode": st.ha.cfg.mode, "policy": st.ha.cfg.policy, "hz": st.ha.cfg.hz,
             "token": st.ha.token,
+            "ftmb_loggers": loggers,
             "failed_over": st.ha.failed.keys().collect::<Vec<_>>(),
             "last_failover": st.ha.failovers.back(),
             "counters": {
@@ -131,6 +164,8 @@ impl Controller {
                 "reprotects": g(&c.reprotects), "retired": g(&c.retired),
                 "duplicate_activations": g(&c.duplicate_activations),
                 "records_dropped": g(&c.records_dropped),
+                "ftmb_no_logger": g(&c.ftmb_no_logger),
+                "ftmb_protect_unchanged": g(&c.ftmb_protect_unchanged),
             },
         })
     }
@@ -177,6 +212,10 @@ impl Controller {
         let members = self.ha_members();
         let timeout = self.settings.rpc_timeout.min(Duration::from_millis(500));
         let min_gap = Duration::from_millis(lock(&self.state).ha.cfg.reprotect_min_ms);
+        if self.ftmb_mode() {
+            self.ftmb_poll(&members, timeout, min_gap);
+            return;
+        }
         for (i, sock) in &members {
             let Ok(v) = rc::call(sock, &json!({"cmd": "ha_status"}), timeout) else {
                 continue;
@@ -200,6 +239,43 @@ impl Controller {
             if due {
                 self.counters.ha.reprotects.fetch_add(1, Ordering::Relaxed);
                 let r = self.protect_one(*i, &members);
+                self.event("reprotect", json!({"replica": i, "answer": r}));
+            }
+        }
+    }
+
+    /// FTMB flavour of [`Controller::ha_poll`]: `ftmb_status` of every member; a member the
+    /// controller never protected, or whose workers log somewhere else than its successor's
+    /// logger (say its logger connection was given up), is sent `ftmb_protect` again, at
+    /// most once per `min_gap`. A replica still connecting (`protected: false` with the right
+    /// logger) is left alone: re-sending would restart its full snapshot.
+    fn ftmb_poll(&self, members: &[(u32, PathBuf)], timeout: Duration, min_gap: Duration) {
+        for (i, sock) in members {
+            let Ok(v) = rc::call(sock, &json!({"cmd": "ftmb_status"}), timeout) else {
+                continue;
+            };
+            let b = ha::parse_ftmb_status(&v);
+            let want = ha::ftmb_successor(*i, members).map(|(_, s)| ha::ftmb_socket_of(&s));
+            let due = {
+                let mut st = lock(&self.state);
+                let unprotected = !st.ha.ftmb_logger.contains_key(i);
+                let elsewhere = want
+                    .as_ref()
+                    .is_some_and(|w| b.logger.as_deref() != Some(&*w.to_string_lossy()));
+                let recent = st
+                    .ha
+                    .last_reprotect
+                    .get(i)
+                    .is_some_and(|t| t.elapsed() < min_gap);
+                let due = (unprotected || elsewhere) && want.is_some() && !recent;
+                if due {
+                    st.ha.last_reprotect.insert(*i, Instant::now());
+                }
+                due
+            };
+            if due {
+                self.counters.ha.reprotects.fetch_add(1, Ordering::Relaxed);
+                let r = self.protect_one(*i, members);
                 self.event("reprotect", json!({"replica": i, "answer": r}));
             }
         }
@@ -288,12 +364,18 @@ impl Controller {
         let fence_ms = ms(t0.elapsed());
         // 2. Token.
         let token = self.bump_ha_token()?;
-        // 3. Activate on every survivor in parallel.
+        // 3. Activate on every survivor in parallel (FTMB: on A's logger host only).
         let t_act = Instant::now();
         let survivors = self.ha_members();
         let timeout = self.ha_rpc_timeout();
-        let req = json!({"cmd": "activate", "primary": format!("r{a}"), "token": token});
-        let answers: Vec<(u32, std::result::Result<Value, rc::ReplicaError>)> =
+        let ftmb = self.ftmb_mode();
+        let mut ftmb_detail = Value::Null;
+        let answers: Vec<Answer> = if ftmb {
+            let (answers, detail) = self.ftmb_activate(a, &survivors, timeout);
+            ftmb_detail = detail;
+            answers
+        } else {
+            let req = json!({"cmd": "activate", "primary": format!("r{a}"), "token": token});
             std::thread::scope(|sc| {
                 let hs: Vec<_> = survivors
                     .iter()
@@ -315,7 +397,8 @@ impl Controller {
                         )
                     })
                     .collect()
-            });
+            })
+        };
         let activate_ms = ms(t_act.elapsed());
         // 4. Steer every key and alias to its new owner.
         let t_steer = Instant::now();
@@ -389,6 +472,15 @@ impl Controller {
         let t_ring = Instant::now();
         let ring_res = self.install_ring();
         let ring_ms = ms(t_ring.elapsed());
+        // FTMB: exceptions still naming A are flows A no longer had (the recovered ones were
+        // just re-pointed at H): they ended. Without them a new connection reusing such a
+        // 5-tuple goes by ring/port owner instead of into the fence forever. (Pico leaves
+        // them to the exception GC, which cannot run in FTMB mode: the runtime lists no flows.)
+        let stale = if ftmb {
+            self.drop_exceptions_of(a)
+        } else {
+            Ok(0)
+        };
         let total_ms = ms(t0.elapsed());
         self.counters.ha.failovers.fetch_add(1, Ordering::Relaxed);
         self.counters
@@ -433,21 +525,26 @@ impl Controller {
             }
             st.ha.protected.remove(&a);
             st.ha.brief.remove(&a);
+            st.ha.ftmb_logger.remove(&a);
         }
         let record = json!({
             "replica": a, "evidence": evidence, "token": token, "epoch": epoch,
+            "mode": if ftmb { "ftmb" } else { "pico" },
+            "ftmb": ftmb_detail,
             "detected_unix_ms": detected_unix_ms,
             "detect_ms": last_seen.map(|t| ms(t0.saturating_duration_since(t))),
             "fence_ms": fence_ms, "activate_ms": activate_ms, "steer_ms": steer_ms,
             "ring_ms": ring_ms,
             "failover_ms": total_ms, "protect_ms": protect_ms,
             "activated": activated, "failed": failed, "keys_steered": entries.len(),
+            "stale_exceptions_removed": stale.as_ref().ok(),
             "duplicates": duplicates,
             "by_replica": per,
             "fenced": fenced.is_ok(),
             "reprotected": protect,
             "steering_error": steer_res.err().map(|e| e.to_string())
-                .or_else(|| ring_res.err().map(|e| e.to_string())),
+                .or_else(|| ring_res.err().map(|e| e.to_string()))
+                .or_else(|| stale.err().map(|e| e.to_string())),
         });
         {
             let mut st = lock(&self.state);
@@ -464,16 +561,123 @@ impl Controller {
         Ok(record)
     }
 
+    /// FTMB step 3 of a failover: re-homes A's port blocks to the replica that hosted A's
+    /// logger, then asks that replica to recover A (`ftmb_activate`). Returns the answer (none
+    /// when A had no live logger host: its flows are lost, which the record says) and the
+    /// record's `ftmb` detail.
+    fn ftmb_activate(
+        &self,
+        a: u32,
+        survivors: &[(u32, PathBuf)],
+        timeout: Duration,
+    ) -> (Vec<Answer>, Value) {
+        let host = lock(&self.state).ha.ftmb_logger.get(&a).copied();
+        let Some((h, sock)) = host.and_then(|h| survivors.iter().find(|(i, _)| *i == h).cloned())
+        else {
+            self.counters
+                .ha
+                .ftmb_no_logger
+                .fetch_add(1, Ordering::Relaxed);
+            let why = match host {
+                Some(h) => format!("r{a}'s logger host r{h} is not live"),
+                None => format!("r{a} was never protected (no logger host)"),
+            };
+            self.event("ftmb_unrecoverable", json!({"replica": a, "error": why}));
+            return (Vec::new(), json!({"logger_host": host, "error": why}));
+        };
+        // Return traffic to A's NAT ports goes to H from now on: H holds what arrives for the
+        // flows it is recovering (bounded, counted by the runtime) instead of the fence
+        // dropping it, so the flows need no retransmission timeout. The blocks stay A's in
+        // the port pool (quarantined) until A is retired.
+        let t_rehome = Instant::now();
+        let blocks = lock(&self.state)
+            .ports
+            .as_ref()
+            .map(|p| p.of(a))
+            .unwrap_or_default();
+        let rehome = {
+            let mut s = lock(&self.steering);
+            blocks
+                .iter()
+                .try_for_each(|r| s.set_port_owner(r.clone(), Some(h)))
+        };
+        if let Err(e) = &rehome {
+            self.event(
+                "steering_error",
+                json!({"replica": a, "rehome_to": h, "error": e.to_string()}),
+            );
+        }
+        let rehome_ms = ms(t_rehome.elapsed());
+        let req = json!({"cmd": "ftmb_activate", "primary": format!("r{a}")});
+        let ans = rc::call(&sock, &req, timeout);
+        let mut detail = match &ans {
+            Ok(v) => ha::ftmb_activate_detail(v),
+            Err(e) => json!({"error": e.to_string()}),
+        };
+        detail["logger_host"] = json!(h);
+        detail["port_blocks_rehomed"] = json!(blocks.len());
+        detail["rehome_ms"] = json!(rehome_ms);
+        (vec![(h, ans)], detail)
+    }
+
+    /// Removes (fabric and store) every steering exception that names replica `a`.
+    fn drop_exceptions_of(&self, a: u32) -> Result<usize> {
+        let keys: Vec<FlowKey> = {
+            let mut s = lock(&self.steering);
+            let keys: Vec<FlowKey> = s
+                .exceptions()?
+                .into_iter()
+                .filter(|(_, o)| *o == a)
+                .map(|(k, _)| k)
+                .collect();
+            if !keys.is_empty() {
+                s.remove_exceptions(&keys)?;
+            }
+            keys
+        };
+        if !keys.is_empty() {
+            self.save_exceptions(&keys, None)?;
+        }
+        Ok(keys.len())
+    }
+
     /// Sends `protect` with a fresh policy to every member (in parallel). Answers per replica.
+    /// FTMB: `ftmb_protect` only to members whose logger host is not their successor yet.
     pub fn protect_all(&self) -> Value {
         if !self.ha_enabled() {
             return Value::Null;
         }
         let members = self.ha_members();
-        let out: Vec<(u32, Value)> = std::thread::scope(|sc| {
-            let hs: Vec<_> = members
+        let ftmb = self.ftmb_mode();
+        let mut skipped: Vec<(u32, Value)> = Vec::new();
+        let todo: Vec<u32> = members
+            .iter()
+            .map(|(i, _)| *i)
+            .filter(|i| {
+                if !ftmb {
+                    return true;
+                }
+                let want = ha::ftmb_successor(*i, &members).map(|(h, _)| h);
+                let have = lock(&self.state).ha.ftmb_logger.get(i).copied();
+                if want.is_some() && want == have {
+                    self.counters
+                        .ha
+                        .ftmb_protect_unchanged
+                        .fetch_add(1, Ordering::Relaxed);
+                    skipped.push((
+                        *i,
+                        json!({"ok": true, "unchanged": true,
+                        "backups": [format!("r{}", want.unwrap_or(0))]}),
+                    ));
+                    return false;
+                }
+                true
+            })
+            .collect();
+        let mut out: Vec<(u32, Value)> = std::thread::scope(|sc| {
+            let hs: Vec<_> = todo
                 .iter()
-                .map(|(i, _)| {
+                .map(|i| {
                     let m = &members;
                     (*i, sc.spawn(move || self.protect_one(*i, m)))
                 })
@@ -482,11 +686,15 @@ impl Controller {
                 .map(|(i, h)| (i, h.join().unwrap_or(json!({"error": "panicked"}))))
                 .collect()
         });
+        out.extend(skipped);
         Value::Object(out.into_iter().map(|(i, v)| (format!("r{i}"), v)).collect())
     }
 
     /// Sends `protect` to replica `i` with the policy over `members`; records its backups.
     fn protect_one(&self, i: u32, members: &[(u32, PathBuf)]) -> Value {
+        if self.ftmb_mode() {
+            return self.protect_one_ftmb(i, members);
+        }
         let (cfg, token) = {
             let st = lock(&self.state);
             (st.ha.cfg.clone(), st.ha.token)
@@ -516,6 +724,43 @@ impl Controller {
         }
     }
 
+    /// FTMB: points replica `i`'s workers at its successor's logger (`ftmb_protect`) and
+    /// remembers the successor as the one to recover `i`.
+    fn protect_one_ftmb(&self, i: u32, members: &[(u32, PathBuf)]) -> Value {
+        let Some((_, sock)) = members.iter().find(|(x, _)| *x == i) else {
+            return json!({"error": format!("r{i} is not a live member")});
+        };
+        let Some((h, hsock)) = ha::ftmb_successor(i, members) else {
+            // Alone: nothing to log to. Protected again when a replica joins.
+            lock(&self.state).ha.ftmb_logger.remove(&i);
+            return json!({"ok": true, "policy": "off", "backups": []});
+        };
+        let req = ha::ftmb_protect_request(&hsock);
+        self.counters.ha.protects.fetch_add(1, Ordering::Relaxed);
+        lock(&self.state).ha.last_protect.insert(i, Instant::now());
+        match rc::call(sock, &req, self.ha_rpc_timeout()) {
+            Ok(_) => {
+                let mut st = lock(&self.state);
+                st.ha.ftmb_logger.insert(i, h);
+                st.ha.protected.insert(i, vec![format!("r{h}")]);
+                json!({"ok": true, "policy": "ftmb", "backups": [format!("r{h}")],
+                    "logger": req["logger"]})
+            }
+            Err(e) => {
+                self.counters
+                    .ha
+                    .protect_errors
+                    .fetch_add(1, Ordering::Relaxed);
+                let mut st = lock(&self.state);
+                // Its old logger may be gone; never recover `i` from a host it did not log to
+                // last (a stale host would replay a stale log).
+                st.ha.ftmb_logger.remove(&i);
+                st.ha.protected.remove(&i);
+                json!({"ok": false, "error": e.to_string()})
+            }
+        }
+    }
+
     /// Forgets HA bookkeeping of a replica that left by scale-in, and tells the survivors to
     /// drop any standby state they hold for it (best effort).
     pub(super) fn forget_replica_ha(&self, v: u32) {
@@ -526,8 +771,11 @@ impl Controller {
             st.ha.last_seen.remove(&v);
             st.ha.last_protect.remove(&v);
             st.ha.last_reprotect.remove(&v);
+            st.ha.ftmb_logger.remove(&v);
         }
-        if !self.ha_enabled() {
+        // FTMB loggers hold no standby flows to drop: a left replica's logger connection is
+        // simply closed by its process.
+        if !self.ha_enabled() || self.ftmb_mode() {
             return;
         }
         let req = json!({"cmd": "drop_standby", "primary": format!("r{v}")});
@@ -596,22 +844,31 @@ impl Controller {
     pub fn ha_view(&self) -> Value {
         let members = self.ha_members();
         let timeout = self.settings.rpc_timeout;
-        let live: Vec<(u32, Value)> = std::thread::scope(|sc| {
+        let ftmb = self.ftmb_mode();
+        let live: Vec<(u32, (Value, Value))> = std::thread::scope(|sc| {
             let hs: Vec<_> = members
                 .iter()
                 .map(|(i, sock)| {
                     (
                         *i,
-                        sc.spawn(move || rc::call(sock, &json!({"cmd": "ha_status"}), timeout)),
+                        sc.spawn(move || {
+                            let ha = rc::call(sock, &json!({"cmd": "ha_status"}), timeout);
+                            let ftmb = ftmb
+                                .then(|| rc::call(sock, &json!({"cmd": "ftmb_status"}), timeout));
+                            (ha, ftmb)
+                        }),
                     )
                 })
                 .collect();
+            let answer = |r: std::result::Result<Value, rc::ReplicaError>| match r {
+                Ok(v) => v,
+                Err(e) => json!({"ok": false, "error": e.to_string()}),
+            };
             hs.into_iter()
                 .map(|(i, h)| {
                     let v = match h.join() {
-                        Ok(Ok(v)) => v,
-                        Ok(Err(e)) => json!({"ok": false, "error": e.to_string()}),
-                        Err(_) => json!({"ok": false, "error": "panicked"}),
+                        Ok((ha, ftmb)) => (answer(ha), ftmb.map(answer).unwrap_or(Value::Null)),
+                        Err(_) => (json!({"ok": false, "error": "panicked"}), Value::Null),
                     };
                     (i, v)
                 })
@@ -622,15 +879,16 @@ impl Controller {
             .replicas
             .iter()
             .map(|(i, (_, h))| {
-                let status = live
+                let (status, ftmb_status) = live
                     .iter()
                     .find(|(x, _)| x == i)
                     .map(|(_, v)| v.clone())
-                    .unwrap_or(Value::Null);
+                    .unwrap_or((Value::Null, Value::Null));
                 json!({"index": i, "name": format!("r{i}"), "alive": h.alive,
                     "failed_over": h.failed_over, "draining": h.draining,
                     "protected_to": st.ha.protected.get(i),
-                    "ha_status": status})
+                    "ftmb_logger_host": st.ha.ftmb_logger.get(i).map(|h| format!("r{h}")),
+                    "ha_status": status, "ftmb_status": ftmb_status})
             })
             .collect();
         json!({

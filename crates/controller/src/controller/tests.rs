@@ -25,6 +25,12 @@ struct FakeState {
     protects: Vec<Value>,
     activations: Vec<(String, u64)>,
     needs_backup: bool,
+    // FTMB (the runtime's side of ftmb-contract.md, faked): where the workers log, the
+    // `ftmb_protect` requests seen, the flows this replica can recover per primary it hosts.
+    ftmb_logger: Option<String>,
+    ftmb_protects: Vec<String>,
+    ftmb_hosted: BTreeMap<String, Vec<FlowEntry>>,
+    ftmb_activations: Vec<String>,
 }
 
 type Shared = Arc<Mutex<FakeState>>;
@@ -114,6 +120,31 @@ impl FakeReplica {
                     let got = g.standby.remove(&p).unwrap_or_default();
                     g.flows.extend(got.iter().cloned());
                     json!({"ok": true, "activated": got.len(), "failed": 0, "flows": got})
+                }
+                Some("ftmb_protect") => {
+                    let l = req["logger"].as_str().unwrap_or("").to_string();
+                    g.ftmb_protects.push(l.clone());
+                    g.ftmb_logger = Some(l);
+                    json!({"ok": true})
+                }
+                Some("ftmb_status") => json!({"ok": true, "mode": "ftmb", "workers": 2,
+                    "logger": g.ftmb_logger, "protected": g.ftmb_logger.is_some(),
+                    "snapshots": 3, "last_snapshot_acked": 3,
+                    "hosting": {"masters": g.ftmb_hosted.keys()
+                        .map(|p| (p.clone(), json!({"logger": {"outputs_released": 2,
+                            "audit_violations": 0}})))
+                        .collect::<serde_json::Map<String, Value>>()}}),
+                Some("ftmb_activate") => {
+                    let p = req["primary"].as_str().unwrap_or("").to_string();
+                    g.ftmb_activations.push(p.clone());
+                    match g.ftmb_hosted.remove(&p) {
+                        Some(got) => {
+                            g.flows.extend(got.iter().cloned());
+                            json!({"ok": true, "flows": got, "replay_ms": 1.5,
+                                "replayed_packets": 7})
+                        }
+                        None => json!({"ok": false, "error": format!("no logger for {p}")}),
+                    }
                 }
                 Some("drop_standby") => {
                     let p = req["primary"].as_str().unwrap_or("");
@@ -928,4 +959,241 @@ fn ha_off_protects_nothing_and_death_is_not_a_failover() {
         c.ha_protect(None, None, None),
         Err(ControllerError::Refused(_))
     ));
+}
+
+fn ftmb3(tag: &str) -> (World, SharedSteer, Controller) {
+    let ha = HaConfig {
+        mode: crate::ha::HaMode::Ftmb,
+        reprotect_min_ms: 600_000,
+        ..HaConfig::default()
+    };
+    let (w, steer, c) = setup_with(tag, 3, manual(), ha);
+    // r1 holds 6 flows; r2 hosts r1's logger and can recover all of them.
+    w.fill(1, 0..6);
+    w.state(2)
+        .lock()
+        .unwrap()
+        .ftmb_hosted
+        .insert("r1".into(), (0..6).map(flow).collect());
+    let p = c.protect_all();
+    assert_eq!(p["r1"]["backups"], json!(["r2"]), "{p}");
+    (w, steer, c)
+}
+
+fn ftmb_protects(w: &World, i: u32) -> Vec<String> {
+    w.state(i).lock().unwrap().ftmb_protects.clone()
+}
+
+#[test]
+fn ftmb_protect_points_each_replica_at_its_successors_logger_once() {
+    let (w, _s, c) = ftmb3("ftmb-protect");
+    for (i, host) in [(1, 2), (2, 3), (3, 1)] {
+        let p = ftmb_protects(&w, i);
+        assert_eq!(p.len(), 1, "r{i}: {p:?}");
+        assert!(
+            p[0].ends_with(&format!("/r{host}.ftmb.sock")),
+            "r{i}: {p:?}"
+        );
+        // No Pico policy in FTMB mode, and no run-time port blocks (pinned by index).
+        assert!(w.state(i).lock().unwrap().protects.is_empty());
+        assert!(w.state(i).lock().unwrap().port_blocks.is_none());
+    }
+    // Nothing changed: no replica is re-pointed (that would restart its full snapshot).
+    let again = c.protect_all();
+    assert_eq!(again["r2"]["unchanged"], true, "{again}");
+    for i in 1..=3 {
+        assert_eq!(ftmb_protects(&w, i).len(), 1, "r{i}");
+    }
+    assert_eq!(
+        c.counters.ha.ftmb_protect_unchanged.load(Ordering::Relaxed),
+        3
+    );
+    let st = c.status();
+    assert_eq!(
+        st["ha"]["ftmb_loggers"],
+        json!({"r1": "r2", "r2": "r3", "r3": "r1"})
+    );
+    assert_eq!(st["ha"]["mode"], "ftmb");
+    // The API view carries each member's ftmb_status and logger host.
+    let v = c.ha_view();
+    assert_eq!(v["replicas"][0]["ftmb_logger_host"], "r2");
+    assert_eq!(
+        v["replicas"][1]["ftmb_status"]["hosting"]["masters"]["r1"]["logger"]["outputs_released"],
+        2
+    );
+    // A replica whose workers lost their logger (its runtime reports none) is re-pointed at
+    // the next poll.
+    w.state(3).lock().unwrap().ftmb_logger = None;
+    c.heartbeat_once();
+    let p = ftmb_protects(&w, 3);
+    assert_eq!(p.len(), 2, "{p:?}");
+    assert!(p[1].ends_with("/r1.ftmb.sock"));
+    assert_eq!(c.counters.ha.reprotects.load(Ordering::Relaxed), 1);
+}
+
+#[test]
+fn ftmb_failover_recovers_on_the_logger_host_steers_it_and_repoints_the_predecessor() {
+    let (w, steer, c) = ftmb3("ftmb-failover");
+    // Exceptions left from earlier moves: one of a flow that ended on r1 (r1's logger does not
+    // recover it), one of a flow on r3.
+    let ended: FlowKey = flow(100).key.parse().unwrap();
+    let on3: FlowKey = flow(101).key.parse().unwrap();
+    steer
+        .0
+        .lock()
+        .unwrap()
+        .set_exceptions(&[(ended, 1), (on3, 3)])
+        .unwrap();
+    c.ha_watch_once();
+    assert_eq!(c.counters.ha.failovers.load(Ordering::Relaxed), 0);
+    w.kill(1);
+    c.ha_watch_once();
+    assert_eq!(c.counters.ha.failovers.load(Ordering::Relaxed), 1);
+    let s = steer.0.lock().unwrap().clone();
+    assert_eq!(s.fenced.get(&1), Some(&true), "fenced");
+    assert_eq!(s.ring, vec![2, 3], "out of the ring");
+    // Every key and alias at the logger host.
+    for p in 0..6u16 {
+        let f = flow(p);
+        for k in std::iter::once(&f.key).chain(f.aliases.iter()) {
+            assert_eq!(
+                s.exceptions.get(&k.parse::<FlowKey>().unwrap()),
+                Some(&2),
+                "{k}"
+            );
+        }
+    }
+    // The ended flow's exception is gone (a new connection on its 5-tuple must not hit the
+    // fence), r3's stays.
+    assert_eq!(s.exceptions.get(&ended), None);
+    assert_eq!(s.exceptions.get(&on3), Some(&3));
+    // r1's port block (20000-23999) now reaches r2, which recovered its flows.
+    assert_eq!(s.port_owner.get(&20000), Some(&2));
+    assert_eq!(s.port_owner.get(&23999), Some(&2));
+    assert_eq!(s.port_owner.get(&24000), Some(&2), "r2's own block");
+    assert_eq!(s.port_owner.get(&28000), Some(&3));
+    // Only the host was asked, only with ftmb_activate.
+    assert_eq!(w.state(2).lock().unwrap().ftmb_activations, vec!["r1"]);
+    assert!(w.state(3).lock().unwrap().ftmb_activations.is_empty());
+    for i in [2, 3] {
+        assert!(w.state(i).lock().unwrap().activations.is_empty(), "r{i}");
+    }
+    assert_eq!(w.flows(2), 6);
+    // r3 logged to r1: re-pointed at r2. r2 still logs to r3: left alone.
+    let p3 = ftmb_protects(&w, 3);
+    assert_eq!(p3.len(), 2, "{p3:?}");
+    assert!(p3[1].ends_with("/r2.ftmb.sock"), "{p3:?}");
+    assert_eq!(ftmb_protects(&w, 2).len(), 1);
+    let st = c.status();
+    assert_eq!(st["ha"]["ftmb_loggers"], json!({"r2": "r3", "r3": "r2"}));
+    let rec = &st["ha"]["last_failover"];
+    assert_eq!(rec["mode"], "ftmb", "{rec}");
+    assert_eq!(rec["activated"], 6, "{rec}");
+    assert_eq!(rec["keys_steered"], 12, "{rec}");
+    assert_eq!(rec["ftmb"]["logger_host"], 2, "{rec}");
+    assert_eq!(rec["ftmb"]["replay_ms"], 1.5, "{rec}");
+    assert_eq!(rec["ftmb"]["replayed_packets"], 7, "{rec}");
+    assert_eq!(rec["ftmb"]["port_blocks_rehomed"], 1, "{rec}");
+    assert_eq!(rec["stale_exceptions_removed"], 1, "{rec}");
+    for k in ["detect_ms", "activate_ms", "steer_ms", "failover_ms"] {
+        assert!(rec[k].is_number(), "{k}: {rec}");
+    }
+    // The flows end at r2: r1 is retired and its block goes back to the pool, unowned.
+    w.state(2).lock().unwrap().flows.clear();
+    assert_eq!(c.gc_exceptions().unwrap(), 12);
+    assert_eq!(c.counters.ha.retired.load(Ordering::Relaxed), 1);
+    assert_eq!(steer.0.lock().unwrap().port_owner.get(&20000), None);
+}
+
+#[test]
+fn ftmb_failover_without_a_live_logger_host_loses_the_flows_visibly() {
+    let (w, steer, c) = ftmb3("ftmb-nohost");
+    // r1's logger host r2 dies first: r2's flows are recovered by r3 (none hosted there,
+    // so the activation is refused), r1 is re-pointed at r3.
+    w.kill(2);
+    c.ha_watch_once();
+    let rec = c.status()["ha"]["last_failover"].clone();
+    assert_eq!(rec["activated"], 0, "{rec}");
+    assert!(rec["by_replica"]["3"]["error"].is_string(), "{rec}");
+    let p1 = ftmb_protects(&w, 1);
+    assert!(p1.last().unwrap().ends_with("/r3.ftmb.sock"), "{p1:?}");
+    // r1's log now lives on r3, which never got r1's log in this fake: killing r1 asks r3.
+    w.kill(1);
+    c.ha_watch_once();
+    assert_eq!(
+        w.state(3).lock().unwrap().ftmb_activations,
+        vec!["r2", "r1"]
+    );
+    assert_eq!(c.counters.ha.failovers.load(Ordering::Relaxed), 2);
+    // Alone now: nothing to log to, nothing sent.
+    assert_eq!(c.status()["ha"]["ftmb_loggers"], json!({}));
+    assert_eq!(steer.0.lock().unwrap().ring, vec![3]);
+    // A primary that was never protected has no host: counted, nothing asked.
+    let (w, _s, c) = setup_with(
+        "ftmb-never",
+        2,
+        manual(),
+        HaConfig {
+            mode: crate::ha::HaMode::Ftmb,
+            ..HaConfig::default()
+        },
+    );
+    w.kill(1);
+    c.ha_watch_once();
+    assert_eq!(c.counters.ha.ftmb_no_logger.load(Ordering::Relaxed), 1);
+    assert!(w.state(2).lock().unwrap().ftmb_activations.is_empty());
+    let rec = c.status()["ha"]["last_failover"].clone();
+    assert!(rec["ftmb"]["error"]
+        .as_str()
+        .is_some_and(|e| e.contains("never protected")));
+}
+
+#[test]
+fn ftmb_port_blocks_are_pinned_by_index_at_start_and_on_scale_out() {
+    // Replicas r1, r2, r5 (a gap): lowest-free assignment would give r5 block 2 and the next
+    // replica (r6) block 3; pinned, they get blocks 4 and 5 (their configs say so).
+    let w = World::new("ftmb-pinned");
+    let statics: Vec<(u32, PathBuf)> = [1, 2, 5].iter().map(|i| (*i, w.add(*i))).collect();
+    let steer = SharedSteer::default();
+    let c = Controller::new(
+        Settings {
+            port_blocks: Some((PortBlocks::new(20000, 59999, 4000).unwrap(), 1)),
+            ha: HaConfig {
+                mode: crate::ha::HaMode::Ftmb,
+                ..HaConfig::default()
+            },
+            ..Settings::default()
+        },
+        Box::new(FileStore::in_memory()),
+        Box::new(steer.clone()),
+        Some(Box::new(FakeAgent(w.clone(), 5))),
+        Box::new(FakeMigrator(w.clone())),
+        statics,
+        Some(manual()),
+    )
+    .unwrap();
+    c.protect_all();
+    let owner = |p: u16| steer.0.lock().unwrap().port_owner.get(&p).copied();
+    assert_eq!(
+        (owner(20000), owner(24000), owner(28000), owner(36000)),
+        (Some(1), Some(2), None, Some(5))
+    );
+    assert!(w.state(5).lock().unwrap().port_blocks.is_none(), "not told");
+    let out = c.scale_out().unwrap();
+    assert_eq!(out["replica"], 6, "{out}");
+    assert_eq!(owner(40000), Some(6), "r6 owns block 5");
+    assert_eq!(owner(28000), None);
+    // The ring r1 -> r2 -> r5 -> r6 -> r1: r5 re-pointed at r6, r6 logs to r1, r1 and r2
+    // left alone.
+    let p5 = ftmb_protects(&w, 5);
+    assert!(p5.last().unwrap().ends_with("/r6.ftmb.sock"), "{p5:?}");
+    let p6 = ftmb_protects(&w, 6);
+    assert_eq!(p6.len(), 1);
+    assert!(p6[0].ends_with("/r1.ftmb.sock"), "{p6:?}");
+    assert_eq!(ftmb_protects(&w, 1).len(), 1);
+    assert_eq!(ftmb_protects(&w, 2).len(), 1);
+    assert_eq!(
+        c.status()["ha"]["ftmb_loggers"],
+        json!({"r1": "r2", "r2": "r5", "r5": "r6", "r6": "r1"})
+    );
 }

@@ -2,7 +2,7 @@
 //! packets of incoming flows, forwarding late packets of outgoing ones, exporting at a quiet
 //! round, importing batches and releasing holds in order.
 
-use super::{Engine, Rx};
+use super::{idx, Engine, Rx, SIDES};
 use crate::migrate::{
     self, Hold, OutMig, Outbound, PeerEvent, PeerMsg, Phase, WirePacket, MAX_HOLD_KEYS,
     MAX_OUT_MIGRATIONS,
@@ -139,6 +139,8 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             done_at: None,
             busy_seen: false,
             deadline: now + migrate::BUSY_WAIT,
+            settle_since: None,
+            settle_us: 0,
         });
     }
 
@@ -152,6 +154,9 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             let phase = m.phase;
             match phase {
                 Phase::Draining if drained && self.stats.rounds > m.start_round => {
+                    if !self.output_settled(m, now) {
+                        continue;
+                    }
                     // Exported but not shippable: re-imported and answered already.
                     let failed_to_ship = self.try_export(m, now) && !self.ship(m);
                     if failed_to_ship {
@@ -191,6 +196,54 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
         }
         outs.append(&mut self.mig.out);
         self.mig.out = outs;
+    }
+
+    /// True when every frame this replica has queued so far (this round's flush included) has
+    /// left the kernel's queues and none waits for a neighbour answer, or when the wait for
+    /// that ran past [`migrate::TX_SETTLE_WAIT`] (counted). Called after the round's flush, so
+    /// the export that follows a `true` comes after the last output of the moving flows was
+    /// delivered: nothing the destination emits later can overtake it (crate::migrate,
+    /// "Output order").
+    fn output_settled(&mut self, m: &mut OutMig, now: Instant) -> bool {
+        // Frames waiting for a neighbour answer go out whenever it comes (a bounded table,
+        // read only while a migration waits here).
+        let mut settled = self
+            .neigh
+            .iter()
+            .all(|n| n.snapshot().iter().all(|e| e.2 == 0));
+        for s in SIDES {
+            let port = &mut self.ports[idx(s)];
+            let mark = port.tx_mark();
+            settled = settled && port.tx_settled(mark);
+        }
+        let since = match (settled, m.settle_since) {
+            (true, None) => return true,
+            (true, Some(t)) => t,
+            (false, t) => *m.settle_since.get_or_insert(t.unwrap_or(now)),
+        };
+        let waited = now.saturating_duration_since(since);
+        let timed_out = !settled && waited >= migrate::TX_SETTLE_WAIT;
+        if settled || timed_out {
+            let us = waited.as_micros() as u64;
+            m.settle_us = us;
+            m.settle_since = None;
+            let st = &mut self.mig.stats;
+            st.tx_settle_waits += 1;
+            st.tx_settle_wait_us_max = st.tx_settle_wait_us_max.max(us);
+            if timed_out {
+                st.tx_settle_timeouts += 1;
+                tracing::warn!(
+                    waited_us = us,
+                    "exporting with emitted frames still queued in the kernel: the order of \
+                     this move's output is not guaranteed"
+                );
+            }
+            return true;
+        }
+        // The kernel releases the frames on its own (softirq work, maybe ksoftirqd on this
+        // very CPU): give the CPU away instead of spinning through empty rounds.
+        std::thread::yield_now();
+        false
     }
 
     /// Exports the migration's flows once none is busy (or the busy wait ran out). False while
@@ -316,6 +369,8 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             t.saturating_duration_since(m.started).as_micros() as u64
         });
         reply["drain_us"] = json!(drain_us);
+        // Part of drain_us spent waiting for this replica's emitted frames to leave the kernel.
+        reply["settle_us"] = json!(m.settle_us);
         // Where the source's time went: request -> Done queued, Done -> Ack handled (the
         // destination's release and the peer channel's round trip).
         let since = |t: Option<Instant>, from: Instant| {
@@ -587,6 +642,8 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             ("forward_failed", s.forward_failed),
             ("late_after_release", s.late_after_release),
             ("peer_errors", s.peer_errors),
+            ("tx_settle_waits", s.tx_settle_waits),
+            ("tx_settle_timeouts", s.tx_settle_timeouts),
         ];
         for (name, v) in counters {
             let _ = writeln!(out, "# TYPE pliant_migrate_{name}_total counter");

@@ -499,6 +499,84 @@ fn a_flow_bounces_back_and_forth_with_exact_state() {
     assert!(p50 > 0, "pauses are recorded");
 }
 
+/// The source's last output of a flow is flushed but still in a kernel queue (veth backlog,
+/// qdisc) when the migration starts. Output reaches the receiver (`Pair::out`) only when it
+/// leaves that queue, so if the source exported before, the destination's released output
+/// would arrive first: the receiver would see the flow out of order.
+#[test]
+fn the_export_waits_until_the_source_output_left_the_kernel() {
+    let mut p = Pair::new(MAX_HELD_PACKETS);
+    let k = key(6100);
+    for seq in 0..3 {
+        p.send(0, 6100, seq);
+        p.round();
+    }
+    // From here the source's frames stay queued after the flush.
+    p.e[0].port_mut(Side::Outside).set_hold_tx(true);
+    for seq in 3..6 {
+        p.send(0, 6100, seq);
+        p.round();
+    }
+    assert_eq!(p.e[0].port_mut(Side::Outside).tx_in_flight(), 3);
+    p.migrate_in(1, &[k]);
+    let rx = p.migrate_out(0, 1, &[k]);
+    let mut seq = 6;
+    for _ in 0..20 {
+        p.send(1, 6100, seq);
+        seq += 1;
+        p.round();
+        assert!(
+            rx.try_recv().is_err(),
+            "the move finished with output in flight"
+        );
+    }
+    // Nothing was exported, and the destination emitted nothing of the flow meanwhile.
+    assert_eq!(p.e[0].migrate_stats().flows_exported, 0);
+    assert!(p.out[&6100].iter().all(|x| x.0 == 0), "{:?}", p.out[&6100]);
+    // The queue drains: the move completes and the receiver sees 0..seq in order.
+    assert_eq!(p.e[0].port_mut(Side::Outside).complete_tx(usize::MAX), 3);
+    p.e[0].port_mut(Side::Outside).set_hold_tx(false);
+    let v = p.run_until(&rx, 10);
+    assert_eq!(v["moved"], 1, "{v}");
+    assert!(v["settle_us"].as_u64().unwrap_or(0) > 0, "{v}");
+    for _ in 0..2 {
+        p.send(1, 6100, seq);
+        seq += 1;
+        p.round();
+    }
+    p.assert_in_order([6100].into_iter(), seq);
+    let st = p.e[0].migrate_stats();
+    assert_eq!((st.tx_settle_waits, st.tx_settle_timeouts), (1, 0));
+}
+
+/// Output that never leaves the kernel does not stall a move for ever: past the bound the
+/// source exports anyway and counts it.
+#[test]
+fn output_stuck_in_the_kernel_times_out_counted() {
+    let mut p = Pair::new(MAX_HELD_PACKETS);
+    let k = key(6200);
+    p.send(0, 6200, 0);
+    p.round();
+    p.e[0].port_mut(Side::Outside).set_hold_tx(true);
+    p.send(0, 6200, 1);
+    p.round();
+    p.migrate_in(1, &[k]);
+    let rx = p.migrate_out(0, 1, &[k]);
+    for _ in 0..3 {
+        p.round();
+    }
+    assert_eq!(p.e[0].migrate_stats().flows_exported, 0);
+    p.now += crate::migrate::TX_SETTLE_WAIT;
+    let v = p.run_until(&rx, 10);
+    assert_eq!(v["moved"], 1, "{v}");
+    let st = p.e[0].migrate_stats();
+    assert_eq!((st.tx_settle_waits, st.tx_settle_timeouts), (1, 1));
+    // The held frame is still delivered (late): nothing is lost, the order is not promised.
+    p.e[0].port_mut(Side::Outside).set_hold_tx(false);
+    p.round();
+    assert_eq!(p.out[&6200].len(), 2);
+}
+
 #[test]
 fn an_undeliverable_batch_is_reimported_at_the_source() {
     let mut p = Pair::new(MAX_HELD_PACKETS);

@@ -1,0 +1,580 @@
+//! Client side of the network logger (used by the primary's worker threads): one
+//! [`NetTransport`] per worker queue and one [`SnapshotLink`] per master session, each an
+//! authenticated unix stream to a [`crate::server::LoggerServer`] hosted by another replica.
+//!
+//! Connection set-up, as Pico's replication channel does it (`pliant_ha::transport`): unix
+//! stream, peer uid checked with SO_PEERCRED, the `pliant_ha::auth` HMAC challenge/response,
+//! then [`NetMsg`] frames (4-byte LE length + postcard): `Hello { master, epoch, stream }` ->
+//! `Welcome` or `Refused`. Connect the [`SnapshotLink`] first: its hello opens the master's
+//! session at the server (worker count, generation), queue hellos join it.
+//!
+//! Blocking: after the hello the socket is non-blocking. A send writes what the socket
+//! buffer takes and, when it is full, waits for room with poll(2) at most
+//! [`NetOptions::write_stall`] *without progress* (counted as a blocked write); past that the
+//! link is given up with [`TransportError::TimedOut`] (a frame may be cut, so the stream is
+//! unusable: every later call fails the same way). Feedback and acks are read with
+//! non-blocking reads only. Nothing here spawns a thread: the worker's own thread does its I/O.
+
+use crate::transport::{LogTransport, TransportError};
+use crate::wire::{
+    decode_frame, encode_frame, Feedback, LogBatch, NetMsg, QueueId, SnapshotFrame, SnapshotMsg,
+    StreamKind, WireError, MAX_FRAME,
+};
+use pliant_ha::auth::{client_handshake, AuthError, Secret};
+use std::collections::VecDeque;
+use std::io::{self, Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// Bound on a session-stream frame (a full snapshot of many flows is one frame).
+pub const MAX_SNAPSHOT_FRAME: usize = 64 << 20;
+/// Longest master name accepted in a hello.
+pub const MAX_MASTER_NAME: usize = 255;
+/// Bytes read per non-blocking read.
+const READ_CHUNK: usize = 64 << 10;
+
+#[derive(Clone, Debug)]
+pub struct NetOptions {
+    /// Bound on connect + handshake + hello/welcome.
+    pub connect_timeout: Duration,
+    /// Longest a send waits for socket-buffer room without any byte taken before the link is
+    /// given up (the logger is stalled or gone).
+    pub write_stall: Duration,
+    /// Bound on feedback frames read but not yet polled (over it the oldest is dropped,
+    /// counted: feedback is cumulative or re-requested).
+    pub max_feedback: usize,
+}
+
+impl Default for NetOptions {
+    fn default() -> Self {
+        NetOptions {
+            connect_timeout: Duration::from_secs(2),
+            write_stall: Duration::from_secs(1),
+            max_feedback: 1024,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct NetStats {
+    pub bytes_sent: u64,
+    /// Batches (queue stream) or snapshots (session stream) sent.
+    pub frames_sent: u64,
+    pub bytes_received: u64,
+    pub frames_received: u64,
+    /// Writes that found the socket buffer full and waited for room.
+    pub blocked_writes: u64,
+    /// Total time spent in those waits, in microseconds.
+    pub blocked_us: u64,
+    pub feedback_dropped: u64,
+    /// Connections made after the first (always 0 here: a broken link is replaced by the
+    /// runtime with a new transport; kept so the stats shape stays when that changes).
+    pub reconnects: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    #[error("logger socket {path}: {source}")]
+    Io { path: PathBuf, source: io::Error },
+    #[error("logger socket {path} is in use by a live server")]
+    InUse { path: PathBuf },
+    #[error("logger socket {path} exists and is not a socket")]
+    NotASocket { path: PathBuf },
+    #[error("cannot start the logger thread: {0}")]
+    Spawn(io::Error),
+    #[error("logger peer runs as uid {uid}, this process as {me}: refused")]
+    PeerUid { uid: u32, me: u32 },
+    #[error("logger handshake: {0}")]
+    Auth(#[from] AuthError),
+    #[error("the logger refused the connection: {reason}")]
+    Refused { reason: String },
+    #[error("logger protocol: {0}")]
+    Protocol(String),
+    #[error("logger frame: {0}")]
+    Wire(#[from] WireError),
+    #[error("the logger took nothing for {waited_ms} ms (socket buffer full): link given up")]
+    TimedOut { waited_ms: u64 },
+    #[error("logger link broken: {0}")]
+    Broken(String),
+    #[error("master name of {0} bytes is over the {max} byte bound", max = MAX_MASTER_NAME)]
+    BadName(usize),
+    #[error("{0} workers: between 1 and {max} are supported", max = crate::wire::MAX_QUEUES)]
+    BadWorkers(usize),
+    #[error("no logs of master {master:?} here")]
+    UnknownMaster { master: String },
+    #[error("master {master:?}: no snapshot was applied yet, it cannot be recovered from here")]
+    NoSnapshot { master: String },
+    #[error("master {master:?}: its logs do not recover: {reason}")]
+    Unrecoverable { master: String, reason: String },
+    #[error("the logger server thread is gone")]
+    ServerGone,
+}
+
+/// One authenticated, non-blocking stream and its read buffer.
+struct Conn {
+    stream: UnixStream,
+    rbuf: Vec<u8>,
+    max_in: usize,
+    write_stall: Duration,
+    /// Why the link is unusable, once it is.
+    broken: Option<String>,
+    stats: NetStats,
+}
+
+pub(crate) fn euid() -> u32 {
+    // SAFETY: no preconditions, cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// SO_PEERCRED uid of the other end.
+pub(crate) fn peer_uid(s: &UnixStream) -> io::Result<u32> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are valid for writes and `len` holds the buffer size.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(cred.uid)
+}
+
+/// One non-blocking recv(2) of up to `max` bytes appended to `buf` (no zeroed scratch buffer:
+/// this runs on every worker flush). `Ok(0)` is EOF.
+pub(crate) fn recv_into(s: &UnixStream, buf: &mut Vec<u8>, max: usize) -> io::Result<usize> {
+    buf.reserve(max);
+    let len = buf.len();
+    let room = buf.capacity() - len;
+    loop {
+        // SAFETY: the pointer is `room` writable bytes of `buf`'s spare capacity.
+        let n = unsafe {
+            libc::recv(
+                s.as_raw_fd(),
+                buf.as_mut_ptr().add(len).cast(),
+                room,
+                libc::MSG_DONTWAIT,
+            )
+        };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        // SAFETY: recv initialised the first `n` bytes of the spare capacity.
+        unsafe { buf.set_len(len + n as usize) };
+        return Ok(n as usize);
+    }
+}
+
+/// Reads one whole frame, blocking (only during the hello, under a read timeout).
+fn read_frame_blocking(s: &mut UnixStream, max: usize) -> Result<NetMsg, NetError> {
+    let mut len = [0u8; 4];
+    let closed = |e: io::Error| {
+        if e.kind() == io::ErrorKind::UnexpectedEof {
+            NetError::Broken("the logger closed the connection during the hello".into())
+        } else {
+            NetError::Broken(format!("hello: {e}"))
+        }
+    };
+    s.read_exact(&mut len).map_err(closed)?;
+    let n = u32::from_le_bytes(len) as usize;
+    if n > max {
+        return Err(WireError::OverBound { len: n, max }.into());
+    }
+    let mut buf = Vec::with_capacity(4 + n);
+    buf.extend_from_slice(&len);
+    buf.resize(4 + n, 0);
+    s.read_exact(&mut buf[4..]).map_err(closed)?;
+    match decode_frame::<NetMsg>(&buf, max)? {
+        Some((m, _)) => Ok(m),
+        None => Err(NetError::Protocol("short hello answer".into())),
+    }
+}
+
+/// Waits until `fd` is writable or `timeout` passed; true if writable (or in error, which
+/// the next send reports).
+fn wait_writable(fd: i32, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLOUT,
+            revents: 0,
+        };
+        let ms = i32::try_from(left.as_millis().max(1)).unwrap_or(i32::MAX);
+        // SAFETY: `p` is one valid pollfd for the duration of the call.
+        let n = unsafe { libc::poll(&mut p, 1, ms) };
+        if n > 0 {
+            return true;
+        }
+        if n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+            continue;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+    }
+}
+
+impl Conn {
+    fn open(
+        path: &Path,
+        secret: &Secret,
+        hello: NetMsg,
+        max_in: usize,
+        opts: &NetOptions,
+    ) -> Result<Conn, NetError> {
+        let io_err = |source| NetError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let mut stream = UnixStream::connect(path).map_err(io_err)?;
+        let uid = peer_uid(&stream).map_err(io_err)?;
+        if uid != euid() {
+            return Err(NetError::PeerUid { uid, me: euid() });
+        }
+        let t = Some(opts.connect_timeout.max(Duration::from_millis(1)));
+        stream.set_read_timeout(t).map_err(io_err)?;
+        stream.set_write_timeout(t).map_err(io_err)?;
+        client_handshake(&mut stream, secret)?;
+        let f = encode_frame(&hello, MAX_FRAME)?;
+        stream
+            .write_all(&f)
+            .map_err(|e| NetError::Broken(format!("hello: {e}")))?;
+        match read_frame_blocking(&mut stream, MAX_FRAME)? {
+            NetMsg::Welcome => {}
+            NetMsg::Refused { reason } => return Err(NetError::Refused { reason }),
+            other => {
+                return Err(NetError::Protocol(format!(
+                    "expected Welcome or Refused, got {other:?}"
+                )))
+            }
+        }
+        stream.set_read_timeout(None).map_err(io_err)?;
+        stream.set_write_timeout(None).map_err(io_err)?;
+        stream.set_nonblocking(true).map_err(io_err)?;
+        Ok(Conn {
+            stream,
+            rbuf: Vec::new(),
+            max_in,
+            write_stall: opts.write_stall,
+            broken: None,
+            stats: NetStats {
+                bytes_sent: f.len() as u64,
+                ..NetStats::default()
+            },
+        })
+    }
+
+    fn check(&self) -> Result<(), NetError> {
+        match &self.broken {
+            Some(r) => Err(NetError::Broken(r.clone())),
+            None => Ok(()),
+        }
+    }
+
+    fn fail(&mut self, why: String) -> NetError {
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        self.broken.get_or_insert(why.clone());
+        NetError::Broken(why)
+    }
+
+    /// Writes one whole frame (see the module doc for the bound on waiting).
+    fn write_frame(&mut self, mut buf: &[u8]) -> Result<(), NetError> {
+        self.check()?;
+        let fd = self.stream.as_raw_fd();
+        while !buf.is_empty() {
+            // SAFETY: pointer and length describe `buf`, a valid readable slice.
+            let n = unsafe {
+                libc::send(
+                    fd,
+                    buf.as_ptr().cast(),
+                    buf.len(),
+                    libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+                )
+            };
+            if n > 0 {
+                self.stats.bytes_sent += n as u64;
+                buf = &buf[n as usize..];
+                continue;
+            }
+            let e = if n == 0 {
+                io::ErrorKind::WriteZero.into()
+            } else {
+                io::Error::last_os_error()
+            };
+            match e.kind() {
+                io::ErrorKind::Interrupted => continue,
+                io::ErrorKind::WouldBlock => {
+                    self.stats.blocked_writes += 1;
+                    let t0 = Instant::now();
+                    let ok = wait_writable(fd, self.write_stall);
+                    self.stats.blocked_us += t0.elapsed().as_micros() as u64;
+                    if !ok {
+                        let waited_ms = self.write_stall.as_millis() as u64;
+                        self.fail(format!(
+                            "the logger took nothing for {waited_ms} ms (socket buffer full)"
+                        ));
+                        return Err(NetError::TimedOut { waited_ms });
+                    }
+                }
+                _ => return Err(self.fail(format!("send: {e}"))),
+            }
+        }
+        self.stats.frames_sent += 1;
+        Ok(())
+    }
+
+    /// Reads whatever is available without blocking and returns the complete frames.
+    fn read_available(&mut self) -> Result<Vec<NetMsg>, NetError> {
+        self.check()?;
+        let mut eof = false;
+        loop {
+            match recv_into(&self.stream, &mut self.rbuf, READ_CHUNK) {
+                Ok(0) => {
+                    eof = true;
+                    break;
+                }
+                Ok(n) => {
+                    self.stats.bytes_received += n as u64;
+                    if self.rbuf.len() > self.max_in + 4 {
+                        break; // decode (and refuse) before reading more
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(self.fail(format!("recv: {e}"))),
+            }
+        }
+        let mut out = Vec::new();
+        let mut used = 0;
+        loop {
+            match decode_frame::<NetMsg>(&self.rbuf[used..], self.max_in) {
+                Ok(Some((m, n))) => {
+                    used += n;
+                    self.stats.frames_received += 1;
+                    out.push(m);
+                }
+                Ok(None) => break,
+                Err(e) => return Err(self.fail(format!("bad frame from the logger: {e}"))),
+            }
+        }
+        self.rbuf.drain(..used);
+        if eof {
+            // Frames that arrived before the close still count; later calls report it.
+            self.fail("the logger closed the connection".into());
+        }
+        Ok(out)
+    }
+}
+
+fn check_name(master: &str) -> Result<(), NetError> {
+    if master.len() > MAX_MASTER_NAME {
+        return Err(NetError::BadName(master.len()));
+    }
+    Ok(())
+}
+
+/// One worker queue's stream to the network logger.
+pub struct NetTransport {
+    conn: Conn,
+    queue: QueueId,
+    feedback: VecDeque<Feedback>,
+    max_feedback: usize,
+}
+
+impl NetTransport {
+    /// Connects queue `queue` of master `master` (generation `epoch`, the same as its
+    /// [`SnapshotLink`]'s, which must be connected first).
+    pub fn connect(
+        path: &Path,
+        secret: &Secret,
+        master: &str,
+        queue: QueueId,
+        epoch: u64,
+        opts: &NetOptions,
+    ) -> Result<NetTransport, NetError> {
+        check_name(master)?;
+        let hello = NetMsg::Hello {
+            master: master.to_string(),
+            epoch,
+            stream: StreamKind::Queue(queue),
+        };
+        Ok(NetTransport {
+            conn: Conn::open(path, secret, hello, MAX_FRAME, opts)?,
+            queue,
+            feedback: VecDeque::new(),
+            max_feedback: opts.max_feedback.max(1),
+        })
+    }
+
+    pub fn queue(&self) -> QueueId {
+        self.queue
+    }
+
+    pub fn stats(&self) -> NetStats {
+        self.conn.stats.clone()
+    }
+
+    /// Why the link is unusable, if it is.
+    pub fn broken(&self) -> Option<&str> {
+        self.conn.broken.as_deref()
+    }
+
+    fn pull(&mut self) {
+        // An error marks the link broken; the next send reports it.
+        let Ok(msgs) = self.conn.read_available() else {
+            return;
+        };
+        for m in msgs {
+            match m {
+                NetMsg::Feedback(f) => {
+                    if self.feedback.len() >= self.max_feedback {
+                        self.feedback.pop_front();
+                        self.conn.stats.feedback_dropped += 1;
+                    }
+                    self.feedback.push_back(f);
+                }
+                NetMsg::Refused { reason } => {
+                    self.conn.fail(format!("the logger refused: {reason}"));
+                }
+                other => {
+                    self.conn
+                        .fail(format!("unexpected frame on a queue stream: {other:?}"));
+                }
+            }
+        }
+    }
+}
+
+fn to_transport(e: NetError) -> TransportError {
+    match e {
+        NetError::TimedOut { waited_ms } => TransportError::TimedOut { waited_ms },
+        NetError::Wire(WireError::OverBound { len, .. } | WireError::TooLarge(len)) => {
+            TransportError::TooLarge(len)
+        }
+        other => TransportError::Broken(other.to_string()),
+    }
+}
+
+impl LogTransport for NetTransport {
+    fn send(&mut self, batch: LogBatch) -> Result<(), TransportError> {
+        let f =
+            encode_frame(&NetMsg::Batch(batch), MAX_FRAME).map_err(|e| to_transport(e.into()))?;
+        self.conn.write_frame(&f).map_err(to_transport)
+    }
+
+    fn poll_feedback(&mut self) -> Option<Feedback> {
+        if self.feedback.is_empty() && self.conn.broken.is_none() {
+            self.pull();
+        }
+        self.feedback.pop_front()
+    }
+
+    fn net_stats(&self) -> Option<NetStats> {
+        Some(self.stats())
+    }
+}
+
+/// The session stream of a master: snapshots go out, acks come back.
+pub struct SnapshotLink {
+    conn: Conn,
+    acked: Option<u64>,
+    workers: usize,
+}
+
+impl SnapshotLink {
+    /// Opens (or replaces, for a higher or equal `epoch`) the session of `master` with
+    /// `workers` queues at the logger.
+    pub fn connect(
+        path: &Path,
+        secret: &Secret,
+        master: &str,
+        epoch: u64,
+        workers: usize,
+        opts: &NetOptions,
+    ) -> Result<SnapshotLink, NetError> {
+        check_name(master)?;
+        if workers == 0 || workers > crate::wire::MAX_QUEUES {
+            return Err(NetError::BadWorkers(workers));
+        }
+        let hello = NetMsg::Hello {
+            master: master.to_string(),
+            epoch,
+            stream: StreamKind::Session {
+                workers: workers as u16,
+            },
+        };
+        Ok(SnapshotLink {
+            conn: Conn::open(path, secret, hello, MAX_FRAME, opts)?,
+            acked: None,
+            workers,
+        })
+    }
+
+    /// Ships one snapshot (the first on a session must be `full`). Waits for socket-buffer
+    /// room like [`NetTransport`]'s send (bounded, see the module doc).
+    pub fn send(&mut self, snap: &SnapshotMsg) -> Result<(), NetError> {
+        let n = self.workers;
+        if snap.locals.len() != n || snap.meta.pal_seq.len() != n || snap.meta.input_next.len() != n
+        {
+            return Err(NetError::Protocol(format!(
+                "snapshot {} has {}/{}/{} queues (locals/pal_seq/input_next), the session {n}",
+                snap.id,
+                snap.locals.len(),
+                snap.meta.pal_seq.len(),
+                snap.meta.input_next.len()
+            )));
+        }
+        let f = encode_frame(&SnapshotFrame(snap), MAX_SNAPSHOT_FRAME)?;
+        self.conn.write_frame(&f)
+    }
+
+    /// The highest snapshot id the logger applied (non-blocking).
+    pub fn acked(&mut self) -> Option<u64> {
+        if self.conn.broken.is_none() {
+            if let Ok(msgs) = self.conn.read_available() {
+                for m in msgs {
+                    match m {
+                        NetMsg::SnapshotAck { id } => {
+                            self.acked = Some(self.acked.map_or(id, |a| a.max(id)));
+                        }
+                        NetMsg::Refused { reason } => {
+                            self.conn.fail(format!("the logger refused: {reason}"));
+                        }
+                        other => {
+                            self.conn
+                                .fail(format!("unexpected frame on the session: {other:?}"));
+                        }
+                    }
+                }
+            }
+        }
+        self.acked
+    }
+
+    pub fn stats(&self) -> NetStats {
+        self.conn.stats.clone()
+    }
+
+    /// Why the link is unusable, if it is.
+    pub fn broken(&self) -> Option<&str> {
+        self.conn.broken.as_deref()
+    }
+}

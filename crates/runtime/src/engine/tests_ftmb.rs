@@ -1,0 +1,588 @@
+//! FTMB mode with in-memory ports: packets through the workers, output released only by a
+//! logger, snapshots to a logger server over a real unix socket, recovery on another engine.
+
+use super::*;
+use crate::config::Cidr;
+use crate::ftmb::testnf::{TestNat, EXT_IP, PORT_BASE};
+use crate::ftmb::{self, FtmbOptions, FtmbShell};
+use pliant_io::MemPort;
+use pliant_net::{build, Parsed};
+use std::net::Ipv4Addr;
+
+const IN_MAC: [u8; 6] = [0x02, 0, 0, 0, 1, 1];
+const OUT_MAC: [u8; 6] = [0x02, 0, 0, 0, 2, 1];
+const CLIENT_MAC: [u8; 6] = [0x02, 0, 0, 0, 1, 2];
+const SERVER_MAC: [u8; 6] = [0x02, 0, 0, 0, 2, 2];
+const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 0, 1, 2);
+const SERVER: Ipv4Addr = Ipv4Addr::new(10, 0, 2, 2);
+
+type E = Engine<FtmbShell<TestNat>, MemPort>;
+
+fn engine(name: &str, opts: FtmbOptions) -> E {
+    let nets = [
+        SideNet {
+            ifname: "in0".into(),
+            addrs: vec![Cidr::parse("10.0.1.1/24").unwrap()],
+            gateway: None,
+        },
+        SideNet {
+            ifname: "out0".into(),
+            addrs: vec![Cidr::parse("10.0.2.1/24").unwrap()],
+            gateway: None,
+        },
+    ];
+    let mut e = Engine::new(
+        name,
+        FtmbShell::default(),
+        [MemPort::new(IN_MAC), MemPort::new(OUT_MAC)],
+        nets,
+        EngineOptions::default(),
+        Instant::now(),
+    );
+    e.set_ftmb(ftmb::start(TestNat, opts).expect("ftmb mode starts"));
+    // Neighbours learned from their ARP requests, so output is sent at once.
+    e.port_mut(Side::Inside).inject(&arp::request(
+        CLIENT_MAC,
+        CLIENT,
+        Ipv4Addr::new(10, 0, 1, 1),
+        None,
+    ));
+    e.port_mut(Side::Outside).inject(&arp::request(
+        SERVER_MAC,
+        SERVER,
+        Ipv4Addr::new(10, 0, 2, 1),
+        None,
+    ));
+    e.poll_once(Instant::now());
+    e.port_mut(Side::Inside).take_tx();
+    e.port_mut(Side::Outside).take_tx();
+    e
+}
+
+fn udp_out(sport: u16) -> Vec<u8> {
+    build::udp(
+        CLIENT_MAC,
+        IN_MAC,
+        CLIENT.into(),
+        sport,
+        SERVER.into(),
+        53,
+        b"q",
+    )
+}
+
+fn udp_back(ext_port: u16) -> Vec<u8> {
+    build::udp(
+        SERVER_MAC,
+        OUT_MAC,
+        SERVER.into(),
+        53,
+        EXT_IP.into(),
+        ext_port,
+        b"r",
+    )
+}
+
+fn parsed(f: &[u8]) -> Parsed {
+    match pliant_net::parse(f) {
+        Ok(Frame::Ip(p)) => p,
+        other => panic!("not IP: {other:?}"),
+    }
+}
+
+/// Runs rounds of the engines until `done` says so; a hang guard, not a timing assertion.
+#[track_caller]
+fn pump(es: &mut [&mut E], mut done: impl FnMut(&mut [&mut E]) -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !done(es) {
+        if Instant::now() >= deadline {
+            let st: Vec<Value> = es.iter_mut().map(|e| answer(e, Cmd::FtmbStatus)).collect();
+            panic!("condition not reached (hang guard); status: {st:?}");
+        }
+        for e in es.iter_mut() {
+            e.poll_once(Instant::now());
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+fn tx(e: &mut E, s: Side, into: &mut Vec<Vec<u8>>) {
+    into.extend(e.port_mut(s).take_tx().into_iter().map(|r| r.frame));
+}
+
+fn answer(e: &mut E, cmd: Cmd) -> Value {
+    e.answer(cmd, Instant::now())
+}
+
+#[test]
+fn packets_flow_through_workers_and_come_out_translated() {
+    let mut opts = FtmbOptions::new("r1", 3);
+    opts.batch_packets = 4;
+    let mut e = engine("r1", opts);
+    for sport in 1000..1030u16 {
+        e.port_mut(Side::Inside).inject(&udp_out(sport));
+    }
+    let mut out = Vec::new();
+    pump(&mut [&mut e], |es| {
+        tx(es[0], Side::Outside, &mut out);
+        out.len() >= 30
+    });
+    assert_eq!(out.len(), 30);
+    let mut ports = std::collections::HashSet::new();
+    for f in &out {
+        let p = parsed(f);
+        assert_eq!(p.src, IpAddr::V4(EXT_IP));
+        assert_eq!((p.dst_mac, p.src_mac, p.ttl), (SERVER_MAC, OUT_MAC, 63));
+        assert!(pliant_net::l4_checksum_ok(f, &p));
+        assert!(p.sport >= PORT_BASE);
+        assert!(ports.insert(p.sport), "two flows share port {}", p.sport);
+    }
+    // Replies find their mapping on the worker that owns the port.
+    for &port in &ports {
+        e.port_mut(Side::Outside).inject(&udp_back(port));
+    }
+    let mut back = Vec::new();
+    pump(&mut [&mut e], |es| {
+        tx(es[0], Side::Inside, &mut back);
+        back.len() >= 30
+    });
+    let mut sports: Vec<u16> = back
+        .iter()
+        .map(|f| {
+            let p = parsed(f);
+            assert_eq!(p.dst, IpAddr::V4(CLIENT));
+            p.dport
+        })
+        .collect();
+    sports.sort_unstable();
+    assert_eq!(sports, (1000..1030).collect::<Vec<_>>());
+    let st = answer(&mut e, Cmd::FtmbStatus);
+    assert_eq!(st["mode"], "ftmb");
+    assert_eq!(st["workers"], 3);
+    assert_eq!(st["protected"], false);
+    assert_eq!(st["dispatch"]["dispatched"], 60);
+    assert_eq!(st["release"]["released"], 60);
+    let busy = st["worker_stats"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|w| w["packets"].as_u64() > Some(0))
+        .count();
+    assert!(busy >= 2, "flows spread over the workers: {st}");
+    assert_eq!(answer(&mut e, Cmd::HaStatus)["mode"], "ftmb");
+    let refused = answer(&mut e, Cmd::Flows);
+    assert_eq!(refused["ok"], false);
+    assert!(refused["error"]
+        .as_str()
+        .unwrap()
+        .contains("not supported in ftmb mode"));
+}
+
+/// A private temp dir for logger sockets, removed on drop (also when a test fails).
+struct TempDir(std::path::PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> TempDir {
+        let nonce = Instant::now().elapsed().as_nanos() ^ u128::from(std::process::id());
+        let p = std::env::temp_dir().join(format!(
+            "pliant-ftmb-rt-{tag}-{}-{nonce:x}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&p).unwrap();
+        TempDir(p)
+    }
+
+    fn sock(&self, name: &str) -> std::path::PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn secret() -> pliant_ha::auth::Secret {
+    pliant_ha::auth::Secret::from_bytes(&[7u8; 32]).unwrap()
+}
+
+/// Options of a replica that hosts a logger at `host` and snapshots every `snap_ms`.
+fn hosting(name: &str, host: &std::path::Path, snap_ms: u64) -> FtmbOptions {
+    let mut o = FtmbOptions::new(name, 3);
+    o.secret = Some(secret());
+    o.host_socket = Some(host.to_path_buf());
+    o.snapshot_every = Duration::from_millis(snap_ms);
+    o.batch_packets = 4;
+    o
+}
+
+fn protect(e: &mut E, logger: &std::path::Path) {
+    let v = answer(
+        e,
+        Cmd::FtmbProtect {
+            logger: logger.to_str().unwrap().into(),
+        },
+    );
+    assert_eq!(v["ok"], true, "{v}");
+}
+
+/// External ports of translated inside->outside frames.
+fn ext_ports(frames: &[Vec<u8>]) -> Vec<u16> {
+    frames
+        .iter()
+        .map(|f| {
+            let p = parsed(f);
+            assert_eq!(p.src, IpAddr::V4(EXT_IP));
+            p.sport
+        })
+        .collect()
+}
+
+#[test]
+fn protected_output_is_released_by_the_logger_host_and_snapshots_arrive() {
+    let dir = TempDir::new("rel");
+    let (sa, sb) = (dir.sock("a.ftmb.sock"), dir.sock("b.ftmb.sock"));
+    let mut a = engine("r1", hosting("r1", &sa, 10));
+    let mut b = engine("r2", hosting("r2", &sb, 10));
+    protect(&mut a, &sb);
+    for sport in 2000..2020u16 {
+        a.port_mut(Side::Inside).inject(&udp_out(sport));
+    }
+    let mut at_b = Vec::new();
+    let mut at_a = Vec::new();
+    pump(&mut [&mut a, &mut b], |es| {
+        tx(es[0], Side::Outside, &mut at_a);
+        tx(es[1], Side::Outside, &mut at_b);
+        at_b.len() >= 20
+    });
+    assert_eq!(at_b.len(), 20);
+    assert!(at_a.is_empty(), "a protected primary sends nothing itself");
+    let ports: std::collections::HashSet<u16> = ext_ports(&at_b).into_iter().collect();
+    assert_eq!(ports.len(), 20);
+    // Deltas keep coming and the logger applies them.
+    pump(&mut [&mut a, &mut b], |es| {
+        let st = answer(es[0], Cmd::FtmbStatus);
+        st["last_snapshot_acked"].as_u64().unwrap_or(0) >= 3
+    });
+    let st = answer(&mut a, Cmd::FtmbStatus);
+    assert_eq!(st["protected"], true, "{st}");
+    assert_eq!(st["logger"], sb.to_str().unwrap());
+    assert!(st["snapshots"].as_u64().unwrap() >= 3, "{st}");
+    assert_eq!(
+        st["full_snapshots"], 1,
+        "one full snapshot, then deltas: {st}"
+    );
+    assert!(st["snapshot_pause_us_p50"].is_u64(), "{st}");
+    assert!(st["snapshot_pause_us_p99"].is_u64(), "{st}");
+    let hb = answer(&mut b, Cmd::FtmbStatus);
+    assert!(hb["hosting"].to_string().contains("r1"), "{hb}");
+}
+
+#[test]
+fn recovery_on_the_logger_host_brings_the_flows_back_without_duplicates() {
+    let dir = TempDir::new("rec");
+    let (sa, sb) = (dir.sock("a.ftmb.sock"), dir.sock("b.ftmb.sock"));
+    // Long snapshot interval: everything after the protect's full snapshot is replayed.
+    let mut a = engine("r1", hosting("r1", &sa, 10_000));
+    let mut b = engine("r2", hosting("r2", &sb, 10_000));
+    // Five flows before the logger exists: released locally, carried by the full snapshot.
+    for sport in 3000..3005u16 {
+        a.port_mut(Side::Inside).inject(&udp_out(sport));
+    }
+    let mut at_a = Vec::new();
+    pump(&mut [&mut a], |es| {
+        tx(es[0], Side::Outside, &mut at_a);
+        at_a.len() >= 5
+    });
+    protect(&mut a, &sb);
+    // Ten new flows and a second packet of the first five: logged input, released at b.
+    for sport in 3000..3015u16 {
+        a.port_mut(Side::Inside).inject(&udp_out(sport));
+    }
+    let mut at_b = Vec::new();
+    pump(&mut [&mut a, &mut b], |es| {
+        tx(es[1], Side::Outside, &mut at_b);
+        at_b.len() >= 15
+    });
+    let old_ports: std::collections::HashSet<u16> = ext_ports(&at_a)
+        .into_iter()
+        .chain(ext_ports(&at_b))
+        .collect();
+    assert_eq!(old_ports.len(), 15, "15 flows, 15 external ports");
+    // The primary dies.
+    drop(a);
+    let v = answer(
+        &mut b,
+        Cmd::FtmbActivate {
+            primary: "r1".into(),
+        },
+    );
+    assert_eq!(v["ok"], true, "{v}");
+    assert_eq!(v["activated"], 15, "{v}");
+    assert_eq!(v["replayed_packets"], 15, "{v}");
+    assert_eq!(
+        v["suppressed"], 15,
+        "every replayed output was released before: {v}"
+    );
+    let flows = v["flows"].as_array().unwrap();
+    assert!(flows
+        .iter()
+        .all(|f| f["aliases"].as_array().map(Vec::len) == Some(1)));
+    // Whatever the replay released is in b's release queue by now: one round sends it.
+    b.poll_once(Instant::now());
+    let mut dup = Vec::new();
+    tx(&mut b, Side::Outside, &mut dup);
+    assert!(
+        dup.is_empty(),
+        "no output released twice ({} frames)",
+        dup.len()
+    );
+    // Replies reach the clients through the recovered mappings, on b's workers.
+    for &port in &old_ports {
+        b.port_mut(Side::Outside).inject(&udp_back(port));
+    }
+    let mut back = Vec::new();
+    pump(&mut [&mut b], |es| {
+        tx(es[0], Side::Inside, &mut back);
+        back.len() >= 15
+    });
+    let mut sports: Vec<u16> = back.iter().map(|f| parsed(f).dport).collect();
+    sports.sort_unstable();
+    assert_eq!(sports, (3000..3015).collect::<Vec<_>>());
+    // New packets of recovered flows keep their external port.
+    for sport in 3000..3015u16 {
+        b.port_mut(Side::Inside).inject(&udp_out(sport));
+    }
+    let mut again = Vec::new();
+    pump(&mut [&mut b], |es| {
+        tx(es[0], Side::Outside, &mut again);
+        again.len() >= 15
+    });
+    for f in &again {
+        assert!(
+            old_ports.contains(&parsed(f).sport),
+            "a recovered flow got a new port"
+        );
+    }
+    let st = answer(&mut b, Cmd::FtmbStatus);
+    assert_eq!(st["recoveries"][0]["primary"], "r1", "{st}");
+    assert_eq!(st["recoveries"][0]["flows"], 15, "{st}");
+    // A second activation of the same primary is refused (fenced, logs taken).
+    let again = answer(
+        &mut b,
+        Cmd::FtmbActivate {
+            primary: "r1".into(),
+        },
+    );
+    assert_eq!(again["ok"], false, "{again}");
+}
+
+#[test]
+fn a_lost_logger_falls_back_to_local_release_and_can_be_replaced() {
+    let dir = TempDir::new("lost");
+    let (sa, sb, sc) = (
+        dir.sock("a.ftmb.sock"),
+        dir.sock("b.ftmb.sock"),
+        dir.sock("c.ftmb.sock"),
+    );
+    let mut a = engine("r1", hosting("r1", &sa, 10));
+    let b = engine("r2", hosting("r2", &sb, 10));
+    protect(&mut a, &sb);
+    // The logger host dies: a notices (session stream closed) and releases output itself.
+    drop(b);
+    let mut at_a = Vec::new();
+    let mut sport = 4000u16;
+    pump(&mut [&mut a], |es| {
+        es[0].port_mut(Side::Inside).inject(&udp_out(sport));
+        sport += 1;
+        tx(es[0], Side::Outside, &mut at_a);
+        !at_a.is_empty()
+    });
+    let st = answer(&mut a, Cmd::FtmbStatus);
+    assert_eq!(st["protected"], false, "{st}");
+    assert_eq!(st["fallbacks"], 1, "{st}");
+    assert!(st["logger"].is_null(), "{st}");
+    // A new logger: protected again, output goes there.
+    let mut c = engine("r3", hosting("r3", &sc, 10));
+    protect(&mut a, &sc);
+    pump(&mut [&mut a, &mut c], |es| {
+        tx(es[0], Side::Outside, &mut Vec::new());
+        tx(es[1], Side::Outside, &mut Vec::new());
+        answer(es[0], Cmd::FtmbStatus)["protected"] == true
+    });
+    a.port_mut(Side::Inside).inject(&udp_out(9999));
+    let mut at_c = Vec::new();
+    pump(&mut [&mut a, &mut c], |es| {
+        tx(es[1], Side::Outside, &mut at_c);
+        at_c.iter().any(|f| {
+            let p = parsed(f);
+            p.src == IpAddr::V4(EXT_IP) && p.dport == 53
+        })
+    });
+    let st = answer(&mut a, Cmd::FtmbStatus);
+    assert_eq!(st["session_epoch"], 2, "{st}");
+}
+
+#[test]
+fn packets_arriving_during_a_recovery_are_held_then_processed_in_order() {
+    let dir = TempDir::new("hold");
+    let mut b = engine("r2", hosting("r2", &dir.sock("b.ftmb.sock"), 10_000));
+    // Keep the coordinator busy: a "logger" that accepts and never answers the handshake
+    // (the protect attempt ends at the connect timeout), so the activation queued behind it
+    // cannot have finished while the packets below arrive.
+    let silent = dir.sock("silent.sock");
+    let _listener = std::os::unix::net::UnixListener::bind(&silent).unwrap();
+    let (ptx, prx) = std::sync::mpsc::sync_channel(1);
+    b.submit(
+        Cmd::FtmbProtect {
+            logger: silent.to_str().unwrap().into(),
+        },
+        ptx,
+        Instant::now(),
+    );
+    let (atx, arx) = std::sync::mpsc::sync_channel(1);
+    b.submit(
+        Cmd::FtmbActivate {
+            primary: "nobody".into(),
+        },
+        atx,
+        Instant::now(),
+    );
+    // One flow, ten packets numbered in their payload.
+    for i in 0..10u8 {
+        let f = build::udp(
+            CLIENT_MAC,
+            IN_MAC,
+            CLIENT.into(),
+            5000,
+            SERVER.into(),
+            53,
+            &[i],
+        );
+        b.port_mut(Side::Inside).inject(&f);
+    }
+    b.poll_once(Instant::now());
+    let st = answer(&mut b, Cmd::FtmbStatus);
+    assert_eq!(st["dispatch"]["held_now"], 10, "{st}");
+    assert_eq!(st["dispatch"]["recovering"], 1, "{st}");
+    let mut out = Vec::new();
+    pump(&mut [&mut b], |es| {
+        tx(es[0], Side::Outside, &mut out);
+        out.len() >= 10
+    });
+    // Both requests failed (no logger there, no logs of "nobody"), and nothing was lost.
+    assert_eq!(prx.recv().unwrap()["ok"], false);
+    let v = arx.recv().unwrap();
+    assert_eq!(v["ok"], false);
+    assert!(v["error"].as_str().unwrap().contains("nobody"), "{v}");
+    let order: Vec<u8> = out
+        .iter()
+        .map(|f| f[usize::from(parsed(f).payload_off)])
+        .collect();
+    assert_eq!(
+        order,
+        (0..10).collect::<Vec<u8>>(),
+        "held packets keep their order"
+    );
+    let st = answer(&mut b, Cmd::FtmbStatus);
+    assert_eq!(st["dispatch"]["held"], 10, "{st}");
+    assert_eq!(st["dispatch"]["held_dispatched"], 10, "{st}");
+    assert_eq!(st["dispatch"]["held_now"], 0, "{st}");
+}
+
+#[test]
+fn ha_status_and_metrics_show_the_ftmb_mode() {
+    let mut e = engine("r1", FtmbOptions::new("r1", 2));
+    e.port_mut(Side::Inside).inject(&udp_out(7000));
+    let mut out = Vec::new();
+    pump(&mut [&mut e], |es| {
+        tx(es[0], Side::Outside, &mut out);
+        !out.is_empty()
+    });
+    let v = answer(&mut e, Cmd::HaStatus);
+    assert_eq!(v["mode"], "ftmb");
+    assert_eq!(v["ftmb"]["workers"], 2, "{v}");
+    let m = e.metrics(Instant::now());
+    assert!(
+        m.contains("pliant_ftmb_released_total{replica=\"r1\"} 1"),
+        "{m}"
+    );
+    assert!(m.contains("pliant_ftmb_protected{replica=\"r1\"} 0"), "{m}");
+    // Not in ftmb mode: the FTMB commands are refused, nothing else changes.
+    let t0 = Instant::now();
+    let nets = [
+        SideNet {
+            ifname: "in0".into(),
+            addrs: vec![Cidr::parse("10.0.1.1/24").unwrap()],
+            gateway: None,
+        },
+        SideNet {
+            ifname: "out0".into(),
+            addrs: vec![Cidr::parse("10.0.2.1/24").unwrap()],
+            gateway: None,
+        },
+    ];
+    let mut plain = Engine::new(
+        "p",
+        crate::forward::Forward::default(),
+        [MemPort::new(IN_MAC), MemPort::new(OUT_MAC)],
+        nets,
+        EngineOptions::default(),
+        t0,
+    );
+    let v = plain.answer(Cmd::FtmbStatus, t0);
+    assert_eq!(v["ok"], false);
+    assert!(
+        v["error"].as_str().unwrap().contains("not in ftmb mode"),
+        "{v}"
+    );
+    assert!(!plain.metrics(t0).contains("pliant_ftmb_"));
+}
+
+#[test]
+fn flows_carried_by_deltas_are_recovered_without_replay() {
+    let dir = TempDir::new("delta");
+    let (sa, sb) = (dir.sock("a.ftmb.sock"), dir.sock("b.ftmb.sock"));
+    let mut a = engine("r1", hosting("r1", &sa, 10));
+    let mut b = engine("r2", hosting("r2", &sb, 10));
+    protect(&mut a, &sb);
+    for sport in 8000..8010u16 {
+        a.port_mut(Side::Inside).inject(&udp_out(sport));
+    }
+    let mut at_b = Vec::new();
+    pump(&mut [&mut a, &mut b], |es| {
+        tx(es[1], Side::Outside, &mut at_b);
+        at_b.len() >= 10
+    });
+    // Two more snapshots applied after the traffic: the flows are in the logger's image.
+    let acked = |e: &mut E| answer(e, Cmd::FtmbStatus)["last_snapshot_acked"].as_u64();
+    let base = acked(&mut a).unwrap_or(0);
+    pump(&mut [&mut a, &mut b], |es| {
+        acked(es[0]).unwrap_or(0) >= base + 2
+    });
+    drop(a);
+    let v = answer(
+        &mut b,
+        Cmd::FtmbActivate {
+            primary: "r1".into(),
+        },
+    );
+    assert_eq!(v["ok"], true, "{v}");
+    assert_eq!(v["activated"], 10, "{v}");
+    assert_eq!(
+        v["replayed_packets"], 0,
+        "everything was in the snapshot: {v}"
+    );
+    for port in ext_ports(&at_b) {
+        b.port_mut(Side::Outside).inject(&udp_back(port));
+    }
+    let mut back = Vec::new();
+    pump(&mut [&mut b], |es| {
+        tx(es[0], Side::Inside, &mut back);
+        back.len() >= 10
+    });
+    let mut sports: Vec<u16> = back.iter().map(|f| parsed(f).dport).collect();
+    sports.sort_unstable();
+    assert_eq!(sports, (8000..8010).collect::<Vec<_>>());
+}

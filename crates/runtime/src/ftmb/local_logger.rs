@@ -1,0 +1,128 @@
+//! An output logger on a thread of this process, releasing straight into the engine's
+//! [`ReleaseQueue`]. Used (1) before `ftmb_protect`, so traffic flows before any logger is
+//! assigned, and (2) during a recovery, around the `OutputLogger` taken from the dead
+//! primary's logs (it suppresses output that was already released).
+//!
+//! Not `pliant_ftmb::spawn_logger`: that one releases into an unbounded channel with no way to
+//! wake the engine's poll(2); this one pushes into the bounded queue whose wake fd the engine
+//! polls. Nothing can be recovered from an in-process logger of our own master, so it drops
+//! every PAL as soon as it is logged (`truncate`), which keeps its log bounded without
+//! snapshots.
+
+use super::release::ReleaseQueue;
+use pliant_ftmb::{Feedback, LogBatch, LogTransport, OutputLogger, QueueId, TransportError};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+/// Batches queued for the logger thread at most (a full channel blocks the worker: counted).
+const BATCH_BOUND: usize = 1024;
+/// Feedback queued per worker at most (cumulative or re-requested: dropping is safe).
+const FEEDBACK_BOUND: usize = 256;
+
+type FeedbackTable = Arc<Mutex<Vec<Option<SyncSender<Feedback>>>>>;
+
+pub(crate) struct LocalLogger {
+    tx: Option<SyncSender<LogBatch>>,
+    feedback: FeedbackTable,
+    queues: usize,
+    join: Option<JoinHandle<OutputLogger>>,
+    pub blocked_sends: Arc<AtomicU64>,
+}
+
+pub(crate) struct LocalTransport {
+    tx: SyncSender<LogBatch>,
+    fb: Receiver<Feedback>,
+    blocked: Arc<AtomicU64>,
+}
+
+impl LogTransport for LocalTransport {
+    fn send(&mut self, batch: LogBatch) -> Result<(), TransportError> {
+        match self.tx.try_send(batch) {
+            Ok(()) => Ok(()),
+            Err(TrySendError::Full(b)) => {
+                // Back-pressure from the logger thread: wait (counted), never drop a batch.
+                self.blocked.fetch_add(1, Ordering::Relaxed);
+                self.tx.send(b).map_err(|_| TransportError::Closed)
+            }
+            Err(TrySendError::Disconnected(_)) => Err(TransportError::Closed),
+        }
+    }
+
+    fn poll_feedback(&mut self) -> Option<Feedback> {
+        self.fb.try_recv().ok()
+    }
+}
+
+impl LocalLogger {
+    pub fn spawn(logger: OutputLogger, release: Arc<ReleaseQueue>) -> std::io::Result<LocalLogger> {
+        let (tx, rx) = mpsc::sync_channel::<LogBatch>(BATCH_BOUND);
+        let queues = logger.queues();
+        let feedback: FeedbackTable = Arc::new(Mutex::new(vec![None; queues]));
+        let fb = Arc::clone(&feedback);
+        let join = std::thread::Builder::new()
+            .name("ftmb-local-log".into())
+            .spawn(move || run(logger, rx, fb, release))?;
+        Ok(LocalLogger {
+            tx: Some(tx),
+            feedback,
+            queues,
+            join: Some(join),
+            blocked_sends: Arc::new(AtomicU64::new(0)),
+        })
+    }
+
+    /// The transport of worker queue `q` (replaces the queue's feedback channel).
+    pub fn transport(&self, q: usize) -> Result<LocalTransport, TransportError> {
+        let Some(tx) = self.tx.clone() else {
+            return Err(TransportError::Closed);
+        };
+        if q >= self.queues {
+            return Err(TransportError::NoQueue(q as QueueId));
+        }
+        let (ftx, frx) = mpsc::sync_channel(FEEDBACK_BOUND);
+        self.feedback.lock().unwrap_or_else(|e| e.into_inner())[q] = Some(ftx);
+        Ok(LocalTransport {
+            tx,
+            fb: frx,
+            blocked: Arc::clone(&self.blocked_sends),
+        })
+    }
+
+    /// Waits until every transport is dropped and every batch is handled (all releasable
+    /// output is in the release queue), and returns the logger.
+    pub fn finish(mut self) -> Option<OutputLogger> {
+        self.tx = None;
+        self.join.take().and_then(|j| j.join().ok())
+    }
+}
+
+fn run(
+    mut logger: OutputLogger,
+    rx: Receiver<LogBatch>,
+    fb: FeedbackTable,
+    release: Arc<ReleaseQueue>,
+) -> OutputLogger {
+    while let Ok(b) = rx.recv() {
+        // Errors are counted in the logger's stats (bad/stale batches); the stream goes on.
+        let _ = logger.ingest(b);
+        for r in logger.drain_released() {
+            release.push(r.payload);
+        }
+        let logged: Vec<u64> = (0..logger.queues())
+            .map(|q| logger.logged(q as QueueId).unwrap_or(0))
+            .collect();
+        logger.truncate(&logged);
+        let feedback = logger.drain_feedback();
+        if !feedback.is_empty() {
+            let table = fb.lock().unwrap_or_else(|e| e.into_inner());
+            for (q, f) in feedback {
+                if let Some(Some(tx)) = table.get(q as usize) {
+                    let _ = tx.try_send(f);
+                }
+            }
+        }
+    }
+    logger
+}
