@@ -143,6 +143,10 @@ pub struct Counters {
     pub replicas_died: AtomicU64,
     pub unparsable_keys: AtomicU64,
     pub events_dropped: AtomicU64,
+    /// Exception GC: keys removed, rounds that collected nothing because a replica's listing
+    /// was truncated or failed (absence not provable).
+    pub exceptions_collected: AtomicU64,
+    pub gc_skipped: AtomicU64,
     pub ha: HaCounters,
 }
 
@@ -166,10 +170,15 @@ pub struct Controller {
     agent: Mutex<Option<Box<dyn Agent>>>,
     migrator: Box<dyn Migrator>,
     pub counters: Counters,
-    /// Serialises failovers (never held together with `ops`: a failover must not wait behind a
-    /// long migration).
+    /// Serialises failovers. A failover never takes `ops` (it must not wait behind a long
+    /// migration); the exception GC, under `ops`, takes it only for its short decision step
+    /// (no RPC under it), so neither deadlocks nor waits long for the other.
     ha_lock: Mutex<()>,
 }
+
+/// What the exception GC lists: the saved exceptions (key -> owner) and every key and alias
+/// the live replicas hold.
+type GcListing = (BTreeMap<String, u32>, BTreeSet<String>);
 
 fn now_ms() -> u64 {
     SystemTime::now()
@@ -563,6 +572,8 @@ impl Controller {
                 "scale_outs": g(&c.scale_outs), "scale_ins": g(&c.scale_ins),
                 "rebalances": g(&c.rebalances), "replicas_died": g(&c.replicas_died),
                 "unparsable_keys": g(&c.unparsable_keys), "events_dropped": g(&c.events_dropped),
+                "exceptions_collected": g(&c.exceptions_collected),
+                "gc_skipped": g(&c.gc_skipped),
             },
             "steering": steer,
             "ha": self.ha_summary(&st),
@@ -1107,45 +1118,77 @@ impl Controller {
         Ok(json!({"ok": true, "decision": d, "result": result}))
     }
 
-    /// Removes exceptions for flows no replica holds any more (the flow ended after moving).
-    /// Also retires failed-over replicas none of whose handed-over flows is steered any more
-    /// (their NAT port blocks return to the pool, the agent removes them).
+    /// Removes exceptions for flows no replica holds any more (the flow ended after moving or
+    /// after a failover; FTMB replicas list their workers' flows too). Also retires
+    /// failed-over replicas none of whose handed-over flows is steered any more (their NAT
+    /// port blocks return to the pool, the agent removes them).
+    ///
+    /// The listing (one RPC per replica) runs without the HA lock, so a failover may run
+    /// meanwhile: it takes the dead replica out of the listing before its flows reach their
+    /// new owner, and records the handed-over keys only at its end. So the decisions are
+    /// taken under the HA lock (never in the middle of a failover), and only for exceptions
+    /// whose owner is still the one seen before the listing.
     pub fn gc_exceptions(&self) -> Result<usize> {
         let _ops = lock(&self.ops);
-        let n = self.gc_exceptions_locked()?;
+        let n = match self.gc_listing()? {
+            Some((saved, present)) => {
+                let _ha = lock(&self.ha_lock);
+                self.gc_apply(&saved, &present)?
+            }
+            None => 0,
+        };
+        let _ha = lock(&self.ha_lock);
         self.retire_failed()?;
         Ok(n)
     }
 
-    fn gc_exceptions_locked(&self) -> Result<usize> {
+    /// The saved exceptions (key -> owner) and every key and alias the live replicas list;
+    /// `None` when there is nothing to collect or a listing was truncated (absence cannot be
+    /// proven).
+    fn gc_listing(&self) -> Result<Option<GcListing>> {
         let saved: BTreeMap<String, u32> =
             store::get_json(lock(&self.store).as_ref(), K_EXCEPTIONS)?.unwrap_or_default();
         if saved.is_empty() {
-            return Ok(0);
+            return Ok(None);
         }
         let mut present: BTreeSet<String> = BTreeSet::new();
         let alive: Vec<u32> = self.live_indexes();
         for i in alive {
-            let (total, list) = self.list_flows(i)?;
+            let (total, list) = self.list_flows(i).inspect_err(|_| {
+                self.counters.gc_skipped.fetch_add(1, Ordering::Relaxed);
+            })?;
             if total as usize > list.len() {
                 // Truncated listing: we cannot prove absence, so collect nothing this round.
-                return Ok(0);
+                self.counters.gc_skipped.fetch_add(1, Ordering::Relaxed);
+                return Ok(None);
             }
             for f in list {
                 present.insert(f.key);
                 present.extend(f.aliases);
             }
         }
+        Ok(Some((saved, present)))
+    }
+
+    /// Removes the exceptions of `saved` that no replica listed in `present`, unless their
+    /// owner changed since `saved` was read (a failover re-pointed the key at a replica that
+    /// was listed before it imported the flow). Call with the HA lock held.
+    fn gc_apply(&self, saved: &BTreeMap<String, u32>, present: &BTreeSet<String>) -> Result<usize> {
+        let now: BTreeMap<String, u32> =
+            store::get_json(lock(&self.store).as_ref(), K_EXCEPTIONS)?.unwrap_or_default();
         let stale: Vec<FlowKey> = saved
-            .keys()
-            .filter(|k| !present.contains(*k))
-            .filter_map(|k| k.parse().ok())
+            .iter()
+            .filter(|(k, o)| !present.contains(*k) && now.get(*k) == Some(*o))
+            .filter_map(|(k, _)| k.parse().ok())
             .collect();
         if stale.is_empty() {
             return Ok(0);
         }
         lock(&self.steering).remove_exceptions(&stale)?;
         self.save_exceptions(&stale, None)?;
+        self.counters
+            .exceptions_collected
+            .fetch_add(stale.len() as u64, Ordering::Relaxed);
         Ok(stale.len())
     }
 

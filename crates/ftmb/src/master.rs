@@ -535,7 +535,10 @@ impl Worker {
     pub fn flush(&mut self) -> Result<(), FtmbError> {
         self.unflushed = 0;
         if !self.pending.is_empty() {
-            let msgs = std::mem::take(&mut self.pending);
+            // The next batch starts at this one's size: one allocation instead of regrowing
+            // by doubling from empty for every batch.
+            let cap = self.pending.len();
+            let msgs = std::mem::replace(&mut self.pending, Vec::with_capacity(cap));
             for m in &msgs {
                 if let LogMsg::Pal { seq, pal } = m {
                     if self.retained.len() >= self.master.cfg.max_retained_pals {

@@ -17,8 +17,8 @@
 
 use crate::transport::{LogTransport, TransportError};
 use crate::wire::{
-    decode_frame, encode_frame, Feedback, LogBatch, NetMsg, QueueId, SnapshotFrame, SnapshotMsg,
-    StreamKind, WireError, MAX_FRAME,
+    decode_frame, encode_frame, encode_frame_into, Feedback, LogBatch, NetMsg, QueueId,
+    SnapshotFrame, SnapshotMsg, StreamKind, WireError, MAX_FRAME,
 };
 use pliant_ha::auth::{client_handshake, AuthError, Secret};
 use std::collections::VecDeque;
@@ -34,6 +34,13 @@ pub const MAX_SNAPSHOT_FRAME: usize = 64 << 20;
 pub const MAX_MASTER_NAME: usize = 255;
 /// Bytes read per non-blocking read.
 const READ_CHUNK: usize = 64 << 10;
+/// A queue stream reads its feedback at most this often. A worker polls feedback on every
+/// flush, which under light load is every packet: one recv(2) per packet for confirmations
+/// that come every `LoggerConfig::confirm_every` PALs. Resend requests wait this much longer
+/// at most (an idle worker still flushes every few ms, so they are always served).
+const FEEDBACK_READ_EVERY: Duration = Duration::from_micros(500);
+/// Encode buffer capacity a queue stream keeps between batches at most.
+const WBUF_KEEP: usize = 256 << 10;
 
 #[derive(Clone, Debug)]
 pub struct NetOptions {
@@ -397,6 +404,10 @@ pub struct NetTransport {
     queue: QueueId,
     feedback: VecDeque<Feedback>,
     max_feedback: usize,
+    /// When the socket was last read for feedback (`FEEDBACK_READ_EVERY`).
+    pulled: Option<Instant>,
+    /// Encode buffer reused by every batch (its capacity stays at the largest batch).
+    wbuf: Vec<u8>,
 }
 
 impl NetTransport {
@@ -421,6 +432,8 @@ impl NetTransport {
             queue,
             feedback: VecDeque::new(),
             max_feedback: opts.max_feedback.max(1),
+            pulled: None,
+            wbuf: Vec::new(),
         })
     }
 
@@ -475,14 +488,26 @@ fn to_transport(e: NetError) -> TransportError {
 
 impl LogTransport for NetTransport {
     fn send(&mut self, batch: LogBatch) -> Result<(), TransportError> {
-        let f =
-            encode_frame(&NetMsg::Batch(batch), MAX_FRAME).map_err(|e| to_transport(e.into()))?;
-        self.conn.write_frame(&f).map_err(to_transport)
+        encode_frame_into(&NetMsg::Batch(batch), MAX_FRAME, &mut self.wbuf)
+            .map_err(|e| to_transport(e.into()))?;
+        let r = self.conn.write_frame(&self.wbuf).map_err(to_transport);
+        // A large batch (a burst) must not pin its buffer for the life of the link.
+        if self.wbuf.capacity() > WBUF_KEEP {
+            self.wbuf = Vec::new();
+        }
+        r
     }
 
     fn poll_feedback(&mut self) -> Option<Feedback> {
         if self.feedback.is_empty() && self.conn.broken.is_none() {
-            self.pull();
+            let now = Instant::now();
+            if self
+                .pulled
+                .is_none_or(|t| now.duration_since(t) >= FEEDBACK_READ_EVERY)
+            {
+                self.pulled = Some(now);
+                self.pull();
+            }
         }
         self.feedback.pop_front()
     }

@@ -32,13 +32,14 @@
 //! remaining cost is thread wake-ups (packet thread -> sender thread -> backup thread ->
 //! sender's reader thread -> packet thread), measured by `examples/repl_rtt.rs`.
 
-use crate::auth::{client_handshake, server_handshake, AuthError, Secret};
+use crate::auth::{client_handshake, AuthError, Secret};
 use crate::standby::StandbyStore;
-use crate::unix as crate_unix;
+use crate::unix::{self as crate_unix, euid, peer_uid, AdmitCounters};
 use crate::wire::{self, Ack, Checkpoint, GroupId, ReplMsg, WireError};
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap};
 use std::io::{self, BufReader, Read};
+use std::ops::ControlFlow;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -311,69 +312,46 @@ fn bind(path: &Path) -> Result<UnixListener, TransportError> {
 
 fn accept_loop(listener: UnixListener, stop_r: UnixStream, sh: Arc<ServerShared>) {
     let mut next_id: u64 = 0;
-    loop {
-        match crate_unix::wait_accept_or_stop(&listener, &stop_r) {
-            crate_unix::Wake::Accept => {}
-            crate_unix::Wake::Stop => return,
-            crate_unix::Wake::Failed(e) => {
-                tracing::error!(error = %e, "replication accept loop: poll failed");
-                return;
+    crate_unix::accept_until_stopped(&listener, &stop_r, &sh.stop, "replication", |stream| {
+        sh.c.connections.fetch_add(1, Ordering::Relaxed);
+        let mut threads = lock(&sh.threads);
+        threads.retain(|t| !t.is_finished());
+        if threads.len() >= MAX_CONNECTIONS {
+            sh.c.over_bound.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                max = MAX_CONNECTIONS,
+                "replication connection refused: too many open"
+            );
+            return ControlFlow::Continue(());
+        }
+        let id = next_id;
+        next_id += 1;
+        let clone = match stream.try_clone() {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "replication connection dropped: cannot clone");
+                return ControlFlow::Continue(());
+            }
+        };
+        lock(&sh.conns).insert(id, clone);
+        let s2 = sh.clone();
+        let spawned = std::thread::Builder::new()
+            .name("ha-repl-conn".into())
+            .spawn(move || {
+                s2.c.active.fetch_add(1, Ordering::Relaxed);
+                serve_conn(stream, &s2);
+                s2.c.active.fetch_sub(1, Ordering::Relaxed);
+                lock(&s2.conns).remove(&id);
+            });
+        match spawned {
+            Ok(t) => threads.push(t),
+            Err(e) => {
+                lock(&sh.conns).remove(&id);
+                tracing::warn!(error = %e, "replication connection dropped: no thread");
             }
         }
-        if sh.stop.load(Ordering::SeqCst) {
-            return;
-        }
-        loop {
-            let stream = match listener.accept() {
-                Ok((s, _)) => s,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => {
-                    // EMFILE and friends: back off instead of spinning on a readable listener.
-                    tracing::warn!(error = %e, "replication accept failed");
-                    std::thread::sleep(Duration::from_millis(10));
-                    break;
-                }
-            };
-            sh.c.connections.fetch_add(1, Ordering::Relaxed);
-            let mut threads = lock(&sh.threads);
-            threads.retain(|t| !t.is_finished());
-            if threads.len() >= MAX_CONNECTIONS {
-                sh.c.over_bound.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(
-                    max = MAX_CONNECTIONS,
-                    "replication connection refused: too many open"
-                );
-                continue;
-            }
-            let id = next_id;
-            next_id += 1;
-            let clone = match stream.try_clone() {
-                Ok(c) => c,
-                Err(e) => {
-                    tracing::warn!(error = %e, "replication connection dropped: cannot clone");
-                    continue;
-                }
-            };
-            lock(&sh.conns).insert(id, clone);
-            let s2 = sh.clone();
-            let spawned = std::thread::Builder::new()
-                .name("ha-repl-conn".into())
-                .spawn(move || {
-                    s2.c.active.fetch_add(1, Ordering::Relaxed);
-                    serve_conn(stream, &s2);
-                    s2.c.active.fetch_sub(1, Ordering::Relaxed);
-                    lock(&s2.conns).remove(&id);
-                });
-            match spawned {
-                Ok(t) => threads.push(t),
-                Err(e) => {
-                    lock(&sh.conns).remove(&id);
-                    tracing::warn!(error = %e, "replication connection dropped: no thread");
-                }
-            }
-        }
-    }
+        ControlFlow::Continue(())
+    });
 }
 
 /// Counts bytes read through it (for `bytes_in`).
@@ -397,36 +375,19 @@ enum ConnEnd {
 
 fn serve_conn(mut stream: UnixStream, sh: &ServerShared) {
     let c = &sh.c;
-    match peer_uid(&stream) {
-        Ok(uid) if uid == euid() => {}
-        Ok(uid) => {
-            c.peer_refused.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(uid, "replication peer refused: other uid");
-            return;
-        }
-        Err(e) => {
-            c.peer_refused.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(error = %e, "replication peer refused: no credentials");
-            return;
-        }
-    }
-    if stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).is_err()
-        || stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT)).is_err()
-    {
+    let counters = AdmitCounters {
+        peer_refused: &c.peer_refused,
+        auth_failures: &c.auth_failures,
+        handshake_aborted: &c.handshake_aborted,
+    };
+    if !crate_unix::admit_peer(
+        &mut stream,
+        &sh.secret,
+        HANDSHAKE_TIMEOUT,
+        &counters,
+        "replication",
+    ) {
         return;
-    }
-    match server_handshake(&mut stream, &sh.secret) {
-        Ok(()) => {}
-        Err(AuthError::BadMac) => {
-            c.auth_failures.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!("replication handshake failed: wrong secret");
-            return;
-        }
-        Err(e) => {
-            c.handshake_aborted.fetch_add(1, Ordering::Relaxed);
-            tracing::debug!(error = %e, "replication handshake aborted");
-            return;
-        }
     }
     let Ok(clone) = stream.try_clone() else {
         return;
@@ -1105,34 +1066,6 @@ fn send_all(s: &UnixStream, mut buf: &[u8]) -> io::Result<()> {
     Ok(())
 }
 
-fn peer_uid(s: &UnixStream) -> io::Result<u32> {
-    let mut cred = libc::ucred {
-        pid: 0,
-        uid: 0,
-        gid: 0,
-    };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: `cred` and `len` are valid for writes and `len` holds the buffer size.
-    let r = unsafe {
-        libc::getsockopt(
-            s.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    };
-    if r != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(cred.uid)
-}
-
-fn euid() -> u32 {
-    // SAFETY: no preconditions, cannot fail.
-    unsafe { libc::geteuid() }
-}
-
 /// Locks a mutex, also after another thread panicked while holding it (the data are counters
 /// and maps that stay consistent between statements).
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -1143,7 +1076,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 mod tests {
     use super::*;
     use crate::auth::tests::TempDir;
-    use crate::auth::{MAC_LEN, NONCE_LEN};
+    use crate::auth::{server_handshake, MAC_LEN, NONCE_LEN};
     use crate::wire::{FlowUpdate, UpdateBody};
     use pliant_state::FlowKey;
     use std::io::Write;

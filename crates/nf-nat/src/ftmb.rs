@@ -38,7 +38,7 @@
 //! `record_queue` is its own queue, and `import` skips it (counted).
 
 pub use crate::pool::{PoolImage, ResiduePool, MAX_CLASSES};
-use crate::{icmp_err, next_phase, xlate, Config, Mapping, Nat, TcpPhase, ICMP_ECHO_REQUEST};
+use crate::{icmp_err, opens_mapping, xlate, Config, Mapping, Nat};
 use pliant_ftmb::{Determinants, FtmbError, Master, QueueId, SharedVar, VarId, Worker};
 use pliant_net::{proto, FlowKey};
 use pliant_runtime::ftmb::{FlowDelta, FlowRecord, FtmbNf};
@@ -253,30 +253,6 @@ impl Local {
     }
 }
 
-/// The inside key of a mapping (what its inside packets are keyed by).
-fn inside_key(m: &Mapping) -> FlowKey {
-    FlowKey::v4(
-        m.proto,
-        m.inside_addr,
-        m.inside_port,
-        m.remote_addr,
-        m.remote_port,
-    )
-    .0
-}
-
-/// The outside key of a mapping on `ext` (what replies are keyed by): ICMP echo keys carry
-/// the identifier as both "ports", so the reply's key has the translated identifier on the
-/// remote side too (as in the normal NAT's alias).
-fn outside_key(m: &Mapping, ext: Ipv4Addr) -> FlowKey {
-    let remote_port = if m.proto == proto::ICMP {
-        m.external_port
-    } else {
-        m.remote_port
-    };
-    FlowKey::v4(m.proto, ext, m.external_port, m.remote_addr, remote_port).0
-}
-
 /// A stable (process- and host-independent) hash of a direction-normalised key: the I/O
 /// thread, the workers and another replica importing a record must all agree on it. Hashing
 /// the normalised key (not the directed tuple) sends a packet claiming to be the remote end of
@@ -318,11 +294,7 @@ pub struct FtmbNat {
 impl FtmbNat {
     pub fn new(cfg: Config) -> Result<Self, String> {
         cfg.validate()?;
-        let blocks = if cfg.port_blocks.is_empty() {
-            vec![(cfg.port_min, cfg.port_max)]
-        } else {
-            cfg.port_blocks.clone()
-        };
+        let blocks = cfg.blocks();
         Ok(FtmbNat { cfg, blocks })
     }
 
@@ -337,14 +309,9 @@ impl FtmbNat {
     }
 
     fn timeout_ms(&self, m: &Mapping) -> u64 {
-        let s = match (m.proto, m.phase) {
-            (proto::TCP, TcpPhase::Established) => self.cfg.tcp_established_timeout_s,
-            (proto::TCP, TcpPhase::Closing) => self.cfg.tcp_closing_timeout_s,
-            (proto::TCP, _) => self.cfg.tcp_transitory_timeout_s,
-            (proto::UDP, _) => self.cfg.udp_timeout_s,
-            _ => self.cfg.icmp_timeout_s,
-        };
-        s.saturating_mul(1000)
+        self.cfg
+            .idle_timeout_s(m.proto, m.phase)
+            .saturating_mul(1000)
     }
 
     /// The global counters and pool usage (for status; reads without a PAL, which is fine
@@ -418,7 +385,7 @@ impl FtmbNat {
         let mut ports = Vec::with_capacity(idle.len());
         for k in &idle {
             let alias = match local.flows.get(k) {
-                Some(m) => outside_key(m, ext),
+                Some(m) => m.outside_key(ext),
                 None => continue,
             };
             if let Some(m) = local.remove(k, &alias) {
@@ -467,16 +434,10 @@ impl FtmbNat {
         let now = local.meta.now_ms;
         let ext_port = match local.flows.get_mut(&key) {
             Some(m) => {
-                // The key is direction-normalised: make sure this packet really is the inside
-                // endpoint of the mapping (not an inside host spoofing the remote side).
-                if m.inside_addr != src || m.inside_port != pkt.meta.sport {
-                    local.count("nat_direction_mismatch");
-                    return Ok(());
-                }
                 let before = (m.phase, m.last_seen_ms);
-                m.last_seen_ms = now;
-                if m.proto == proto::TCP {
-                    m.phase = next_phase(m.phase, flags, m.replied, Side::Inside);
+                if let Err(reason) = m.outbound_packet(src, pkt.meta.sport, flags, now) {
+                    local.count(reason);
+                    return Ok(());
                 }
                 let (changed, port) = ((m.phase, m.last_seen_ms) != before, m.external_port);
                 if changed {
@@ -518,9 +479,8 @@ impl FtmbNat {
         dst: Ipv4Addr,
     ) -> Result<Result<u16, &'static str>, FtmbError> {
         let p = pkt.meta.proto;
-        if p == proto::ICMP && pkt.meta.icmp_type != ICMP_ECHO_REQUEST {
-            // An echo reply from inside opens nothing.
-            return Ok(Err("nat_no_mapping"));
+        if let Err(reason) = opens_mapping(pkt) {
+            return Ok(Err(reason));
         }
         if local.flows.len() >= MAX_MAPPINGS_PER_WORKER {
             return Ok(Err("nat_flow_table_full"));
@@ -533,23 +493,8 @@ impl FtmbNat {
         else {
             return Ok(Err("nat_port_exhausted"));
         };
-        let phase = if p == proto::TCP {
-            next_phase(TcpPhase::Opening, pkt.meta.tcp_flags, false, Side::Inside)
-        } else {
-            TcpPhase::None
-        };
-        let m = Mapping {
-            proto: p,
-            inside_addr: src,
-            inside_port: pkt.meta.sport,
-            remote_addr: dst,
-            remote_port: pkt.meta.dport,
-            external_port: ext,
-            phase,
-            replied: false,
-            last_seen_ms: local.meta.now_ms,
-        };
-        let alias = outside_key(&m, self.cfg.external_ip);
+        let m = Mapping::opened_by(pkt, src, dst, ext, local.meta.now_ms);
+        let alias = m.outside_key(self.cfg.external_ip);
         if local.by_outside.contains_key(&alias) {
             // Only an imported mapping holding a port of our own pool can be in the way
             // (import refuses those; kept as a guard): give the port back.
@@ -570,21 +515,15 @@ impl FtmbNat {
             return local.count("nat_not_external_ip");
         }
         let now = local.meta.now_ms;
-        let flags = pkt.meta.tcp_flags;
         let Some(key) = local.by_outside.get(&pkt.key()).copied() else {
             return local.count("nat_no_mapping");
         };
         let Some(m) = local.flows.get_mut(&key) else {
             return local.count("nat_no_mapping");
         };
-        if m.external_port != pkt.meta.dport || m.proto != pkt.meta.proto {
-            return local.count("nat_no_mapping");
-        }
         let before = (m.phase, m.replied, m.last_seen_ms);
-        m.last_seen_ms = now;
-        m.replied = true;
-        if m.proto == proto::TCP {
-            m.phase = next_phase(m.phase, flags, true, Side::Outside);
+        if let Err(reason) = m.inbound_packet(&pkt, now) {
+            return local.count(reason);
         }
         let (inside_addr, inside_port) = (m.inside_addr, m.inside_port);
         if (m.phase, m.replied, m.last_seen_ms) != before {
@@ -616,55 +555,8 @@ impl FtmbNat {
         let Some(m) = local.flows.get(&key).cloned() else {
             return local.count("nat_no_mapping");
         };
-        let ext = self.cfg.external_ip;
-        let ok = match pkt.ingress {
-            // Quotes a packet we translated out: external endpoint -> remote.
-            Side::Outside => {
-                pkt.meta.dst == IpAddr::V4(ext)
-                    && inner.src == ext
-                    && inner.sport == m.external_port
-                    && inner.dst == m.remote_addr
-            }
-            // Quotes a reply we delivered in: remote -> inside endpoint.
-            Side::Inside => {
-                inner.src == m.remote_addr
-                    && inner.dst == m.inside_addr
-                    && inner.dport == m.inside_port
-            }
-        };
-        if !ok || m.proto != inner.proto {
-            return local.count("nat_no_mapping");
-        }
-        let res = match pkt.ingress {
-            Side::Outside => {
-                icmp_err::rewrite_inner(
-                    &mut pkt.buf,
-                    l4,
-                    &inner,
-                    icmp_err::End::Src,
-                    m.inside_addr,
-                    m.inside_port,
-                );
-                pliant_net::rewrite::set_dst_ip(
-                    &mut pkt.buf,
-                    &mut pkt.meta,
-                    IpAddr::V4(m.inside_addr),
-                )
-            }
-            Side::Inside => {
-                icmp_err::rewrite_inner(
-                    &mut pkt.buf,
-                    l4,
-                    &inner,
-                    icmp_err::End::Dst,
-                    ext,
-                    m.external_port,
-                );
-                pliant_net::rewrite::set_src_ip(&mut pkt.buf, &mut pkt.meta, IpAddr::V4(ext))
-            }
-        };
-        if res.is_err() {
-            return local.count("nat_rewrite_failed");
+        if let Err(reason) = xlate::icmp_error(&mut pkt, &inner, &m, self.cfg.external_ip) {
+            return local.count(reason);
         }
         local.stats.icmp_errors_translated += 1;
         out.push(pkt);
@@ -687,7 +579,7 @@ impl FtmbNat {
         if !matches!(m.proto, proto::TCP | proto::UDP | proto::ICMP) {
             return Err(format!("nat: mapping of protocol {}", m.proto));
         }
-        let ik = inside_key(&m);
+        let ik = m.inside_key();
         if ik != k {
             return Err(format!("nat: record key {k} is not its mapping's ({ik})"));
         }
@@ -760,7 +652,7 @@ impl FtmbNf for FtmbNat {
                 continue;
             }
             let (key, m) = Self::decode_record(k, r)?;
-            let alias = outside_key(&m, ext);
+            let alias = m.outside_key(ext);
             local.by_outside.insert(alias, key);
             local.flows.insert(key, m);
         }
@@ -885,7 +777,7 @@ impl FtmbNf for FtmbNat {
             return None;
         }
         let m: Mapping = postcard::from_bytes(&record.1).ok()?;
-        Some((inside_key(&m), vec![outside_key(&m, self.cfg.external_ip)]))
+        Some((m.inside_key(), vec![m.outside_key(self.cfg.external_ip)]))
     }
 
     fn record_queue(&self, record: &FlowRecord, workers: usize) -> Option<usize> {
@@ -899,7 +791,7 @@ impl FtmbNf for FtmbNat {
             return Some(usize::from(meta.queue) % workers);
         }
         let m: Mapping = postcard::from_bytes(&record.1).ok()?;
-        Some(key_queue(&inside_key(&m), workers))
+        Some(key_queue(&m.inside_key(), workers))
     }
 
     fn import(&self, local: &mut Local, records: Vec<FlowRecord>) -> Result<usize, String> {
@@ -915,7 +807,7 @@ impl FtmbNf for FtmbNat {
                 local.count("nat_import_bad_record");
                 continue;
             };
-            let alias = outside_key(&m, ext);
+            let alias = m.outside_key(ext);
             if local.flows.contains_key(&key) || local.by_outside.contains_key(&alias) {
                 local.count("nat_import_conflict");
                 continue;
@@ -975,23 +867,18 @@ impl FtmbNf for FtmbNat {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testutil::*;
+    use crate::TcpPhase;
     use pliant_ftmb::{
         spawn_logger, AuditEvent, Feedback, InputLogger, LogBatch, LogTransport, LoggerConfig,
-        MasterConfig, OutputLogger, PacketId, Released, TransportError,
+        LoggerHandle, MasterConfig, OutputLogger, PacketId, Released, Snapshot, TransportError,
     };
     use pliant_net::build::{self, tcp_flags, MAC_A, MAC_B};
-    use pliant_net::{parse, Frame, Parsed};
+    use pliant_net::Parsed;
     use std::collections::BTreeSet;
     use std::sync::mpsc;
 
-    const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 77, 1, 2);
-    const SERVER: Ipv4Addr = Ipv4Addr::new(10, 77, 2, 2);
-    const EXT: Ipv4Addr = Ipv4Addr::new(10, 77, 2, 1);
     const W: usize = 2;
-
-    fn v4(a: Ipv4Addr) -> IpAddr {
-        IpAddr::V4(a)
-    }
 
     /// Discards the log stream (tests of packet behaviour only).
     struct Null;
@@ -1008,27 +895,6 @@ mod tests {
         let mut c = Config::with_external_ip(EXT);
         c.port_blocks = vec![(lo, hi)];
         c
-    }
-
-    fn packet(side: Side, frame: &[u8]) -> Packet {
-        match parse(frame) {
-            Ok(Frame::Ip(p)) => Packet::new(frame.to_vec(), side, p),
-            other => panic!("not an IP frame: {other:?}"),
-        }
-    }
-
-    /// Parses an output frame and checks both checksums by full recomputation.
-    fn check(frame: &[u8]) -> Parsed {
-        let p = match parse(frame) {
-            Ok(Frame::Ip(p)) => p,
-            other => panic!("not an IP frame: {other:?}"),
-        };
-        assert!(
-            pliant_net::ipv4_header_ok(frame, &p),
-            "IPv4 header checksum"
-        );
-        assert!(pliant_net::l4_checksum_ok(frame, &p), "L4 checksum");
-        p
     }
 
     /// Input-log payload: one byte of ingress side, then the frame (what the runtime logs).
@@ -1082,9 +948,7 @@ mod tests {
             let ws = (0..W)
                 .map(|q| m.worker(q as QueueId, Box::new(Null)).unwrap())
                 .collect();
-            let locals = (0..W)
-                .map(|q| nat.new_local(q as QueueId, &[]).unwrap())
-                .collect();
+            let locals = fresh_locals(&nat);
             Rig {
                 nat,
                 _m: m,
@@ -1148,44 +1012,6 @@ mod tests {
         fn counters(&self) -> GlobalCounters {
             self.sh.counters.read_quiesced(|c| *c).unwrap()
         }
-    }
-
-    fn tcp_out(sport: u16, flags: u8, payload: &[u8]) -> Vec<u8> {
-        build::tcp(
-            MAC_A,
-            MAC_B,
-            v4(CLIENT),
-            sport,
-            v4(SERVER),
-            80,
-            flags,
-            1,
-            0,
-            payload,
-        )
-    }
-
-    fn tcp_in(dport: u16, flags: u8, payload: &[u8]) -> Vec<u8> {
-        build::tcp(
-            MAC_B,
-            MAC_A,
-            v4(SERVER),
-            80,
-            v4(EXT),
-            dport,
-            flags,
-            7,
-            2,
-            payload,
-        )
-    }
-
-    fn udp_out(sport: u16) -> Vec<u8> {
-        build::udp(MAC_A, MAC_B, v4(CLIENT), sport, v4(SERVER), 53, b"query")
-    }
-
-    fn udp_in(dport: u16) -> Vec<u8> {
-        build::udp(MAC_B, MAC_A, v4(SERVER), 53, v4(EXT), dport, b"answer")
     }
 
     fn tcp_key(sport: u16) -> FlowKey {
@@ -1340,17 +1166,7 @@ mod tests {
         let (q, p, sent) = r.one(Side::Inside, &f);
         let ext = p.sport;
         let router = Ipv4Addr::new(10, 77, 2, 254);
-        let err = build::icmp(
-            MAC_B,
-            MAC_A,
-            v4(router),
-            v4(EXT),
-            proto::ICMP,
-            3,
-            3,
-            [0, 0],
-            &sent[14..],
-        );
+        let err = port_unreachable(Side::Outside, router, EXT, &sent[14..]);
         assert_eq!(r.queue(Side::Outside, &err), q);
         let (_, p, out) = r.one(Side::Outside, &err);
         assert_eq!((p.src, p.dst, p.icmp_type), (v4(router), v4(CLIENT), 3));
@@ -1360,34 +1176,14 @@ mod tests {
         // An error about a port we never handed out is dropped.
         let mut stray = sent[14..].to_vec();
         stray[20..22].copy_from_slice(&(ext ^ 2).to_be_bytes());
-        let err = build::icmp(
-            MAC_B,
-            MAC_A,
-            v4(router),
-            v4(EXT),
-            proto::ICMP,
-            3,
-            3,
-            [0, 0],
-            &stray,
-        );
+        let err = port_unreachable(Side::Outside, router, EXT, &stray);
         r.none(Side::Outside, &err);
         assert_eq!(r.count("nat_no_mapping"), 1);
 
         // The inside host reports an error about a reply it got: the quote and the outer
         // source must show the external endpoint, not the inside address.
         let reply = r.one(Side::Outside, &udp_in(ext)).2;
-        let err = build::icmp(
-            MAC_A,
-            MAC_B,
-            v4(CLIENT),
-            v4(SERVER),
-            proto::ICMP,
-            3,
-            3,
-            [0, 0],
-            &reply[14..],
-        );
+        let err = port_unreachable(Side::Inside, CLIENT, SERVER, &reply[14..]);
         assert_eq!(r.queue(Side::Inside, &err), q);
         let (_, p, out) = r.one(Side::Inside, &err);
         assert_eq!((p.src, p.dst), (v4(EXT), v4(SERVER)));
@@ -1703,8 +1499,8 @@ mod tests {
             let q = b.nat.record_queue(rec, W).unwrap();
             let (inside, aliases) = b.nat.steering_keys(rec).unwrap();
             let m: Mapping = postcard::from_bytes(&rec.1).unwrap();
-            assert_eq!(inside, inside_key(&m));
-            assert_eq!(aliases, vec![outside_key(&m, EXT)]);
+            assert_eq!(inside, m.inside_key());
+            assert_eq!(aliases, vec![m.outside_key(EXT)]);
             assert_eq!(
                 usize::from(m.external_port) % W,
                 q,
@@ -1841,6 +1637,95 @@ mod tests {
         })
     }
 
+    /// Every worker's state without mappings.
+    fn fresh_locals(nat: &FtmbNat) -> Vec<Local> {
+        (0..W)
+            .map(|q| nat.new_local(q as QueueId, &[]).unwrap())
+            .collect()
+    }
+
+    /// An output logger thread that keeps an audit trail, and what it releases.
+    fn audited_logger() -> (LoggerHandle, mpsc::Receiver<Released>) {
+        let (sink, released_rx) = mpsc::channel::<Released>();
+        let mut lcfg = LoggerConfig::new(W);
+        lcfg.audit_capacity = 1 << 16;
+        let logger = spawn_logger(OutputLogger::new(lcfg).unwrap(), 64, sink).unwrap();
+        (logger, released_rx)
+    }
+
+    /// The workers of `m`, each logging to `logger`.
+    fn logged_workers(m: &Arc<Master>, logger: &LoggerHandle) -> Vec<Worker> {
+        (0..W)
+            .map(|q| {
+                let t = logger.transport(q as QueueId).unwrap();
+                m.worker(q as QueueId, Box::new(t)).unwrap()
+            })
+            .collect()
+    }
+
+    /// Every worker's full record set (what a snapshot holds).
+    fn full_records(nat: &FtmbNat, locals: &mut [Local]) -> Vec<Vec<FlowRecord>> {
+        locals
+            .iter_mut()
+            .map(|l| {
+                nat.take_delta(l, true)
+                    .into_iter()
+                    .map(|(k, v)| (k, v.unwrap()))
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// The standby once the primary died: the master recovered from `snap` and the logger's
+    /// logs, the NAT declared from the snapshot's image, the workers' state from `recs`.
+    struct Standby {
+        _m: Arc<Master>,
+        nat: FtmbNat,
+        sh: Shared,
+        ws: Vec<Worker>,
+        locals: Vec<Local>,
+    }
+
+    fn recover(
+        logger: &LoggerHandle,
+        snap: &Snapshot,
+        cfg: Config,
+        recs: &[Vec<FlowRecord>],
+    ) -> Standby {
+        let (ps, va) = (snap.pal_seq.clone(), snap.var_accesses.clone());
+        let rec = logger.with(move |l| l.recover(&ps, &va)).unwrap().unwrap();
+        let m = Master::recovering(MasterConfig::new(W), snap, rec).unwrap();
+        let nat = FtmbNat::new(cfg).unwrap();
+        let sh = nat.declare(&m, Some(&snap.nf_state)).unwrap();
+        let ws = logged_workers(&m, logger);
+        let locals = (0..W)
+            .map(|q| nat.new_local(q as QueueId, &recs[q]).unwrap())
+            .collect();
+        Standby {
+            _m: m,
+            nat,
+            sh,
+            ws,
+            locals,
+        }
+    }
+
+    /// What the logger released so far, by output.
+    fn released_so_far(rx: &mpsc::Receiver<Released>) -> HashMap<pliant_ftmb::OutputId, Vec<u8>> {
+        rx.try_iter().map(|r| (r.id, r.payload)).collect()
+    }
+
+    /// A deterministic xorshift64 sequence (reproducible test inputs without a dependency).
+    fn xorshift(seed: u64) -> impl FnMut() -> u64 {
+        let mut x = seed;
+        move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        }
+    }
+
     fn append(il: &mut InputLogger, nat: &FtmbNat, side: Side, frame: &[u8]) {
         let q = nat.queue_of(&packet(side, frame), W);
         il.append(q as QueueId, input(side, frame)).unwrap();
@@ -1849,22 +1734,12 @@ mod tests {
     #[test]
     fn replay_from_a_snapshot_reproduces_outputs_and_mappings() {
         let cfg = cfg_blocks(30000, 30099); // 50 ports per worker: reuse after expiry
-        let (sink, released_rx) = mpsc::channel::<Released>();
-        let mut lcfg = LoggerConfig::new(W);
-        lcfg.audit_capacity = 1 << 16;
-        let logger = spawn_logger(OutputLogger::new(lcfg).unwrap(), 64, sink).unwrap();
+        let (logger, released_rx) = audited_logger();
         let nat = FtmbNat::new(cfg.clone()).unwrap();
         let m = Master::new(MasterConfig::new(W)).unwrap();
         let sh = nat.declare(&m, None).unwrap();
-        let mut ws: Vec<Worker> = (0..W)
-            .map(|q| {
-                let t = logger.transport(q as QueueId).unwrap();
-                m.worker(q as QueueId, Box::new(t)).unwrap()
-            })
-            .collect();
-        let mut locals: Vec<Local> = (0..W)
-            .map(|q| nat.new_local(q as QueueId, &[]).unwrap())
-            .collect();
+        let mut ws = logged_workers(&m, &logger);
+        let mut locals = fresh_locals(&nat);
         let mut il = InputLogger::new(W, 1 << 16);
 
         // Phase A, before the snapshot: 30 flows of each protocol, replies to the TCP ones.
@@ -1903,15 +1778,7 @@ mod tests {
         }
 
         // Snapshot at this quiescent point.
-        let recs: Vec<Vec<FlowRecord>> = locals
-            .iter_mut()
-            .map(|l| {
-                nat.take_delta(l, true)
-                    .into_iter()
-                    .map(|(k, v)| (k, v.unwrap()))
-                    .collect()
-            })
-            .collect();
+        let recs = full_records(&nat, &mut locals);
         let input_next: Vec<u64> = (0..W).map(|q| il.next_seq(q as QueueId).unwrap()).collect();
         let snap = m
             .snapshot(nat.save_shared(&sh).unwrap(), input_next)
@@ -1950,8 +1817,7 @@ mod tests {
         }
         let b = run_threads(&nat, &sh, &mut ws, &mut locals, &il, &snap.input_next);
         logger.with(|_| ()).unwrap();
-        let released: HashMap<pliant_ftmb::OutputId, Vec<u8>> =
-            released_rx.try_iter().map(|r| (r.id, r.payload)).collect();
+        let released = released_so_far(&released_rx);
         let b_outputs: usize = b.iter().flatten().map(|(_, o)| o.len()).sum();
         assert!(b_outputs > 120, "phase B produced {b_outputs} outputs");
         let expired = sh.counters.read_quiesced(|c| c.mappings_expired).unwrap();
@@ -1964,35 +1830,30 @@ mod tests {
         drop(ws);
 
         // The primary dies; the standby recovers from the snapshot and the logs.
-        let (ps, va) = (snap.pal_seq.clone(), snap.var_accesses.clone());
-        let rec = logger.with(move |l| l.recover(&ps, &va)).unwrap().unwrap();
-        let m2 = Master::recovering(MasterConfig::new(W), &snap, rec).unwrap();
-        let nat2 = FtmbNat::new(cfg).unwrap();
-        let sh2 = nat2.declare(&m2, Some(&snap.nf_state)).unwrap();
-        let mut ws2: Vec<Worker> = (0..W)
-            .map(|q| {
-                let t = logger.transport(q as QueueId).unwrap();
-                m2.worker(q as QueueId, Box::new(t)).unwrap()
-            })
-            .collect();
-        let mut locals2: Vec<Local> = (0..W)
-            .map(|q| nat2.new_local(q as QueueId, &recs[q]).unwrap())
-            .collect();
-        let b2 = run_threads(&nat2, &sh2, &mut ws2, &mut locals2, &il, &snap.input_next);
+        let mut sb = recover(&logger, &snap, cfg, &recs);
+        let b2 = run_threads(
+            &sb.nat,
+            &sb.sh,
+            &mut sb.ws,
+            &mut sb.locals,
+            &il,
+            &snap.input_next,
+        );
         assert_eq!(b2, b, "replayed output differs");
         assert_eq!(
-            nat2.save_shared(&sh2).unwrap(),
+            sb.nat.save_shared(&sb.sh).unwrap(),
             image,
             "shared state differs"
         );
-        let final2: Vec<Vec<FlowDelta>> = locals2
+        let final2: Vec<Vec<FlowDelta>> = sb
+            .locals
             .iter_mut()
-            .map(|l| nat2.take_delta(l, true))
+            .map(|l| sb.nat.take_delta(l, true))
             .collect();
         assert_eq!(final2, final_recs, "mappings differ");
-        assert_pools_match_mappings(&nat2, &sh2, &locals2);
+        assert_pools_match_mappings(&sb.nat, &sb.sh, &sb.locals);
         // The output logger recognised every replayed packet as released: none goes twice.
-        drop(ws2);
+        drop(sb.ws);
         let mut l = logger.join().unwrap();
         assert!(
             released_rx.try_iter().next().is_none(),
@@ -2072,20 +1933,11 @@ mod tests {
     /// released twice or lost, and the pools stay consistent with the mappings.
     #[test]
     fn recovery_from_a_cut_log_keeps_released_output() {
-        let mut rng = 0x2545_F491_4F6C_DD1Du64;
-        let mut next = move || {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            rng
-        };
+        let mut next = xorshift(0x2545_F491_4F6C_DD1D);
         let mut suppressed_total = 0;
         for _seed in 0..6 {
             let cfg = cfg_blocks(30000, 30199);
-            let (sink, released_rx) = mpsc::channel::<Released>();
-            let mut lcfg = LoggerConfig::new(W);
-            lcfg.audit_capacity = 1 << 16;
-            let logger = spawn_logger(OutputLogger::new(lcfg).unwrap(), 64, sink).unwrap();
+            let (logger, released_rx) = audited_logger();
             let nat = FtmbNat::new(cfg.clone()).unwrap();
             let m = Master::new(MasterConfig::new(W)).unwrap();
             let sh = nat.declare(&m, None).unwrap();
@@ -2101,21 +1953,11 @@ mod tests {
                     m.worker(q as QueueId, Box::new(t)).unwrap()
                 })
                 .collect();
-            let mut locals: Vec<Local> = (0..W)
-                .map(|q| nat.new_local(q as QueueId, &[]).unwrap())
-                .collect();
+            let mut locals = fresh_locals(&nat);
             let snap = m
                 .snapshot(nat.save_shared(&sh).unwrap(), vec![0; W])
                 .unwrap();
-            let recs: Vec<Vec<FlowRecord>> = locals
-                .iter_mut()
-                .map(|l| {
-                    nat.take_delta(l, true)
-                        .into_iter()
-                        .map(|(k, v)| (k, v.unwrap()))
-                        .collect()
-                })
-                .collect();
+            let recs = full_records(&nat, &mut locals);
             let mut il = InputLogger::new(W, 1 << 16);
             let base = 20000 + (next() % 20000) as u16;
             for i in 0..40u16 {
@@ -2151,29 +1993,14 @@ mod tests {
             let first = run_threads(&nat, &sh, &mut ws, &mut locals, &il, &[0, 0]);
             logger.with(|_| ()).unwrap();
             drop(ws);
-            let released1: HashMap<pliant_ftmb::OutputId, Vec<u8>> =
-                released_rx.try_iter().map(|r| (r.id, r.payload)).collect();
+            let released1 = released_so_far(&released_rx);
             assert!(first.iter().flatten().any(|(_, o)| !o.is_empty()));
 
-            let (ps, va) = (snap.pal_seq.clone(), snap.var_accesses.clone());
-            let rec = logger.with(move |l| l.recover(&ps, &va)).unwrap().unwrap();
-            let m2 = Master::recovering(MasterConfig::new(W), &snap, rec).unwrap();
-            let nat2 = FtmbNat::new(cfg).unwrap();
-            let sh2 = nat2.declare(&m2, Some(&snap.nf_state)).unwrap();
-            let mut ws2: Vec<Worker> = (0..W)
-                .map(|q| {
-                    let t = logger.transport(q as QueueId).unwrap();
-                    m2.worker(q as QueueId, Box::new(t)).unwrap()
-                })
-                .collect();
-            let mut locals2: Vec<Local> = (0..W)
-                .map(|q| nat2.new_local(q as QueueId, &recs[q]).unwrap())
-                .collect();
-            let second = run_threads(&nat2, &sh2, &mut ws2, &mut locals2, &il, &[0, 0]);
-            drop(ws2);
+            let mut sb = recover(&logger, &snap, cfg, &recs);
+            let second = run_threads(&sb.nat, &sb.sh, &mut sb.ws, &mut sb.locals, &il, &[0, 0]);
+            drop(sb.ws);
             let l = logger.join().unwrap();
-            let released2: HashMap<pliant_ftmb::OutputId, Vec<u8>> =
-                released_rx.try_iter().map(|r| (r.id, r.payload)).collect();
+            let released2 = released_so_far(&released_rx);
             let mut all = HashMap::new();
             for (packet, outs) in second.iter().flatten() {
                 for (i, f) in outs.iter().enumerate() {
@@ -2198,7 +2025,7 @@ mod tests {
             );
             assert_eq!(l.stats.audit_violations, 0);
             suppressed_total += l.stats.outputs_suppressed;
-            assert_pools_match_mappings(&nat2, &sh2, &locals2);
+            assert_pools_match_mappings(&sb.nat, &sb.sh, &sb.locals);
         }
         assert!(suppressed_total > 0, "no replayed output was suppressed");
     }
@@ -2215,13 +2042,8 @@ mod tests {
                 img.insert(k, v.unwrap());
             }
         }
-        let mut rng = 0x9E37_79B9_7F4A_7C15u64;
-        let mut next = move |n: u64| {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            rng % n
-        };
+        let mut rng = xorshift(0x9E37_79B9_7F4A_7C15);
+        let mut next = move |n: u64| rng() % n;
         let mut exts: Vec<u16> = Vec::new();
         for round in 0..30 {
             for _ in 0..20 {

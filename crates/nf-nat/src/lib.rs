@@ -108,6 +108,26 @@ impl Config {
         }
     }
 
+    /// The port blocks this config allocates from: `port_blocks`, else `port_min..=port_max`.
+    pub fn blocks(&self) -> Vec<(u16, u16)> {
+        if self.port_blocks.is_empty() {
+            vec![(self.port_min, self.port_max)]
+        } else {
+            self.port_blocks.clone()
+        }
+    }
+
+    /// Idle timeout, in seconds, of a mapping of protocol `p` in TCP phase `phase`.
+    pub fn idle_timeout_s(&self, p: u8, phase: TcpPhase) -> u64 {
+        match (p, phase) {
+            (proto::TCP, TcpPhase::Established) => self.tcp_established_timeout_s,
+            (proto::TCP, TcpPhase::Closing) => self.tcp_closing_timeout_s,
+            (proto::TCP, _) => self.tcp_transitory_timeout_s,
+            (proto::UDP, _) => self.udp_timeout_s,
+            _ => self.icmp_timeout_s,
+        }
+    }
+
     pub fn validate(&self) -> Result<(), String> {
         if self.port_min == 0 || self.port_min > self.port_max {
             return Err(format!(
@@ -194,6 +214,111 @@ pub struct Mapping {
     pub last_seen_ms: u64,
 }
 
+impl Mapping {
+    /// The mapping a new inside flow opens with `pkt` (see [`opens_mapping`]) on external
+    /// port `ext`.
+    pub(crate) fn opened_by(
+        pkt: &Packet,
+        src: Ipv4Addr,
+        dst: Ipv4Addr,
+        ext: u16,
+        now_ms: u64,
+    ) -> Mapping {
+        let phase = if pkt.meta.proto == proto::TCP {
+            next_phase(TcpPhase::Opening, pkt.meta.tcp_flags, false, Side::Inside)
+        } else {
+            TcpPhase::None
+        };
+        Mapping {
+            proto: pkt.meta.proto,
+            inside_addr: src,
+            inside_port: pkt.meta.sport,
+            remote_addr: dst,
+            remote_port: pkt.meta.dport,
+            external_port: ext,
+            phase,
+            replied: false,
+            last_seen_ms: now_ms,
+        }
+    }
+
+    /// The inside key (what the mapping's inside packets are keyed by).
+    pub(crate) fn inside_key(&self) -> FlowKey {
+        FlowKey::v4(
+            self.proto,
+            self.inside_addr,
+            self.inside_port,
+            self.remote_addr,
+            self.remote_port,
+        )
+        .0
+    }
+
+    /// The outside key on external address `ext` (what replies are keyed by, the alias):
+    /// ICMP echo keys carry the identifier as both "ports", so the reply's key has the
+    /// translated identifier on the remote side too.
+    pub(crate) fn outside_key(&self, ext: Ipv4Addr) -> FlowKey {
+        let remote_port = if self.proto == proto::ICMP {
+            self.external_port
+        } else {
+            self.remote_port
+        };
+        FlowKey::v4(
+            self.proto,
+            ext,
+            self.external_port,
+            self.remote_addr,
+            remote_port,
+        )
+        .0
+    }
+
+    /// An inside packet (source `src`:`sport`, TCP flags `flags`) of this mapping at `now_ms`:
+    /// stamps it and advances the TCP phase. Err (the drop reason, nothing changed) if the
+    /// packet is not from the inside endpoint: the key is direction-normalised, so this
+    /// refuses, say, an inside host spoofing the remote side.
+    pub(crate) fn outbound_packet(
+        &mut self,
+        src: Ipv4Addr,
+        sport: u16,
+        flags: u8,
+        now_ms: u64,
+    ) -> Result<(), &'static str> {
+        if self.inside_addr != src || self.inside_port != sport {
+            return Err("nat_direction_mismatch");
+        }
+        self.last_seen_ms = now_ms;
+        if self.proto == proto::TCP {
+            self.phase = next_phase(self.phase, flags, self.replied, Side::Inside);
+        }
+        Ok(())
+    }
+
+    /// A reply `pkt` found this mapping by its outside key at `now_ms`: stamps it, marks it
+    /// replied and advances the TCP phase. Err (the drop reason, nothing changed) if the
+    /// reply is not addressed to the mapping's external port and protocol.
+    pub(crate) fn inbound_packet(&mut self, pkt: &Packet, now_ms: u64) -> Result<(), &'static str> {
+        if self.external_port != pkt.meta.dport || self.proto != pkt.meta.proto {
+            return Err("nat_no_mapping");
+        }
+        self.last_seen_ms = now_ms;
+        self.replied = true;
+        if self.proto == proto::TCP {
+            self.phase = next_phase(self.phase, pkt.meta.tcp_flags, true, Side::Outside);
+        }
+        Ok(())
+    }
+}
+
+/// Whether an inside packet without a mapping may open one; Err is the drop reason.
+pub(crate) fn opens_mapping(pkt: &Packet) -> Result<(), &'static str> {
+    if pkt.meta.proto == proto::ICMP && pkt.meta.icmp_type != ICMP_ECHO_REQUEST {
+        // An echo reply from inside opens nothing.
+        return Err("nat_no_mapping");
+    }
+    Ok(())
+}
+
 /// The flow timer id of the idle-expiry timer.
 pub const TIMER_IDLE: TimerId = 1;
 
@@ -223,11 +348,7 @@ impl Nat {
     /// A NAT whose clock reads `wall_ms` at `epoch` (tests pin both).
     pub fn with_clock(cfg: Config, epoch: Instant, wall_ms: u64) -> Result<Self, String> {
         cfg.validate()?;
-        let blocks = if cfg.port_blocks.is_empty() {
-            vec![(cfg.port_min, cfg.port_max)]
-        } else {
-            cfg.port_blocks.clone()
-        };
+        let blocks = cfg.blocks();
         Ok(Nat {
             tcp: PortPool::from_blocks(&blocks),
             udp: PortPool::from_blocks(&blocks),
@@ -286,14 +407,7 @@ impl Nat {
     }
 
     fn timeout(&self, m: &Mapping) -> Duration {
-        let s = match (m.proto, m.phase) {
-            (proto::TCP, TcpPhase::Established) => self.cfg.tcp_established_timeout_s,
-            (proto::TCP, TcpPhase::Closing) => self.cfg.tcp_closing_timeout_s,
-            (proto::TCP, _) => self.cfg.tcp_transitory_timeout_s,
-            (proto::UDP, _) => self.cfg.udp_timeout_s,
-            _ => self.cfg.icmp_timeout_s,
-        };
-        Duration::from_secs(s)
+        self.timeout_of(m.proto, m.phase)
     }
 
     /// Checks what the NF can translate; returns the drop reason otherwise.
@@ -326,16 +440,10 @@ impl Nat {
         let ext_port = match ctx.flows.get_flow(&key) {
             Ok(r) => {
                 let m = ctx.flows.state_mut(&r);
-                // The key is direction-normalised: make sure this packet really is the inside
-                // endpoint of the mapping (not, say, an inside host spoofing the remote side).
-                if m.inside_addr != src || m.inside_port != pkt.meta.sport {
-                    ctx.flows.put_flow(r, false);
-                    return ctx.pkt_drop(pkt, "nat_direction_mismatch");
-                }
-                m.last_seen_ms = now_ms;
                 let before = m.phase;
-                if m.proto == proto::TCP {
-                    m.phase = next_phase(m.phase, flags, m.replied, Side::Inside);
+                if let Err(reason) = m.outbound_packet(src, pkt.meta.sport, flags, now_ms) {
+                    ctx.flows.put_flow(r, false);
+                    return ctx.pkt_drop(pkt, reason);
                 }
                 let (after, port) = (m.phase, m.external_port);
                 let shorter = after != before
@@ -363,18 +471,7 @@ impl Nat {
     }
 
     fn timeout_of(&self, p: u8, phase: TcpPhase) -> Duration {
-        let probe = Mapping {
-            proto: p,
-            inside_addr: Ipv4Addr::UNSPECIFIED,
-            inside_port: 0,
-            remote_addr: Ipv4Addr::UNSPECIFIED,
-            remote_port: 0,
-            external_port: 0,
-            phase,
-            replied: false,
-            last_seen_ms: 0,
-        };
-        self.timeout(&probe)
+        Duration::from_secs(self.cfg.idle_timeout_s(p, phase))
     }
 
     /// Re-arms the idle timer at the (shorter) timeout of a new phase, so a closing flow does
@@ -398,28 +495,11 @@ impl Nat {
         now_ms: u64,
     ) -> Result<u16, &'static str> {
         let p = pkt.meta.proto;
-        if p == proto::ICMP && pkt.meta.icmp_type != ICMP_ECHO_REQUEST {
-            // An echo reply from inside opens nothing.
-            return Err("nat_no_mapping");
-        }
+        opens_mapping(pkt)?;
         let ext = self.pool(p).alloc().ok_or("nat_port_exhausted")?;
-        let phase = if p == proto::TCP {
-            next_phase(TcpPhase::Opening, pkt.meta.tcp_flags, false, Side::Inside)
-        } else {
-            TcpPhase::None
-        };
-        let m = Mapping {
-            proto: p,
-            inside_addr: src,
-            inside_port: pkt.meta.sport,
-            remote_addr: dst,
-            remote_port: pkt.meta.dport,
-            external_port: ext,
-            phase,
-            replied: false,
-            last_seen_ms: now_ms,
-        };
+        let m = Mapping::opened_by(pkt, src, dst, ext, now_ms);
         let timeout = self.timeout(&m);
+        let alias = m.outside_key(self.cfg.external_ip);
         if let Err(e) = ctx.flows.create_flow(key, m) {
             self.pool(p).release(ext);
             return Err(match e {
@@ -428,14 +508,6 @@ impl Nat {
                 _ => "nat_flow_create_failed",
             });
         }
-        // ICMP echo keys carry the identifier as both "ports": the reply's key has the
-        // translated identifier on the remote side too.
-        let remote_port = if p == proto::ICMP {
-            ext
-        } else {
-            pkt.meta.dport
-        };
-        let (alias, _) = FlowKey::v4(p, self.cfg.external_ip, ext, dst, remote_port);
         let now = ctx.now();
         let armed = ctx
             .flows
@@ -460,7 +532,6 @@ impl Nat {
             return ctx.pkt_drop(pkt, "nat_not_external_ip");
         }
         let now_ms = self.now_ms(ctx.now());
-        let flags = pkt.meta.tcp_flags;
         let r = match ctx.flows.get_flow(&pkt.key()) {
             Ok(r) => r,
             Err(StateError::Migrated { .. }) => return ctx.pkt_drop(pkt, "nat_flow_migrated"),
@@ -468,15 +539,10 @@ impl Nat {
         };
         let primary = r.key;
         let m = ctx.flows.state_mut(&r);
-        if m.external_port != pkt.meta.dport || m.proto != pkt.meta.proto {
-            ctx.flows.put_flow(r, false);
-            return ctx.pkt_drop(pkt, "nat_no_mapping");
-        }
-        m.last_seen_ms = now_ms;
         let before = (m.phase, m.replied);
-        m.replied = true;
-        if m.proto == proto::TCP {
-            m.phase = next_phase(m.phase, flags, true, Side::Outside);
+        if let Err(reason) = m.inbound_packet(&pkt, now_ms) {
+            ctx.flows.put_flow(r, false);
+            return ctx.pkt_drop(pkt, reason);
         }
         let (inside_addr, inside_port, phase) = (m.inside_addr, m.inside_port, m.phase);
         let changed = (phase, true) != before;
@@ -510,55 +576,8 @@ impl Nat {
             Err(_) => return ctx.pkt_drop(pkt, "nat_no_mapping"),
         };
         let (primary, m) = m;
-        let ext = self.cfg.external_ip;
-        let ok = match pkt.ingress {
-            // Quotes a packet we translated out: external endpoint -> remote.
-            Side::Outside => {
-                pkt.meta.dst == IpAddr::V4(ext)
-                    && inner.src == ext
-                    && inner.sport == m.external_port
-                    && inner.dst == m.remote_addr
-            }
-            // Quotes a reply we delivered in: remote -> inside endpoint.
-            Side::Inside => {
-                inner.src == m.remote_addr
-                    && inner.dst == m.inside_addr
-                    && inner.dport == m.inside_port
-            }
-        };
-        if !ok || m.proto != inner.proto {
-            return ctx.pkt_drop(pkt, "nat_no_mapping");
-        }
-        let res = match pkt.ingress {
-            Side::Outside => {
-                icmp_err::rewrite_inner(
-                    &mut pkt.buf,
-                    l4,
-                    &inner,
-                    icmp_err::End::Src,
-                    m.inside_addr,
-                    m.inside_port,
-                );
-                pliant_net::rewrite::set_dst_ip(
-                    &mut pkt.buf,
-                    &mut pkt.meta,
-                    IpAddr::V4(m.inside_addr),
-                )
-            }
-            Side::Inside => {
-                icmp_err::rewrite_inner(
-                    &mut pkt.buf,
-                    l4,
-                    &inner,
-                    icmp_err::End::Dst,
-                    ext,
-                    m.external_port,
-                );
-                pliant_net::rewrite::set_src_ip(&mut pkt.buf, &mut pkt.meta, IpAddr::V4(ext))
-            }
-        };
-        if res.is_err() {
-            return ctx.pkt_drop(pkt, "nat_rewrite_failed");
+        if let Err(reason) = xlate::icmp_error(&mut pkt, &inner, &m, self.cfg.external_ip) {
+            return ctx.pkt_drop(pkt, reason);
         }
         ctx.count("nat_icmp_errors_translated", 1);
         ctx.pkt_write(&primary, pkt);
@@ -719,3 +738,5 @@ impl NetworkFunction for Nat {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod testutil;

@@ -1,18 +1,10 @@
 //! NAT unit tests on the runtime's test harness (no I/O, fake clock).
 
 use super::*;
+use crate::testutil::*;
 use pliant_net::build::{self, tcp_flags, MAC_A, MAC_B};
-use pliant_net::{parse, Frame, Parsed};
 use pliant_runtime::testing::Harness;
 use std::collections::HashSet;
-
-const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 77, 1, 2);
-const SERVER: Ipv4Addr = Ipv4Addr::new(10, 77, 2, 2);
-const EXT: Ipv4Addr = Ipv4Addr::new(10, 77, 2, 1);
-
-fn v4(a: Ipv4Addr) -> IpAddr {
-    IpAddr::V4(a)
-}
 
 fn nat(cfg: Config) -> Harness<Nat> {
     Harness::new(Nat::new(cfg).expect("valid config"))
@@ -20,54 +12,6 @@ fn nat(cfg: Config) -> Harness<Nat> {
 
 fn default_nat() -> Harness<Nat> {
     nat(Config::with_external_ip(EXT))
-}
-
-fn parsed(frame: &[u8]) -> Parsed {
-    match parse(frame) {
-        Ok(Frame::Ip(p)) => p,
-        other => panic!("not an IP frame: {other:?}"),
-    }
-}
-
-/// Parses an output frame and checks both checksums by full recomputation.
-fn check(frame: &[u8]) -> Parsed {
-    let p = parsed(frame);
-    assert!(
-        pliant_net::ipv4_header_ok(frame, &p),
-        "IPv4 header checksum"
-    );
-    assert!(pliant_net::l4_checksum_ok(frame, &p), "L4 checksum");
-    p
-}
-
-fn tcp_out(sport: u16, flags: u8, payload: &[u8]) -> Vec<u8> {
-    build::tcp(
-        MAC_A,
-        MAC_B,
-        v4(CLIENT),
-        sport,
-        v4(SERVER),
-        80,
-        flags,
-        1,
-        0,
-        payload,
-    )
-}
-
-fn tcp_in(dport: u16, flags: u8, payload: &[u8]) -> Vec<u8> {
-    build::tcp(
-        MAC_B,
-        MAC_A,
-        v4(SERVER),
-        80,
-        v4(EXT),
-        dport,
-        flags,
-        7,
-        2,
-        payload,
-    )
 }
 
 fn one_output(h: &mut Harness<Nat>) -> (Side, Vec<u8>) {
@@ -372,17 +316,7 @@ fn icmp_errors_about_mapped_flows_are_translated_with_their_quote() {
     assert_ne!(ext, 5353);
     // A router on the way reports "port unreachable", quoting the translated datagram.
     let router = Ipv4Addr::new(10, 77, 2, 254);
-    let err = build::icmp(
-        MAC_B,
-        MAC_A,
-        v4(router),
-        v4(EXT),
-        proto::ICMP,
-        3,
-        3,
-        [0, 0],
-        &ip_part(&sent),
-    );
+    let err = port_unreachable(Side::Outside, router, EXT, &ip_part(&sent));
     h.inject(Side::Outside, &err).unwrap();
     let (side, out) = one_output(&mut h);
     assert_eq!(side, Side::Inside);
@@ -405,17 +339,7 @@ fn icmp_errors_about_mapped_flows_are_translated_with_their_quote() {
     // An error about a packet we never sent is dropped.
     let mut stray = ip_part(&sent);
     stray[20..22].copy_from_slice(&(ext.wrapping_add(1)).to_be_bytes());
-    let err = build::icmp(
-        MAC_B,
-        MAC_A,
-        v4(router),
-        v4(EXT),
-        proto::ICMP,
-        3,
-        3,
-        [0, 0],
-        &stray,
-    );
+    let err = port_unreachable(Side::Outside, router, EXT, &stray);
     h.inject(Side::Outside, &err).unwrap();
     assert!(h.take_output().is_empty());
     assert_eq!(h.drop_count("nat_no_mapping"), 1);
@@ -434,17 +358,7 @@ fn outbound_icmp_errors_hide_the_inside_address() {
     h.inject(Side::Outside, &reply).unwrap();
     let delivered = one_output(&mut h).1;
     // The client's port is closed by now: it reports the delivered reply.
-    let err = build::icmp(
-        MAC_A,
-        MAC_B,
-        v4(CLIENT),
-        v4(SERVER),
-        proto::ICMP,
-        3,
-        3,
-        [0, 0],
-        &ip_part(&delivered),
-    );
+    let err = port_unreachable(Side::Inside, CLIENT, SERVER, &ip_part(&delivered));
     h.inject(Side::Inside, &err).unwrap();
     let out = one_output(&mut h).1;
     let p = check(&out);
@@ -458,10 +372,6 @@ fn outbound_icmp_errors_hide_the_inside_address() {
         reframe(&out[usize::from(p.l4_off) + 8..]),
         reframe(&ip_part(&reply))
     );
-}
-
-fn udp_out(sport: u16) -> Vec<u8> {
-    build::udp(MAC_A, MAC_B, v4(CLIENT), sport, v4(SERVER), 53, b"q")
 }
 
 #[test]

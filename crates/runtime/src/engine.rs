@@ -762,6 +762,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             }
             Cmd::Metrics => json!({"ok": true, "metrics": self.metrics(now)}),
             Cmd::Query => json!({"ok": true, "nf": N::NAME, "query": self.nf.query(&self.ctx)}),
+            Cmd::Flows if self.is_ftmb() => self.ftmb_answer(cmd),
             Cmd::Flows => {
                 let keys = self.ctx.flows.keys();
                 let listed: Vec<Value> = keys

@@ -27,14 +27,18 @@
 //! instead of the fence dropping it); `ftmb_activate {primary: A}` goes to H alone (H replays
 //! A's logged input from its last snapshot and imports the flows) and its answer is steered
 //! exactly like a Pico activation; exceptions still naming A afterwards belong to flows that
-//! ended on A and are removed (the runtime lists no flows in FTMB mode, so the exception GC
-//! cannot); re-protection then re-points only the replicas whose successor changed (A's
-//! predecessor now logs to H).
+//! ended on A and are removed at once (the exception GC would find them too, a round later);
+//! re-protection then re-points only the replicas whose successor changed (A's predecessor
+//! now logs to H).
 //!
 //! A's NAT port blocks stay assigned to A (quarantined: its return traffic is dropped by the
-//! fence unless an exception re-homes it) until no exception for a flow A handed over remains;
-//! then the exception GC retires A (blocks back to the pool, the agent removes it). Reusing the
-//! block earlier could hand a port to a new flow while a failed-over flow still uses it.
+//! fence unless an exception re-homes it; FTMB: owned by H in the fabric) until no exception
+//! for a flow A handed over remains; then the exception GC retires A (blocks back to the pool
+//! and unowned, the agent removes it). Reusing the block earlier could hand a port to a new
+//! flow while a failed-over flow still uses it. The GC learns that handed-over flows ended
+//! from `flows` (FTMB replicas list their workers' flows, with the same key and aliases as
+//! their `ftmb_activate` answer) and decides under the HA lock, so it never retires a
+//! replica whose failover is still running.
 
 use super::*;
 use crate::ha::{self, HaBrief, Probe};
@@ -474,8 +478,9 @@ impl Controller {
         let ring_ms = ms(t_ring.elapsed());
         // FTMB: exceptions still naming A are flows A no longer had (the recovered ones were
         // just re-pointed at H): they ended. Without them a new connection reusing such a
-        // 5-tuple goes by ring/port owner instead of into the fence forever. (Pico leaves
-        // them to the exception GC, which cannot run in FTMB mode: the runtime lists no flows.)
+        // 5-tuple goes by ring/port owner instead of into the fence. Removed now rather than
+        // by the exception GC's next round (Pico leaves them to the GC): A's recovery is
+        // complete, every flow A still had was in H's answer.
         let stale = if ftmb {
             self.drop_exceptions_of(a)
         } else {

@@ -1197,3 +1197,88 @@ fn ftmb_port_blocks_are_pinned_by_index_at_start_and_on_scale_out() {
         json!({"r1": "r2", "r2": "r5", "r5": "r6", "r6": "r1"})
     );
 }
+
+#[test]
+fn ftmb_exception_gc_follows_what_the_replicas_list_and_retires_the_dead_primary_last() {
+    let (w, steer, c) = ftmb3("ftmb-gc");
+    // Exceptions from an earlier recovery at r3: flow 50 still lives there, flow 60 ended.
+    w.fill(3, 50..51);
+    let keys_of = |f: &FlowEntry| -> Vec<FlowKey> {
+        std::iter::once(&f.key)
+            .chain(f.aliases.iter())
+            .map(|k| k.parse().unwrap())
+            .collect()
+    };
+    let earlier: Vec<FlowKey> = [flow(50), flow(60)].iter().flat_map(keys_of).collect();
+    let with_owner: Vec<(FlowKey, u32)> = earlier.iter().map(|k| (*k, 3)).collect();
+    steer.0.lock().unwrap().set_exceptions(&with_owner).unwrap();
+    c.save_exceptions(&earlier, Some(3)).unwrap();
+    w.kill(1);
+    c.ha_watch_once();
+    assert_eq!(c.counters.ha.failovers.load(Ordering::Relaxed), 1);
+    assert_eq!(w.flows(2), 6, "r2 recovered and lists r1's flows");
+    // The ended flow's key and alias go; r1's recovered flows and flow 50 stay steered.
+    assert_eq!(c.gc_exceptions().unwrap(), 2);
+    let ex = steer.0.lock().unwrap().exceptions.clone();
+    for k in keys_of(&flow(60)) {
+        assert_eq!(ex.get(&k), None, "{k}");
+    }
+    for k in keys_of(&flow(50)) {
+        assert_eq!(ex.get(&k), Some(&3), "{k}");
+    }
+    assert_eq!(c.counters.ha.retired.load(Ordering::Relaxed), 0);
+    // Half of r1's flows end at r2: their exceptions go, r1 stays (its block still routes
+    // the other half's return traffic to r2).
+    w.state(2)
+        .lock()
+        .unwrap()
+        .flows
+        .retain(|f| !(0..3).any(|p| *f == flow(p)));
+    assert_eq!(c.gc_exceptions().unwrap(), 6);
+    assert_eq!(c.counters.ha.retired.load(Ordering::Relaxed), 0);
+    assert_eq!(steer.0.lock().unwrap().port_owner.get(&20000), Some(&2));
+    assert_eq!(c.status()["ha"]["failed_over"], json!([1]));
+    for p in 3..6 {
+        for k in keys_of(&flow(p)) {
+            assert_eq!(steer.0.lock().unwrap().exceptions.get(&k), Some(&2), "{k}");
+        }
+    }
+    // The rest end: r1 is retired, its block unowned; flow 50's exception is untouched.
+    w.state(2).lock().unwrap().flows.clear();
+    assert_eq!(c.gc_exceptions().unwrap(), 6);
+    assert_eq!(c.counters.ha.retired.load(Ordering::Relaxed), 1);
+    assert_eq!(c.status()["ha"]["failed_over"], json!([]));
+    let s = steer.0.lock().unwrap().clone();
+    assert_eq!(s.port_owner.get(&20000), None);
+    assert_eq!(s.exceptions.len(), 2, "{:?}", s.exceptions);
+    assert_eq!(c.status()["counters"]["exceptions_collected"], 14);
+    assert_eq!(c.status()["counters"]["gc_skipped"], 0);
+}
+
+#[test]
+fn exception_gc_keeps_a_key_a_failover_re_pointed_after_the_listing() {
+    let (w, steer, c) = ftmb3("ftmb-gc-race");
+    // r3 was steered flow 0 once; nothing lists it when the GC lists (r1, which holds it,
+    // is already out of the listing: its failover has begun).
+    let k0: Vec<FlowKey> = std::iter::once(&flow(0).key)
+        .chain(flow(0).aliases.iter())
+        .map(|k| k.parse().unwrap())
+        .collect();
+    c.save_exceptions(&k0, Some(3)).unwrap();
+    let (saved, _) = c.gc_listing().unwrap().expect("exceptions to collect");
+    let present = BTreeSet::new();
+    // The failover completes before the GC decides: r2 recovered flow 0, its keys now name
+    // r2.
+    w.kill(1);
+    c.ha_watch_once();
+    assert_eq!(
+        steer.0.lock().unwrap().exceptions.get(&k0[0]),
+        Some(&2),
+        "re-pointed"
+    );
+    assert_eq!(c.gc_apply(&saved, &present).unwrap(), 0);
+    assert_eq!(steer.0.lock().unwrap().exceptions.get(&k0[0]), Some(&2));
+    // An owner that did not change is collected as before.
+    let (saved, _) = c.gc_listing().unwrap().expect("exceptions to collect");
+    assert_eq!(c.gc_apply(&saved, &present).unwrap(), 12);
+}

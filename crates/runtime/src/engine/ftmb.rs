@@ -3,6 +3,9 @@
 //! path, the wake fd) and the control requests `ftmb_protect`, `ftmb_status`, `ftmb_activate`.
 //! In ftmb mode the requests that act on the engine's own flow table (migration, Pico
 //! replication, port blocks) are refused with a clear error: the flows live on the workers.
+//! `flows` is answered from the workers' flows (the coordinator's flow index, same shape as
+//! the engine's own listing): the controller's exception GC and the retirement of a
+//! failed-over replica need it.
 //!
 //! Without the mode the only cost on the packet path is one `Option` check per packet and
 //! one per round.
@@ -60,6 +63,10 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             Cmd::FtmbProtect { logger } => FtmbCmd::Protect { logger },
             Cmd::FtmbStatus => FtmbCmd::Status,
             Cmd::FtmbActivate { primary } => FtmbCmd::Activate { primary },
+            // The engine's own table is empty in ftmb mode: the workers hold the flows.
+            Cmd::Flows if self.ftmb.is_some() => FtmbCmd::Flows {
+                max: self.opts.max_listed_flows,
+            },
             other => {
                 if let Some(v) = self.ftmb_refusal(&other) {
                     let _ = reply.try_send(v);
@@ -170,7 +177,6 @@ fn refused_in_ftmb(cmd: &Cmd) -> Option<&'static str> {
         Cmd::Protect { .. } => "protect (Pico/Remus)",
         Cmd::Activate { .. } => "activate (Pico/Remus)",
         Cmd::DropStandby { .. } => "drop_standby",
-        Cmd::Flows => "flows",
         _ => return None,
     })
 }

@@ -3,7 +3,7 @@
 
 use super::*;
 use crate::config::Cidr;
-use crate::ftmb::testnf::{TestNat, EXT_IP, PORT_BASE};
+use crate::ftmb::testnf::{TestNat, EXT_IP, FIN, PORT_BASE};
 use crate::ftmb::{self, FtmbOptions, FtmbShell};
 use pliant_io::MemPort;
 use pliant_net::{build, Parsed};
@@ -170,12 +170,52 @@ fn packets_flow_through_workers_and_come_out_translated() {
         .count();
     assert!(busy >= 2, "flows spread over the workers: {st}");
     assert_eq!(answer(&mut e, Cmd::HaStatus)["mode"], "ftmb");
-    let refused = answer(&mut e, Cmd::Flows);
+    // `flows` lists the workers' flows (not the engine's empty table).
+    let v = answer(&mut e, Cmd::Flows);
+    assert_eq!(v["ok"], true, "{v}");
+    assert_eq!(v["total"], 30, "{v}");
+    assert_eq!(listed(&v), inside_keys(1000..1030));
+    // The other flow-table requests stay refused.
+    let refused = answer(&mut e, Cmd::SharedExport);
     assert_eq!(refused["ok"], false);
     assert!(refused["error"]
         .as_str()
         .unwrap()
         .contains("not supported in ftmb mode"));
+}
+
+/// The inside key of the test flow from client port `sport` (as `flows` lists it).
+fn inside_key(sport: u16) -> String {
+    FlowKey::new(proto::UDP, CLIENT.into(), sport, SERVER.into(), 53)
+        .0
+        .to_string()
+}
+
+fn inside_keys(sports: std::ops::Range<u16>) -> std::collections::BTreeSet<String> {
+    sports.map(inside_key).collect()
+}
+
+/// The keys of a `flows` answer.
+fn listed(v: &Value) -> std::collections::BTreeSet<String> {
+    v["flows"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no flows in {v}"))
+        .iter()
+        .map(|f| f["key"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// A reply on external port `ext_port` that ends its flow at the NAT.
+fn udp_fin(ext_port: u16) -> Vec<u8> {
+    build::udp(
+        SERVER_MAC,
+        OUT_MAC,
+        SERVER.into(),
+        53,
+        EXT_IP.into(),
+        ext_port,
+        FIN,
+    )
 }
 
 /// A private temp dir for logger sockets, removed on drop (also when a test fails).
@@ -275,8 +315,13 @@ fn protected_output_is_released_by_the_logger_host_and_snapshots_arrive() {
     );
     assert!(st["snapshot_pause_us_p50"].is_u64(), "{st}");
     assert!(st["snapshot_pause_us_p99"].is_u64(), "{st}");
-    let hb = answer(&mut b, Cmd::FtmbStatus);
-    assert!(hb["hosting"].to_string().contains("r1"), "{hb}");
+    // b's `hosting` is the coordinator's cached copy of its server's status, refreshed
+    // every tick: under load it may still be the one from before r1's session was up.
+    pump(&mut [&mut a, &mut b], |es| {
+        answer(es[1], Cmd::FtmbStatus)["hosting"]["masters"]
+            .to_string()
+            .contains("r1")
+    });
 }
 
 #[test]
@@ -329,6 +374,22 @@ fn recovery_on_the_logger_host_brings_the_flows_back_without_duplicates() {
     assert!(flows
         .iter()
         .all(|f| f["aliases"].as_array().map(Vec::len) == Some(1)));
+    // The host lists the recovered flows under the keys it handed over for steering (what
+    // the controller's exception GC compares with): at once, no snapshot of b's own needed.
+    let listing = answer(&mut b, Cmd::Flows);
+    assert_eq!(listing["total"], 15, "{listing}");
+    assert_eq!(listed(&listing), listed(&v));
+    assert_eq!(listed(&v), inside_keys(3000..3015));
+    let aliases = |v: &Value| -> std::collections::BTreeSet<String> {
+        v["flows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|f| f["aliases"].as_array().unwrap().clone())
+            .map(|a| a.as_str().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(aliases(&listing), aliases(&v));
     // Whatever the replay released is in b's release queue by now: one round sends it.
     b.poll_once(Instant::now());
     let mut dup = Vec::new();
@@ -585,4 +646,100 @@ fn flows_carried_by_deltas_are_recovered_without_replay() {
     let mut sports: Vec<u16> = back.iter().map(|f| parsed(f).dport).collect();
     sports.sort_unstable();
     assert_eq!(sports, (8000..8010).collect::<Vec<_>>());
+}
+
+#[test]
+fn flows_lists_the_workers_flows_and_forgets_the_ended_ones_protected_or_not() {
+    let dir = TempDir::new("flows");
+    let (sa, sb) = (dir.sock("a.ftmb.sock"), dir.sock("b.ftmb.sock"));
+    let mut a = engine("r1", hosting("r1", &sa, 10));
+    let mut b = engine("r2", hosting("r2", &sb, 10));
+    // Unprotected (no snapshots): `flows` takes the workers' deltas itself.
+    assert_eq!(answer(&mut a, Cmd::Flows)["total"], 0);
+    for sport in 6000..6008u16 {
+        a.port_mut(Side::Inside).inject(&udp_out(sport));
+    }
+    let mut out = Vec::new();
+    pump(&mut [&mut a], |es| {
+        tx(es[0], Side::Outside, &mut out);
+        out.len() >= 8
+    });
+    let ports: Vec<u16> = ext_ports(&out);
+    let v = answer(&mut a, Cmd::Flows);
+    assert_eq!(
+        (v["ok"].clone(), v["total"].clone()),
+        (json!(true), json!(8)),
+        "{v}"
+    );
+    assert_eq!(v["listed"], 8, "{v}");
+    assert_eq!(listed(&v), inside_keys(6000..6008));
+    // Each flow's alias is its outside tuple (what replies arrive with).
+    let outside = |p: u16| FlowKey::new(proto::UDP, EXT_IP.into(), p, SERVER.into(), 53).0;
+    let by_alias: std::collections::HashMap<String, String> = v["flows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| {
+            (
+                f["aliases"][0].as_str().unwrap_or("").to_string(),
+                f["key"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    for f in v["flows"].as_array().unwrap() {
+        let al = f["aliases"].as_array().unwrap();
+        assert_eq!(al.len(), 1, "{f}");
+        let alias: FlowKey = al[0].as_str().unwrap().parse().unwrap();
+        assert!(ports.iter().any(|p| outside(*p) == alias), "{f}");
+    }
+    // Two flows end: they leave the listing.
+    for &p in &ports[..2] {
+        a.port_mut(Side::Outside).inject(&udp_fin(p));
+    }
+    let mut back = Vec::new();
+    pump(&mut [&mut a], |es| {
+        tx(es[0], Side::Inside, &mut back);
+        back.len() >= 2
+    });
+    let ended: std::collections::BTreeSet<String> =
+        back.iter().map(|f| inside_key(parsed(f).dport)).collect();
+    pump(&mut [&mut a], |es| answer(es[0], Cmd::Flows)["total"] == 6);
+    let v = answer(&mut a, Cmd::Flows);
+    let left = listed(&v);
+    assert_eq!(left.len(), 6);
+    assert!(left.is_disjoint(&ended), "{v}");
+    // The engine's own bound on listed flows applies.
+    a.opts.max_listed_flows = 4;
+    let v = answer(&mut a, Cmd::Flows);
+    assert_eq!(
+        (v["total"].clone(), v["listed"].clone()),
+        (json!(6), json!(4)),
+        "{v}"
+    );
+    a.opts.max_listed_flows = 1000;
+    // Protected: the periodic snapshots' deltas keep the listing current.
+    protect(&mut a, &sb);
+    assert_eq!(answer(&mut a, Cmd::Flows)["total"], 6);
+    a.port_mut(Side::Inside).inject(&udp_out(6100));
+    let fin_port = ports[2];
+    a.port_mut(Side::Outside).inject(&udp_fin(fin_port));
+    let fin_key = &by_alias[&outside(fin_port).to_string()];
+    let want: std::collections::BTreeSet<String> = left
+        .iter()
+        .filter(|k| *k != fin_key)
+        .cloned()
+        .chain([inside_key(6100)])
+        .collect();
+    let mut keys = std::collections::BTreeSet::new();
+    pump(&mut [&mut a, &mut b], |es| {
+        tx(es[1], Side::Outside, &mut Vec::new());
+        tx(es[1], Side::Inside, &mut Vec::new());
+        keys = listed(&answer(es[0], Cmd::Flows));
+        keys == want
+    });
+    let st = answer(&mut a, Cmd::FtmbStatus);
+    assert_eq!(
+        st["full_snapshots"], 1,
+        "listing never forces a full snapshot: {st}"
+    );
 }

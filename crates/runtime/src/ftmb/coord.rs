@@ -9,19 +9,22 @@
 //!   ship a FULL snapshot, and resume every worker on its new transport (input records on);
 //!   the previous logger (in-process or network) is dropped.
 //! - `ftmb_activate`: recover a primary whose logs this replica hosts (see [`Coord::activate`]).
+//! - `flows`: the steering keys of our live flows, from a [`FlowIndex`] the coordinator keeps
+//!   from the flow deltas the snapshots take anyway (see [`Coord::flows`]).
 //!
 //! The pause (first worker parked -> all resumed) is kept per snapshot for `ftmb_status`.
 
 use super::local_logger::LocalLogger;
-use super::nf::{FlowRecord, FtmbNf};
+use super::nf::{FlowDelta, FlowRecord, FtmbNf};
 use super::release::ReleaseQueue;
 use super::worker::{self, Ctl, Job, Parked, Post, WorkerPub};
 use pliant_ftmb::{
     LoggerConfig, LoggerServer, Master, MasterConfig, NetOptions, NetTransport, OutputLogger,
     QueueId, SnapshotLink, SnapshotMsg,
 };
+use pliant_net::FlowKey;
 use serde_json::{json, Value};
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, SyncSender};
@@ -47,6 +50,98 @@ pub(crate) enum Op {
         /// When the engine took the request (the reply reports the wait before it started).
         asked: Instant,
     },
+    /// `flows`: list at most `max` flows (the engine's `max_listed_flows`).
+    Flows {
+        max: usize,
+        reply: SyncSender<Value>,
+    },
+}
+
+/// A flow's key and its aliases other than the key.
+type Steering = (FlowKey, Vec<FlowKey>);
+
+/// The steering keys of every live flow of our workers, for `flows` (the controller's
+/// exception GC and the retirement of failed-over replicas depend on it).
+///
+/// Why a mirror fed by deltas rather than asking each worker for its key list: the NF can
+/// list its flows only through `take_delta`, which also resets its change tracking, so a
+/// listing must go through the same deltas the snapshots ship (a full listing per request
+/// would force the next snapshot to be full). Kept up by the periodic snapshots at no extra
+/// barrier (only the coordinator's own time after the workers resumed: steering keys of the
+/// changed records); a `flows` request adds one delta barrier, as short as a snapshot's, so
+/// the answer is current (see [`Coord::flows`]). Bounded by the workers' own tables (one
+/// entry per live record).
+#[derive(Default)]
+pub(crate) struct FlowIndex {
+    /// Per queue: the NF's record key -> (flow key, its aliases other than the key).
+    queues: Vec<HashMap<Vec<u8>, Steering>>,
+    /// False until a full delta was applied, and again once a taken delta was lost (an
+    /// abandoned barrier, a failed capture): only a full delta can make it right.
+    valid: bool,
+    /// Barriers' deltas applied so far (tells `flows` whether its barrier got through).
+    applied: u64,
+}
+
+impl FlowIndex {
+    /// Applies worker `queue`'s delta (`full`: it lists every live record).
+    fn apply<F: FtmbNf>(&mut self, nf: &F, queue: usize, delta: Vec<FlowDelta>, full: bool) {
+        if self.queues.len() <= queue {
+            self.queues.resize_with(queue + 1, HashMap::new);
+        }
+        let q = &mut self.queues[queue];
+        if full {
+            q.clear();
+        }
+        for (k, rec) in delta {
+            let Some(r) = rec else {
+                q.remove(&k);
+                continue;
+            };
+            let record = (k, r);
+            // Records that are no flow (the NAT's per-worker record) have no steering keys.
+            match nf.steering_keys(&record) {
+                Some((key, aliases)) => {
+                    let aliases = aliases.into_iter().filter(|a| *a != key).collect();
+                    q.insert(record.0, (key, aliases));
+                }
+                None => {
+                    q.remove(&record.0);
+                }
+            }
+        }
+    }
+
+    /// Applies the deltas of one barrier (per queue, in queue order).
+    fn apply_all<F: FtmbNf>(&mut self, nf: &F, deltas: Vec<Vec<FlowDelta>>, full: bool) {
+        if !full && !self.valid {
+            // An increment on top of a lost one would still be wrong: wait for a full one.
+            return;
+        }
+        for (q, d) in deltas.into_iter().enumerate() {
+            self.apply(nf, q, d, full);
+        }
+        self.valid = true;
+        self.applied += 1;
+    }
+
+    /// The `flows` answer, in the engine's shape (`version` is null: FTMB records carry no
+    /// migration version).
+    fn listing(&self, max: usize) -> Value {
+        let total: usize = self.queues.iter().map(HashMap::len).sum();
+        let flows: Vec<Value> = self
+            .queues
+            .iter()
+            .enumerate()
+            .flat_map(|(q, m)| m.values().map(move |f| (q, f)))
+            .take(max)
+            .map(|(q, (key, aliases))| {
+                let aliases: Vec<String> = aliases.iter().map(ToString::to_string).collect();
+                json!({"key": key.to_string(), "aliases": aliases, "version": Value::Null,
+                       "queue": q})
+            })
+            .collect();
+        json!({"ok": true, "total": total, "listed": flows.len(), "flows": flows})
+    }
 }
 
 /// What `ftmb_status` shows of the coordinator (updated by it, read by the engine thread).
@@ -120,6 +215,8 @@ pub(crate) struct Coord<F: FtmbNf> {
     pub pubs: Vec<Arc<Mutex<WorkerPub>>>,
     /// Sum of the workers' log errors when last checked.
     pub log_errors_seen: u64,
+    /// What `flows` lists (see [`FlowIndex`]).
+    pub index: FlowIndex,
 }
 
 fn lock(s: &Mutex<CoordStatus>) -> std::sync::MutexGuard<'_, CoordStatus> {
@@ -150,6 +247,10 @@ impl<F: FtmbNf> Coord<F> {
                     // woken to dispatch what it held, should it be asleep).
                     self.recovering.fetch_sub(1, Ordering::AcqRel);
                     self.release.wake();
+                    let _ = reply.try_send(v);
+                }
+                Ok(Op::Flows { max, reply }) => {
+                    let v = self.flows(max);
                     let _ = reply.try_send(v);
                 }
                 Err(RecvTimeoutError::Timeout) => {
@@ -315,6 +416,9 @@ impl<F: FtmbNf> Coord<F> {
                     }
                     // Deltas taken by the workers that did park are lost with the barrier.
                     self.need_full = true;
+                    if delta.is_some() {
+                        self.index.valid = false;
+                    }
                     lock(&self.status).barrier_failures += 1;
                     return Err(format!(
                         "barrier: only {got} of {n} workers stopped within {} ms",
@@ -341,15 +445,18 @@ impl<F: FtmbNf> Coord<F> {
 
     /// Builds the snapshot of the parked workers (their deltas are taken out of `parked`).
     fn capture(&mut self, parked: &mut [Parked], full: bool) -> Result<SnapshotMsg, String> {
-        let image = self
+        let meta = self
             .nf
             .save_shared(&self.shared)
-            .map_err(|e| format!("save shared variables: {e}"))?;
-        let input_next = parked.iter().map(|p| p.input_next).collect();
-        let meta = self
-            .master
-            .snapshot(image, input_next)
-            .map_err(|e| format!("snapshot metadata: {e}"))?;
+            .map_err(|e| format!("save shared variables: {e}"))
+            .and_then(|image| {
+                let input_next = parked.iter().map(|p| p.input_next).collect();
+                self.master
+                    .snapshot(image, input_next)
+                    .map_err(|e| format!("snapshot metadata: {e}"))
+            })
+            // The deltas the workers took are dropped with `parked`: the index lost them.
+            .inspect_err(|_| self.index.valid = false)?;
         let locals = parked
             .iter_mut()
             .map(|p| p.delta.take().unwrap_or_default())
@@ -371,31 +478,79 @@ impl<F: FtmbNf> Coord<F> {
         st.last_snapshot_id = Some(snap.id);
     }
 
+    /// The deltas of a captured snapshot into the flow index (shipped or not: the workers'
+    /// change tracking was reset either way). After the send, so it never delays the ship.
+    fn index_snapshot(&mut self, snap: SnapshotMsg) {
+        self.index.apply_all(&*self.nf, snap.locals, snap.full);
+    }
+
+    /// `flows`: the steering keys of our live flows, in the engine's `flows` shape, as of a
+    /// delta barrier taken now: protected, an early snapshot (the logger must get every
+    /// delta); unprotected, a barrier for the index only. Current rather than as of the last
+    /// snapshot, because the controller removes the steering exceptions of the keys missing
+    /// here: a flow created since must not look ended. The cost is one short pause per
+    /// request (the controller asks every `gc_interval_ms`, 5 s by default).
+    pub fn flows(&mut self, max: usize) -> Value {
+        let before = self.index.applied;
+        let refreshed = if self.link.is_some() {
+            self.snapshot(false).map(|_| ())
+        } else {
+            self.index_barrier()
+        };
+        match refreshed {
+            // A failed send after the barrier still brought the index up to date.
+            Err(e) if self.index.applied == before => {
+                json!({"ok": false, "error": format!("flows: {e}")})
+            }
+            _ => self.index.listing(max),
+        }
+    }
+
+    /// Unprotected: a barrier only to take the workers' deltas for the index (no logger to
+    /// ship them to; the next `ftmb_protect` starts with a full snapshot anyway).
+    fn index_barrier(&mut self) -> Result<(), String> {
+        let full = !self.index.valid;
+        let mut parked = self.barrier(Some(full))?;
+        let deltas: Vec<Vec<FlowDelta>> = parked
+            .iter_mut()
+            .map(|p| p.delta.take().unwrap_or_default())
+            .collect();
+        self.resume(parked, Vec::new());
+        self.index.apply_all(&*self.nf, deltas, full);
+        Ok(())
+    }
+
     /// One periodic (or forced full) snapshot to the current logger.
     pub fn snapshot(&mut self, full: bool) -> Result<u64, String> {
         if self.link.is_none() {
             return Err("not protected: no logger to snapshot to".into());
         }
-        let full = full || self.need_full;
+        // A full one also when the flow index lost a delta (its only way back).
+        let full = full || self.need_full || !self.index.valid;
         let mut parked = self.barrier(Some(full))?;
         let snap = self.capture(&mut parked, full);
         self.resume(parked, Vec::new());
         let snap = snap.inspect_err(|_| self.need_full = true)?;
         let Some(link) = self.link.as_mut() else {
+            self.index_snapshot(snap);
             return Err("not protected".into());
         };
-        match link.send(&snap) {
+        let sent = link.send(&snap);
+        let id = snap.id;
+        let r = match sent {
             Ok(()) => {
                 self.need_full = false;
                 self.shipped(&snap);
-                Ok(snap.id)
+                Ok(id)
             }
             Err(e) => {
                 self.need_full = true;
                 lock(&self.status).snapshot_failures += 1;
-                Err(format!("snapshot {}: {e}", snap.id))
+                Err(format!("snapshot {id}: {e}"))
             }
-        }
+        };
+        self.index_snapshot(snap);
+        r
     }
 
     /// `ftmb_protect`: log to the logger at `path` from now on.
@@ -439,6 +594,7 @@ impl<F: FtmbNf> Coord<F> {
         if let Err(e) = link.send(&snap) {
             self.resume(parked, Vec::new());
             self.need_full = true;
+            self.index_snapshot(snap);
             return Err(format!("logger {path}: full snapshot: {e}"));
         }
         let posts = transports
@@ -457,6 +613,8 @@ impl<F: FtmbNf> Coord<F> {
         self.link = Some(link);
         self.need_full = false;
         self.shipped(&snap);
+        let snapshot_id = snap.id;
+        self.index_snapshot(snap);
         self.log_errors_seen = self
             .pubs
             .iter()
@@ -471,7 +629,7 @@ impl<F: FtmbNf> Coord<F> {
         }
         tracing::info!(logger = path, epoch, pause_us, "ftmb: protected");
         Ok(
-            json!({"ok": true, "logger": path, "epoch": epoch, "snapshot_id": snap.id,
+            json!({"ok": true, "logger": path, "epoch": epoch, "snapshot_id": snapshot_id,
                   "pause_us": pause_us}),
         )
     }

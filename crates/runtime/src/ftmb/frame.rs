@@ -123,6 +123,32 @@ pub fn encode_output(pkt: &Packet) -> Vec<u8> {
 
 /// Decodes a payload made by [`encode`] back into a packet (the frame is re-parsed).
 pub fn decode(payload: &[u8]) -> Result<Packet, FrameError> {
+    decode_owned(payload.to_vec())
+}
+
+/// [`decode`] of a payload the caller owns: the frame keeps the payload's allocation (the
+/// header is cut off in place) instead of being copied into a new one, once per released
+/// packet on the engine's thread.
+pub fn decode_owned(mut payload: Vec<u8>) -> Result<Packet, FrameError> {
+    let (ingress, egress, offload) = header(&payload)?;
+    payload.drain(..HEADER_LEN);
+    let buf = payload;
+    let meta = match pliant_net::parse(&buf) {
+        Ok(Frame::Ip(p)) => p,
+        Ok(_) => return Err(FrameError::NotIp("not an IP frame".into())),
+        Err(e) => return Err(FrameError::NotIp(e.to_string())),
+    };
+    Ok(Packet {
+        buf,
+        ingress,
+        egress,
+        meta,
+        offload,
+    })
+}
+
+/// The sides and offload state from a payload's header.
+fn header(payload: &[u8]) -> Result<(Side, Side, Offload), FrameError> {
     let Some(h) = payload.get(..HEADER_LEN) else {
         return Err(FrameError::Short(payload.len()));
     };
@@ -149,19 +175,7 @@ pub fn decode(payload: &[u8]) -> Result<Packet, FrameError> {
         });
     }
     offload.csum_valid = flags & F_VALID != 0;
-    let buf = payload[HEADER_LEN..].to_vec();
-    let meta = match pliant_net::parse(&buf) {
-        Ok(Frame::Ip(p)) => p,
-        Ok(_) => return Err(FrameError::NotIp("not an IP frame".into())),
-        Err(e) => return Err(FrameError::NotIp(e.to_string())),
-    };
-    Ok(Packet {
-        buf,
-        ingress,
-        egress,
-        meta,
-        offload,
-    })
+    Ok((ingress, egress, offload))
 }
 
 #[cfg(test)]
@@ -211,6 +225,11 @@ mod tests {
             (Side::Inside, Side::Inside, p.offload)
         );
         assert_eq!(back.meta, p.meta);
+        let owned = decode_owned(b).unwrap();
+        assert_eq!(
+            (owned.buf, owned.meta, owned.offload),
+            (back.buf, back.meta, back.offload)
+        );
         let plain = decode(&encode(&pkt())).unwrap();
         assert_eq!(plain.offload, Offload::NONE);
         assert_eq!(plain.egress, Side::Outside);
@@ -234,5 +253,9 @@ mod tests {
             panic!("a cut frame decoded");
         };
         assert_eq!(e.reason(), "ftmb_frame_not_ip");
+        assert_eq!(
+            decode_owned(b[..3].to_vec()).err(),
+            Some(FrameError::Short(3))
+        );
     }
 }

@@ -196,6 +196,7 @@ pub fn start<F: FtmbNf>(nf: F, opts: FtmbOptions) -> Result<Box<dyn FtmbMode>, S
         recovering: Arc::clone(&recovering),
         pubs: pubs.clone(),
         log_errors_seen: 0,
+        index: Default::default(),
     };
     let (otx, orx) = mpsc::sync_channel(OPS_BOUND);
     std::thread::Builder::new()
@@ -349,7 +350,7 @@ impl<F: FtmbNf> FtmbMode for Front<F> {
                 break;
             };
             taken += 1;
-            match super::frame::decode(&payload) {
+            match super::frame::decode_owned(payload) {
                 Ok(pkt) => {
                     self.stats.released += 1;
                     out.push(Output {
@@ -391,6 +392,7 @@ impl<F: FtmbNf> FtmbMode for Front<F> {
                 return;
             }
             FtmbCmd::Protect { logger } => Op::Protect { logger, reply },
+            FtmbCmd::Flows { max } => Op::Flows { max, reply },
             FtmbCmd::Activate { primary } => {
                 // Hold from now on: the fabric may already deliver the primary's flows here.
                 self.recovering.fetch_add(1, Ordering::AcqRel);
@@ -403,7 +405,7 @@ impl<F: FtmbNf> FtmbMode for Front<F> {
         };
         if let Err((op, why)) = self.forward(op) {
             let reply = match op {
-                Op::Protect { reply, .. } => reply,
+                Op::Protect { reply, .. } | Op::Flows { reply, .. } => reply,
                 Op::Activate { reply, .. } => {
                     self.recovering.fetch_sub(1, Ordering::AcqRel);
                     reply

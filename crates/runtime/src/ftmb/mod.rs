@@ -50,6 +50,10 @@ pub enum FtmbCmd {
     Activate {
         primary: String,
     },
+    /// `flows`: the live flows' steering keys (key + aliases), at most `max` listed.
+    Flows {
+        max: usize,
+    },
 }
 
 /// The engine's view of the FTMB mode. Object safe: the engine stores `Box<dyn FtmbMode>`.

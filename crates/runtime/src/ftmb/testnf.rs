@@ -3,7 +3,7 @@
 //! `EXT_IP:port`, the port allocated from a SHARED counter (one PAL) in the worker's residue
 //! class, the mapping's creation time read through the logged clock (a value PAL), and a
 //! shared packet counter bumped per packet (a PAL per packet: the workers contend). Outside ->
-//! inside: by destination port.
+//! inside: by destination port; a reply whose payload starts with [`FIN`] deletes the mapping.
 
 use super::nf::{FlowDelta, FlowRecord, FtmbNf};
 use crate::nf::{Packet, Side};
@@ -16,6 +16,8 @@ use std::sync::Arc;
 
 pub const EXT_IP: Ipv4Addr = Ipv4Addr::new(10, 0, 2, 1);
 pub const PORT_BASE: u16 = 20_000;
+/// The payload of a reply that ends its flow.
+pub const FIN: &[u8] = b"fin";
 
 /// proto, client ip, client port, server ip, server port.
 type Key = [u8; 13];
@@ -160,14 +162,25 @@ impl FtmbNf for TestNat {
                 out.push(pkt);
             }
             Side::Outside => {
-                let Some(orig) = local.by_port.get(&pkt.meta.dport).copied() else {
+                let ext = pkt.meta.dport;
+                let Some(orig) = local.by_port.get(&ext).copied() else {
                     local.no_mapping += 1;
                     return Ok(());
                 };
+                // A reply starting with "fin" ends its flow (how the tests end one).
+                let ends = pkt
+                    .buf
+                    .get(usize::from(pkt.meta.payload_off)..)
+                    .is_some_and(|p| p.starts_with(FIN));
                 let (ip, port) = (ip_at(&orig, 1), port_at(&orig, 5));
                 let _ = pliant_net::rewrite::set_dst_ip(&mut pkt.buf, &mut pkt.meta, ip);
                 let _ = pliant_net::rewrite::set_dst_port(&mut pkt.buf, &mut pkt.meta, port);
                 out.push(pkt);
+                if ends {
+                    local.by_flow.remove(&orig);
+                    local.by_port.remove(&ext);
+                    local.changed.insert(orig);
+                }
             }
         }
         Ok(())

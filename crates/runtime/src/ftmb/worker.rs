@@ -333,7 +333,7 @@ pub(crate) fn replay_queue<F: FtmbNf>(
     let mut out = Vec::new();
     let mut n = 0;
     for (seq, frame) in inputs {
-        let pkt = super::frame::decode(&frame)
+        let pkt = super::frame::decode_owned(frame)
             .map_err(|e| format!("queue {q} input {seq}: undecodable logged frame: {e}"))?;
         let id = PacketId { queue: q, seq };
         worker
