@@ -130,34 +130,8 @@ struct Conn {
     stats: NetStats,
 }
 
-pub(crate) fn euid() -> u32 {
-    // SAFETY: no preconditions, cannot fail.
-    unsafe { libc::geteuid() }
-}
-
-/// SO_PEERCRED uid of the other end.
-pub(crate) fn peer_uid(s: &UnixStream) -> io::Result<u32> {
-    let mut cred = libc::ucred {
-        pid: 0,
-        uid: 0,
-        gid: 0,
-    };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: `cred` and `len` are valid for writes and `len` holds the buffer size.
-    let r = unsafe {
-        libc::getsockopt(
-            s.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    };
-    if r != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(cred.uid)
-}
+// SO_PEERCRED checks, shared with the replication channels.
+pub(crate) use pliant_ha::unix::{euid, peer_uid};
 
 /// One non-blocking recv(2) of up to `max` bytes appended to `buf` (no zeroed scratch buffer:
 /// this runs on every worker flush). `Ok(0)` is EOF.

@@ -357,26 +357,6 @@ pub fn start(
     ))
 }
 
-pub(crate) fn peer_uid(s: &UnixStream) -> Option<u32> {
-    let mut cred = libc::ucred {
-        pid: 0,
-        uid: 0,
-        gid: 0,
-    };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: valid fd, `cred` and `len` describe a writable ucred.
-    let rc = unsafe {
-        libc::getsockopt(
-            s.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    };
-    (rc == 0).then_some(cred.uid)
-}
-
 fn serve_unix(l: UnixListener, sh: Shared) {
     // SAFETY: geteuid has no preconditions.
     let me = unsafe { libc::geteuid() };
@@ -385,7 +365,7 @@ fn serve_unix(l: UnixListener, sh: Shared) {
             return;
         }
         let Ok(mut s) = conn else { continue };
-        if peer_uid(&s) != Some(me) {
+        if pliant_ha::unix::peer_uid(&s).ok() != Some(me) {
             let e = sh.error("permission denied: peer uid differs from the replica's");
             let _ = writeln!(s, "{e}");
             continue;

@@ -160,7 +160,7 @@ fn accept_loop(l: UnixListener, etx: SyncSender<PeerEvent>, wake: Wake, stop: Ar
         }
         let Ok(s) = conn else { continue };
         // Only our own uid may move flows into this replica: a flow record is trusted state.
-        if crate::control::peer_uid(&s) != Some(me) {
+        if pliant_ha::unix::peer_uid(&s).ok() != Some(me) {
             tracing::warn!("peer connection refused: uid differs from the replica's");
             continue;
         }
