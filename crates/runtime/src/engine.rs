@@ -108,6 +108,10 @@ pub struct Engine<N: NetworkFunction, P: FramePort> {
     pub(crate) ha_side: ha::HaSide,
     /// FTMB mode (`[ha] mode = "ftmb"`): IP packets go to its worker threads (engine/ftmb.rs).
     pub(crate) ftmb: Option<Box<dyn crate::ftmb::FtmbMode>>,
+    /// poll(2) sets of `sleep`, kept between calls so an idle replica does not allocate on
+    /// every wake-up (capacity only; cleared and refilled each time).
+    sleep_wake_fds: Vec<std::os::fd::RawFd>,
+    sleep_pollfds: Vec<libc::pollfd>,
 }
 
 impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
@@ -148,6 +152,8 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             ha: None,
             ha_side: ha::HaSide::default(),
             ftmb: None,
+            sleep_wake_fds: Vec::new(),
+            sleep_pollfds: Vec::new(),
         }
     }
 
@@ -215,7 +221,8 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
         if let Some(dl) = self.ctx.flows.next_deadline() {
             timeout = timeout.min(dl.saturating_duration_since(now));
         }
-        let mut ha_fds = Vec::new();
+        let mut ha_fds = std::mem::take(&mut self.sleep_wake_fds);
+        ha_fds.clear();
         if let Some(f) = &self.ftmb {
             ha_fds.push(f.wake_fd()); // released FTMB output (drained with the HA fds)
         }
@@ -230,7 +237,9 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             events: 0,
             revents: 0,
         };
-        let mut fds = vec![idle; 4 + ha_fds.len()];
+        let mut fds = std::mem::take(&mut self.sleep_pollfds);
+        fds.clear();
+        fds.resize(4 + ha_fds.len(), idle);
         let mut n = 0;
         for p in &self.ports {
             if let Some(fd) = p.poll_fd() {
@@ -274,6 +283,8 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             timeout = timeout.min(w);
         }
         if n == 0 || timeout.is_zero() {
+            self.sleep_wake_fds = ha_fds;
+            self.sleep_pollfds = fds;
             return Ok(());
         }
         // Round up so a deadline 0.4 ms away does not turn into a busy loop of 0 ms polls.
@@ -283,6 +294,8 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
         if rc < 0 {
             let e = std::io::Error::last_os_error();
             if e.kind() != std::io::ErrorKind::Interrupted {
+                self.sleep_wake_fds = ha_fds;
+                self.sleep_pollfds = fds;
                 return Err(e);
             }
         }
@@ -306,6 +319,8 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             self.ha_drain_wakes();
             self.ftmb_drain_wake();
         }
+        self.sleep_wake_fds = ha_fds;
+        self.sleep_pollfds = fds;
         Ok(())
     }
 
