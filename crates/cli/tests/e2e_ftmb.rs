@@ -25,7 +25,6 @@ use pliant_lab::{cmd, Lab, LabHaMode, LabSpec, PliantNf, ReplicaMode, Role, SERV
 use serde_json::{json, Value};
 use std::collections::BTreeSet;
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 const KILLS: usize = 5;
@@ -202,28 +201,7 @@ fn ftmb_up() -> Option<HaRun> {
         lo = pliant_lab::ha::FTMB_PORT_LO,
         block = pliant_lab::ha::FTMB_PORT_BLOCK,
     );
-    let cfg = dir.join("ctl.toml");
-    std::fs::write(&cfg, ctl).expect("write ctl.toml");
-    let log = std::fs::File::create(dir.join("controller.log")).expect("log");
-    let child = Command::new(pliant())
-        .args(["controller", "--config"])
-        .arg(&cfg)
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(log.try_clone().expect("log"))
-        .stderr(log)
-        .spawn()
-        .expect("start controller");
-    run.controller = Some(child);
-    let t = Instant::now();
-    while !dir.join("api.sock").exists() || !dir.join("token").exists() {
-        assert!(
-            t.elapsed() < Duration::from_secs(15),
-            "controller did not start: {}",
-            run.log_tail()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    run.start_controller(&dir, &ctl);
     wait_ftmb_protected(&run, Duration::from_secs(30));
     Some(run)
 }

@@ -124,33 +124,39 @@ pub fn ha_up(tag: &str, nf: PliantNf, files: &[(&str, u64)]) -> Option<HaRun> {
         d = dir.display(),
         name = run.lab().name(),
     );
-    let cfg = dir.join("ctl.toml");
-    std::fs::write(&cfg, ctl).expect("write ctl.toml");
-    let log = std::fs::File::create(dir.join("controller.log")).expect("log");
-    let child = Command::new(pliant())
-        .args(["controller", "--config"])
-        .arg(&cfg)
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(log.try_clone().expect("log"))
-        .stderr(log)
-        .spawn()
-        .expect("start controller");
-    run.controller = Some(child);
-    let t = Instant::now();
-    while !dir.join("api.sock").exists() || !dir.join("token").exists() {
-        assert!(
-            t.elapsed() < Duration::from_secs(15),
-            "controller did not start: {}",
-            run.log_tail()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    run.start_controller(&dir, &ctl);
     run.wait_protected(Duration::from_secs(20));
     Some(run)
 }
 
 impl HaRun {
+    /// Writes `ctl` as the controller config in `dir`, starts `pliant controller` with it and
+    /// waits until its API socket and token exist.
+    pub fn start_controller(&mut self, dir: &Path, ctl: &str) {
+        let cfg = dir.join("ctl.toml");
+        std::fs::write(&cfg, ctl).expect("write ctl.toml");
+        let log = std::fs::File::create(dir.join("controller.log")).expect("log");
+        let child = Command::new(pliant())
+            .args(["controller", "--config"])
+            .arg(&cfg)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("start controller");
+        self.controller = Some(child);
+        let t = Instant::now();
+        while !dir.join("api.sock").exists() || !dir.join("token").exists() {
+            assert!(
+                t.elapsed() < Duration::from_secs(15),
+                "controller did not start: {}",
+                self.log_tail()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     pub fn lab(&self) -> &Lab {
         self.lab.as_ref().expect("lab")
     }
