@@ -9,6 +9,7 @@ pub mod ha_kernel;
 pub mod migrate;
 pub mod parse;
 pub mod scale_in;
+pub mod sched_probe;
 pub mod steering_scale;
 pub mod txload;
 

@@ -44,6 +44,12 @@ const BATCH_DPORT: u16 = 9001;
 /// NAT port blocks of r1 and r2 (the fabric steers return traffic by block).
 const PORT_BLOCKS: [(u16, u16); 2] = [(20000, 29999), (30000, 39999)];
 
+/// The replicas' SCHED_FIFO priority unless told otherwise: a migration pause is a chain of
+/// wake-ups across processes, and under the normal scheduler a wake-up on a busy core can wait
+/// milliseconds (crates/runtime/src/sched.rs). Low, so it stays below kernel threads that use
+/// FIFO themselves.
+pub const DEFAULT_REALTIME_PRIORITY: u8 = 20;
+
 #[derive(Clone, Debug)]
 pub struct MigrateOpts {
     pub pliant_bin: PathBuf,
@@ -61,6 +67,10 @@ pub struct MigrateOpts {
     pub steering_flows: u32,
     pub steering_exceptions: u32,
     pub steering_window_s: u32,
+    /// SCHED_FIFO priority of the replicas (`[replica] realtime_priority`) and of the bench's
+    /// orchestrating thread while it moves flows (it plays the controller); `None`: the normal
+    /// scheduler everywhere.
+    pub realtime_priority: Option<u8>,
 }
 
 impl MigrateOpts {
@@ -75,6 +85,7 @@ impl MigrateOpts {
             steering_flows: 100_000,
             steering_exceptions: 10_000,
             steering_window_s: 3,
+            realtime_priority: Some(DEFAULT_REALTIME_PRIORITY),
         }
     }
 }
@@ -177,6 +188,13 @@ pub struct MigrateReport {
     pub rounds: u32,
     pub single_pps: f64,
     pub batch_pps_per_flow: f64,
+    /// The replicas' and the orchestrating thread's SCHED_FIFO priority (`null`: normal).
+    pub realtime_priority: Option<u8>,
+    /// The machine's scheduling latency during the single-flow phase, at the same priority:
+    /// the floor under every pause above.
+    pub sched_probe: Option<crate::sched_probe::SchedProbeReport>,
+    /// The policy each replica's packet thread reported running under (`fifo:20`, `other:0`).
+    pub replica_sched: BTreeMap<String, String>,
     pub build: &'static str,
     /// /proc/loadavg before and after: the machine is shared, and scheduling delays show up
     /// directly in pauses and receiver gaps.
@@ -247,6 +265,8 @@ struct Pair {
     names: [String; 2],
     peers: [String; 2],
     maps: pliant_steer::SteerMaps,
+    /// SCHED_FIFO for the orchestrating thread during a move (see [`MigrateOpts`]).
+    realtime: Option<u8>,
 }
 
 impl Pair {
@@ -258,6 +278,8 @@ impl Pair {
         aliases: &[FlowKey],
     ) -> Result<MoveSample, BenchError> {
         let dst = 1 - src;
+        // Only for the move: threads this thread spawns later must not inherit the policy.
+        let _rt = pliant_runtime::sched::RealtimeGuard::new(self.realtime).map_err(lab_err)?;
         let all: Vec<String> = primaries
             .iter()
             .chain(aliases)
@@ -346,6 +368,7 @@ pub fn run_migrate(opts: &MigrateOpts) -> MigrateReport {
         single_pps: opts.single_pps,
         batch_pps_per_flow: opts.batch_pps_per_flow,
         batch_flows: opts.batch_flows,
+        realtime_priority: opts.realtime_priority,
         build: if cfg!(debug_assertions) {
             "debug"
         } else {
@@ -359,6 +382,7 @@ pub fn run_migrate(opts: &MigrateOpts) -> MigrateReport {
     });
     spec.replicas = 2;
     spec.pliant_bin = Some(opts.pliant_bin.clone());
+    spec.realtime_priority = opts.realtime_priority;
     // MTU-sized frames with real checksums on the user-space path (as the migration tests).
     spec.disable_offloads = true;
     spec.files.clear();
@@ -466,6 +490,7 @@ fn measure(lab: &Lab, opts: &MigrateOpts, r: &mut MigrateReport) -> Result<(), B
         names,
         peers,
         maps,
+        realtime: opts.realtime_priority,
     };
     for (i, (lo, hi)) in PORT_BLOCKS.iter().enumerate() {
         ask(
@@ -523,6 +548,9 @@ fn measure(lab: &Lab, opts: &MigrateOpts, r: &mut MigrateReport) -> Result<(), B
             None
         }
     };
+    // 200 us: finer than any pause goal, coarse enough to cost little CPU.
+    let probe =
+        crate::sched_probe::SchedProbe::start(Duration::from_micros(200), opts.realtime_priority);
     let single = (|| -> Result<(), BenchError> {
         let t = Instant::now();
         while udp.seen_sport(0).is_none()
@@ -585,6 +613,10 @@ fn measure(lab: &Lab, opts: &MigrateOpts, r: &mut MigrateReport) -> Result<(), B
         }
         Ok(())
     })();
+    match probe.and_then(crate::sched_probe::SchedProbe::stop) {
+        Ok(p) => r.sched_probe = Some(p),
+        Err(e) => r.errors.push(format!("scheduling probe: {e}")),
+    }
     if let Err(e) = single {
         r.errors.push(format!("single-flow phase: {e}"));
     }
@@ -662,6 +694,15 @@ fn measure(lab: &Lab, opts: &MigrateOpts, r: &mut MigrateReport) -> Result<(), B
                     r.replica_rx_ring_drops
                         .insert(format!("r{}.{side}", i + 1), d);
                 }
+                let sch = &st["engine"]["sched"];
+                r.replica_sched.insert(
+                    format!("r{}", i + 1),
+                    format!(
+                        "{}:{}",
+                        sch["policy"].as_str().unwrap_or("?"),
+                        sch["priority"]
+                    ),
+                );
                 let m = &st["migration"];
                 let waits = m["tx_settle_waits"].as_u64().unwrap_or(0);
                 let wmax = m["tx_settle_wait_us_max"].as_u64().unwrap_or(0);

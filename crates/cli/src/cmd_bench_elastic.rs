@@ -32,6 +32,11 @@ pub struct MigrateArgs {
     /// Seconds per steering-scale window.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=60))]
     pub steering_window: u32,
+    /// SCHED_FIFO priority of the replicas and of the thread that orchestrates the moves
+    /// (0: the normal scheduler).
+    #[arg(long, default_value_t = pliant_bench::migrate::DEFAULT_REALTIME_PRIORITY as u32,
+          value_parser = clap::value_parser!(u32).range(0..=99))]
+    pub realtime_priority: u32,
 }
 
 #[derive(Args)]
@@ -80,6 +85,7 @@ pub fn migrate(a: MigrateArgs) -> Result<(), String> {
     o.steering_flows = a.steering_flows;
     o.steering_exceptions = a.steering_exceptions;
     o.steering_window_s = a.steering_window;
+    o.realtime_priority = u8::try_from(a.realtime_priority).ok().filter(|&p| p > 0);
     pliant_lab::cmd::defer_interrupts();
     let r = run_migrate(&o);
     if !a.json {

@@ -102,6 +102,13 @@ fn bench_migrate_reports_loss_free_moves() {
     for (k, n) in v["fabric_drops"].as_object().expect("fabric_drops") {
         assert_eq!(n, 0, "the fabric dropped packets ({k}): {v:#}");
     }
+    // The replicas' packet threads run under the policy the bench asked for, and the
+    // machine's scheduling floor was measured beside the moves.
+    assert_eq!(num(&v, "realtime_priority"), 20.0, "{v:#}");
+    for r in ["r1", "r2"] {
+        assert_eq!(v["replica_sched"][r], "fifo:20", "{v:#}");
+    }
+    assert!(num(&v["sched_probe"], "samples") > 100.0, "{v:#}");
     // Steering at scale ran for real: traffic was received and the exceptions were consulted.
     let s = &v["steering_scale"];
     assert_eq!(s["measured"], true, "{s:#}");

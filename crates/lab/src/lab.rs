@@ -139,6 +139,9 @@ pub struct LabSpec {
     /// The HA mode the replicas run (with `ha`): Pico (default) or FTMB (issue 6; `[ha]`
     /// gets `mode = "ftmb"`, `ftmb_workers`, `ftmb_snapshot_ms`). FTMB without `ha` is refused.
     pub ha_mode: crate::ha::LabHaMode,
+    /// pliant modes: `[replica] realtime_priority` of every replica (SCHED_FIFO; `None`: the
+    /// normal scheduler). Replicas added later copy it with the rest of the config.
+    pub realtime_priority: Option<u8>,
 }
 
 impl LabSpec {
@@ -159,6 +162,7 @@ impl LabSpec {
             progress: true,
             ha: false,
             ha_mode: crate::ha::LabHaMode::Pico,
+            realtime_priority: None,
         }
     }
 
@@ -647,6 +651,7 @@ impl Lab {
             ReplicaMode::Pliant { config } => {
                 let sock = self.state.run_dir.join(format!("r{n}.sock"));
                 let mut cfg = replica_config(n, &sock, config);
+                cfg.replica.realtime_priority = spec.realtime_priority;
                 if spec.ha {
                     cfg.nf_sections.insert(
                         "ha".into(),
@@ -829,6 +834,7 @@ pub fn replica_config(n: u8, sock: &Path, nf: &PliantNf) -> ReplicaConfig {
             name: format!("r{n}"),
             control_socket: sock.display().to_string(),
             metrics_listen: None,
+            realtime_priority: None,
         },
         inside: PortConfig {
             ifname: replica_in_if(n),

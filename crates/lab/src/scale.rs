@@ -435,6 +435,7 @@ mod tests {
             &crate::PliantNf::nat(),
         );
         t.replica.metrics_listen = Some("127.0.0.1:9100".into());
+        t.replica.realtime_priority = Some(20);
         let mut mig = toml::Table::new();
         mig.insert("peer_socket".into(), "/run/pliant/lab1/r1.peer.sock".into());
         t.nf_sections
@@ -442,6 +443,8 @@ mod tests {
         let c = derive_config(&t, 4, Path::new("/run/pliant/lab1/r4.sock"));
         assert_eq!(c.replica.name, "r4");
         assert_eq!(c.replica.control_socket, "/run/pliant/lab1/r4.sock");
+        // A replica added by scale-out is scheduled like the ones it joins.
+        assert_eq!(c.replica.realtime_priority, Some(20));
         assert_eq!(c.inside.ifname, "r4in");
         assert_eq!(c.outside.ifname, "r4out");
         assert_eq!(c.replica.metrics_listen, None);

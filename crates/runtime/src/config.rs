@@ -7,6 +7,7 @@
 //! name = "r1"
 //! control_socket = "/run/pliant/lab-x/r1.sock"   # unix socket, mode 0600
 //! # metrics_listen = "127.0.0.1:9100"            # optional TCP listener; none by default
+//! # realtime_priority = 20                       # SCHED_FIFO 1..=99 for all threads; off by default
 //!
 //! [inside]                     # port towards the clients
 //! ifname = "r1in"
@@ -59,6 +60,13 @@ pub struct ReplicaSection {
     pub control_socket: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metrics_listen: Option<String>,
+    /// Run every replica thread under SCHED_FIFO at this priority (1..=99; absent: the normal
+    /// scheduler). For a replica with cores of its own or a latency goal (migration pauses):
+    /// a woken packet thread then preempts ordinary tasks at once instead of waiting for a
+    /// scheduler slice. A replica that saturates its core starves ordinary tasks on it down to
+    /// the kernel's RT throttling share, so it is off unless asked for (crate::sched).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub realtime_priority: Option<u8>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -295,6 +303,18 @@ impl ReplicaConfig {
     /// Semantic checks; on error returns a string to locate the line by and the reason.
     fn validate(&self) -> Result<(), (Option<String>, String)> {
         let r = &self.replica;
+        if let Some(p) = r.realtime_priority {
+            if !crate::sched::PRIORITIES.contains(&p) {
+                return Err((
+                    Some("realtime_priority".into()),
+                    format!(
+                        "replica.realtime_priority {p}: use {}..={} (or leave it out)",
+                        crate::sched::PRIORITIES.start(),
+                        crate::sched::PRIORITIES.end()
+                    ),
+                ));
+            }
+        }
         if r.name.is_empty()
             || !r
                 .name
@@ -690,6 +710,27 @@ port_min = 1000
         let n: NatLike = nf_section(GOOD, "t.toml", "nat").expect("nat section");
         assert_eq!(n.port_min, 1000);
         assert_eq!(n.external_ip, std::net::Ipv4Addr::new(10, 77, 2, 1));
+    }
+
+    #[test]
+    fn realtime_priority_is_optional_bounded_and_round_trips() {
+        let c = ReplicaConfig::parse(GOOD, "t.toml").expect("valid");
+        assert_eq!(c.replica.realtime_priority, None);
+        let with = GOOD.replacen(
+            "control_socket = \"/tmp/r1.sock\"\n",
+            "control_socket = \"/tmp/r1.sock\"\nrealtime_priority = 20\n",
+            1,
+        );
+        let c = ReplicaConfig::parse(&with, "t.toml").expect("valid");
+        assert_eq!(c.replica.realtime_priority, Some(20));
+        let again = ReplicaConfig::parse(&c.to_toml().unwrap(), "t2.toml").expect("round trip");
+        assert_eq!(again.replica.realtime_priority, Some(20));
+        let zero = with.replace("realtime_priority = 20", "realtime_priority = 0");
+        let e = ReplicaConfig::parse(&zero, "t.toml").unwrap_err();
+        assert_eq!(e.line, Some(5), "{e}");
+        assert!(e.reason.contains("1..=99"), "{e}");
+        let big = with.replace("realtime_priority = 20", "realtime_priority = 300");
+        assert!(ReplicaConfig::parse(&big, "t.toml").is_err());
     }
 
     #[test]

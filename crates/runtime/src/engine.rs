@@ -871,6 +871,9 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
         };
         let mut engine = serde_json::to_value(&self.stats).unwrap_or(Value::Null);
         engine["control_errors"] = json!(self.stats.control_errors + self.control_errors());
+        // Called on the packet thread: the policy it actually runs under (`realtime_priority`).
+        let (policy, priority) = crate::sched::current();
+        engine["sched"] = json!({"policy": policy, "priority": priority});
         json!({
             "replica": self.name,
             "nf": N::NAME,

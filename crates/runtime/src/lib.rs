@@ -26,6 +26,7 @@ pub mod nf;
 pub mod peer;
 pub mod replica;
 pub mod route;
+pub mod sched;
 pub mod testing;
 
 pub use nf::{Counters, Ctx, NetworkFunction, Output, OutputKind, Packet, Side};

@@ -148,6 +148,12 @@ fn run_with<N: NetworkFunction>(
     setup: impl FnOnce(&mut Engine<N, PacketPort>) -> Result<(), String>,
 ) -> Result<(), String> {
     cfg.check_interfaces()?;
+    // Before any thread exists, so that all of them inherit the policy (crate::sched).
+    if let Some(prio) = cfg.replica.realtime_priority {
+        crate::sched::set_realtime(prio)
+            .map_err(|e| format!("[replica] realtime_priority: {e}"))?;
+        tracing::info!(priority = prio, "replica threads run under SCHED_FIFO");
+    }
     let nets = [
         SideNet::from_config(&cfg.inside)?,
         SideNet::from_config(&cfg.outside)?,
