@@ -51,6 +51,10 @@ enum LabCmd {
         /// recovery: [ha] mode = "ftmb", 2 workers, a snapshot every 50 ms).
         #[arg(long, value_parser = ["pico", "ftmb"])]
         ha_mode: Option<String>,
+        /// pliant modes: run every replica thread under SCHED_FIFO at this priority
+        /// ([replica] realtime_priority; shorter migration pauses on a busy machine).
+        #[arg(long, value_parser = clap::value_parser!(u8).range(1..=99))]
+        realtime_priority: Option<u8>,
     },
     /// Remove a lab (processes, namespaces, run directory), also after a crash.
     Down {
@@ -91,6 +95,7 @@ pub fn run(a: LabArgs) -> Result<(), String> {
             replicas,
             ha,
             ha_mode,
+            realtime_priority,
         } => {
             let mode = ReplicaMode::parse(&mode).ok_or(format!("unknown mode {mode}"))?;
             let mut spec = LabSpec::new(mode);
@@ -98,6 +103,7 @@ pub fn run(a: LabArgs) -> Result<(), String> {
             spec.detached = true;
             spec.disable_offloads = disable_offloads;
             spec.replicas = replicas;
+            spec.realtime_priority = realtime_priority;
             spec.ha = ha || ha_mode.is_some();
             if let Some(m) = ha_mode.as_deref() {
                 spec.ha_mode = pliant_lab::LabHaMode::parse(m)

@@ -47,6 +47,12 @@ pub struct ControllerSection {
     /// How often exceptions of ended flows are collected.
     #[serde(default = "d_gc_interval_ms")]
     pub gc_interval_ms: u64,
+    /// Run the controller's threads under SCHED_FIFO at this priority (1..=99; absent: the
+    /// normal scheduler). The controller is the orchestrator of every migration (migrate_in,
+    /// steering, migrate_out): its wake-ups are part of each flow's pause, as the replicas'
+    /// are (`[replica] realtime_priority`), and of failure detection.
+    #[serde(default)]
+    pub realtime_priority: Option<u8>,
 }
 
 /// Replicas as namespaces of a running lab (agent + steering in its fabric).
@@ -155,6 +161,13 @@ impl ControllerConfig {
         if c.controller.heartbeat_ms == 0 || c.controller.heartbeat_ms > 60_000 {
             return Err(bad("controller.heartbeat_ms must be 1..=60000".into()));
         }
+        if let Some(p) = c.controller.realtime_priority {
+            if !pliant_runtime::sched::PRIORITIES.contains(&p) {
+                return Err(bad(format!(
+                    "controller.realtime_priority = {p}: use 1..=99 (or leave it out)"
+                )));
+            }
+        }
         if c.controller.dead_after_missed == 0 {
             return Err(bad("controller.dead_after_missed must be >= 1".into()));
         }
@@ -213,6 +226,19 @@ mod tests {
         assert_eq!(c.controller.heartbeat_ms, 100);
         assert!(c.lab.is_none());
         assert!(c.replica.is_empty());
+    }
+
+    #[test]
+    fn realtime_priority_is_optional_and_bounded() {
+        assert_eq!(
+            p("[controller]\n").unwrap().controller.realtime_priority,
+            None
+        );
+        let c = p("[controller]\nrealtime_priority = 20\n").unwrap();
+        assert_eq!(c.controller.realtime_priority, Some(20));
+        let e = p("[controller]\nrealtime_priority = 0\n").unwrap_err();
+        assert!(e.to_string().contains("1..=99"), "{e}");
+        assert!(p("[controller]\nrealtime_priority = 100\n").is_err());
     }
 
     #[test]

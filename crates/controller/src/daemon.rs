@@ -175,6 +175,11 @@ pub fn spawn_loops(
 /// Runs the daemon until SIGINT/SIGTERM.
 pub fn run(config: &Path, migrator: Box<dyn Migrator>) -> Result<(), DaemonError> {
     let cfg = ControllerConfig::load(config)?;
+    // Before any thread is spawned (API server, loops), so that all of them inherit it.
+    if let Some(p) = cfg.controller.realtime_priority {
+        pliant_runtime::sched::set_realtime(p)
+            .map_err(|e| DaemonError::Setup(format!("controller.realtime_priority: {e}")))?;
+    }
     let token = crate::auth::load_or_create_token(&cfg.controller.token_file)?;
     let ctl = Arc::new(build(&cfg, migrator)?);
     let handler_ctl = Arc::clone(&ctl);
