@@ -124,6 +124,12 @@ pub struct MoveSample {
     /// The same, over an equally long window just before the move (no migration): the noise
     /// floor of the generator/receiver on this machine.
     pub baseline_gap_us: Option<u64>,
+    /// Single moves: whether a probe thread woke >= 0.5 ms late while the move ran (the
+    /// virtual CPU or the scheduler stalled; see `sched_probe`).
+    pub during_stall: Option<bool>,
+    /// Request to answer, for matching against the probe's stalls.
+    #[serde(skip)]
+    pub window: Option<(Instant, Instant)>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, PartialEq)]
@@ -193,6 +199,10 @@ pub struct MigrateReport {
     /// The machine's scheduling latency during the single-flow phase, at the same priority:
     /// the floor under every pause above.
     pub sched_probe: Option<crate::sched_probe::SchedProbeReport>,
+    /// Single moves whose pause exceeded 1 ms, and how many of them overlapped a stall the
+    /// probe saw: the share of the tail the machine, not the migration, accounts for.
+    pub moves_over_1ms: u64,
+    pub moves_over_1ms_during_stall: u64,
     /// The policy each replica's packet thread reported running under (`fifo:20`, `other:0`).
     pub replica_sched: BTreeMap<String, String>,
     pub build: &'static str,
@@ -331,6 +341,8 @@ impl Pair {
             pause_us_p50: u(&p["pause_us_p50"]),
             pause_us_p99: u(&p["pause_us_p99"]),
             pause_us_max: u(&p["pause_us_max"]),
+            window: Some((t0, t3)),
+            during_stall: None,
             held_us_max: u(&p["held_us_max"]),
             source_drain_us: u(&r["drain_us"]),
             source_settle_us: u(&r["settle_us"]),
@@ -548,9 +560,10 @@ fn measure(lab: &Lab, opts: &MigrateOpts, r: &mut MigrateReport) -> Result<(), B
             None
         }
     };
-    // 200 us: finer than any pause goal, coarse enough to cost little CPU.
+    // 500 us: finer than the 1 ms pause goal, few enough wake-ups (two threads at the
+    // replicas' priority) not to slow the moves it watches.
     let probe =
-        crate::sched_probe::SchedProbe::start(Duration::from_micros(200), opts.realtime_priority);
+        crate::sched_probe::SchedProbe::start(Duration::from_micros(500), opts.realtime_priority);
     let single = (|| -> Result<(), BenchError> {
         let t = Instant::now();
         while udp.seen_sport(0).is_none()
@@ -614,7 +627,12 @@ fn measure(lab: &Lab, opts: &MigrateOpts, r: &mut MigrateReport) -> Result<(), B
         Ok(())
     })();
     match probe.and_then(crate::sched_probe::SchedProbe::stop) {
-        Ok(p) => r.sched_probe = Some(p),
+        Ok(p) => {
+            for m in &mut r.single.moves {
+                m.during_stall = m.window.map(|(a, b)| p.stalled_during(a, b));
+            }
+            r.sched_probe = Some(p.report);
+        }
         Err(e) => r.errors.push(format!("scheduling probe: {e}")),
     }
     if let Err(e) = single {
@@ -841,6 +859,9 @@ fn summarize(r: &mut MigrateReport) {
         .iter()
         .map(|m| m.held_us_max as f64)
         .collect();
+    let slow = r.single.moves.iter().filter(|m| m.pause_us_max > 1000);
+    r.moves_over_1ms = slow.clone().count() as u64;
+    r.moves_over_1ms_during_stall = slow.filter(|m| m.during_stall == Some(true)).count() as u64;
     r.held_us_p50 = percentile(&held, 50.0);
     r.held_us_p99 = percentile(&held, 99.0);
     let gaps: Vec<f64> = r
@@ -908,6 +929,13 @@ mod tests {
         assert_eq!(r.pause_us_p50, Some(500.0));
         assert_eq!(r.pause_us_p99, Some(990.0));
         assert_eq!(r.receiver_gap_us_p99, Some(99.0));
+        assert_eq!((r.moves_over_1ms, r.moves_over_1ms_during_stall), (0, 0));
+        r.single.moves[0].pause_us_max = 4000;
+        r.single.moves[0].during_stall = Some(true);
+        r.single.moves[1].pause_us_max = 2000;
+        r.single.moves[1].during_stall = Some(false);
+        summarize(&mut r);
+        assert_eq!((r.moves_over_1ms, r.moves_over_1ms_during_stall), (2, 1));
         // A move that left a flow behind is not a 1000-flow move.
         assert_eq!(r.batch_1000_ms, None);
         r.batch.moves.pop();
