@@ -101,6 +101,8 @@ pub struct Engine<N: NetworkFunction, P: FramePort> {
     /// Live migration state (holds, forwards, outgoing migrations).
     pub(crate) mig: Migration,
     peer: Option<PeerLink>,
+    /// The last round slept: look at the peer sockets at once (not paced).
+    peer_pump_due: bool,
     /// Whether this round's receive emptied both RX rings (fewer than `batch` frames each).
     rings_drained: bool,
     /// Pico replication / Remus mode, when a policy is set (`protect`).
@@ -148,6 +150,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             stop_requested: false,
             mig: Migration::default(),
             peer: None,
+            peer_pump_due: false,
             rings_drained: false,
             ha: None,
             ha_side: ha::HaSide::default(),
@@ -260,14 +263,18 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             };
             n += 1;
         }
-        let peer_wake = n;
-        if let Some(fd) = self.peer.as_ref().and_then(PeerLink::wake_fd) {
+        // The epoll set of every peer socket: readable when any of them needs attention.
+        if let Some(fd) = self.peer.as_ref().and_then(PeerLink::poll_fd) {
             fds[n] = libc::pollfd {
                 fd,
                 events: libc::POLLIN,
                 revents: 0,
             };
             n += 1;
+        }
+        if self.peer.as_ref().is_some_and(PeerLink::has_pending) {
+            // Frames already read wait for the engine: do not sleep on them.
+            timeout = Duration::ZERO;
         }
         let ha_first = n;
         for fd in &ha_fds {
@@ -307,11 +314,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
                 c.drain_wake();
             }
         }
-        if let Some(p) = &self.peer {
-            if peer_wake < n && fds[peer_wake].revents & libc::POLLIN != 0 {
-                p.drain_wake();
-            }
-        }
+        self.peer_pump_due = true;
         if fds[ha_first..n]
             .iter()
             .any(|f| f.revents & libc::POLLIN != 0)

@@ -196,7 +196,7 @@ pub enum PeerEvent {
     /// A message from another replica; `reply` is set for `Done` (the Ack goes there).
     Msg {
         msg: PeerMsg,
-        reply: Option<SyncSender<PeerMsg>>,
+        reply: Option<crate::peer::Reply>,
     },
     /// The destination's Ack to our `Done` of migration `id`.
     Ack(PeerMsg),

@@ -8,6 +8,7 @@ use crate::migrate::{
     MAX_OUT_MIGRATIONS,
 };
 use crate::nf::{NetworkFunction, Packet};
+use crate::peer::{PeerLink, Reply};
 use pliant_io::{FramePort, Offload};
 use pliant_state::FlowKey;
 use serde_json::{json, Value};
@@ -64,8 +65,8 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             };
             let sent = self
                 .peer
-                .as_ref()
-                .is_some_and(|p| p.tx.try_send(Outbound { to, msg }).is_ok());
+                .as_mut()
+                .is_some_and(|p| p.send(Outbound { to, msg }));
             if sent {
                 self.mig.stats.forwarded_late += 1;
             } else {
@@ -171,12 +172,11 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
                         release,
                         kept: m.kept.clone(),
                     };
-                    let ok = self.peer.as_ref().is_some_and(|p| {
-                        p.tx.try_send(Outbound {
+                    let ok = self.peer.as_mut().is_some_and(|p| {
+                        p.send(Outbound {
                             to: m.to.clone(),
                             msg,
                         })
-                        .is_ok()
                     });
                     if ok {
                         m.done_at = Some(now);
@@ -297,12 +297,11 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             from: self.name.clone(),
             records: m.records.clone(),
         };
-        let ok = self.peer.as_ref().is_some_and(|p| {
-            p.tx.try_send(Outbound {
+        let ok = self.peer.as_mut().is_some_and(|p| {
+            p.send(Outbound {
                 to: m.to.clone(),
                 msg,
             })
-            .is_ok()
         });
         let now = self.ctx.now();
         if !ok {
@@ -388,8 +387,12 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
 
     /// Handles what the peer transport delivered since the last round.
     pub(super) fn poll_peer(&mut self, now: Instant) {
+        let force = std::mem::take(&mut self.peer_pump_due);
+        if let Some(p) = self.peer.as_mut() {
+            p.pump(now, force);
+        }
         for _ in 0..PEER_EVENTS_PER_ROUND {
-            let Some(ev) = self.peer.as_ref().and_then(|p| p.rx.try_recv().ok()) else {
+            let Some(ev) = self.peer.as_mut().and_then(PeerLink::next_event) else {
                 return;
             };
             match ev {
@@ -425,7 +428,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
         }
     }
 
-    fn peer_msg(&mut self, msg: PeerMsg, reply: Option<SyncSender<PeerMsg>>, now: Instant) {
+    fn peer_msg(&mut self, msg: PeerMsg, reply: Option<Reply>, now: Instant) {
         match msg {
             PeerMsg::Batch { id, from, records } => {
                 self.mig.stats.batches_in += 1;
@@ -475,11 +478,10 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
                 kept,
             } => {
                 let ack = self.release(id, &from, &release, &kept, now);
-                match reply {
-                    Some(r) => {
-                        let _ = r.try_send(ack);
-                    }
-                    None => self.mig.stats.peer_errors += 1,
+                let sent =
+                    reply.is_some_and(|r| self.peer.as_mut().is_some_and(|p| p.reply(r, ack)));
+                if !sent {
+                    self.mig.stats.peer_errors += 1;
                 }
             }
             PeerMsg::Ack { .. } => self.mig.stats.peer_errors += 1,

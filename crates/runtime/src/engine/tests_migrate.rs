@@ -217,7 +217,10 @@ impl Pair {
             };
             self.ends[dst]
                 .events
-                .send(PeerEvent::Msg { msg, reply })
+                .send(PeerEvent::Msg {
+                    msg,
+                    reply: reply.map(crate::peer::Reply::Channel),
+                })
                 .expect("delivered");
         }
     }
