@@ -103,6 +103,8 @@ pub struct Engine<N: NetworkFunction, P: FramePort> {
     peer: Option<PeerLink>,
     /// The last round slept: look at the peer sockets at once (not paced).
     peer_pump_due: bool,
+    /// The ports' TX marks at the start of this round (kept while migrations go out).
+    round_start_marks: [u64; 2],
     /// Whether this round's receive emptied both RX rings (fewer than `batch` frames each).
     rings_drained: bool,
     /// Pico replication / Remus mode, when a policy is set (`protect`).
@@ -151,6 +153,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             mig: Migration::default(),
             peer: None,
             peer_pump_due: false,
+            round_start_marks: [0; 2],
             rings_drained: false,
             ha: None,
             ha_side: ha::HaSide::default(),
@@ -331,6 +334,11 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
     pub fn poll_once(&mut self, now: Instant) -> usize {
         self.ctx.set_now(now);
         self.stats.rounds += 1;
+        // Flows worked on from here on are stamped with this round (migration's output marks).
+        self.ctx.flows.set_epoch(self.stats.rounds);
+        if !self.mig.out.is_empty() {
+            self.round_start_marks = [0, 1].map(|i| self.ports[i].tx_mark());
+        }
         // Peer messages first: forwarded late packets and batches are older than what the
         // fabric delivers now.
         if self.peer.is_some() {

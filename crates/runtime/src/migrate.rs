@@ -286,6 +286,10 @@ pub(crate) struct OutMig {
     pub settle_since: Option<Instant>,
     /// How long the export waited for that output, microseconds.
     pub settle_us: u64,
+    /// `(round, per-port TX marks)` taken at the end of `round`: the moving flows' output up
+    /// to then must leave the kernel before the export. Retaken only when one of the moving
+    /// flows was worked on after `round` (so other flows' traffic cannot keep it moving).
+    pub settle_mark: Option<(u64, [u64; 2])>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -516,6 +520,7 @@ mod tests {
             deadline: now,
             settle_since: None,
             settle_us: 0,
+            settle_mark: None,
         }
     }
 

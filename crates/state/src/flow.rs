@@ -127,6 +127,9 @@ struct Entry<S> {
     version: u64,
     timers: Vec<Timer>,
     aliases: Vec<FlowKey>,
+    /// The table's epoch when a transaction last began on this flow (see
+    /// [`FlowTable::set_epoch`]); local, never exported.
+    touched: u64,
 }
 
 struct Slot<S> {
@@ -182,6 +185,9 @@ pub struct FlowTable<S> {
     tomb_fifo: VecDeque<(FlowKey, u64)>,
     next_stamp: u64,
     stats: TableStats,
+    /// Set by the owner (the engine: its round number) and stamped on every flow a
+    /// transaction begins on; see [`FlowTable::touched`].
+    epoch: u64,
 }
 
 impl<S: FlowState> FlowTable<S> {
@@ -203,11 +209,26 @@ impl<S: FlowState> FlowTable<S> {
             tomb_fifo: VecDeque::new(),
             next_stamp: 0,
             stats: TableStats::default(),
+            epoch: 0,
         }
     }
 
     pub fn config(&self) -> &TableConfig {
         &self.cfg
+    }
+
+    /// Sets the epoch stamped on flows from now on (the engine uses its round number). With
+    /// [`FlowTable::touched`] the owner can tell whether a flow was worked on after some point,
+    /// e.g. whether its last output is older than a transmit-queue mark taken then.
+    pub fn set_epoch(&mut self, epoch: u64) {
+        self.epoch = epoch;
+    }
+
+    /// The epoch of the last transaction on the flow of `key` (primary or alias), or of its
+    /// creation/import; `None` if it is not here.
+    pub fn touched(&self, key: &FlowKey) -> Option<u64> {
+        let slot = *self.index.get(key)?;
+        self.slots[slot as usize].entry.as_ref().map(|e| e.touched)
     }
 
     /// Allocates a flow. Errors: `Exists` (also when `key` is another flow's alias), `Full`,
@@ -227,6 +248,7 @@ impl<S: FlowState> FlowTable<S> {
                 key,
                 state: init,
                 refcount: 0,
+                touched: self.epoch,
                 version: 0,
                 timers: Vec::new(),
                 aliases: Vec::new(),
@@ -262,6 +284,7 @@ impl<S: FlowState> FlowTable<S> {
             });
         };
         e.refcount = n;
+        e.touched = self.epoch;
         Ok(FlowRef {
             slot,
             gen,
@@ -528,6 +551,7 @@ impl<S: FlowState> FlowTable<S> {
             version,
             timers: Vec::with_capacity(timers.len()),
             aliases,
+            touched: self.epoch,
         };
         for (id, remaining_ns) in timers {
             // Validated above: cannot fail.
@@ -946,6 +970,32 @@ mod tests {
 
     fn secs(s: u64) -> Duration {
         Duration::from_secs(s)
+    }
+
+    #[test]
+    fn touched_records_the_epoch_of_the_last_transaction() {
+        let mut t = table();
+        t.set_epoch(3);
+        t.create_flow(key(1), st(0)).unwrap();
+        t.add_alias(&key(1), alias_of(1)).unwrap();
+        assert_eq!(t.touched(&key(1)), Some(3));
+        t.set_epoch(9);
+        // Reading (peek, refcount) is not a transaction.
+        assert_eq!(t.peek(&key(1)).map(|s| s.count), Some(0));
+        assert_eq!(t.touched(&key(1)), Some(3));
+        let r = t.get_flow(&alias_of(1)).unwrap();
+        t.set_epoch(10);
+        t.put_flow(r, false);
+        assert_eq!(t.touched(&key(1)), Some(9));
+        assert_eq!(t.touched(&alias_of(1)), Some(9));
+        assert_eq!(t.touched(&key(2)), None);
+        // An imported flow is stamped with the importer's epoch, not the exporter's.
+        let bytes = t.export_flow(&key(1), Instant::now()).unwrap();
+        assert_eq!(t.touched(&key(1)), None);
+        let mut u = table();
+        u.set_epoch(42);
+        u.import_flow(&bytes, Instant::now()).unwrap();
+        assert_eq!(u.touched(&key(1)), Some(42));
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! packets of incoming flows, forwarding late packets of outgoing ones, exporting at a quiet
 //! round, importing batches and releasing holds in order.
 
-use super::{idx, Engine, Rx, SIDES};
+use super::{Engine, Rx};
 use crate::migrate::{
     self, Hold, OutMig, Outbound, PeerEvent, PeerMsg, Phase, WirePacket, MAX_HOLD_KEYS,
     MAX_OUT_MIGRATIONS,
@@ -142,6 +142,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             deadline: now + migrate::BUSY_WAIT,
             settle_since: None,
             settle_us: 0,
+            settle_mark: None,
         });
     }
 
@@ -211,9 +212,31 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             .neigh
             .iter()
             .all(|n| n.snapshot().iter().all(|e| e.2 == 0));
-        for s in SIDES {
-            let port = &mut self.ports[idx(s)];
-            let mark = port.tx_mark();
+        // The output that matters is the moving flows': everything the ports had queued at
+        // the end of the last round that worked on one of them. A mark retaken every round
+        // would chase the other flows' traffic and never settle on a busy port.
+        let last_touched = m
+            .keys
+            .iter()
+            .filter_map(|k| self.ctx.flows.touched(k))
+            .max()
+            .unwrap_or(0);
+        let round = self.stats.rounds;
+        let marks = match m.settle_mark {
+            Some((r, marks)) if last_touched <= r => marks,
+            // Untouched this round: the marks from the round's start cover its output and
+            // not this round's frames of other flows.
+            _ if last_touched < round => {
+                m.settle_mark = Some((round - 1, self.round_start_marks));
+                self.round_start_marks
+            }
+            _ => {
+                let marks = [0, 1].map(|i| self.ports[i].tx_mark());
+                m.settle_mark = Some((round, marks));
+                marks
+            }
+        };
+        for (port, mark) in self.ports.iter_mut().zip(marks) {
             settled = settled && port.tx_settled(mark);
         }
         let since = match (settled, m.settle_since) {

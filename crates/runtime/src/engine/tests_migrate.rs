@@ -552,6 +552,46 @@ fn the_export_waits_until_the_source_output_left_the_kernel() {
     assert_eq!((st.tx_settle_waits, st.tx_settle_timeouts), (1, 0));
 }
 
+/// Other flows keep the source's port busy (their frames are always in flight): the move
+/// waits only for the moving flow's own output, not for a queue that never empties.
+#[test]
+fn a_busy_port_does_not_hold_up_a_quiet_flow() {
+    let mut p = Pair::new(MAX_HELD_PACKETS);
+    let k = key(6300);
+    p.send(0, 6300, 0);
+    p.round();
+    p.e[0].port_mut(Side::Outside).set_hold_tx(true);
+    p.send(0, 6300, 1);
+    p.round();
+    p.migrate_in(1, &[k]);
+    let rx = p.migrate_out(0, 1, &[k]);
+    let mut reply = None;
+    for i in 0..10 {
+        // Another flow's output joins the queue every round and stays there.
+        p.send(0, 6301, i);
+        p.round();
+        if i == 2 {
+            // Only the moving flow's frame (the oldest) leaves the kernel.
+            assert_eq!(p.e[0].port_mut(Side::Outside).complete_tx(1), 1);
+        }
+        if let Ok(v) = rx.try_recv() {
+            reply = Some(v);
+            break;
+        }
+    }
+    let v = reply.expect("the move finished while the port stayed busy");
+    assert_eq!(v["moved"], 1, "{v}");
+    assert!(p.e[0].port_mut(Side::Outside).tx_in_flight() > 0);
+    let st = p.e[0].migrate_stats();
+    assert_eq!((st.tx_settle_waits, st.tx_settle_timeouts), (1, 0));
+    p.e[0].port_mut(Side::Outside).set_hold_tx(false);
+    for seq in 2..4 {
+        p.send(1, 6300, seq);
+        p.round();
+    }
+    p.assert_in_order([6300].into_iter(), 4);
+}
+
 /// Output that never leaves the kernel does not stall a move for ever: past the bound the
 /// source exports anyway and counts it.
 #[test]
