@@ -27,12 +27,10 @@ use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::io::{self, BufReader};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 #[derive(Clone, Debug)]
@@ -146,9 +144,7 @@ struct Shared {
     replicas: Mutex<HashMap<ReplicaId, String>>,
     stop: AtomicBool,
     c: Counters,
-    /// Clones of open connections, so Drop can shut them down and unblock their threads.
-    conns: Mutex<HashMap<u64, UnixStream>>,
-    threads: Mutex<Vec<JoinHandle<()>>>,
+    conns: crate_unix::ConnThreads,
 }
 
 impl Shared {
@@ -181,28 +177,14 @@ impl Shared {
 /// A running hub. Drop stops accepting, closes every connection, joins the threads and
 /// unlinks the socket (if it is still the one this hub bound).
 pub struct HubServer {
-    path: PathBuf,
-    inode: (u64, u64),
+    socket: crate_unix::ServerSocket,
     shared: Arc<Shared>,
-    stop_w: Option<UnixStream>,
-    accept: Option<JoinHandle<()>>,
 }
 
 impl HubServer {
     /// Listens at `path` (mode 0600; a stale socket file left by a dead process is replaced, a
     /// live one is `InUse`) and serves authenticated clients until dropped.
     pub fn start(path: &Path, secret: Secret, cfg: HubConfig) -> Result<HubServer, CoherenceError> {
-        let io_err = |source| CoherenceError::Io {
-            path: path.to_path_buf(),
-            source,
-        };
-        let listener = bind(path)?;
-        // bind(2) creates the node with the umask's mode; tighten it at once (the uid check and
-        // the HMAC guard the short window).
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(io_err)?;
-        let meta = std::fs::symlink_metadata(path).map_err(io_err)?;
-        listener.set_nonblocking(true).map_err(io_err)?;
-        let (stop_r, stop_w) = UnixStream::pair().map_err(io_err)?;
         let base = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX / 2));
@@ -214,26 +196,27 @@ impl HubServer {
             replicas: Mutex::new(HashMap::new()),
             stop: AtomicBool::new(false),
             c: Counters::default(),
-            conns: Mutex::new(HashMap::new()),
-            threads: Mutex::new(Vec::new()),
+            conns: crate_unix::ConnThreads::default(),
         });
         let sh = shared.clone();
-        let accept = std::thread::Builder::new()
-            .name("coherence-accept".into())
-            .spawn(move || accept_loop(listener, stop_r, sh))
-            .map_err(CoherenceError::Spawn)?;
-        tracing::info!(path = %path.display(), "coherence hub listening");
-        Ok(HubServer {
-            path: path.to_path_buf(),
-            inode: (meta.dev(), meta.ino()),
-            shared,
-            stop_w: Some(stop_w),
-            accept: Some(accept),
+        let p = || path.to_path_buf();
+        let socket = crate_unix::ServerSocket::start(path, "coherence-accept", move |l, stop| {
+            accept_loop(l, stop, sh)
         })
+        .map_err(|e| {
+            e.map(
+                || CoherenceError::InUse { path: p() },
+                || CoherenceError::NotASocket { path: p() },
+                |source| CoherenceError::Io { path: p(), source },
+                CoherenceError::Spawn,
+            )
+        })?;
+        tracing::info!(path = %path.display(), "coherence hub listening");
+        Ok(HubServer { socket, shared })
     }
 
     pub fn path(&self) -> &Path {
-        &self.path
+        self.socket.path()
     }
 
     pub fn stats(&self) -> HubStats {
@@ -254,104 +237,34 @@ impl HubServer {
 impl Drop for HubServer {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
-        // Closing our end makes the accept thread's poll see the stop fd readable (EOF).
-        drop(self.stop_w.take());
-        if let Some(t) = self.accept.take() {
-            let _ = t.join();
-        }
-        for s in lock(&self.shared.conns).values() {
-            let _ = s.shutdown(std::net::Shutdown::Both);
-        }
-        let threads = std::mem::take(&mut *lock(&self.shared.threads));
-        for t in threads {
-            let _ = t.join();
-        }
-        // Unlink only our own socket: a newer hub may have replaced the file meanwhile.
-        crate_unix::remove_if_same(&self.path, self.inode);
+        self.socket.stop_accepting();
+        self.shared.conns.shutdown_and_join();
+        self.socket.unlink();
     }
-}
-
-fn bind(path: &Path) -> Result<UnixListener, CoherenceError> {
-    use crate_unix::BindError;
-    crate_unix::bind_replacing_stale(path).map_err(|e| match e {
-        BindError::InUse => CoherenceError::InUse {
-            path: path.to_path_buf(),
-        },
-        BindError::NotASocket => CoherenceError::NotASocket {
-            path: path.to_path_buf(),
-        },
-        BindError::Io(source) => CoherenceError::Io {
-            path: path.to_path_buf(),
-            source,
-        },
-    })
 }
 
 fn accept_loop(listener: UnixListener, stop_r: UnixStream, sh: Arc<Shared>) {
-    let mut next_id: u64 = 0;
-    loop {
-        match crate_unix::wait_accept_or_stop(&listener, &stop_r) {
-            crate_unix::Wake::Accept => {}
-            crate_unix::Wake::Stop => return,
-            crate_unix::Wake::Failed(e) => {
-                tracing::error!(error = %e, "coherence hub accept loop: poll failed");
-                return;
-            }
-        }
-        if sh.stop.load(Ordering::SeqCst) {
-            return;
-        }
-        loop {
-            let stream = match listener.accept() {
-                Ok((s, _)) => s,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => {
-                    // EMFILE and friends: back off instead of spinning on a readable listener.
-                    tracing::warn!(error = %e, "coherence hub accept failed");
-                    std::thread::sleep(Duration::from_millis(10));
-                    break;
-                }
-            };
-            bump(&sh.c.connections);
-            // The listener is non-blocking; accepted sockets must block (with timeouts).
-            if stream.set_nonblocking(false).is_err() {
-                continue;
-            }
-            let mut threads = lock(&sh.threads);
-            threads.retain(|t| !t.is_finished());
-            if threads.len() >= sh.cfg.max_connections {
+    crate_unix::accept_until_stopped(&listener, &stop_r, &sh.stop, "coherence hub", |stream| {
+        bump(&sh.c.connections);
+        let s2 = sh.clone();
+        let max = sh.cfg.max_connections;
+        let spawned = sh
+            .conns
+            .spawn(stream, max, "coherence-conn", move |stream| {
+                s2.c.active.fetch_add(1, Ordering::Relaxed);
+                serve_conn(stream, &s2);
+                s2.c.active.fetch_sub(1, Ordering::Relaxed);
+            });
+        match spawned {
+            Ok(()) => {}
+            Err(crate_unix::SpawnRefused::OverBound) => {
                 bump(&sh.c.over_bound);
-                tracing::warn!(
-                    max = sh.cfg.max_connections,
-                    "coherence hub connection refused: too many open"
-                );
-                continue;
+                tracing::warn!(max, "coherence hub connection refused: too many open");
             }
-            let id = next_id;
-            next_id += 1;
-            let Ok(clone) = stream.try_clone() else {
-                continue;
-            };
-            lock(&sh.conns).insert(id, clone);
-            let s2 = sh.clone();
-            let spawned = std::thread::Builder::new()
-                .name("coherence-conn".into())
-                .spawn(move || {
-                    s2.c.active.fetch_add(1, Ordering::Relaxed);
-                    serve_conn(stream, &s2);
-                    s2.c.active.fetch_sub(1, Ordering::Relaxed);
-                    lock(&s2.conns).remove(&id);
-                });
-            match spawned {
-                Ok(t) => threads.push(t),
-                Err(e) => {
-                    lock(&sh.conns).remove(&id);
-                    tracing::warn!(error = %e, "coherence hub connection dropped: no thread");
-                }
-            }
+            Err(e) => tracing::warn!(error = ?e, "coherence hub connection dropped"),
         }
-    }
+        std::ops::ControlFlow::Continue(())
+    });
 }
 
 /// Per-connection buffers, reused for every frame.

@@ -44,9 +44,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::io::{self, Read, Write};
 use std::ops::ControlFlow;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
@@ -175,12 +174,9 @@ struct Shared {
 /// The network logger. Drop stops both threads, closes every connection and unlinks the
 /// socket if it is still the one this server bound.
 pub struct LoggerServer {
-    path: PathBuf,
-    inode: (u64, u64),
+    socket: ha_unix::ServerSocket,
     shared: Arc<Shared>,
     ctl: Sender<Ctl>,
-    stop_w: Option<UnixStream>,
-    accept: Option<JoinHandle<()>>,
     io: Option<JoinHandle<()>>,
 }
 
@@ -197,23 +193,6 @@ impl LoggerServer {
             path: path.to_path_buf(),
             source,
         };
-        let listener = ha_unix::bind_replacing_stale(path).map_err(|e| match e {
-            ha_unix::BindError::InUse => NetError::InUse {
-                path: path.to_path_buf(),
-            },
-            ha_unix::BindError::NotASocket => NetError::NotASocket {
-                path: path.to_path_buf(),
-            },
-            ha_unix::BindError::Io(source) => NetError::Io {
-                path: path.to_path_buf(),
-                source,
-            },
-        })?;
-        // bind(2) used the umask; the uid check and the HMAC guard the short window.
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(io_err)?;
-        let inode = ha_unix::file_id(path).map_err(io_err)?;
-        listener.set_nonblocking(true).map_err(io_err)?;
-        let (stop_r, stop_w) = UnixStream::pair().map_err(io_err)?;
         let (wake_r, wake_w) = UnixStream::pair().map_err(io_err)?;
         wake_r.set_nonblocking(true).map_err(io_err)?;
         wake_w.set_nonblocking(true).map_err(io_err)?;
@@ -239,32 +218,35 @@ impl LoggerServer {
             .name("ftmb-logger-io".into())
             .spawn(move || io_loop(inner, wake_r, inc_rx, ctl_rx))
             .map_err(NetError::Spawn)?;
-        let accept = std::thread::Builder::new()
-            .name("ftmb-logger-accept".into())
-            .spawn(move || accept_loop(listener, stop_r, sh, secret, opts, inc_tx));
-        let accept = match accept {
-            Ok(a) => a,
+        let socket = ha_unix::ServerSocket::start(path, "ftmb-logger-accept", move |l, stop| {
+            accept_loop(l, stop, sh, secret, opts, inc_tx)
+        });
+        let socket = match socket {
+            Ok(s) => s,
             Err(e) => {
                 shared.stop.store(true, Ordering::SeqCst);
                 shared.waker.wake();
                 let _ = io.join();
-                return Err(NetError::Spawn(e));
+                let p = || path.to_path_buf();
+                return Err(e.map(
+                    || NetError::InUse { path: p() },
+                    || NetError::NotASocket { path: p() },
+                    |source| NetError::Io { path: p(), source },
+                    NetError::Spawn,
+                ));
             }
         };
         tracing::info!(path = %path.display(), "ftmb logger listening");
         Ok(LoggerServer {
-            path: path.to_path_buf(),
-            inode,
+            socket,
             shared,
             ctl: ctl_tx,
-            stop_w: Some(stop_w),
-            accept: Some(accept),
             io: Some(io),
         })
     }
 
     pub fn path(&self) -> &Path {
-        &self.path
+        self.socket.path()
     }
 
     /// Runs `f` on the I/O thread, after everything it is doing now.
@@ -312,15 +294,12 @@ impl LoggerServer {
 impl Drop for LoggerServer {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
-        drop(self.stop_w.take());
         self.shared.waker.wake();
-        if let Some(t) = self.accept.take() {
-            let _ = t.join();
-        }
+        self.socket.stop_accepting();
         if let Some(t) = self.io.take() {
             let _ = t.join();
         }
-        ha_unix::remove_if_same(&self.path, self.inode);
+        self.socket.unlink();
     }
 }
 

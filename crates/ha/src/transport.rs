@@ -41,7 +41,6 @@ use std::collections::{BTreeMap, HashMap};
 use std::io::{self, BufReader, Read};
 use std::ops::ControlFlow;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -189,19 +188,14 @@ struct ServerShared {
     store: Arc<Mutex<StandbyStore>>,
     stop: AtomicBool,
     c: ServerCounters,
-    /// Clones of open connections, so Drop can shut them down and unblock their threads.
-    conns: Mutex<HashMap<u64, UnixStream>>,
-    threads: Mutex<Vec<JoinHandle<()>>>,
+    conns: crate_unix::ConnThreads,
 }
 
 /// The backup's replication listener. Drop stops the accept thread, closes every connection,
 /// joins the threads and unlinks the socket (if it is still the one this server bound).
 pub struct ReplServer {
-    path: PathBuf,
-    inode: (u64, u64),
+    socket: crate_unix::ServerSocket,
     shared: Arc<ServerShared>,
-    stop_w: Option<UnixStream>,
-    accept: Option<JoinHandle<()>>,
 }
 
 impl ReplServer {
@@ -215,42 +209,32 @@ impl ReplServer {
         secret: Secret,
         store: Arc<Mutex<StandbyStore>>,
     ) -> Result<ReplServer, TransportError> {
-        let io_err = |source| TransportError::Io {
-            path: path.to_path_buf(),
-            source,
-        };
-        let listener = bind(path)?;
-        // bind(2) creates the node with the umask's mode; tighten it before anyone could
-        // pass the handshake anyway (the uid check and the HMAC guard the short window).
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(io_err)?;
-        let meta = std::fs::symlink_metadata(path).map_err(io_err)?;
-        listener.set_nonblocking(true).map_err(io_err)?;
-        let (stop_r, stop_w) = UnixStream::pair().map_err(io_err)?;
         let shared = Arc::new(ServerShared {
             secret,
             store,
             stop: AtomicBool::new(false),
             c: ServerCounters::default(),
-            conns: Mutex::new(HashMap::new()),
-            threads: Mutex::new(Vec::new()),
+            conns: crate_unix::ConnThreads::default(),
         });
         let sh = shared.clone();
-        let accept = std::thread::Builder::new()
-            .name("ha-repl-accept".into())
-            .spawn(move || accept_loop(listener, stop_r, sh))
-            .map_err(TransportError::Spawn)?;
-        tracing::info!(path = %path.display(), "replication server listening");
-        Ok(ReplServer {
-            path: path.to_path_buf(),
-            inode: (meta.dev(), meta.ino()),
-            shared,
-            stop_w: Some(stop_w),
-            accept: Some(accept),
+        let p = || path.to_path_buf();
+        let socket = crate_unix::ServerSocket::start(path, "ha-repl-accept", move |l, stop| {
+            accept_loop(l, stop, sh)
         })
+        .map_err(|e| {
+            e.map(
+                || TransportError::InUse { path: p() },
+                || TransportError::NotASocket { path: p() },
+                |source| TransportError::Io { path: p(), source },
+                TransportError::Spawn,
+            )
+        })?;
+        tracing::info!(path = %path.display(), "replication server listening");
+        Ok(ReplServer { socket, shared })
     }
 
     pub fn path(&self) -> &Path {
-        &self.path
+        self.socket.path()
     }
 
     pub fn stats(&self) -> ServerStats {
@@ -277,78 +261,33 @@ impl ReplServer {
 impl Drop for ReplServer {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
-        // Closing our end makes the accept thread's poll see the stop fd readable (EOF).
-        drop(self.stop_w.take());
-        if let Some(t) = self.accept.take() {
-            let _ = t.join();
-        }
-        for s in lock(&self.shared.conns).values() {
-            let _ = s.shutdown(std::net::Shutdown::Both);
-        }
-        let threads = std::mem::take(&mut *lock(&self.shared.threads));
-        for t in threads {
-            let _ = t.join();
-        }
-        // Unlink only our own socket: a newer server may have replaced the file meanwhile.
-        crate_unix::remove_if_same(&self.path, self.inode);
+        self.socket.stop_accepting();
+        self.shared.conns.shutdown_and_join();
+        self.socket.unlink();
     }
 }
 
-fn bind(path: &Path) -> Result<UnixListener, TransportError> {
-    use crate_unix::BindError;
-    crate_unix::bind_replacing_stale(path).map_err(|e| match e {
-        BindError::InUse => TransportError::InUse {
-            path: path.to_path_buf(),
-        },
-        BindError::NotASocket => TransportError::NotASocket {
-            path: path.to_path_buf(),
-        },
-        BindError::Io(source) => TransportError::Io {
-            path: path.to_path_buf(),
-            source,
-        },
-    })
-}
-
 fn accept_loop(listener: UnixListener, stop_r: UnixStream, sh: Arc<ServerShared>) {
-    let mut next_id: u64 = 0;
     crate_unix::accept_until_stopped(&listener, &stop_r, &sh.stop, "replication", |stream| {
         sh.c.connections.fetch_add(1, Ordering::Relaxed);
-        let mut threads = lock(&sh.threads);
-        threads.retain(|t| !t.is_finished());
-        if threads.len() >= MAX_CONNECTIONS {
-            sh.c.over_bound.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(
-                max = MAX_CONNECTIONS,
-                "replication connection refused: too many open"
-            );
-            return ControlFlow::Continue(());
-        }
-        let id = next_id;
-        next_id += 1;
-        let clone = match stream.try_clone() {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::warn!(error = %e, "replication connection dropped: cannot clone");
-                return ControlFlow::Continue(());
-            }
-        };
-        lock(&sh.conns).insert(id, clone);
         let s2 = sh.clone();
-        let spawned = std::thread::Builder::new()
-            .name("ha-repl-conn".into())
-            .spawn(move || {
+        let spawned = sh
+            .conns
+            .spawn(stream, MAX_CONNECTIONS, "ha-repl-conn", move |stream| {
                 s2.c.active.fetch_add(1, Ordering::Relaxed);
                 serve_conn(stream, &s2);
                 s2.c.active.fetch_sub(1, Ordering::Relaxed);
-                lock(&s2.conns).remove(&id);
             });
         match spawned {
-            Ok(t) => threads.push(t),
-            Err(e) => {
-                lock(&sh.conns).remove(&id);
-                tracing::warn!(error = %e, "replication connection dropped: no thread");
+            Ok(()) => {}
+            Err(crate_unix::SpawnRefused::OverBound) => {
+                sh.c.over_bound.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    max = MAX_CONNECTIONS,
+                    "replication connection refused: too many open"
+                );
             }
+            Err(e) => tracing::warn!(error = ?e, "replication connection dropped"),
         }
         ControlFlow::Continue(())
     });
@@ -1200,7 +1139,7 @@ mod tests {
     fn checkpoints_are_applied_and_acked_in_order() {
         let d = TempDir::new();
         let (srv, store, path) = server(&d);
-        let mode = std::fs::metadata(&path).unwrap().mode() & 0o777;
+        let mode = std::os::unix::fs::MetadataExt::mode(&std::fs::metadata(&path).unwrap()) & 0o777;
         assert_eq!(mode, 0o600);
         let s = ReplSender::start(&path, secret(1), "r1", 1, opts(5_000));
         assert_eq!(wait_up(&s), vec![]);

@@ -2,7 +2,8 @@
 //! checked with SO_PEERCRED), carrying length-prefixed [`PeerMsg`] frames.
 //!
 //! The packet thread does the socket I/O itself, non-blocking, from [`PeerLink::pump`] (once
-//! per round, at most every [`PUMP_EVERY`] while traffic keeps it busy, at once after a
+//! per round, at most every [`PUMP_EVERY`] while traffic keeps it busy and a migration is
+//! under way, every [`PUMP_IDLE_EVERY`] when none is, at once after a
 //! sleep) and [`PeerLink::send`] (which writes at once). Why not helper threads: a migration's
 //! pause is a chain of wake-ups, and a thread between the packet thread and the socket adds
 //! one per message on each side — source engine -> sender thread -> socket -> reader thread ->
@@ -41,6 +42,9 @@ pub const OUT_BUF_MAX: usize = 4 * MAX_FRAME_BYTES;
 /// While the packet thread is busy, the sockets are looked at this often at most (one
 /// epoll_wait per look); right after a sleep, at once.
 pub const PUMP_EVERY: Duration = Duration::from_micros(20);
+/// The same while no migration holds, forwards or waits (one epoll_wait per look costs
+/// ~1 us; at 20 us that would be a few per cent of a busy packet thread for nothing).
+pub const PUMP_IDLE_EVERY: Duration = Duration::from_micros(200);
 /// Bytes read per read(2) at most.
 const READ_CHUNK: usize = 256 << 10;
 
@@ -119,13 +123,14 @@ impl PeerLink {
         }
     }
 
-    /// Socket I/O: accepts, reads what arrived, writes what waits. `now` paces it while the
-    /// engine is busy; `force` skips the pacing (the engine just woke up).
-    pub fn pump(&mut self, now: Instant, force: bool) {
+    /// Socket I/O: accepts, reads what arrived, writes what waits. `now` paces it to one
+    /// look per `every` while the engine is busy; `force` skips the pacing (the engine just
+    /// woke up).
+    pub fn pump(&mut self, now: Instant, force: bool, every: Duration) {
         if let Inner::Sockets(s) = &mut self.inner {
             if force
                 || s.last_pump
-                    .is_none_or(|t| now.saturating_duration_since(t) >= PUMP_EVERY)
+                    .is_none_or(|t| now.saturating_duration_since(t) >= every)
             {
                 s.last_pump = Some(now);
                 s.pump();
@@ -847,8 +852,8 @@ mod tests {
         cond: impl Fn(&[PeerEvent]) -> bool,
     ) {
         for _ in 0..2000 {
-            a.pump(Instant::now(), true);
-            b.pump(Instant::now(), true);
+            a.pump(Instant::now(), true, PUMP_EVERY);
+            b.pump(Instant::now(), true, PUMP_EVERY);
             while let Some(e) = b.next_event() {
                 got.push(e);
             }
@@ -969,7 +974,7 @@ mod tests {
         drop((b, sb)); // the destination goes away without answering
         let mut failed = None;
         for _ in 0..2000 {
-            a.pump(Instant::now(), true);
+            a.pump(Instant::now(), true, PUMP_EVERY);
             if let Some(e) = a.next_event() {
                 failed = Some(e);
                 break;
@@ -1007,7 +1012,7 @@ mod tests {
         let mut got = Vec::new();
         pump_until(&mut a, &mut b, &mut got, |g| !g.is_empty());
         for _ in 0..20 {
-            b.pump(Instant::now(), true);
+            b.pump(Instant::now(), true, PUMP_EVERY);
             got.extend(std::iter::from_fn(|| b.next_event()));
         }
         assert_eq!(got.len(), 1, "{got:?}");
@@ -1036,8 +1041,8 @@ mod tests {
         }
         // The destination reads only up to its bound while nobody takes events.
         for _ in 0..50 {
-            a.pump(Instant::now(), true);
-            b.pump(Instant::now(), true);
+            a.pump(Instant::now(), true, PUMP_EVERY);
+            b.pump(Instant::now(), true, PUMP_EVERY);
         }
         assert!(b.has_pending());
         let mut got = Vec::new();

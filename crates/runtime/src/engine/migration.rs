@@ -411,8 +411,13 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
     /// Handles what the peer transport delivered since the last round.
     pub(super) fn poll_peer(&mut self, now: Instant) {
         let force = std::mem::take(&mut self.peer_pump_due);
+        let every = if self.mig.active() || !self.mig.out.is_empty() {
+            crate::peer::PUMP_EVERY
+        } else {
+            crate::peer::PUMP_IDLE_EVERY
+        };
         if let Some(p) = self.peer.as_mut() {
-            p.pump(now, force);
+            p.pump(now, force, every);
         }
         for _ in 0..PEER_EVENTS_PER_ROUND {
             let Some(ev) = self.peer.as_mut().and_then(PeerLink::next_event) else {
