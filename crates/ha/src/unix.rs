@@ -438,7 +438,10 @@ mod tests {
         })
         .unwrap();
         let mode = std::fs::metadata(&path).unwrap().permissions();
-        assert_eq!(std::os::unix::fs::PermissionsExt::mode(&mode) & 0o777, 0o600);
+        assert_eq!(
+            std::os::unix::fs::PermissionsExt::mode(&mode) & 0o777,
+            0o600
+        );
         let mut a = UnixStream::connect(&path).unwrap();
         a.write_all(b"k").unwrap();
         let mut b = [0u8; 1];

@@ -247,6 +247,39 @@ fn control_answers_carry_counters() {
     assert!(e.stop_requested());
 }
 
+/// An idle engine with its control socket and peer channel sleeps in poll(2) instead of
+/// spinning: every fd it polls stays quiet until something arrives. (A closed wake-up pair once
+/// left an fd readable for ever; under SCHED_FIFO two such replicas starved the machine.) A
+/// request through the socket still wakes it and is answered.
+#[test]
+fn an_idle_engine_sleeps_and_a_control_request_wakes_it() {
+    let dir = std::env::temp_dir().join(format!("pliant-idle-{}", std::process::id()));
+    let ctl = dir.join("r.sock");
+    let peer = dir.join("r.peer.sock");
+    let (mut e, _) = engine();
+    let (_server, handle) = crate::control::start(ctl.to_str().unwrap(), None).unwrap();
+    e.set_control(handle);
+    let (_ps, link) = crate::peer::start(peer.to_str().unwrap()).unwrap();
+    e.set_peer(link);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = stop.clone();
+    let t = std::thread::spawn(move || {
+        e.run_paced(&flag, Duration::ZERO).unwrap();
+        e
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let v = crate::control::client_request(ctl.to_str().unwrap(), "stats").unwrap();
+    assert_eq!(v["ok"], true, "{v}");
+    let rounds = v["engine"]["rounds"].as_u64().unwrap();
+    // Idle for 300 ms with a 100 ms poll timeout: a handful of rounds, not thousands.
+    assert!(rounds < 50, "an idle engine ran {rounds} rounds in 300 ms");
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    // The stop flag is read after the next wake-up (at most the poll timeout).
+    let e = t.join().unwrap();
+    assert!(e.stats().sleeps >= 2, "{:?}", e.stats().sleeps);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// Invariant 8: no input crashes the packet path. Random bytes and randomly mutated valid
 /// frames (IP, ARP) on both ports; every frame is accounted for as processed or dropped.
 #[test]

@@ -173,7 +173,16 @@ pub fn start<F: FtmbNf>(nf: F, opts: FtmbOptions) -> Result<Box<dyn FtmbMode>, S
         ctl.push(ctx);
         pubs.push(publ);
     }
-    let status = Arc::new(Mutex::new(CoordStatus::default()));
+    // Session generations start at the process's start time in microseconds, not at 1: a
+    // replica restarted under the same name (a scaled-out replica reusing a freed index) must
+    // not present a generation that a logger fenced when the earlier process failed over.
+    let incarnation = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX / 2));
+    let status = Arc::new(Mutex::new(CoordStatus {
+        session_epoch: incarnation,
+        ..CoordStatus::default()
+    }));
     let recovering = Arc::new(AtomicUsize::new(0));
     let coord = Coord {
         nf: Arc::clone(&nf),
