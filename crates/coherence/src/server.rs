@@ -257,7 +257,7 @@ fn accept_loop(listener: UnixListener, stop_r: UnixStream, sh: Arc<Shared>) {
             });
         match spawned {
             Ok(()) => {}
-            Err(crate_unix::SpawnRefused::OverBound) => {
+            Err(crate_unix::SpawnRefused::OverBound(_closed_after_counting)) => {
                 bump(&sh.c.over_bound);
                 tracing::warn!(max, "coherence hub connection refused: too many open");
             }

@@ -280,7 +280,7 @@ fn accept_loop(listener: UnixListener, stop_r: UnixStream, sh: Arc<ServerShared>
             });
         match spawned {
             Ok(()) => {}
-            Err(crate_unix::SpawnRefused::OverBound) => {
+            Err(crate_unix::SpawnRefused::OverBound(_closed_after_counting)) => {
                 sh.c.over_bound.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(
                     max = MAX_CONNECTIONS,

@@ -324,8 +324,9 @@ impl ServerSocket {
 /// Why [`ConnThreads::spawn`] did not start a thread (the connection is dropped).
 #[derive(Debug)]
 pub enum SpawnRefused {
-    /// `max` connection threads are running.
-    OverBound,
+    /// `max` connection threads are running. The stream is handed back so the caller can
+    /// count the refusal before the peer sees its connection close.
+    OverBound(UnixStream),
     /// The stream could not be cloned for shutdown.
     Clone(io::Error),
     /// No thread could be spawned.
@@ -359,7 +360,7 @@ impl ConnThreads {
         let mut threads = lock(&self.threads);
         threads.retain(|t| !t.is_finished());
         if threads.len() >= max {
-            return Err(SpawnRefused::OverBound);
+            return Err(SpawnRefused::OverBound(stream));
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let clone = stream.try_clone().map_err(SpawnRefused::Clone)?;
@@ -430,8 +431,9 @@ mod tests {
                         let _ = s.write_all(&b);
                     }
                 });
-                if matches!(served, Err(SpawnRefused::OverBound)) {
+                if let Err(SpawnRefused::OverBound(s)) = served {
                     r2.fetch_add(1, Ordering::SeqCst);
+                    drop(s);
                 }
                 ControlFlow::Continue(())
             })
