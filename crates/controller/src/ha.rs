@@ -455,43 +455,17 @@ pub enum Probe {
 /// Non-blocking connect to `path`, closed at once (see the module doc).
 pub fn probe(path: &Path) -> Probe {
     use std::os::unix::ffi::OsStrExt;
-    let bytes = path.as_os_str().as_bytes();
-    // SAFETY: sockaddr_un is plain old data; zeroed is a valid value.
-    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
-    if bytes.len() >= addr.sun_path.len() {
-        return Probe::Unknown(format!("socket path too long: {}", path.display()));
-    }
-    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
-    for (d, s) in addr.sun_path.iter_mut().zip(bytes) {
-        *d = *s as libc::c_char;
-    }
-    // SAFETY: plain socket(2); the fd is closed below on every path.
-    let fd = unsafe {
-        libc::socket(
-            libc::AF_UNIX,
-            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
-            0,
-        )
+    let Ok(p) = std::str::from_utf8(path.as_os_str().as_bytes()) else {
+        return Probe::Unknown(format!("socket path not UTF-8: {}", path.display()));
     };
-    if fd < 0 {
-        return Probe::Unknown(format!("socket: {}", std::io::Error::last_os_error()));
-    }
-    let len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
-    // SAFETY: addr is a valid sockaddr_un of `len` bytes; fd is ours.
-    let r = unsafe { libc::connect(fd, &addr as *const _ as *const libc::sockaddr, len) };
-    let err = std::io::Error::last_os_error();
-    // SAFETY: closing the fd we opened.
-    unsafe {
-        libc::close(fd);
-    }
-    if r == 0 {
-        return Probe::Listening;
-    }
-    match err.raw_os_error() {
-        Some(libc::ECONNREFUSED) | Some(libc::ENOENT) => Probe::Dead(format!("connect: {err}")),
-        // A unix stream connect completes or fails at once; EINPROGRESS does not happen, and
-        // EAGAIN means the listener's backlog is full (alive but busy).
-        _ => Probe::Unknown(format!("connect: {err}")),
+    match pliant_runtime::peer::connect_nonblocking(p) {
+        Ok(_closed_at_once) => Probe::Listening,
+        Err(err) => match err.raw_os_error() {
+            Some(libc::ECONNREFUSED) | Some(libc::ENOENT) => Probe::Dead(format!("connect: {err}")),
+            // A unix stream connect completes or fails at once; EINPROGRESS does not happen,
+            // and EAGAIN means the listener's backlog is full (alive but busy).
+            _ => Probe::Unknown(format!("connect: {err}")),
+        },
     }
 }
 

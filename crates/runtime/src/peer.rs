@@ -389,8 +389,8 @@ fn read_into(
 }
 
 /// A non-blocking connect: a destination whose backlog is full (a hung replica) fails at
-/// once instead of blocking the packet thread.
-fn connect_nonblocking(path: &str) -> std::io::Result<UnixStream> {
+/// once (EAGAIN) instead of blocking the caller. Also the controller's liveness probe.
+pub fn connect_nonblocking(path: &str) -> std::io::Result<UnixStream> {
     let bytes = path.as_bytes();
     // SAFETY: sockaddr_un is plain data.
     let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
