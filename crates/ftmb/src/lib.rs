@@ -25,6 +25,7 @@
 //! snapshots, over authenticated unix sockets to a [`server::LoggerServer`] hosted by another
 //! replica, which hands a standby a [`server::RecoveryBundle`] after a failure.
 
+mod commit;
 pub mod input;
 pub mod logger;
 pub mod master;

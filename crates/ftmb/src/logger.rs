@@ -14,6 +14,7 @@
 //! released outputs of a queue are a prefix of its output stream, in input order, and one
 //! `released_upto` id per queue is enough to recognise duplicates after replay.
 
+use crate::commit::CommitLedger;
 use crate::wire::{Feedback, LogBatch, LogMsg, OutputId, Pal, PalKind, QueueId, VarId, MAX_QUEUES};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
@@ -33,6 +34,8 @@ pub struct LoggerConfig {
     /// (confirmations only let the worker forget retained PALs; one per batch would double the
     /// channel traffic). Keep it well below the worker's `max_retained_pals`.
     pub confirm_every: u64,
+    /// Fault injection for the audit's own tests, see [`LoggerConfig::inject_fault_release_early`].
+    fault_release_early: bool,
 }
 
 impl LoggerConfig {
@@ -44,7 +47,21 @@ impl LoggerConfig {
             max_out_of_order: 4096,
             audit_capacity: 0,
             confirm_every: 1024,
+            fault_release_early: false,
         }
+    }
+
+    /// **Test-only fault**: the release decision treats one missing PAL per queue as logged,
+    /// so an output can leave one PAL too early. It exists so the output-commit audit
+    /// (`audit_violations`) can be shown to count a real early release
+    /// (`tests/net_logger.rs`, `an_early_release_is_caught_by_the_output_commit_audit`).
+    ///
+    /// Off by default. No configuration key, command-line flag or environment variable
+    /// reaches it: the field is private and this call is the only way to set it, and nothing
+    /// outside the tests makes it. A logger built with it says so at `warn` level.
+    #[doc(hidden)]
+    pub fn inject_fault_release_early(&mut self) {
+        self.fault_release_early = true;
     }
 }
 
@@ -100,7 +117,11 @@ pub struct LoggerStats {
     pub input_records: u64,
     /// Batches of another master generation (a dead master's stragglers), refused.
     pub stale_batches: u64,
-    /// A release whose VOR was not covered by logged PALs. Must stay 0.
+    /// Released outputs checked by the output-commit audit when handed out for transmission
+    /// (see `crate::commit`): every output that left this logger.
+    pub audit_checked: u64,
+    /// Of those, outputs whose VOR named a PAL that was not on the log at that moment (per the
+    /// ledger of stored PAL seqs, not the release bookkeeping). Must stay 0.
     pub audit_violations: u64,
     pub audit_dropped: u64,
     pub recoveries: u64,
@@ -177,6 +198,8 @@ pub struct OutputLogger {
     released: Vec<Released>,
     feedback: Vec<(QueueId, Feedback)>,
     audit: VecDeque<AuditEvent>,
+    /// What is on the log, from the storage events alone; only the output-commit audit reads it.
+    ledger: CommitLedger,
     /// Current master generation.
     epoch: u64,
     pub stats: LoggerStats,
@@ -186,6 +209,9 @@ impl OutputLogger {
     pub fn new(cfg: LoggerConfig) -> Result<OutputLogger, LoggerError> {
         if cfg.queues == 0 || cfg.queues > MAX_QUEUES {
             return Err(LoggerError::BadQueueCount(cfg.queues));
+        }
+        if cfg.fault_release_early {
+            tracing::warn!("ftmb output logger built with the test fault `release early`");
         }
         let q = (0..cfg.queues)
             .map(|_| QState {
@@ -200,6 +226,7 @@ impl OutputLogger {
             })
             .collect();
         Ok(OutputLogger {
+            ledger: CommitLedger::new(cfg.queues),
             cfg,
             q,
             released: Vec::new(),
@@ -334,6 +361,7 @@ impl OutputLogger {
         debug_assert_eq!(seq, q.logged + 1);
         q.pals.push_back(pal);
         q.logged = seq;
+        self.ledger.stored(qi, seq);
         self.stats.pals_logged += 1;
         self.audit(AuditEvent::PalLogged {
             queue: qi as QueueId,
@@ -389,8 +417,10 @@ impl OutputLogger {
         Ok(())
     }
 
+    /// The release decision (the audit is `commit::CommitLedger`, checked at hand-out).
     fn covered(&self, vor: &[u64]) -> bool {
-        vor.iter().zip(&self.q).all(|(&v, q)| q.logged >= v)
+        let slack = u64::from(self.cfg.fault_release_early);
+        vor.iter().zip(&self.q).all(|(&v, q)| q.logged + slack >= v)
     }
 
     fn try_release_all(&mut self) {
@@ -407,15 +437,6 @@ impl OutputLogger {
             let Some(h) = self.q[qi].held.pop_front() else {
                 break;
             };
-            // Audit against the stored PALs themselves, not against `logged`.
-            let ok = h
-                .vor
-                .iter()
-                .zip(&self.q)
-                .all(|(&v, q)| q.base + q.pals.len() as u64 >= v);
-            if !ok {
-                self.stats.audit_violations += 1;
-            }
             self.q[qi].released_upto = Some(h.id);
             self.stats.outputs_released += 1;
             if self.cfg.audit_capacity > 0 {
@@ -432,8 +453,26 @@ impl OutputLogger {
         }
     }
 
-    /// Outputs released since the last call, in release order.
+    /// Outputs released since the last call, in release order, for transmission.
+    ///
+    /// This is the only way output leaves the logger, so the output-commit audit runs here:
+    /// each output is checked against the ledger of stored PALs as it is handed out. A
+    /// violation is counted (`audit_violations`); without the test fault it is also a bug,
+    /// asserted in debug builds. Exempt, because nothing leaves: outputs suppressed after a
+    /// recovery (already released once, checked then) and held outputs dropped at a recovery
+    /// or over the hold bound.
     pub fn drain_released(&mut self) -> Vec<Released> {
+        for r in &self.released {
+            self.stats.audit_checked += 1;
+            if !self.ledger.covers(&r.vor) {
+                self.stats.audit_violations += 1;
+                debug_assert!(
+                    self.cfg.fault_release_early,
+                    "output {:?} handed out with VOR {:?} ahead of the stored PALs",
+                    r.id, r.vor
+                );
+            }
+        }
         std::mem::take(&mut self.released)
     }
 
@@ -461,7 +500,7 @@ impl OutputLogger {
     /// starts from, so logging continues at `pal_seq[q] + 1` instead of asking for PALs the
     /// worker no longer has. Queues already logged that far are left alone.
     pub fn start_at(&mut self, pal_seq: &[u64]) {
-        for (q, &s) in self.q.iter_mut().zip(pal_seq) {
+        for (qi, (q, &s)) in self.q.iter_mut().zip(pal_seq).enumerate() {
             if q.logged >= s {
                 continue;
             }
@@ -470,11 +509,13 @@ impl OutputLogger {
             q.logged = s;
             q.reported = s;
             q.requested_from = 0;
+            self.ledger.based(qi, s);
             // Received past the old gap: what the snapshot covers is dropped, the rest waits.
             q.ooo.retain(|&seq, _| seq > s);
             while let Some(p) = q.ooo.remove(&(q.logged + 1)) {
                 q.pals.push_back(p);
                 q.logged += 1;
+                self.ledger.stored(qi, q.logged);
             }
         }
         self.try_release_all();
@@ -582,6 +623,7 @@ impl OutputLogger {
             self.stats.outputs_dropped_on_recovery += q.held.len() as u64;
             q.held.clear();
         }
+        self.ledger.cut(&cut);
         self.stats.recoveries += 1;
         self.epoch += 1;
         self.audit(AuditEvent::Recovered { cut: cut.clone() });
@@ -647,6 +689,25 @@ mod tests {
         assert_eq!(r.len(), 1);
         assert_eq!(r[0].vor, vec![1, 1]);
         assert_eq!(l.stats.audit_violations, 0);
+    }
+
+    #[test]
+    fn the_audit_counts_output_handed_out_ahead_of_its_pals() {
+        let mut cfg = LoggerConfig::new(2);
+        cfg.inject_fault_release_early();
+        let mut l = OutputLogger::new(cfg).unwrap();
+        // As above, but the faulty release decision lets the output go without queue 0's PAL.
+        l.ingest(batch(1, vec![pal(1, 1, 1, 7, 2), out(1, 0, vec![1, 1])]))
+            .unwrap();
+        assert_eq!(l.stats.outputs_released, 1, "released early");
+        assert_eq!((l.stats.audit_checked, l.stats.audit_violations), (0, 0));
+        assert_eq!(l.drain_released().len(), 1);
+        assert_eq!((l.stats.audit_checked, l.stats.audit_violations), (1, 1));
+        // Once the PAL is stored, a dependent output passes the audit.
+        l.ingest(batch(0, vec![pal(0, 1, 1, 7, 1), out(0, 0, vec![1, 1])]))
+            .unwrap();
+        assert_eq!(l.drain_released().len(), 1);
+        assert_eq!((l.stats.audit_checked, l.stats.audit_violations), (2, 1));
     }
 
     #[test]
@@ -731,6 +792,8 @@ mod tests {
         .unwrap();
         assert_eq!(l.stats.outputs_suppressed, 1);
         assert_eq!(l.drain_released().len(), 1);
+        // The released outputs, before and after the cut, had their PALs on the log.
+        assert_eq!((l.stats.audit_checked, l.stats.audit_violations), (2, 0));
         // Snapshot checks.
         assert!(matches!(
             l.recover(&[5, 0], &[]),
@@ -763,6 +826,11 @@ mod tests {
         assert_eq!(l.stats.input_records, 1);
         assert_eq!(l.logged(0), Some(6));
         assert_eq!(l.drain_released().len(), 1, "queue 1 is covered up to 3");
+        assert_eq!(
+            (l.stats.audit_checked, l.stats.audit_violations),
+            (1, 0),
+            "PALs the starting snapshot covers count as stored"
+        );
         assert!(l.drain_feedback().is_empty(), "no resend of covered PALs");
         // A queue already past the position is left alone.
         l.start_at(&[2, 3]);

@@ -59,10 +59,13 @@ fn secret(b: u8) -> Secret {
 type Sink = Arc<Mutex<Vec<Released>>>;
 
 fn server(d: &TempDir) -> (LoggerServer, Sink, PathBuf) {
+    server_with(d, ServerOptions::default())
+}
+
+fn server_with(d: &TempDir, mut opts: ServerOptions) -> (LoggerServer, Sink, PathBuf) {
     let path = d.0.join("logger.ftmb.sock");
     let sink: Sink = Arc::new(Mutex::new(Vec::new()));
     let s2 = sink.clone();
-    let mut opts = ServerOptions::default();
     opts.logger.audit_capacity = 1 << 16;
     let srv = LoggerServer::start(
         &path,
@@ -355,6 +358,7 @@ fn two_workers_release_in_order_with_no_audit_violation() {
     let st = master_status(&srv, "r1");
     assert_eq!(st["logger"]["audit_violations"], 0, "{st}");
     assert_eq!(st["logger"]["outputs_released"], total as u64, "{st}");
+    assert_eq!(st["logger"]["audit_checked"], total as u64, "{st}");
     assert_eq!(st["stats"]["inputs_logged"], total as u64, "{st}");
     assert_eq!(st["epoch"], 7);
     assert_eq!(until("snapshot ack", || link.acked()), 1);
@@ -365,6 +369,107 @@ fn two_workers_release_in_order_with_no_audit_violation() {
     let ns = ws[0].transport_stats().unwrap();
     assert!(ns.frames_sent >= PER_QUEUE && ns.bytes_sent > 0, "{ns:?}");
     assert!(srv.stats().bytes_in > 0);
+}
+
+/// What the early-release scenario saw: the logger's status once everything was released,
+/// whether B left before A's PAL reached the logger, and B's VOR entry for queue 0 next to
+/// queue 0's PAL seq after A.
+struct EarlyRelease {
+    status: serde_json::Value,
+    b_left_before_a: bool,
+    b_vor0: u64,
+    a_pal: u64,
+}
+
+/// Real traffic through the network logger, with queue 0's stream held back so that queue 1's
+/// packet B depends on exactly one PAL the logger does not have: P (a new flow on queue 0) is
+/// sent and released; A (P's flow again: one PAL, the packet counter) stays on worker 0; B (a
+/// flow of queue 1, processed after A, so its VOR names A's PAL) is sent. Once B was released
+/// or is seen waiting with all of queue 1 logged, worker 0 sends A and everything drains.
+fn early_release_scenario(fault: bool) -> EarlyRelease {
+    let d = TempDir::new();
+    let mut opts = ServerOptions::default();
+    if fault {
+        opts.logger.inject_fault_release_early();
+    }
+    let (srv, sink, path) = server_with(&d, opts);
+    let o = NetOptions::default();
+    let mut cfg = MasterConfig::new(2);
+    // Nothing goes out until the test flushes a worker.
+    cfg.batch_packets = u32::MAX;
+    let m = Master::new(cfg).unwrap();
+    let nat = Nat::declare(&m, &initial_image());
+    let mut link = SnapshotLink::connect(&path, &secret(1), "r1", 1, 2, &o).unwrap();
+    let meta = m.snapshot(nat.image(), vec![0; 2]).unwrap();
+    link.send(&snap_msg(1, true, meta, vec![Vec::new(); 2]))
+        .unwrap();
+    let mut ws: Vec<Worker> = (0..2)
+        .map(|q| {
+            let t = NetTransport::connect(&path, &secret(1), "r1", q, 1, &o).unwrap();
+            m.worker(q, Box::new(t)).unwrap()
+        })
+        .collect();
+    let mut ls = [Local::default(), Local::default()];
+    let id = |queue: QueueId, seq: u64| PacketId { queue, seq };
+    let left = |p: PacketId| sink.lock().unwrap().iter().any(|r| r.id.packet == p);
+
+    nat.process(&mut ws[0], &mut ls[0], id(0, 0), &0u32.to_le_bytes())
+        .unwrap();
+    ws[0].flush().unwrap();
+    until("P released", || left(id(0, 0)).then_some(()));
+    let p_pal = ws[0].pal_seq();
+    nat.process(&mut ws[0], &mut ls[0], id(0, 1), &0u32.to_le_bytes())
+        .unwrap();
+    let a_pal = ws[0].pal_seq();
+    assert_eq!(a_pal, p_pal + 1, "A logs exactly one PAL");
+    nat.process(&mut ws[1], &mut ls[1], id(1, 0), &1u32.to_le_bytes())
+        .unwrap();
+    ws[1].flush().unwrap();
+    let b_pals = ws[1].pal_seq();
+    until("B at the logger", || {
+        let st = master_status(&srv, "r1");
+        let waiting = st["held_outputs"] == 1 && st["queues"][1]["logged_pal_seq"] == b_pals;
+        (left(id(1, 0)) || waiting).then_some(())
+    });
+    let b_left_before_a = left(id(1, 0));
+    ws[0].flush().unwrap();
+    until("A and B released", || {
+        (left(id(0, 1)) && left(id(1, 0))).then_some(())
+    });
+    let b_vor0 = sink
+        .lock()
+        .unwrap()
+        .iter()
+        .find(|r| r.id.packet == id(1, 0))
+        .map(|r| r.vor[0])
+        .unwrap();
+    EarlyRelease {
+        status: master_status(&srv, "r1"),
+        b_left_before_a,
+        b_vor0,
+        a_pal,
+    }
+}
+
+#[test]
+fn an_early_release_is_caught_by_the_output_commit_audit() {
+    let r = early_release_scenario(true);
+    let st = &r.status;
+    assert_eq!(r.b_vor0, r.a_pal, "B depends on A's PAL");
+    assert!(r.b_left_before_a, "the fault let B leave without A's PAL");
+    assert_eq!(st["logger"]["audit_checked"], 3, "{st}");
+    // B left one PAL early; P and A left with their PALs on the log.
+    assert_eq!(st["logger"]["audit_violations"], 1, "{st}");
+}
+
+#[test]
+fn without_the_fault_the_same_traffic_passes_the_output_commit_audit() {
+    let r = early_release_scenario(false);
+    let st = &r.status;
+    assert_eq!(r.b_vor0, r.a_pal, "B depends on A's PAL");
+    assert!(!r.b_left_before_a, "B waited for A's PAL");
+    assert_eq!(st["logger"]["audit_checked"], 3, "{st}");
+    assert_eq!(st["logger"]["audit_violations"], 0, "{st}");
 }
 
 #[test]
