@@ -10,9 +10,9 @@
 //! release is a stable filter, not a pop from the front; for one flow, deps never decrease
 //! (see [`output_rule`]), so a flow's packets leave in the order written.
 //!
-//! Every release is audited: the gate records the dep, the tick the covering ack arrived and
-//! the release tick; a release whose dep was not acked first counts as a violation (it must
-//! stay 0; releases of a group made unprotected are counted apart, they are exempt by design).
+//! The gate does not audit itself (an audit that reads the gate's own seqs can only agree with
+//! it): [`crate::audit::ExitAudit`] checks every packet that leaves against the checkpoints sent
+//! and the acks received.
 
 use crate::wire::GroupId;
 use std::collections::VecDeque;
@@ -108,18 +108,6 @@ pub fn direct_rule(remus: Option<&GroupFacts>) -> Verdict {
     }
 }
 
-/// One audited release.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct AuditRecord {
-    pub dep: Dep,
-    /// Tick of the ack that covered `dep.seq` (`None`: released without an ack, i.e. the group
-    /// was made unprotected).
-    pub acked_at: Option<u64>,
-    pub released_at: u64,
-    /// True when `dep` was acknowledged before (or at) the release.
-    pub acked_before_release: bool,
-}
-
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct GateStats {
     pub held: u64,
@@ -129,8 +117,6 @@ pub struct GateStats {
     pub released_unprotected: u64,
     /// Refused because the group's queue was at its bound (the packet is dropped, counted).
     pub dropped_hold_full: u64,
-    pub audit_checked: u64,
-    pub audit_violations: u64,
     /// Acks for a seq that was never opened (ignored, counted).
     pub bogus_acks: u64,
 }
@@ -152,20 +138,15 @@ pub struct OutputGate<T> {
     groups: Vec<GroupQ<T>>,
     max_held: usize,
     pub stats: GateStats,
-    audit: VecDeque<AuditRecord>,
-    max_audit: usize,
 }
 
 impl<T> OutputGate<T> {
-    /// `max_held`: bound on held items per group; `max_audit`: audit records kept (the oldest
-    /// are dropped; the counters cover all).
-    pub fn new(max_held: usize, max_audit: usize) -> Self {
+    /// `max_held`: bound on held items per group.
+    pub fn new(max_held: usize) -> Self {
         OutputGate {
             groups: Vec::new(),
             max_held,
             stats: GateStats::default(),
-            audit: VecDeque::new(),
-            max_audit,
         }
     }
 
@@ -192,8 +173,8 @@ impl<T> OutputGate<T> {
     }
 
     /// Removes a group, releasing what it held into `out` (unprotected releases).
-    pub fn remove_group(&mut self, g: GroupId, tick: u64, out: &mut Vec<T>) {
-        self.release_all(g, tick, out);
+    pub fn remove_group(&mut self, g: GroupId, out: &mut Vec<T>) {
+        self.release_all(g, out);
         self.groups.retain(|q| q.id != g);
     }
 
@@ -241,6 +222,14 @@ impl<T> OutputGate<T> {
         let Some(q) = self.q_mut(dep.group) else {
             return Err(HoldRefused::NoGroup(item));
         };
+        // The output rule only ever names the open epoch or an older one: a later seq would
+        // hold the packet for a checkpoint that does not exist yet.
+        debug_assert!(
+            dep.seq <= q.open_seq,
+            "held for seq {} beyond the open epoch {}",
+            dep.seq,
+            q.open_seq
+        );
         if dep.seq <= q.acked_seq {
             return Err(HoldRefused::Acked(item));
         }
@@ -257,9 +246,8 @@ impl<T> OutputGate<T> {
     }
 
     /// A cumulative ack: `g`'s backup applied every checkpoint up to `seq`. Releases, in held
-    /// order, every item whose dep is now acknowledged into `out`; `tick` is the caller's clock
-    /// (for the audit).
-    pub fn ack(&mut self, g: GroupId, seq: u64, tick: u64, out: &mut Vec<T>) {
+    /// order, every item whose dep is now acknowledged into `out`.
+    pub fn ack(&mut self, g: GroupId, seq: u64, out: &mut Vec<T>) {
         let Some(i) = self.groups.iter().position(|q| q.id == g) else {
             self.stats.bogus_acks += 1;
             return;
@@ -276,52 +264,25 @@ impl<T> OutputGate<T> {
         q.acked_seq = seq;
         let acked = q.acked_seq;
         let mut keep = VecDeque::with_capacity(q.held.len());
-        let mut records = Vec::new();
+        let mut released = 0;
         for h in q.held.drain(..) {
             if h.dep_seq <= acked {
-                records.push(AuditRecord {
-                    dep: Dep {
-                        group: g,
-                        seq: h.dep_seq,
-                    },
-                    acked_at: Some(tick),
-                    released_at: tick,
-                    acked_before_release: h.dep_seq <= acked,
-                });
                 out.push(h.item);
+                released += 1;
             } else {
                 keep.push_back(h);
             }
         }
         q.held = keep;
-        for r in records {
-            self.stats.released += 1;
-            self.record(r);
-        }
+        self.stats.released += released;
     }
 
     /// Releases everything `g` holds (its backup is gone: the group runs unprotected).
-    pub fn release_all(&mut self, g: GroupId, tick: u64, out: &mut Vec<T>) {
+    pub fn release_all(&mut self, g: GroupId, out: &mut Vec<T>) {
         let Some(q) = self.q_mut(g) else { return };
-        let held: Vec<Held<T>> = q.held.drain(..).collect();
-        for h in held {
-            self.stats.released_unprotected += 1;
-            if self.audit.len() >= self.max_audit {
-                self.audit.pop_front();
-            }
-            if self.max_audit > 0 {
-                self.audit.push_back(AuditRecord {
-                    dep: Dep {
-                        group: g,
-                        seq: h.dep_seq,
-                    },
-                    acked_at: None,
-                    released_at: tick,
-                    acked_before_release: false,
-                });
-            }
-            out.push(h.item);
-        }
+        let n = q.held.len() as u64;
+        out.extend(q.held.drain(..).map(|h| h.item));
+        self.stats.released_unprotected += n;
     }
 
     /// Moves held items of `g` that wait for `from` and match `pred` to wait for `to` instead
@@ -337,26 +298,6 @@ impl<T> OutputGate<T> {
             }
         }
         n
-    }
-
-    fn record(&mut self, r: AuditRecord) {
-        self.stats.audit_checked += 1;
-        let ok = r.acked_before_release && r.acked_at.is_some_and(|a| a <= r.released_at);
-        if !ok {
-            self.stats.audit_violations += 1;
-        }
-        if self.max_audit == 0 {
-            return;
-        }
-        if self.audit.len() >= self.max_audit {
-            self.audit.pop_front();
-        }
-        self.audit.push_back(r);
-    }
-
-    /// The most recent audit records (oldest first).
-    pub fn audit(&self) -> impl Iterator<Item = &AuditRecord> {
-        self.audit.iter()
     }
 
     pub fn groups(&self) -> impl Iterator<Item = GroupId> + '_ {
@@ -432,7 +373,7 @@ mod tests {
 
     #[test]
     fn release_on_cumulative_ack_in_order_and_bounds() {
-        let mut gate: OutputGate<u32> = OutputGate::new(3, 16);
+        let mut gate: OutputGate<u32> = OutputGate::new(3);
         gate.add_group(1, 1);
         let d = |seq| Dep { group: 1, seq };
         gate.hold(d(2), 10).unwrap();
@@ -444,19 +385,16 @@ mod tests {
         assert_eq!(gate.close_epoch(1), Some(1));
         assert_eq!(gate.close_epoch(1), Some(2));
         let mut out = Vec::new();
-        gate.ack(1, 1, 100, &mut out);
+        gate.ack(1, 1, &mut out);
         assert_eq!(out, [11], "only dep 1 released; dep 2 items keep waiting");
         assert!(matches!(gate.hold(d(1), 15), Err(HoldRefused::Acked(15))));
-        gate.ack(1, 1, 101, &mut out); // duplicate
+        gate.ack(1, 1, &mut out); // duplicate
         assert_eq!(out, [11]);
-        gate.ack(1, 9, 102, &mut out); // never opened
+        gate.ack(1, 9, &mut out); // never opened
         assert_eq!(gate.stats.bogus_acks, 1);
-        gate.ack(1, 2, 103, &mut out);
+        gate.ack(1, 2, &mut out);
         assert_eq!(out, [11, 10, 12]);
         assert_eq!(gate.stats.released, 3);
-        assert_eq!(gate.stats.audit_checked, 3);
-        assert_eq!(gate.stats.audit_violations, 0);
-        assert!(gate.audit().all(|r| r.acked_at == Some(r.released_at)));
         assert!(matches!(
             gate.hold(Dep { group: 5, seq: 1 }, 1),
             Err(HoldRefused::NoGroup(1))
@@ -465,7 +403,7 @@ mod tests {
 
     #[test]
     fn unprotected_release_and_retarget() {
-        let mut gate: OutputGate<u32> = OutputGate::new(10, 16);
+        let mut gate: OutputGate<u32> = OutputGate::new(10);
         gate.add_group(1, 5);
         assert_eq!(gate.acked_seq(1), Some(4));
         let d = |seq| Dep { group: 1, seq };
@@ -476,16 +414,12 @@ mod tests {
         gate.close_epoch(1);
         gate.close_epoch(1);
         let mut out = Vec::new();
-        gate.ack(1, 5, 1, &mut out);
+        gate.ack(1, 5, &mut out);
         assert_eq!(out, [1], "the retargeted item waits for 6");
         gate.hold(d(7), 3).unwrap();
-        gate.remove_group(1, 2, &mut out);
+        gate.remove_group(1, &mut out);
         assert_eq!(out, [1, 2, 3]);
         assert_eq!(gate.stats.released_unprotected, 2);
-        assert_eq!(
-            gate.stats.audit_violations, 0,
-            "unprotected releases are exempt"
-        );
         assert!(!gate.has_group(1));
     }
 
@@ -519,7 +453,7 @@ mod tests {
             let mut carried: Vec<Vec<(usize, u64)>> = vec![Vec::new()];
             let mut acked_upto = 0u64; // model's view, updated when the ack is delivered
             let mut closed = 0u64;
-            let mut gate: OutputGate<(usize, u64, u64)> = OutputGate::new(1 << 20, 0);
+            let mut gate: OutputGate<(usize, u64, u64)> = OutputGate::new(1 << 20);
             gate.add_group(1, 1);
             let mut protected = true;
             let mut written = [0u64; FLOWS];
@@ -590,14 +524,14 @@ mod tests {
                         if closed > acked_upto {
                             let s = acked_upto + 1 + r.below(closed - acked_upto);
                             acked_upto = s;
-                            gate.ack(1, s, s, &mut out);
+                            gate.ack(1, s, &mut out);
                         }
                     }
                     _ => {
                         if protected && r.below(20) == 0 {
                             // Link death: everything held leaves, unprotected from now on.
                             protected = false;
-                            gate.remove_group(1, 0, &mut out);
+                            gate.remove_group(1, &mut out);
                         }
                     }
                 }
@@ -608,7 +542,6 @@ mod tests {
                     break;
                 }
             }
-            assert_eq!(gate.stats.audit_violations, 0);
         }
     }
 }

@@ -8,11 +8,13 @@
 //! 3. [`transport`] ships it over an authenticated ([`auth`]) unix stream to the backup, where
 //!    [`standby::StandbyStore`] keeps it (never handed to the NF) and the backup acknowledges;
 //! 4. the ack comes back to the primary, where [`gate::OutputGate`] releases the output that
-//!    depended on that checkpoint (design invariant 3).
+//!    depended on that checkpoint (design invariant 3); [`audit::ExitAudit`] checks every
+//!    packet that leaves against the acks themselves, independently of the gate.
 //!
 //! On failover the controller asks the backup to *activate*: the standby records are imported
 //! into the live flow table and steering moves the flows there.
 
+pub mod audit;
 pub mod auth;
 pub mod delta;
 pub mod gate;

@@ -23,6 +23,7 @@
 //! flow changed or deleted while another flow's packet was processed).
 
 use crate::nf::{OutputKind, Packet};
+use pliant_ha::audit::{Exit, ExitAudit};
 use pliant_ha::delta;
 use pliant_ha::gate::{
     direct_rule, output_rule, Dep, FlowFacts, GroupFacts, HoldRefused, OutputGate, Verdict,
@@ -39,8 +40,6 @@ use std::time::{Duration, Instant};
 
 /// Held packets per group at most (beyond: dropped, `dropped_hold_full`).
 pub const MAX_HELD_PER_GROUP: usize = 1 << 16;
-/// Audit records kept for inspection (the counters cover every release).
-pub const MAX_AUDIT: usize = 4096;
 /// Touched keys remembered per round at most; beyond, the round ends with a full sweep.
 pub const MAX_TOUCHED: usize = 1 << 16;
 /// Period of the backstop sweep over the whole flow table.
@@ -103,8 +102,9 @@ pub trait LinkFactory: Send {
 /// A packet held until its checkpoint is acknowledged.
 pub(crate) struct Held {
     pub pkt: Packet,
-    /// The flow's primary key (`None`: direct output held in Remus mode).
-    pub key: Option<FlowKey>,
+    /// What the output-commit audit needs when it leaves; `exit.key` is the flow's primary key
+    /// (`None`: direct output held in Remus mode).
+    pub exit: Exit,
 }
 
 /// Replication record of one protected flow (by primary key).
@@ -197,8 +197,12 @@ pub struct OutStats {
     pub unprotected: u64,
     pub held: u64,
     pub dropped_hold_full: u64,
+    /// Packets of protected groups checked by the output-commit audit when they left.
     pub audit_checked: u64,
+    /// Checked packets that left before their state was acknowledged (must stay 0).
     pub audit_violations: u64,
+    /// Packets that left exempt by design (direct output, unprotected groups).
+    pub audit_exempt: u64,
 }
 
 impl OutStats {
@@ -213,6 +217,7 @@ impl OutStats {
         self.dropped_hold_full += o.dropped_hold_full;
         self.audit_checked += o.audit_checked;
         self.audit_violations += o.audit_violations;
+        self.audit_exempt += o.audit_exempt;
     }
 }
 
@@ -275,9 +280,15 @@ pub struct HaPrimary {
     touched: Vec<FlowKey>,
     touched_overflow: bool,
     pub(crate) gate: OutputGate<Held>,
+    /// Checks every packet that leaves against the checkpoints sent and the acks received,
+    /// independently of `gate` (see `pliant_ha::audit`).
+    audit: ExitAudit,
+    /// Test-only fault: output that should wait leaves at once, so tests can show the audit
+    /// counts early releases. Never set outside tests.
+    fault_release_early: bool,
     pub(crate) out: OutStats,
     pub(crate) repl: ReplStats,
-    /// Audit clock: rounds seen by this HA instance.
+    /// Round counter (the audit's clock: a packet is written and a checkpoint taken in a round).
     tick: u64,
     next_sweep: Instant,
     acks: Vec<Ack>,
@@ -313,7 +324,9 @@ impl HaPrimary {
             aliases: HashMap::default(),
             touched: Vec::new(),
             touched_overflow: false,
-            gate: OutputGate::new(MAX_HELD_PER_GROUP, MAX_AUDIT),
+            gate: OutputGate::new(MAX_HELD_PER_GROUP),
+            audit: ExitAudit::new(),
+            fault_release_early: false,
             out: OutStats::default(),
             repl: ReplStats::default(),
             tick: 0,
@@ -324,6 +337,9 @@ impl HaPrimary {
         if let Some(mut p) = prev {
             // The gate, links and records carry over; counters too.
             std::mem::swap(&mut ha.gate, &mut p.gate);
+            // What the backups acknowledged does not change with the policy.
+            std::mem::swap(&mut ha.audit, &mut p.audit);
+            ha.fault_release_early = p.fault_release_early;
             ha.links = std::mem::take(&mut p.links);
             ha.reps = std::mem::take(&mut p.reps);
             ha.aliases = std::mem::take(&mut p.aliases);
@@ -668,27 +684,36 @@ impl HaPrimary {
         }
     }
 
-    /// The verdict for one output packet (after `settle`), and the primary key to hold it by.
+    /// The verdict for one output packet (after `settle`), and what the audit must know when
+    /// it leaves (`key`: the primary key to hold it by).
     pub(crate) fn decide<S: FlowState>(
         &mut self,
         t: &mut FlowTable<S>,
         kind: OutputKind,
-    ) -> (Decision, Option<FlowKey>) {
+    ) -> (Decision, Exit) {
+        let mut exit = Exit {
+            key: None,
+            version: None,
+            group: 0,
+            written: self.tick,
+            remus: self.remus,
+        };
         if self.remus {
-            let key = match kind {
+            exit.key = match kind {
                 OutputKind::Stateful(k) => Some(k),
                 OutputKind::Direct => None,
             };
             let Some(g) = self.groups.first() else {
-                return (Decision::Now(Verdict::Unprotected), key);
+                return (Decision::Now(Verdict::Unprotected), exit);
             };
+            exit.group = g.id;
             if g.state == GroupState::Fenced {
-                return (Decision::DropFenced, key);
+                return (Decision::DropFenced, exit);
             }
-            return (direct_rule(Some(&self.facts(g))).into(), key);
+            return (direct_rule(Some(&self.facts(g))).into(), exit);
         }
         let OutputKind::Stateful(k) = kind else {
-            return (Decision::Now(Verdict::Direct), None);
+            return (Decision::Now(Verdict::Direct), exit);
         };
         let (p, version) = match primary_of(t, &k) {
             Some((p, v)) => (p, Some(v)),
@@ -706,24 +731,58 @@ impl HaPrimary {
             self.note(t, p);
             known = self.reps.get(&p).map(|r| (r.group, r.shipped));
         }
+        exit.key = Some(p);
+        exit.version = version;
         let Some((rep_group, shipped)) = known else {
             let g = self.wire_of(self.assigner.assign(&p));
+            exit.group = g;
             let v = if g == 0 {
                 Verdict::Unprotected
             } else {
                 // No flow and nothing shipped: no replicated state to depend on.
                 Verdict::Clean
             };
-            return (Decision::Now(v), Some(p));
+            return (Decision::Now(v), exit);
         };
+        exit.group = rep_group;
         let Some(g) = self.group(rep_group) else {
-            return (Decision::Now(Verdict::Unprotected), Some(p));
+            return (Decision::Now(Verdict::Unprotected), exit);
         };
         if g.state == GroupState::Fenced {
-            return (Decision::DropFenced, Some(p));
+            return (Decision::DropFenced, exit);
         }
         let v = output_rule(&self.facts(g), &FlowFacts { version, shipped });
-        (v.into(), Some(p))
+        (v.into(), exit)
+    }
+
+    /// Audits a packet that is leaving now (design invariant 3), on every output path: checked
+    /// against the acks unless it is exempt by design (direct output outside Remus mode, or its
+    /// group is unprotected now: group 0, gone, or its backup died).
+    pub(crate) fn audit_exit(&mut self, e: &Exit) {
+        let protected = (e.remus || e.key.is_some())
+            && self
+                .group(e.group)
+                .is_some_and(|g| matches!(g.state, GroupState::Connecting | GroupState::Up));
+        if !protected {
+            self.audit.exempt();
+            self.out.audit_exempt += 1;
+            return;
+        }
+        self.out.audit_checked += 1;
+        if !self.audit.left(e, self.tick) {
+            self.out.audit_violations += 1;
+            tracing::error!(group = e.group, version = ?e.version, written = e.written,
+                "output commit violated: a packet left before the backup acknowledged its state");
+        }
+    }
+
+    /// Test-only fault switch: output that should wait leaves at once.
+    pub(crate) fn set_fault_release_early(&mut self, on: bool) {
+        self.fault_release_early = on;
+    }
+
+    pub(crate) fn fault_release_early(&self) -> bool {
+        self.fault_release_early
     }
 
     /// Holds `h` for `dep`. `None`: held. `Some((h, Now))`: it may leave now (its dep is
@@ -745,7 +804,6 @@ impl HaPrimary {
     /// Start of a round: acks and link state. Released packets are appended to `released`.
     pub(crate) fn poll_links(&mut self, released: &mut Vec<Held>, dropped: &mut Vec<Held>) {
         self.tick += 1;
-        let tick = self.tick;
         let mut acks = std::mem::take(&mut self.acks);
         for li in 0..self.links.len() {
             acks.clear();
@@ -774,7 +832,8 @@ impl HaPrimary {
             for a in &acks {
                 let before = released.len();
                 if self.group(a.group).is_some_and(|g| g.link == li) {
-                    self.gate.ack(a.group, a.seq, tick, released);
+                    self.audit.acked(a.group, a.seq);
+                    self.gate.ack(a.group, a.seq, released);
                 } else {
                     self.gate.stats.bogus_acks += 1;
                 }
@@ -831,16 +890,23 @@ impl HaPrimary {
                     Err(LinkError::Dead) => {}
                 }
             }
-            self.gate.remove_group(id, tick, released);
+            self.gate.remove_group(id, released);
+            self.audit.forget_group(id);
             self.groups.remove(i);
         }
         self.drop_idle_links();
-        self.out.audit_checked = self.gate.stats.audit_checked;
-        self.out.audit_violations = self.gate.stats.audit_violations;
     }
 
     fn on_connect(&mut self, li: usize, welcome: &[(GroupId, u64)], released: &mut Vec<Held>) {
-        let tick = self.tick;
+        // The audit hears what the backup says it holds of every group on this link (0:
+        // nothing) before the gate acts on it.
+        for g in self.groups.iter().filter(|g| g.link == li) {
+            let held = welcome
+                .iter()
+                .find(|(gid, _)| *gid == g.id)
+                .map_or(0, |w| w.1);
+            self.audit.welcome(g.id, held);
+        }
         // What the backup says it applied is acknowledged, even if the acks themselves were
         // lost with the old connection.
         for &(gid, s) in welcome {
@@ -850,7 +916,7 @@ impl HaPrimary {
                 .any(|g| g.id == gid && g.link == li && s > 0 && s <= g.last_seq)
             {
                 let before = released.len();
-                self.gate.ack(gid, s, tick, released);
+                self.gate.ack(gid, s, released);
                 self.out.released += (released.len() - before) as u64;
             }
         }
@@ -885,24 +951,24 @@ impl HaPrimary {
         released: &mut Vec<Held>,
         dropped: &mut Vec<Held>,
     ) {
-        let tick = self.tick;
         // A backup that activated our flows under a newer token refuses us as fenced: we are a
         // stale owner (revived or partitioned). Nothing held may leave, nor anything later.
         let fenced = reason.contains("fenced");
         for g in self.groups.iter_mut().filter(|g| g.link == li) {
+            self.audit.forget_group(g.id);
             g.dead_reason = Some(reason.to_string());
             g.dirty.clear();
             if fenced {
                 g.state = GroupState::Fenced;
                 g.needs_backup = false;
                 let before = dropped.len();
-                self.gate.release_all(g.id, tick, dropped);
+                self.gate.release_all(g.id, dropped);
                 self.out.dropped_fenced += (dropped.len() - before) as u64;
             } else {
                 g.state = GroupState::Unprotected;
                 g.needs_backup = !g.retiring;
                 let before = released.len();
-                self.gate.release_all(g.id, tick, released);
+                self.gate.release_all(g.id, released);
                 self.out.released_unprotected += (released.len() - before) as u64;
             }
         }
@@ -1037,7 +1103,12 @@ impl HaPrimary {
             flows,
             shared: shared_blob,
         };
-        match self.links[self.groups[i].link].link.send(cp) {
+        self.audit.sent(&cp, self.tick, true);
+        let sent = self.links[self.groups[i].link].link.send(cp);
+        if sent.is_err() {
+            self.audit.withdraw(id, seq);
+        }
+        match sent {
             Ok(()) => {
                 self.gate.close_epoch(id);
                 let g = &mut self.groups[i];
@@ -1179,7 +1250,7 @@ impl HaPrimary {
             for p in &later {
                 let p = *p;
                 self.gate
-                    .retarget(id, seq, seq + 1, |h: &Held| h.key == Some(p));
+                    .retarget(id, seq, seq + 1, |h: &Held| h.exit.key == Some(p));
             }
             self.groups[i].dirty.extend(later);
             return Shipped::Nothing;
@@ -1191,9 +1262,11 @@ impl HaPrimary {
             flows,
             shared: None,
         };
+        self.audit.sent(&cp, self.tick, false);
         match self.links[self.groups[i].link].link.send(cp) {
             Ok(()) => {}
             Err(e) => {
+                self.audit.withdraw(id, seq);
                 // Nothing committed: everything stays dirty for the next try.
                 let g = &mut self.groups[i];
                 if !full {
@@ -1224,7 +1297,7 @@ impl HaPrimary {
         for p in &later {
             let p = *p;
             self.gate
-                .retarget(id, seq, seq + 1, |h: &Held| h.key == Some(p));
+                .retarget(id, seq, seq + 1, |h: &Held| h.exit.key == Some(p));
         }
         self.repl.standby_evicted += if full { 0 } else { deletes.len() as u64 };
         let g = &mut self.groups[i];
@@ -1242,8 +1315,12 @@ impl HaPrimary {
         let ids: Vec<GroupId> = self.gate.groups().collect();
         for id in ids {
             let before = released.len();
-            self.gate.release_all(id, self.tick, released);
-            self.out.released_unprotected += (released.len() - before) as u64;
+            self.gate.release_all(id, released);
+            let n = (released.len() - before) as u64;
+            self.out.released_unprotected += n;
+            // Protection was switched off: these leave exempt.
+            self.out.audit_exempt += n;
+            self.audit.stats.exempt += n;
         }
     }
 
@@ -1299,16 +1376,13 @@ impl HaPrimary {
             .collect()
     }
 
-    /// Recent audit records as JSON (oldest first).
+    /// The most recent output-commit violations as JSON (oldest first).
     pub(crate) fn audit_json(&self, max: usize) -> Vec<Value> {
-        let n = self.gate.audit().count();
-        self.gate
-            .audit()
+        let n = self.audit.violations().count();
+        self.audit
+            .violations()
             .skip(n.saturating_sub(max))
-            .map(|r| {
-                json!({"group": r.dep.group, "seq": r.dep.seq, "acked_at": r.acked_at,
-                       "released_at": r.released_at, "acked_before_release": r.acked_before_release})
-            })
+            .map(|v| serde_json::to_value(v).unwrap_or(Value::Null))
             .collect()
     }
 

@@ -58,6 +58,11 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
         let Some(mut ha) = self.ha.take() else { return };
         let (mut released, mut dropped) = (Vec::new(), Vec::new());
         ha.poll_links(&mut released, &mut dropped);
+        // Audited as they leave: nothing else happens on this thread before `route_one` hands
+        // them to their port, so no ack can arrive in between.
+        for h in &released {
+            ha.audit_exit(&h.exit);
+        }
         self.ha = Some(ha);
         for h in released {
             self.route_one(h.pkt, now);
@@ -86,24 +91,36 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
         // Keys of received packets and timers; output keys are noted by `decide` itself.
         ha.settle(&mut self.ctx.flows, now);
         let mut leave = Vec::with_capacity(out.len());
+        // Every packet that leaves, whatever its verdict, is audited on the way out.
+        let fault = ha.fault_release_early();
         for o in out.drain(..) {
-            let (decision, key) = ha.decide(&mut self.ctx.flows, o.kind);
+            let (decision, exit) = ha.decide(&mut self.ctx.flows, o.kind);
             match decision {
                 Decision::Now(Verdict::Direct) => {
                     ha.out.direct += 1;
+                    ha.audit_exit(&exit);
                     leave.push(o.pkt);
                 }
                 Decision::Now(Verdict::Clean) => {
                     ha.out.bypassed_clean += 1;
+                    ha.audit_exit(&exit);
                     leave.push(o.pkt);
                 }
                 Decision::Now(_) => {
                     ha.out.unprotected += 1;
+                    ha.audit_exit(&exit);
                     leave.push(o.pkt);
                 }
-                Decision::Hold(dep) => match ha.hold(dep, Held { pkt: o.pkt, key }) {
+                Decision::Hold(_) if fault => {
+                    ha.audit_exit(&exit);
+                    leave.push(o.pkt);
+                }
+                Decision::Hold(dep) => match ha.hold(dep, Held { pkt: o.pkt, exit }) {
                     None => {}
-                    Some((h, Route::Now)) => leave.push(h.pkt),
+                    Some((h, Route::Now)) => {
+                        ha.audit_exit(&h.exit);
+                        leave.push(h.pkt);
+                    }
                     Some((h, Route::Dropped)) => self.ctx.pkt_drop(h.pkt, "ha_hold_full"),
                 },
                 Decision::DropFenced => {
@@ -225,6 +242,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
                 "dropped_hold_full": out.dropped_hold_full,
                 "audit_checked": out.audit_checked,
                 "audit_violations": out.audit_violations,
+                "audit_exempt": out.audit_exempt,
             },
             "replication": repl,
             "activations": {"flows": self.ha_side.activated, "failed": self.ha_side.activate_failed},
@@ -256,6 +274,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             ("unprotected", out.unprotected),
             ("dropped_hold_full", out.dropped_hold_full),
             ("dropped_fenced", out.dropped_fenced),
+            ("audit_checked", out.audit_checked),
             ("audit_violations", out.audit_violations),
             ("checkpoints", checkpoints),
             ("bytes_shipped", shipped),
@@ -269,11 +288,21 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
         let _ = writeln!(text, "pliant_ha_held_packets{{replica=\"{r}\"}} {held}");
     }
 
-    /// Recent output-commit audit records (tests, debugging).
-    pub fn ha_audit(&self, max: usize) -> Vec<Value> {
+    /// The most recent output-commit violations the audit saw (tests, debugging).
+    pub fn ha_audit_violations(&self, max: usize) -> Vec<Value> {
         self.ha
             .as_ref()
             .map_or_else(Vec::new, |h| h.audit_json(max))
+    }
+
+    /// Test-only fault switch: with `on`, output that the output rule holds leaves at once
+    /// instead (an early release), so tests can show the audit counts it. Nothing in the
+    /// product calls it; it lasts until turned off or the policy is switched off.
+    #[doc(hidden)]
+    pub fn ha_fault_release_early(&mut self, on: bool) {
+        if let Some(ha) = self.ha.as_deref_mut() {
+            ha.set_fault_release_early(on);
+        }
     }
 
     /// Installs one export record in the live table, the path shared by migration imports and
