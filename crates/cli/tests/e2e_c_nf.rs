@@ -4,7 +4,7 @@
 //! Proves the C ABI works on real interfaces: HTTP and ping pass through the C NF; a ping
 //! flow beyond its per-flow packet quota is cut off, with the drops counted in the replica's
 //! stats (served by the runtime's control socket from inside the C program's `pkt_read`);
-//! idle flows expire through flow timers in live time. Needs root (skips otherwise).
+//! idle flows expire through flow timers in live time. Needs root (`pliant_testkit::require_root`).
 
 use pliant_lab::{Lab, LabSpec, PliantNf, ReplicaMode, Role, SERVER_IP};
 use pliant_runtime::config::ReplicaConfig;
@@ -13,15 +13,6 @@ use std::process::Command;
 
 const QUOTA_PACKETS: i64 = 50;
 const IDLE_MS: i64 = 1000;
-
-fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .map(|s| {
-            s.lines()
-                .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0"))
-        })
-        .unwrap_or(false)
-}
 
 fn pliant() -> &'static str {
     env!("CARGO_BIN_EXE_pliant")
@@ -74,8 +65,7 @@ fn stats(lab: &Lab) -> serde_json::Value {
 
 #[test]
 fn c_flowquota_forwards_enforces_quota_and_expires_flows() {
-    if !is_root() {
-        eprintln!("skipping: needs root for network namespaces");
+    if !pliant_testkit::require_root() {
         return;
     }
     let dir = std::env::temp_dir().join(format!("pliant-e2e-c-{}", std::process::id()));

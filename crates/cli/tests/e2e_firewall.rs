@@ -9,7 +9,7 @@
 //!   refused by the client's kernel, which has no listener there);
 //! - `fw_denied` drops, per-rule hits and the default-policy hits are reported.
 //!
-//! Needs root (skips otherwise).
+//! Needs root (`pliant_testkit::require_root`).
 
 mod common;
 use common::*;
@@ -26,8 +26,7 @@ fn curl_exit(lab: &Lab, role: Role, url: &str) -> Option<i32> {
 
 #[test]
 fn firewall_allows_replies_and_drops_unsolicited_inbound() {
-    if !is_root() {
-        eprintln!("skipping: needs root for network namespaces");
+    if !pliant_testkit::require_root() {
         return;
     }
     let lab = lab_up(nf(

@@ -5,7 +5,7 @@
 //! connection completes, server-side peers unchanged (no NAT: the client's own ports), fencing,
 //! output audit clean.
 //!
-//! Needs root (skips otherwise). Run in release:
+//! Needs root (`pliant_testkit::require_root`). Run in release:
 //! `cargo test --release -p pliant-cli --test e2e_ha_mbserv -- --test-threads=1 --nocapture`.
 
 mod common;

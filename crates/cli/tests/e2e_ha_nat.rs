@@ -5,7 +5,7 @@
 //! NAT mapping (address and port) before and after the failover; the dead owner is fenced;
 //! survivors' output audit shows no packet released before its checkpoint was acknowledged.
 //!
-//! Needs root (skips otherwise). Run in release:
+//! Needs root (`pliant_testkit::require_root`). Run in release:
 //! `cargo test --release -p pliant-cli --test e2e_ha_nat -- --test-threads=1 --nocapture`.
 
 mod common;

@@ -7,7 +7,7 @@
 //! sha256 (a reset or a torn state fails curl or the checksum). Prints per-trial failover
 //! timings and their maxima.
 //!
-//! Needs root (skips otherwise). Run in release:
+//! Needs root (`pliant_testkit::require_root`). Run in release:
 //! `cargo test --release -p pliant-cli --test e2e_ha_trials -- --test-threads=1 --nocapture`.
 
 mod common;

@@ -9,7 +9,7 @@
 //! - the totals in `pliant query` and the NF counters equal what the clients sent, and nginx
 //!   saw every request (the IDS forwards everything).
 //!
-//! Needs root (skips otherwise).
+//! Needs root (`pliant_testkit::require_root`).
 
 mod common;
 use common::*;
@@ -20,8 +20,7 @@ const THRESHOLD: u64 = 4;
 
 #[test]
 fn ids_counts_injections_exactly_and_alerts_once() {
-    if !is_root() {
-        eprintln!("skipping: needs root for network namespaces");
+    if !pliant_testkit::require_root() {
         return;
     }
     let lab = lab_up(nf(

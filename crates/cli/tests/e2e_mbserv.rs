@@ -8,7 +8,7 @@
 //!   namespace, no SYN) are dropped and counted as `mbserv_no_state`;
 //! - flows are reported by state in `pliant query`.
 //!
-//! Needs root (skips otherwise).
+//! Needs root (`pliant_testkit::require_root`).
 
 mod common;
 use common::*;
@@ -17,8 +17,7 @@ use std::time::Duration;
 
 #[test]
 fn mbserv_forwards_known_flows_and_drops_unknown_mid_stream_packets() {
-    if !is_root() {
-        eprintln!("skipping: needs root for network namespaces");
+    if !pliant_testkit::require_root() {
         return;
     }
     let lab = lab_up(nf(

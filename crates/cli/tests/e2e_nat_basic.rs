@@ -7,23 +7,13 @@
 //! the external address); replies are restored; the replica namespace's kernel sends nothing
 //! of its own (a SYN to the router's address times out instead of being refused, no RST seen);
 //! start-up refuses an interface with an IP address; clean shutdown removes the tc filter and
-//! the control socket. Needs root (skips otherwise).
+//! the control socket. Needs root (`pliant_testkit::require_root`).
 //!
 //! Self-contained on purpose (small); the lab crate builds the full topology.
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-
-fn is_root() -> bool {
-    // SAFETY-free check: /proc/self/status Uid line.
-    std::fs::read_to_string("/proc/self/status")
-        .map(|s| {
-            s.lines()
-                .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0"))
-        })
-        .unwrap_or(false)
-}
 
 fn sh(args: &[&str]) -> Result<String, String> {
     let out = Command::new(args[0])
@@ -315,8 +305,7 @@ fn nat_passes_ping_and_http_without_offloads() {
 }
 
 fn nat_e2e(offloads: bool) {
-    if !is_root() {
-        eprintln!("skipping: needs root for network namespaces");
+    if !pliant_testkit::require_root() {
         return;
     }
     let mut t = Topo::new(offloads);

@@ -18,7 +18,7 @@
 //!    connections were tracked (opened/established, visible in `query`), 0 matches;
 //!    forward — nginx sees the client's own address (no translation).
 //!
-//! Needs root (skips otherwise). Run with `--test-threads=1` in release mode (the unoptimised
+//! Needs root (`pliant_testkit::require_root`). Run with `--test-threads=1` in release mode (the unoptimised
 //! runtime is too slow for iperf3): `cargo test --release -p pliant-cli --test e2e_traffic --
 //! --test-threads=1 --nocapture`.
 
@@ -285,8 +285,7 @@ fn nat_iperf_mappings(q: &Value) -> usize {
 
 #[test]
 fn traffic_through_nat() {
-    if !is_root() {
-        eprintln!("skipping: needs root for network namespaces");
+    if !pliant_testkit::require_root() {
         return;
     }
     let lab = lab_up(PliantNf::nat());
@@ -337,8 +336,7 @@ fn traffic_through_nat() {
 
 #[test]
 fn traffic_through_firewall() {
-    if !is_root() {
-        eprintln!("skipping: needs root for network namespaces");
+    if !pliant_testkit::require_root() {
         return;
     }
     // Default deny in both directions: only the two rules below can admit the traffic, so the
@@ -409,8 +407,7 @@ dst_ports = [{IPERF_PORT}]
 
 #[test]
 fn traffic_through_ids() {
-    if !is_root() {
-        eprintln!("skipping: needs root for network namespaces");
+    if !pliant_testkit::require_root() {
         return;
     }
     let lab = lab_up(nf("ids", "[ids]\nalert_threshold = 1\n"));
@@ -443,8 +440,7 @@ fn traffic_through_ids() {
 
 #[test]
 fn traffic_through_mbserv() {
-    if !is_root() {
-        eprintln!("skipping: needs root for network namespaces");
+    if !pliant_testkit::require_root() {
         return;
     }
     let lab = lab_up(nf(
@@ -482,8 +478,7 @@ fn traffic_through_mbserv() {
 
 #[test]
 fn traffic_through_forward() {
-    if !is_root() {
-        eprintln!("skipping: needs root for network namespaces");
+    if !pliant_testkit::require_root() {
         return;
     }
     let lab = lab_up(PliantNf::forward());

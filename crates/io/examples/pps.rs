@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pliant_io::testlab::{is_root, Lab};
+use pliant_io::testlab::Lab;
 use pliant_io::{FramePort, PacketPort, PortOptions, RxRing, TxMode};
 
 struct Args {
@@ -105,7 +105,7 @@ fn main() {
             std::process::exit(2);
         }
     };
-    if !is_root() {
+    if !pliant_testkit::is_root() {
         eprintln!("pps: needs root (creates network namespaces)");
         std::process::exit(2);
     }

@@ -1,18 +1,13 @@
 //! Throw-away network namespaces joined by veth pairs, for tests and the pps example.
 //!
-//! Needs root and iproute2 (`ip`). Names carry the process id and a random suffix so concurrent
-//! runs never collide; [`Lab`]'s `Drop` deletes every namespace it created (which also deletes
-//! their veth interfaces), also when a test fails or panics.
+//! Needs root (tests check it with `pliant_testkit::require_root`) and iproute2 (`ip`). Names
+//! carry the process id and a random suffix so concurrent runs never collide; [`Lab`]'s `Drop`
+//! deletes every namespace it created (which also deletes their veth interfaces), also when a
+//! test fails or panics.
 
 use std::io;
 use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
-
-/// True when running as root (namespace tests need it).
-pub fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
-}
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 

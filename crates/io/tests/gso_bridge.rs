@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pliant_io::testlab::{is_root, Lab};
+use pliant_io::testlab::Lab;
 use pliant_io::{FramePort, Offload, PacketPort, PortOptions, PortStats, RxRing};
 
 struct Net {
@@ -284,8 +284,7 @@ fn run(vnet_hdr: bool, total: usize, limit: Duration) -> (usize, f64, PortStats,
 
 #[test]
 fn tcp_passes_as_gso_superframes_with_vnet_hdr() {
-    if !is_root() {
-        eprintln!("SKIPPED: needs root to create network namespaces and AF_PACKET sockets");
+    if !pliant_testkit::require_root() {
         return;
     }
     // Smaller in debug builds (the bridge copies every frame); release measures with 256 MiB.
@@ -323,8 +322,7 @@ fn tcp_passes_as_gso_superframes_with_vnet_hdr() {
 
 #[test]
 fn without_vnet_hdr_superframes_cannot_be_forwarded() {
-    if !is_root() {
-        eprintln!("SKIPPED: needs root to create network namespaces and AF_PACKET sockets");
+    if !pliant_testkit::require_root() {
         return;
     }
     let (got, secs, inside, outside) = run(false, 64 << 20, Duration::from_secs(3));

@@ -6,7 +6,7 @@ use std::net::UdpSocket;
 use std::os::fd::AsRawFd;
 use std::time::Duration;
 
-use pliant_io::testlab::{is_root, Lab};
+use pliant_io::testlab::Lab;
 use pliant_io::{FramePort, PacketPort, PortOptions, TxMode};
 
 const PAYLOAD: usize = 1400;
@@ -117,8 +117,7 @@ fn run(mode: TxMode) -> (usize, usize) {
 
 #[test]
 fn frames_delivered_to_local_sockets_stay_intact() {
-    if !is_root() {
-        eprintln!("SKIPPED: needs root to create network namespaces and AF_PACKET sockets");
+    if !pliant_testkit::require_root() {
         return;
     }
     for mode in [TxMode::Ring, TxMode::Sendmmsg] {

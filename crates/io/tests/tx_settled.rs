@@ -8,7 +8,7 @@
 
 use std::time::{Duration, Instant};
 
-use pliant_io::testlab::{is_root, Lab};
+use pliant_io::testlab::Lab;
 use pliant_io::{FramePort, PacketPort, PortOptions, TxMode};
 
 /// A 300-byte frame of an experimental ethertype (nobody in `c` consumes it; it is freed there).
@@ -34,8 +34,7 @@ fn settles_within(port: &mut PacketPort, mark: u64, limit: Duration) -> bool {
 
 #[test]
 fn frames_queued_downstream_are_not_settled_until_they_leave() {
-    if !is_root() {
-        eprintln!("SKIPPED: needs root to create network namespaces and AF_PACKET sockets");
+    if !pliant_testkit::require_root() {
         return;
     }
     for mode in [TxMode::Ring, TxMode::Sendmmsg] {

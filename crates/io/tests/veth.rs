@@ -3,19 +3,11 @@
 use std::io::ErrorKind;
 use std::time::{Duration, Instant};
 
-use pliant_io::testlab::{is_root, Lab};
+use pliant_io::testlab::Lab;
 use pliant_io::{FramePort, PacketPort, PortOptions, RxRing};
 
 /// Local experimental ethertype: frames of this test are told apart from anything else.
 const ETHERTYPE: u16 = 0x88b5;
-
-fn skip() -> bool {
-    if !is_root() {
-        eprintln!("SKIPPED: needs root to create network namespaces and AF_PACKET sockets");
-        return true;
-    }
-    false
-}
 
 struct Pair {
     lab: Lab,
@@ -109,7 +101,7 @@ fn recv_ours(port: &mut PacketPort, n: usize) -> Vec<Vec<u8>> {
 }
 
 fn exact_delivery(opts: PortOptions) {
-    if skip() {
+    if !pliant_testkit::require_root() {
         return;
     }
     let mut p = pair(opts);
@@ -181,7 +173,7 @@ fn sendmmsg_tx_delivers_small_and_full_size_frames_exactly() {
 
 #[test]
 fn small_tx_ring_reports_full_and_recovers() {
-    if skip() {
+    if !pliant_testkit::require_root() {
         return;
     }
     let mut p = pair(PortOptions {
@@ -210,7 +202,7 @@ fn small_tx_ring_reports_full_and_recovers() {
 
 #[test]
 fn oversize_and_runt_frames_are_refused_without_offloads() {
-    if skip() {
+    if !pliant_testkit::require_root() {
         return;
     }
     let mut p = pair(PortOptions::default());
@@ -243,7 +235,7 @@ fn oversize_and_runt_frames_are_refused_without_offloads() {
 
 #[test]
 fn vlan_tagged_frames_arrive_with_their_tag() {
-    if skip() {
+    if !pliant_testkit::require_root() {
         return;
     }
     let mut p = pair(PortOptions::default());

@@ -1,18 +1,9 @@
 //! The lab-only fencing fallback (design invariant 7 without BPF steering): on a 1-replica lab
 //! (tc mirred patch panel) `ha::fence_by_name` takes the replica's fabric-side veths down, so
 //! nothing reaches it and nothing it emits leaves the fabric; unfencing restores the path.
-//! Needs root (skips otherwise).
+//! Needs root (`pliant_testkit::require_root`).
 
 use pliant_lab::{ha, Lab, LabSpec, ReplicaMode, Role};
-
-fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .map(|s| {
-            s.lines()
-                .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0"))
-        })
-        .unwrap_or(false)
-}
 
 fn curl_ok(lab: &Lab) -> bool {
     lab.exec(
@@ -33,8 +24,7 @@ fn curl_ok(lab: &Lab) -> bool {
 
 #[test]
 fn fenced_replica_links_carry_nothing_until_unfenced() {
-    if !is_root() {
-        eprintln!("skipping: needs root");
+    if !pliant_testkit::require_root() {
         return;
     }
     let mut spec = LabSpec::new(ReplicaMode::KernelForward);

@@ -63,6 +63,9 @@ fn spec(mode: ReplicaMode) -> LabSpec {
 
 #[test]
 fn up_then_down_leaves_nothing_behind() {
+    if !pliant_testkit::require_root() {
+        return;
+    }
     let lab = Lab::up(spec(ReplicaMode::KernelForward)).expect("lab up");
     let fp = footprint(&lab);
     assert_present(&fp);
@@ -85,6 +88,9 @@ fn up_then_down_leaves_nothing_behind() {
 
 #[test]
 fn panic_mid_test_still_cleans_up() {
+    if !pliant_testkit::require_root() {
+        return;
+    }
     let seen: Mutex<Footprint> = Mutex::new(Footprint::default());
     let r = std::panic::catch_unwind(|| {
         let lab = Lab::up(spec(ReplicaMode::KernelForward)).expect("lab up");
@@ -102,6 +108,9 @@ fn panic_mid_test_still_cleans_up() {
 
 #[test]
 fn two_labs_at_once_do_not_collide() {
+    if !pliant_testkit::require_root() {
+        return;
+    }
     let a = Lab::up(spec(ReplicaMode::KernelForward)).expect("lab a");
     let b = Lab::up(spec(ReplicaMode::KernelNat)).expect("lab b");
     assert_ne!(a.name(), b.name());
@@ -132,6 +141,9 @@ fn two_labs_at_once_do_not_collide() {
 
 #[test]
 fn curl_through_kernel_nat_verifies_checksum_and_server_sees_nat_address() {
+    if !pliant_testkit::require_root() {
+        return;
+    }
     let lab = Lab::up(spec(ReplicaMode::KernelNat).with_file("8M.bin", 8 << 20)).expect("lab up");
     for f in lab.served_files().to_vec() {
         let dst = lab.run_dir().join(format!("got-{}", f.name));
@@ -169,6 +181,9 @@ fn curl_through_kernel_nat_verifies_checksum_and_server_sees_nat_address() {
 
 #[test]
 fn status_lists_a_live_lab_and_down_by_name_removes_a_detached_one() {
+    if !pliant_testkit::require_root() {
+        return;
+    }
     let mut s = spec(ReplicaMode::KernelNat);
     s.detached = true;
     let lab = Lab::up(s).expect("lab up");
@@ -224,6 +239,9 @@ fn pliant_mode_without_binary_is_refused_before_anything_is_created() {
 
 #[test]
 fn a_lab_whose_owner_died_is_removed_by_down_stale() {
+    if !pliant_testkit::require_root() {
+        return;
+    }
     let lab = Lab::up(spec(ReplicaMode::KernelForward)).expect("lab up");
     let name = lab.name().to_string();
     let root = lab.run_dir().parent().expect("run root").to_path_buf();
@@ -249,6 +267,9 @@ fn a_lab_whose_owner_died_is_removed_by_down_stale() {
 
 #[test]
 fn two_replicas_are_steered_by_bpf_and_flows_spread_over_both() {
+    if !pliant_testkit::require_root() {
+        return;
+    }
     let mut s = spec(ReplicaMode::KernelForward);
     s.replicas = 2;
     let lab = Lab::up(s).expect("lab up");

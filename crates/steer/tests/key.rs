@@ -74,6 +74,9 @@ fn icmp_error(
 
 #[test]
 fn bpf_key_equals_rust_flow_key_for_random_tuples() {
+    if !pliant_testkit::require_root() {
+        return;
+    }
     let fx = Fixture::new(1);
     let mut steer =
         Steer::attach(&fx.fabric(), &lab_ports(1), &SteerOptions::default()).expect("attach");

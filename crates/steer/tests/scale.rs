@@ -60,6 +60,9 @@ fn pass(steer: &Steer, ifi: u32, frames: &[Vec<u8>], repeat: u32) -> f64 {
 #[test]
 #[ignore = "scale measurement; run explicitly (root)"]
 fn hundred_thousand_flows_ten_thousand_exceptions() {
+    if !pliant_testkit::require_root() {
+        return;
+    }
     let fx = Fixture::new(4);
     let mut steer =
         Steer::attach(&fx.fabric(), &lab_ports(4), &SteerOptions::default()).expect("attach");

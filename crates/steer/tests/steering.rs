@@ -101,6 +101,9 @@ fn key(sport: u16, dport: u16) -> FlowKey {
 
 #[test]
 fn ring_default_spreads_flows_and_both_directions_meet_at_one_replica() {
+    if !pliant_testkit::require_root() {
+        return;
+    }
     let r = rig(3);
     let mut used = std::collections::BTreeSet::new();
     for f in 0..24u32 {
@@ -124,6 +127,9 @@ fn ring_default_spreads_flows_and_both_directions_meet_at_one_replica() {
 
 #[test]
 fn exception_overrides_conn_pin_and_ring() {
+    if !pliant_testkit::require_root() {
+        return;
+    }
     let mut r = rig(3);
     let k = key(30_000, 80);
     r.client.send(&c2s(30_000, 80, &marker("exc", 0)));
@@ -148,6 +154,9 @@ fn exception_overrides_conn_pin_and_ring() {
 
 #[test]
 fn conn_pins_survive_a_ring_change_and_new_flows_follow_the_new_ring() {
+    if !pliant_testkit::require_root() {
+        return;
+    }
     let mut r = rig(3);
     r.client.send(&c2s(31_000, 80, &marker("pin", 0)));
     let old = arrived(&r.rin, &marker("pin", 0));
@@ -173,6 +182,9 @@ fn conn_pins_survive_a_ring_change_and_new_flows_follow_the_new_ring() {
 
 #[test]
 fn nat_return_traffic_is_steered_by_port_owner() {
+    if !pliant_testkit::require_root() {
+        return;
+    }
     let mut r = rig(3);
     r.steer.add_nat_addr(IpAddr::V4(NAT)).expect("nat addr");
     r.steer
@@ -240,6 +252,9 @@ fn nat_return_traffic_is_steered_by_port_owner() {
 
 #[test]
 fn arp_is_cloned_to_every_live_replica_only() {
+    if !pliant_testkit::require_root() {
+        return;
+    }
     let mut r = rig(3);
     let req = pliant_net::arp::request(CMAC, CLIENT, Ipv4Addr::new(10, 77, 1, 1), None);
     r.client.send(&req);
@@ -266,6 +281,9 @@ fn arp_is_cloned_to_every_live_replica_only() {
 
 #[test]
 fn replica_output_returns_to_the_opposite_outer_port() {
+    if !pliant_testkit::require_root() {
+        return;
+    }
     let r = rig(2);
     let m = marker("out", 1);
     r.rin[1].send(&s2c(80, 33_000, &m));
@@ -288,6 +306,9 @@ fn replica_output_returns_to_the_opposite_outer_port() {
 
 #[test]
 fn dead_replica_drops_are_counted_never_redirected() {
+    if !pliant_testkit::require_root() {
+        return;
+    }
     let mut r = rig(2);
     let k = key(34_000, 80);
     r.steer.set_exception(&k, 2).expect("exception");
@@ -323,6 +344,9 @@ fn dead_replica_drops_are_counted_never_redirected() {
 /// to it, a liveness flip does not lift the fence, and unfencing restores both directions.
 #[test]
 fn fenced_replica_output_is_dropped_and_counted() {
+    if !pliant_testkit::require_root() {
+        return;
+    }
     let mut r = rig(2);
     let k = key(35_000, 80);
     r.steer.set_exception(&k, 2).expect("exception");
@@ -373,6 +397,9 @@ fn fenced_replica_output_is_dropped_and_counted() {
 
 #[test]
 fn batch_exceptions_install_and_remove() {
+    if !pliant_testkit::require_root() {
+        return;
+    }
     let mut r = rig(2);
     let entries: Vec<(FlowKey, u32)> = (0..5000u16)
         .map(|p| (key(p, 443), 1 + u32::from(p % 2)))
@@ -392,6 +419,9 @@ fn batch_exceptions_install_and_remove() {
 
 #[test]
 fn filters_are_visible_to_tc_and_removed_on_detach() {
+    if !pliant_testkit::require_root() {
+        return;
+    }
     let mut r = rig(1);
     let ns = r.steer.netns().to_string();
     let show = || {
@@ -418,6 +448,9 @@ fn filters_are_visible_to_tc_and_removed_on_detach() {
 
 #[test]
 fn a_second_owner_takes_over_pinned_maps_without_rehoming_flows() {
+    if !pliant_testkit::require_root() {
+        return;
+    }
     let fx = Fixture::new(3);
     let dir = pliant_steer::lab::pin_dir(&fx.fabric());
     let opts = SteerOptions {
@@ -476,6 +509,9 @@ fn a_second_owner_takes_over_pinned_maps_without_rehoming_flows() {
 
 #[test]
 fn steering_takes_precedence_over_the_labs_mirred_patch_panel() {
+    if !pliant_testkit::require_root() {
+        return;
+    }
     let fx = Fixture::new(2);
     // The single-replica patch panel pliant-lab installs (client -> r1 in-port).
     for argv in [
