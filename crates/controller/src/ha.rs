@@ -255,9 +255,10 @@ pub struct FtmbBrief {
     pub last_snapshot_acked: u64,
     /// Primaries whose logger this replica hosts.
     pub hosting: Vec<String>,
-    /// Output-commit audit over the hosted loggers: releases checked (every released output
-    /// is checked against its vector of PAL sequence numbers) / found early. A recovered
-    /// primary's logger leaves the status with it, so these cover live primaries only.
+    /// Output-commit audit of the output this replica transmits (hosted loggers and its
+    /// in-process loggers, `pliant_runtime::ftmb::audit_totals`): outputs checked as they were
+    /// handed out / of those, released before a PAL of their VOR was stored. A recovered
+    /// primary's hosted logger leaves the status with it, so sample before recoveries.
     pub audit_checked: u64,
     pub audit_violations: u64,
 }
@@ -316,8 +317,8 @@ pub fn parse_ftmb_status(v: &Value) -> FtmbBrief {
         snapshots: v["snapshots"].as_u64().unwrap_or(0),
         last_snapshot_acked: v["last_snapshot_acked"].as_u64().unwrap_or(0),
         hosting: hosted_names(&v["hosting"]),
-        audit_checked: sum_named(&v["hosting"], "outputs_released"),
-        audit_violations: sum_named(&v["hosting"], "audit_violations"),
+        audit_checked: pliant_runtime::ftmb::audit_totals(v).0,
+        audit_violations: pliant_runtime::ftmb::audit_totals(v).1,
     }
 }
 
@@ -520,21 +521,23 @@ mod tests {
     }
 
     #[test]
-    fn ftmb_status_parses_hosted_masters_and_sums_the_audit_wherever_it_nests() {
+    fn ftmb_status_parses_hosted_masters_and_sums_the_audit_of_every_logger() {
         let v = json!({"ok": true, "mode": "ftmb", "workers": 2,
             "logger": "/run/pliant/lab/r2.ftmb.sock", "protected": true, "snapshots": 40,
             "last_snapshot_acked": 39,
+            "local_audit": {"audit_checked": 4, "audit_violations": 1},
             "hosting": {"masters": {
                 "r3": {"queues": [{"logged_pal_seq": 4}],
-                       "logger": {"outputs_released": 15, "audit_violations": 2}},
-                "r9": {"logger": {"outputs_released": 1, "audit_violations": 0}}},
+                       "logger": {"outputs_released": 99, "audit_checked": 15,
+                                  "audit_violations": 2}},
+                "r9": {"logger": {"audit_checked": 1, "audit_violations": 0}}},
                 "fenced": {}, "server": {"accepted": 3}}});
         let b = parse_ftmb_status(&v);
         assert_eq!(b.logger.as_deref(), Some("/run/pliant/lab/r2.ftmb.sock"));
         assert!(b.protected);
         assert_eq!((b.snapshots, b.last_snapshot_acked), (40, 39));
         assert_eq!(b.hosting, vec!["r3".to_string(), "r9".to_string()]);
-        assert_eq!((b.audit_checked, b.audit_violations), (16, 2));
+        assert_eq!((b.audit_checked, b.audit_violations), (20, 3));
         let arr = json!({"hosting": [{"master": "r1"}, {"primary": "r2"}, {}]});
         assert_eq!(
             parse_ftmb_status(&arr).hosting,

@@ -162,6 +162,9 @@ fn packets_flow_through_workers_and_come_out_translated() {
     assert_eq!(st["protected"], false);
     assert_eq!(st["dispatch"]["dispatched"], 60);
     assert_eq!(st["release"]["released"], 60);
+    // Unprotected: the in-process logger released all of it, each output audited.
+    assert_eq!(st["local_audit"]["audit_checked"], 60, "{st}");
+    assert_eq!(st["local_audit"]["audit_violations"], 0, "{st}");
     let busy = st["worker_stats"]
         .as_array()
         .unwrap()
@@ -317,11 +320,20 @@ fn protected_output_is_released_by_the_logger_host_and_snapshots_arrive() {
     assert!(st["snapshot_pause_us_p99"].is_u64(), "{st}");
     // b's `hosting` is the coordinator's cached copy of its server's status, refreshed
     // every tick: under load it may still be the one from before r1's session was up.
+    // The 20 outputs b sent for r1 were audited by b's logger as it handed them out.
+    let mut hosted = Value::Null;
     pump(&mut [&mut a, &mut b], |es| {
-        answer(es[1], Cmd::FtmbStatus)["hosting"]["masters"]
-            .to_string()
-            .contains("r1")
+        hosted = answer(es[1], Cmd::FtmbStatus)["hosting"]["masters"]["r1"]["logger"].clone();
+        hosted["audit_checked"].as_u64() >= Some(20)
     });
+    assert_eq!(hosted["audit_violations"], 0, "{hosted}");
+    assert_eq!(
+        answer(&mut a, Cmd::FtmbStatus)["local_audit"]["audit_checked"],
+        0,
+        "nothing left through a's own logger"
+    );
+    let (checked, violations) = ftmb::audit_totals(&answer(&mut b, Cmd::FtmbStatus));
+    assert!(checked >= 20 && violations == 0, "{checked} {violations}");
 }
 
 #[test]
@@ -429,6 +441,10 @@ fn recovery_on_the_logger_host_brings_the_flows_back_without_duplicates() {
     let st = answer(&mut b, Cmd::FtmbStatus);
     assert_eq!(st["recoveries"][0]["primary"], "r1", "{st}");
     assert_eq!(st["recoveries"][0]["flows"], 15, "{st}");
+    // b's in-process loggers released the 15 replies and the 15 new packets (the replay's
+    // output was all suppressed; the recovered logger's earlier counts stay r1's).
+    assert_eq!(st["local_audit"]["audit_checked"], 30, "{st}");
+    assert_eq!(st["local_audit"]["audit_violations"], 0, "{st}");
     // A second activation of the same primary is refused (fenced, logs taken).
     let again = answer(
         &mut b,
@@ -469,6 +485,12 @@ fn a_lost_logger_falls_back_to_local_release_and_can_be_replaced() {
     assert_eq!(st["protected"], false, "{st}");
     assert_eq!(st["fallbacks"], 1, "{st}");
     assert!(st["logger"].is_null(), "{st}");
+    // The fallback logger starts at the workers' PAL positions; its output is audited.
+    assert!(
+        st["local_audit"]["audit_checked"].as_u64() >= Some(1),
+        "{st}"
+    );
+    assert_eq!(st["local_audit"]["audit_violations"], 0, "{st}");
     // A new logger: protected again, output goes there.
     let mut c = engine("r3", hosting("r3", &sc, 10));
     protect(&mut a, &sc);

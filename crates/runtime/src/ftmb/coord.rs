@@ -14,7 +14,7 @@
 //!
 //! The pause (first worker parked -> all resumed) is kept per snapshot for `ftmb_status`.
 
-use super::local_logger::LocalLogger;
+use super::local_logger::{LocalAudit, LocalLogger};
 use super::nf::{FlowDelta, FlowRecord, FtmbNf};
 use super::release::ReleaseQueue;
 use super::worker::{self, Ctl, Job, Parked, Post, WorkerPub};
@@ -209,6 +209,8 @@ pub(crate) struct Coord<F: FtmbNf> {
     pub status: Arc<Mutex<CoordStatus>>,
     pub hosting: Option<Arc<LoggerServer>>,
     pub release: Arc<ReleaseQueue>,
+    /// Output-commit audit counts of every in-process logger spawned here.
+    pub local_audit: Arc<LocalAudit>,
     /// Recoveries asked for and not finished (the engine holds packets while > 0).
     pub recovering: Arc<AtomicUsize>,
     /// The workers' published counters (their log errors tell a broken stream).
@@ -318,7 +320,8 @@ impl<F: FtmbNf> Coord<F> {
             .map_err(|e| e.to_string())
             .and_then(|mut l| {
                 l.start_at(&pal);
-                LocalLogger::spawn(l, Arc::clone(&self.release)).map_err(|e| e.to_string())
+                LocalLogger::spawn(l, Arc::clone(&self.release), Arc::clone(&self.local_audit))
+                    .map_err(|e| e.to_string())
             })
             .and_then(|local| {
                 let ts = (0..n)
@@ -675,8 +678,12 @@ impl<F: FtmbNf> Coord<F> {
             .nf
             .declare(&master, Some(&bundle.snapshot.nf_state))
             .map_err(|e| format!("recover {primary}: shared variables: {e}"))?;
-        let logger = LocalLogger::spawn(bundle.logger, Arc::clone(&self.release))
-            .map_err(|e| format!("recover {primary}: logger thread: {e}"))?;
+        let logger = LocalLogger::spawn(
+            bundle.logger,
+            Arc::clone(&self.release),
+            Arc::clone(&self.local_audit),
+        )
+        .map_err(|e| format!("recover {primary}: logger thread: {e}"))?;
         let mut inputs = bundle.inputs;
         inputs.resize_with(n, Vec::new);
         let mut jobs = Vec::with_capacity(n);

@@ -4,7 +4,7 @@
 //! coordinator.
 
 use super::coord::{Coord, CoordStatus, Op};
-use super::local_logger::LocalLogger;
+use super::local_logger::{LocalAudit, LocalLogger};
 use super::nf::FtmbNf;
 use super::release::{ReleaseQueue, Wake, RELEASE_BOUND};
 use super::worker::{Job, WorkerPub, WorkerThread};
@@ -94,6 +94,7 @@ struct Front<F: FtmbNf> {
     /// Drops not yet reported to the engine (packets that never came back to it).
     unreported: Vec<(&'static str, u64)>,
     status: Arc<Mutex<CoordStatus>>,
+    local_audit: Arc<LocalAudit>,
     workers: Vec<Arc<Mutex<WorkerPub>>>,
     snapshot_ms: u64,
 }
@@ -118,7 +119,8 @@ pub fn start<F: FtmbNf>(nf: F, opts: FtmbOptions) -> Result<Box<dyn FtmbMode>, S
             .map_err(|e| format!("ftmb: shared variables: {e}"))?,
     );
     let logger = OutputLogger::new(LoggerConfig::new(n)).map_err(|e| format!("ftmb: {e}"))?;
-    let local = LocalLogger::spawn(logger, Arc::clone(&release))
+    let local_audit = Arc::new(LocalAudit::default());
+    let local = LocalLogger::spawn(logger, Arc::clone(&release), Arc::clone(&local_audit))
         .map_err(|e| format!("ftmb: logger thread: {e}"))?;
     let hosting = match (&opts.host_socket, &opts.secret) {
         (Some(path), Some(secret)) => {
@@ -202,6 +204,7 @@ pub fn start<F: FtmbNf>(nf: F, opts: FtmbOptions) -> Result<Box<dyn FtmbMode>, S
         status: Arc::clone(&status),
         hosting,
         release: Arc::clone(&release),
+        local_audit: Arc::clone(&local_audit),
         recovering: Arc::clone(&recovering),
         pubs: pubs.clone(),
         log_errors_seen: 0,
@@ -225,6 +228,7 @@ pub fn start<F: FtmbNf>(nf: F, opts: FtmbOptions) -> Result<Box<dyn FtmbMode>, S
         stats: FrontStats::default(),
         unreported: Vec::new(),
         status,
+        local_audit,
         workers: pubs,
         snapshot_ms: opts.snapshot_every.as_millis() as u64,
     }))
@@ -310,6 +314,12 @@ impl<F: FtmbNf> Front<F> {
                 "dropped_full": self.release.dropped.load(Ordering::Relaxed),
             },
             "hosting": st.hosting,
+            // Output released by this replica's in-process loggers (the hosted logger's own
+            // counts are in `hosting`).
+            "local_audit": {
+                "audit_checked": self.local_audit.checked.load(Ordering::Relaxed),
+                "audit_violations": self.local_audit.violations.load(Ordering::Relaxed),
+            },
             "recoveries": st.recoveries.iter().cloned().collect::<Vec<_>>(),
         })
     }

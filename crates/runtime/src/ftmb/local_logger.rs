@@ -8,6 +8,13 @@
 //! polls. Nothing can be recovered from an in-process logger of our own master, so it drops
 //! every PAL as soon as it is logged (`truncate`), which keeps its log bounded without
 //! snapshots.
+//!
+//! Output released here goes to this engine's ports, so it is audited like the network
+//! logger's: `OutputLogger::drain_released` checks each output against the PALs stored when it
+//! is handed to the [`ReleaseQueue`], and the counts go to a [`LocalAudit`] shared by every
+//! in-process logger of the replica (`ftmb_status` `local_audit`). The PALs a local logger of
+//! our own master drops after logging them were stored when the release was checked; nothing
+//! is recovered from them, which is why dropping them does not weaken the audit.
 
 use super::release::ReleaseQueue;
 use pliant_ftmb::{Feedback, LogBatch, LogTransport, OutputLogger, QueueId, TransportError};
@@ -22,6 +29,15 @@ const BATCH_BOUND: usize = 1024;
 const FEEDBACK_BOUND: usize = 256;
 
 type FeedbackTable = Arc<Mutex<Vec<Option<SyncSender<Feedback>>>>>;
+
+/// Output-commit audit of the in-process loggers, summed over all of them (before
+/// `ftmb_protect`, after a fallback, and the recovery loggers): they come and go, the replica's
+/// status keeps their counts.
+#[derive(Default)]
+pub(crate) struct LocalAudit {
+    pub checked: AtomicU64,
+    pub violations: AtomicU64,
+}
 
 pub(crate) struct LocalLogger {
     tx: Option<SyncSender<LogBatch>>,
@@ -56,14 +72,18 @@ impl LogTransport for LocalTransport {
 }
 
 impl LocalLogger {
-    pub fn spawn(logger: OutputLogger, release: Arc<ReleaseQueue>) -> std::io::Result<LocalLogger> {
+    pub fn spawn(
+        logger: OutputLogger,
+        release: Arc<ReleaseQueue>,
+        audit: Arc<LocalAudit>,
+    ) -> std::io::Result<LocalLogger> {
         let (tx, rx) = mpsc::sync_channel::<LogBatch>(BATCH_BOUND);
         let queues = logger.queues();
         let feedback: FeedbackTable = Arc::new(Mutex::new(vec![None; queues]));
         let fb = Arc::clone(&feedback);
         let join = std::thread::Builder::new()
             .name("ftmb-local-log".into())
-            .spawn(move || run(logger, rx, fb, release))?;
+            .spawn(move || run(logger, rx, fb, release, audit))?;
         Ok(LocalLogger {
             tx: Some(tx),
             feedback,
@@ -103,11 +123,24 @@ fn run(
     rx: Receiver<LogBatch>,
     fb: FeedbackTable,
     release: Arc<ReleaseQueue>,
+    audit: Arc<LocalAudit>,
 ) -> OutputLogger {
+    // A recovery's logger arrives with the network logger's counts: only ours are added.
+    let (mut checked, mut violations) = (logger.stats.audit_checked, logger.stats.audit_violations);
     while let Ok(b) = rx.recv() {
         // Errors are counted in the logger's stats (bad/stale batches); the stream goes on.
         let _ = logger.ingest(b);
-        for r in logger.drain_released() {
+        let released = logger.drain_released();
+        // Counted before the output is queued: whoever saw the output sees its audit.
+        let st = &logger.stats;
+        audit
+            .checked
+            .fetch_add(st.audit_checked - checked, Ordering::Relaxed);
+        audit
+            .violations
+            .fetch_add(st.audit_violations - violations, Ordering::Relaxed);
+        (checked, violations) = (st.audit_checked, st.audit_violations);
+        for r in released {
             release.push(r.payload);
         }
         let logged: Vec<u64> = (0..logger.queues())

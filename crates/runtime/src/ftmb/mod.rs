@@ -38,6 +38,26 @@ use serde_json::Value;
 use std::os::fd::RawFd;
 use std::sync::mpsc::SyncSender;
 
+/// The output-commit audit in an `ftmb_status` answer: (outputs checked, violations), summed
+/// over every logger that released output to this replica's ports: the hosted network
+/// logger's per-primary counts (`hosting.masters.<primary>.logger`) and the in-process
+/// loggers' (`local_audit`). Each output is checked as its logger hands it out for
+/// transmission (`pliant_ftmb::OutputLogger::drain_released`). A recovered primary's hosted
+/// logger leaves `hosting` with it (its later output is counted in `local_audit`), so sample
+/// before a recovery to keep what it had checked.
+pub fn audit_totals(status: &Value) -> (u64, u64) {
+    let count = |v: &Value, k: &str| v[k].as_u64().unwrap_or(0);
+    let mut checked = count(&status["local_audit"], "audit_checked");
+    let mut violations = count(&status["local_audit"], "audit_violations");
+    if let Some(masters) = status["hosting"]["masters"].as_object() {
+        for m in masters.values() {
+            checked = checked.saturating_add(count(&m["logger"], "audit_checked"));
+            violations = violations.saturating_add(count(&m["logger"], "audit_violations"));
+        }
+    }
+    (checked, violations)
+}
+
 /// A control request for the FTMB mode (see the contract's "Control commands").
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum FtmbCmd {
