@@ -23,8 +23,9 @@ use std::time::Duration;
 
 /// Longest request line accepted (a `migrate_in` of 20,000 keys is ~1 MiB).
 pub const MAX_REQUEST_BYTES: usize = 2 << 20;
-/// Requests queued for the packet thread at most.
-const CHANNEL_BOUND: usize = 16;
+/// Requests queued for the packet thread at most (beyond: refused at once and counted in
+/// `control_errors`; requests whose client gave up waiting stay queued until served).
+pub(crate) const CHANNEL_BOUND: usize = 16;
 /// How long a client may take to send a line, and we wait for the packet thread.
 const IO_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long `ftmb_protect`/`ftmb_activate` may take (connects, barriers, replay: each bounded
@@ -245,8 +246,9 @@ impl Drop for ControlServer {
     }
 }
 
+/// The serving threads' end of the request queue.
 #[derive(Clone)]
-struct Shared {
+pub(crate) struct Shared {
     tx: SyncSender<Request>,
     wake_tx: Arc<UnixStream>,
     errors: Arc<AtomicU64>,
@@ -254,20 +256,32 @@ struct Shared {
 }
 
 impl Shared {
-    /// Hands `cmd` to the packet thread and waits (bounded) for its answer.
-    fn ask(&self, cmd: Cmd) -> Value {
-        let migrating = matches!(cmd, Cmd::MigrateOut { .. });
-        // FTMB protect (connect + full snapshot) and activate (replay) answer when done.
-        let ftmb_slow = matches!(cmd, Cmd::FtmbProtect { .. } | Cmd::FtmbActivate { .. });
+    /// Queues `cmd` for the packet thread and wakes it; the answer arrives on the returned
+    /// receiver. A full queue or a stopped packet thread is an error answer (counted).
+    pub(crate) fn enqueue(&self, cmd: Cmd) -> Result<Receiver<Value>, Value> {
         let (rtx, rrx) = mpsc::sync_channel(1);
         match self.tx.try_send(Request { cmd, reply: rtx }) {
             Ok(()) => {}
             Err(TrySendError::Full(_)) => {
-                return self.error("replica busy: too many pending requests")
+                return Err(self.error("replica busy: too many pending requests"))
             }
-            Err(TrySendError::Disconnected(_)) => return self.error("replica is shutting down"),
+            Err(TrySendError::Disconnected(_)) => {
+                return Err(self.error("replica is shutting down"))
+            }
         }
         let _ = (&*self.wake_tx).write(&[1]);
+        Ok(rrx)
+    }
+
+    /// Hands `cmd` to the packet thread and waits (bounded) for its answer.
+    pub(crate) fn ask(&self, cmd: Cmd) -> Value {
+        let migrating = matches!(cmd, Cmd::MigrateOut { .. });
+        // FTMB protect (connect + full snapshot) and activate (replay) answer when done.
+        let ftmb_slow = matches!(cmd, Cmd::FtmbProtect { .. } | Cmd::FtmbActivate { .. });
+        let rrx = match self.enqueue(cmd) {
+            Ok(rrx) => rrx,
+            Err(refused) => return refused,
+        };
         // A migration answers only after the destination's Ack (bounded by BUSY_WAIT +
         // ACK_WAIT on the packet thread).
         let wait = if migrating {
@@ -311,22 +325,8 @@ pub fn start(
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
         .map_err(|e| format!("control socket {path}: chmod 0600: {e}"))?;
 
-    let (tx, rx) = mpsc::sync_channel(CHANNEL_BOUND);
-    let (wake_tx, wake_rx) = UnixStream::pair().map_err(|e| format!("socketpair: {e}"))?;
-    wake_rx
-        .set_nonblocking(true)
-        .map_err(|e| format!("socketpair: {e}"))?;
-    wake_tx
-        .set_nonblocking(true)
-        .map_err(|e| format!("socketpair: {e}"))?;
-    let errors = Arc::new(AtomicU64::new(0));
-    let stop = Arc::new(AtomicBool::new(false));
-    let shared = Shared {
-        tx,
-        wake_tx: Arc::new(wake_tx),
-        errors: errors.clone(),
-        stop: stop.clone(),
-    };
+    let (shared, handle) = channel()?;
+    let stop = shared.stop.clone();
 
     let mut metrics_addr = None;
     if let Some(addr) = metrics_listen {
@@ -349,12 +349,34 @@ pub fn start(
             stop,
             metrics_addr,
         },
-        ControlHandle {
-            requests: rx,
-            wake_rx,
-            errors,
-        },
+        handle,
     ))
+}
+
+/// The bounded request queue and wake-up pair between the serving threads and the packet
+/// thread (tests drive the serving end directly).
+pub(crate) fn channel() -> Result<(Shared, ControlHandle), String> {
+    let (tx, rx) = mpsc::sync_channel(CHANNEL_BOUND);
+    let (wake_tx, wake_rx) = UnixStream::pair().map_err(|e| format!("socketpair: {e}"))?;
+    wake_rx
+        .set_nonblocking(true)
+        .map_err(|e| format!("socketpair: {e}"))?;
+    wake_tx
+        .set_nonblocking(true)
+        .map_err(|e| format!("socketpair: {e}"))?;
+    let errors = Arc::new(AtomicU64::new(0));
+    let shared = Shared {
+        tx,
+        wake_tx: Arc::new(wake_tx),
+        errors: errors.clone(),
+        stop: Arc::new(AtomicBool::new(false)),
+    };
+    let handle = ControlHandle {
+        requests: rx,
+        wake_rx,
+        errors,
+    };
+    Ok((shared, handle))
 }
 
 fn serve_unix(l: UnixListener, sh: Shared) {

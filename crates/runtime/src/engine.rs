@@ -68,6 +68,9 @@ fn idx(s: Side) -> usize {
 
 const SIDES: [Side; 2] = [Side::Inside, Side::Outside];
 
+/// Control requests served per round at most.
+const CONTROL_PER_ROUND: usize = 4;
+
 /// A received frame waiting for processing in this round.
 struct Rx {
     side: Side,
@@ -748,7 +751,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
         let Some(c) = &self.control else { return };
         // Bounded per round so a flood of requests cannot starve the packet path.
         let mut reqs = Vec::new();
-        while reqs.len() < 4 {
+        while reqs.len() < CONTROL_PER_ROUND {
             match c.requests.try_recv() {
                 Ok(r) => reqs.push(r),
                 Err(_) => break,

@@ -170,13 +170,6 @@ pub fn render(s: &Snapshot<'_>) -> String {
     for (reason, n) in s.drops.snapshot() {
         o.sample("pliant_drops_total", &[("reason", reason)], n);
     }
-    if s.drops.overflow > 0 {
-        o.sample(
-            "pliant_drops_total",
-            &[("reason", "other")],
-            s.drops.overflow,
-        );
-    }
     let gauges: [(&str, &str, u64); 4] = [
         (
             "pliant_flows",

@@ -83,7 +83,8 @@ pub struct Output {
 
 /// A bounded set of named counters keyed by `&'static str` labels. NFs use a handful of stable
 /// labels, so a linear scan over a short vector beats hashing on the hot path; the bound keeps
-/// a buggy NF that invents labels from growing memory (excess labels land in `overflow`).
+/// a buggy NF that invents labels from growing memory (excess labels land in `overflow`,
+/// reported under [`Counters::OVERFLOW_LABEL`] so every increment shows up somewhere).
 #[derive(Clone, Debug, Default)]
 pub struct Counters {
     entries: Vec<(&'static str, u64)>,
@@ -94,6 +95,8 @@ pub struct Counters {
 impl Counters {
     /// Bound on distinct labels per counter set.
     pub const MAX_LABELS: usize = 128;
+    /// The label [`Counters::snapshot`] reports `overflow` under.
+    pub const OVERFLOW_LABEL: &'static str = "other";
 
     pub fn add(&mut self, name: &'static str, n: u64) {
         // Pointer equality first: labels are almost always the same literal.
@@ -119,9 +122,17 @@ impl Counters {
             .map_or(0, |e| e.1)
     }
 
-    /// All `(label, value)` pairs, sorted by label (stable output for metrics and tests).
+    /// All `(label, value)` pairs, sorted by label (stable output for metrics and tests), with
+    /// the increments past the label bound under [`Counters::OVERFLOW_LABEL`] (added to it if
+    /// that label is in use), so the values sum to [`Counters::total`].
     pub fn snapshot(&self) -> Vec<(&'static str, u64)> {
         let mut v = self.entries.clone();
+        if self.overflow > 0 {
+            match v.iter_mut().find(|(k, _)| *k == Self::OVERFLOW_LABEL) {
+                Some(e) => e.1 = e.1.saturating_add(self.overflow),
+                None => v.push((Self::OVERFLOW_LABEL, self.overflow)),
+            }
+        }
         v.sort_unstable_by_key(|e| e.0);
         v
     }

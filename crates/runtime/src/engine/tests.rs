@@ -3,6 +3,7 @@
 use super::*;
 use crate::config::Cidr;
 use crate::forward::Forward;
+use crate::nf::{Counters, DROP_OUTPUT_FULL};
 use pliant_io::MemPort;
 use pliant_net::build;
 use pliant_net::Parsed;
@@ -18,6 +19,10 @@ fn ip(s: &str) -> IpAddr {
 }
 
 fn engine() -> (Engine<Forward, MemPort>, Instant) {
+    engine_of(Forward::default(), EngineOptions::default())
+}
+
+fn engine_of<N: NetworkFunction>(nf: N, opts: EngineOptions) -> (Engine<N, MemPort>, Instant) {
     let t0 = Instant::now();
     let nets = [
         SideNet {
@@ -33,13 +38,27 @@ fn engine() -> (Engine<Forward, MemPort>, Instant) {
     ];
     let e = Engine::new(
         "t",
-        Forward::default(),
+        nf,
         [MemPort::new(IN_MAC), MemPort::new(OUT_MAC)],
         nets,
-        EngineOptions::default(),
+        opts,
         t0,
     );
     (e, t0)
+}
+
+/// The value of one sample in the engine's Prometheus text: `name{replica="t",labels} value`.
+fn metric_value<N: NetworkFunction>(
+    e: &Engine<N, MemPort>,
+    now: Instant,
+    name: &str,
+    labels: &str,
+) -> Option<u64> {
+    let text = e.metrics(now);
+    let prefix = format!("{name}{{replica=\"t\",{labels}}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
+        .map(|v| v.parse().expect("integer sample"))
 }
 
 fn tx(e: &mut Engine<Forward, MemPort>, s: Side) -> Vec<Vec<u8>> {
@@ -62,6 +81,17 @@ fn arp_of(f: &[u8]) -> ArpInfo {
         Ok(Frame::Arp(a)) => a,
         other => panic!("not ARP: {other:?}"),
     }
+}
+
+/// The server's answer to our ARP request for 10.0.2.2.
+fn server_arp_reply() -> Vec<u8> {
+    arp::reply(
+        SERVER_MAC,
+        Ipv4Addr::new(10, 0, 2, 2),
+        OUT_MAC,
+        Ipv4Addr::new(10, 0, 2, 1),
+        None,
+    )
 }
 
 fn client_udp(ttl_dst: &str) -> Vec<u8> {
@@ -121,14 +151,7 @@ fn resolves_next_hop_holds_frames_then_forwards_with_router_rewrites() {
         (1, Ipv4Addr::new(10, 0, 2, 2), Ipv4Addr::new(10, 0, 2, 1))
     );
 
-    let reply = arp::reply(
-        SERVER_MAC,
-        Ipv4Addr::new(10, 0, 2, 2),
-        OUT_MAC,
-        Ipv4Addr::new(10, 0, 2, 1),
-        None,
-    );
-    e.port_mut(Side::Outside).inject(&reply);
+    e.port_mut(Side::Outside).inject(&server_arp_reply());
     e.poll_once(t0 + Duration::from_millis(1));
     let out = tx(&mut e, Side::Outside);
     assert_eq!(out.len(), 2, "held frames released");
@@ -263,16 +286,25 @@ fn an_idle_engine_sleeps_and_a_control_request_wakes_it() {
     e.set_peer(link);
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let flag = stop.clone();
+    let max_sleep = EngineOptions::default().max_sleep;
+    let started = Instant::now();
     let t = std::thread::spawn(move || {
         e.run_paced(&flag, Duration::ZERO).unwrap();
         e
     });
-    std::thread::sleep(Duration::from_millis(300));
+    std::thread::sleep(3 * max_sleep);
     let v = crate::control::client_request(ctl.to_str().unwrap(), "stats").unwrap();
+    let idle = started.elapsed();
     assert_eq!(v["ok"], true, "{v}");
     let rounds = v["engine"]["rounds"].as_u64().unwrap();
-    // Idle for 300 ms with a 100 ms poll timeout: a handful of rounds, not thousands.
-    assert!(rounds < 50, "an idle engine ran {rounds} rounds in 300 ms");
+    // A sleeping engine runs about one round per poll timeout (plus the one the request
+    // woke), a spinning one thousands. Counted against the time that really passed, so a
+    // stalled test thread only allows more rounds.
+    let timeouts = (idle.as_micros() / max_sleep.as_micros()) as u64;
+    assert!(
+        rounds <= 2 * timeouts + 5,
+        "an idle engine ran {rounds} rounds in {idle:?} ({timeouts} poll timeouts)"
+    );
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     // The stop flag is read after the next wake-up (at most the poll timeout).
     let e = t.join().unwrap();
@@ -487,4 +519,152 @@ fn offloads_are_carried_through_and_checksums_restored() {
     ));
     done[off..off + 2].copy_from_slice(&full.to_be_bytes());
     assert!(pliant_net::l4_checksum_ok(&done, &q));
+}
+
+/// The output queue bound (`max_output` packets written per round): the NF's writes past it
+/// are dropped and counted as `output_queue_full` (in `drops` of the stats JSON and in
+/// Prometheus), the packets within it leave, and the next round has the whole bound again.
+#[test]
+fn output_past_the_per_round_bound_is_dropped_and_counted() {
+    let opts = EngineOptions {
+        max_output: 4,
+        ..EngineOptions::default()
+    };
+    let (mut e, t0) = engine_of(Forward::default(), opts);
+    e.port_mut(Side::Outside).inject(&server_arp_reply());
+    e.poll_once(t0);
+    for _ in 0..10 {
+        e.port_mut(Side::Inside).inject(&client_udp("10.0.2.2"));
+    }
+    e.poll_once(t0);
+    assert_eq!(tx(&mut e, Side::Outside).len(), 4);
+    assert_eq!(e.ctx.drops().get(DROP_OUTPUT_FULL), 6);
+    let s = e.answer(Cmd::Stats, t0);
+    assert_eq!(s["drops"][DROP_OUTPUT_FULL], 6, "{}", s["drops"]);
+    assert_eq!(
+        metric_value(&e, t0, "pliant_drops_total", "reason=\"output_queue_full\""),
+        Some(6)
+    );
+    // The bound is per round: three frames in the next round all leave.
+    for _ in 0..3 {
+        e.port_mut(Side::Inside).inject(&client_udp("10.0.2.2"));
+    }
+    e.poll_once(t0);
+    assert_eq!(tx(&mut e, Side::Outside).len(), 3);
+    assert_eq!(e.ctx.drops().total(), 6);
+    assert_eq!(e.stats().inside.frames_in, 13);
+}
+
+/// Test NF: drops every packet, and counts it, under a label chosen by its UDP source port
+/// (an NF that invents labels without bound, as a buggy one would).
+struct Labeller(Vec<&'static str>);
+
+impl NetworkFunction for Labeller {
+    type Flow = ();
+    const NAME: &'static str = "labeller";
+    fn process(&mut self, ctx: &mut Ctx<()>, pkt: Packet) {
+        let label = self.0[usize::from(pkt.meta.sport) % self.0.len()];
+        ctx.count(label, 1);
+        ctx.pkt_drop(pkt, label);
+    }
+}
+
+/// The label bound (`Counters::MAX_LABELS` per counter set): labels past it are counted under
+/// `other`, which the stats JSON (`drops`, `nf_counters`) and Prometheus both report, so the
+/// reported values still add up to every packet; labels already known keep counting.
+#[test]
+fn labels_past_the_bound_are_counted_under_other() {
+    let n = Counters::MAX_LABELS + 72;
+    let labels: Vec<&'static str> = (0..n)
+        .map(|i| &*Box::leak(format!("label_{i:03}").into_boxed_str()))
+        .collect();
+    let (mut e, t0) = engine_of(Labeller(labels.clone()), EngineOptions::default());
+    let frame = |sport: usize| {
+        build::udp(
+            CLIENT_MAC,
+            IN_MAC,
+            ip("10.0.1.2"),
+            u16::try_from(sport).unwrap(),
+            ip("10.0.2.2"),
+            53,
+            b"x",
+        )
+    };
+    for chunk in (0..n).collect::<Vec<_>>().chunks(50) {
+        for &i in chunk {
+            e.port_mut(Side::Inside).inject(&frame(i));
+        }
+        e.poll_once(t0);
+    }
+    let over = (n - Counters::MAX_LABELS) as u64;
+    assert_eq!(e.ctx.drops().overflow, over);
+    let s = e.answer(Cmd::Stats, t0);
+    for map in ["drops", "nf_counters"] {
+        let m = s[map].as_object().expect("a map");
+        assert_eq!(m.len(), Counters::MAX_LABELS + 1, "{map}: {m:?}");
+        assert_eq!(m["other"], over, "{map}");
+        assert_eq!(m[labels[0]], 1, "{map}");
+        assert!(
+            m.get(labels[n - 1]).is_none(),
+            "{map}: a label past the bound"
+        );
+        let sum: u64 = m.values().map(|v| v.as_u64().unwrap()).sum();
+        assert_eq!(sum, n as u64, "{map}: every packet is in the map");
+    }
+    assert_eq!(
+        metric_value(&e, t0, "pliant_drops_total", "reason=\"other\""),
+        Some(over)
+    );
+    assert_eq!(
+        metric_value(&e, t0, "pliant_nf_other_total", "nf=\"labeller\""),
+        Some(over)
+    );
+    // A known label keeps its own count; a new one still goes to `other`.
+    e.port_mut(Side::Inside).inject(&frame(5));
+    e.port_mut(Side::Inside).inject(&frame(n - 1));
+    e.poll_once(t0);
+    let s = e.answer(Cmd::Stats, t0);
+    assert_eq!(s["drops"][labels[5]], 2);
+    assert_eq!(s["drops"]["other"], over + 1);
+}
+
+/// The control request queue (`CHANNEL_BOUND` requests the packet thread has not taken): one
+/// more is refused at once, neither queued nor waited for, and counted in `control_errors`
+/// (stats JSON and Prometheus); the packet thread then serves the queued ones, at most
+/// `CONTROL_PER_ROUND` a round, and the queue takes requests again.
+#[test]
+fn a_full_control_queue_refuses_and_counts() {
+    use crate::control::CHANNEL_BOUND;
+    let (mut e, t0) = engine();
+    let (sh, handle) = crate::control::channel().unwrap();
+    e.set_control(handle);
+    let waiting: Vec<_> = (0..CHANNEL_BOUND)
+        .map(|_| sh.enqueue(Cmd::Query).expect("room in the queue"))
+        .collect();
+    let refused = sh.ask(Cmd::Query);
+    assert_eq!(refused["ok"], false, "{refused}");
+    assert!(
+        refused["error"].as_str().unwrap().contains("busy"),
+        "{refused}"
+    );
+    let mut answered = 0;
+    let mut rounds = 0;
+    while answered < CHANNEL_BOUND {
+        e.poll_once(t0);
+        rounds += 1;
+        let now = waiting.iter().filter(|r| r.try_recv().is_ok()).count();
+        assert_eq!(now, CONTROL_PER_ROUND.min(CHANNEL_BOUND - answered));
+        answered += now;
+    }
+    assert_eq!(rounds, CHANNEL_BOUND.div_ceil(CONTROL_PER_ROUND));
+    let s = e.answer(Cmd::Stats, t0);
+    assert_eq!(s["engine"]["control_errors"], 1);
+    assert_eq!(s["engine"]["control_requests"], CHANNEL_BOUND as u64);
+    assert_eq!(
+        metric_value(&e, t0, "pliant_control_errors_total", "nf=\"forward\""),
+        Some(1)
+    );
+    let again = sh.enqueue(Cmd::Query).expect("room again once served");
+    e.poll_once(t0);
+    assert_eq!(again.try_recv().unwrap()["ok"], true);
 }
