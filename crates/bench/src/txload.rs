@@ -1114,13 +1114,19 @@ mod tests {
         let m = Arc::new(Marker::default());
         let h = spawn_client(None, o, m.clone()).expect("spawn");
         std::thread::sleep(Duration::from_millis(100));
+        let before_mark = Instant::now();
         m.set();
         let r = join_client(h).expect("client");
+        let after_mark_ms = before_mark.elapsed().as_secs_f64() * 1e3;
         assert_eq!(r.probes.len(), 3);
         assert!(r.probes.iter().all(|p| p.echoed > 0 && p.sent >= p.echoed));
         let rec = r.probe_recovery_ms().expect("every probe flow recovered");
-        // No failure happened: the first echo after the mark is a few probe intervals away.
-        assert!(rec < 200.0, "{rec}");
+        // Measured from the mark to an echo the client saw before it returned: how long that
+        // takes is the benchmark's figure (`recovery_ms`), not this test's.
+        assert!(
+            (0.0..=after_mark_ms).contains(&rec),
+            "{rec} of {after_mark_ms} ms"
+        );
         let surv = r.conns_survived(true);
         assert_eq!(surv, 1, "{r:?}");
     }

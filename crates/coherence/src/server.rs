@@ -145,9 +145,18 @@ struct Shared {
     stop: AtomicBool,
     c: Counters,
     conns: crate_unix::ConnThreads,
+    /// Microseconds the lease clock runs ahead of the monotonic clock ([`HubServer::advance_clock`]).
+    clock_ahead_us: AtomicU64,
 }
 
 impl Shared {
+    /// The clock leases run on.
+    fn now(&self) -> Instant {
+        let ahead = Duration::from_micros(self.clock_ahead_us.load(Ordering::Relaxed));
+        let now = Instant::now();
+        now.checked_add(ahead).unwrap_or(now)
+    }
+
     fn stats(&self) -> HubStats {
         let c = &self.c;
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -197,6 +206,7 @@ impl HubServer {
             stop: AtomicBool::new(false),
             c: Counters::default(),
             conns: crate_unix::ConnThreads::default(),
+            clock_ahead_us: AtomicU64::new(0),
         });
         let sh = shared.clone();
         let p = || path.to_path_buf();
@@ -226,6 +236,19 @@ impl HubServer {
     /// The hub's state, for queries and tests (contributions, newest strong copies).
     pub fn store(&self) -> &LocalCoherence {
         &self.shared.store
+    }
+
+    /// Moves the hub's lease clock forward by `by`: every lease granted so far runs out that
+    /// much sooner. Tests of lease expiry use it instead of sleeping past a short lease, which
+    /// a stalled test thread could also outlast before it looked.
+    pub fn advance_clock(&self, by: Duration) {
+        let us = u64::try_from(by.as_micros()).unwrap_or(u64::MAX);
+        let _ =
+            self.shared
+                .clock_ahead_us
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+                    Some(v.saturating_add(us))
+                });
     }
 
     /// Wire version of a strong copy whose in-hub version is `v` (tests and tools).
@@ -548,7 +571,7 @@ fn handle(sh: &Shared, me: ReplicaId, req: Request<'_>) -> Response {
             own(holder)?;
             let lease = Duration::from_micros(lease_us).min(sh.cfg.max_lease);
             // The hub's clock decides: the lease starts now, here.
-            let t = st.lock(key, holder, lease, Instant::now()).map_err(state)?;
+            let t = st.lock(key, holder, lease, sh.now()).map_err(state)?;
             bump(&sh.c.lock_grants);
             // Read after the grant: from here on only this grant can publish the key.
             let latest = st.fetch_latest(key).map_err(state)?;

@@ -170,12 +170,15 @@ fn synch_counter_under_contention_loses_no_update() {
 fn an_expired_lease_lets_the_other_replica_in_and_fences_the_old_holder() {
     let d = TempDir::new("lease");
     let srv = hub(&d, HubConfig::default());
-    let cfg = |lease_ms| SharedConfig {
-        lock_lease: Duration::from_millis(lease_ms),
+    // Leases far longer than any stall of this test: the hub's clock is moved past the slow
+    // holder's lease instead of waiting for it.
+    let lease = Duration::from_secs(30);
+    let cfg = SharedConfig {
+        lock_lease: lease,
         ..Default::default()
     };
-    let (mut slow, slow_client) = store(&d, 1, cfg(50));
-    let (mut fast, fast_client) = store(&d, 2, cfg(30_000));
+    let (mut slow, slow_client) = store(&d, 1, cfg.clone());
+    let (mut fast, fast_client) = store(&d, 2, cfg);
     for s in [&mut slow, &mut fast] {
         s.create_shared("cfg", b"v0".to_vec(), None).unwrap();
     }
@@ -185,8 +188,8 @@ fn an_expired_lease_lets_the_other_replica_in_and_fences_the_old_holder() {
         fast.get_shared("cfg", GetFlags::Synch).unwrap_err(),
         StateError::Locked("cfg".into())
     );
-    // The hub's clock, not ours, decides: wait well past the 50 ms lease.
-    std::thread::sleep(Duration::from_millis(200));
+    // The hub's clock, not ours, decides: past the lease, the other replica gets the lock.
+    srv.advance_clock(lease + Duration::from_secs(1));
     let r_fast = fast.get_shared("cfg", GetFlags::Synch).unwrap();
     fast.value_mut(&r_fast).clear();
     fast.value_mut(&r_fast).extend_from_slice(b"fast");
