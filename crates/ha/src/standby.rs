@@ -30,7 +30,7 @@
 
 use crate::delta::{self, DeltaError};
 use crate::wire::{Checkpoint, GroupId, UpdateBody};
-use foldhash::{HashMap as FastMap, HashMapExt, HashSet as FastSet, HashSetExt};
+use foldhash::{HashMap as FastMap, HashMapExt};
 use pliant_state::FlowKey;
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap};
@@ -265,18 +265,16 @@ impl StandbyStore {
         }
         let base = held_group.unwrap_or(&empty);
 
+        if let Some(key) = cp.duplicate_key() {
+            return Err(StandbyError::DuplicateKey {
+                group: cp.group,
+                seq: cp.seq,
+                key,
+            });
+        }
         // Stage: decode every update against what the group holds now.
         let mut staged: Vec<Staged> = Vec::with_capacity(cp.flows.len());
-        // A key twice would make the bound arithmetic below count its old record twice.
-        let mut seen: FastSet<FlowKey> = FastSet::with_capacity(cp.flows.len());
         for u in &cp.flows {
-            if !seen.insert(u.key) {
-                return Err(StandbyError::DuplicateKey {
-                    group: cp.group,
-                    seq: cp.seq,
-                    key: u.key,
-                });
-            }
             let held = base.flows.get(&u.key);
             let rec = match &u.body {
                 UpdateBody::Full(bytes) => Some((u.version, bytes.clone())),
@@ -353,6 +351,8 @@ impl StandbyStore {
 
         // Commit: nothing below can fail.
         let p = self.primaries.entry(primary.to_string()).or_default();
+        // Invariant 7 (fencing): state from a token below the fence is never taken.
+        assert!(token >= p.fence, "applying a fenced checkpoint");
         let g = p.groups.entry(cp.group).or_default();
         if cp.full {
             g.flows.clear();
@@ -410,6 +410,8 @@ impl StandbyStore {
             return Err(StandbyError::TooManyPrimaries);
         }
         let p = self.primaries.entry(primary.to_string()).or_default();
+        // Invariant 7 (fencing): the fence only rises; an older token never activates.
+        assert!(token >= p.fence, "activating under a fenced token");
         p.fence = token;
         let last_seq: Vec<(GroupId, u64)> = p.groups.iter().map(|(g, s)| (*g, s.seq)).collect();
         let mut best: FastMap<FlowKey, (u64, Vec<u8>)> = FastMap::new();

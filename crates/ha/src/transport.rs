@@ -689,6 +689,14 @@ impl ReplSender {
     /// Non-blocking; `Err(Full)` when the bounded queue is full (counted), `Err(Dead)` once the
     /// link is dead.
     pub fn send(&self, cp: Checkpoint) -> Result<(), SendError> {
+        // Built by this process: a flow twice would be refused by the backup as a whole.
+        debug_assert!(
+            cp.duplicate_key().is_none(),
+            "flow {:?} twice in checkpoint {} of group {}",
+            cp.duplicate_key(),
+            cp.seq,
+            cp.group
+        );
         if self.shared.dead.load(Ordering::SeqCst) {
             return Err(SendError::Dead);
         }
@@ -1191,20 +1199,24 @@ mod tests {
     fn a_dropped_backup_is_reported_dead() {
         let d = TempDir::new();
         let (srv, _store, path) = server(&d);
-        let s = ReplSender::start(&path, secret(1), "r1", 1, opts(200));
+        // The answer timer outlasts PATIENCE: if the link dies within it, the closed
+        // connection told the sender, not the silence.
+        let s = ReplSender::start(
+            &path,
+            secret(1),
+            "r1",
+            1,
+            opts(3 * PATIENCE.as_millis() as u64),
+        );
         wait_up(&s);
         s.send(cp(1, 1, true, 1)).unwrap();
         let mut acks = Vec::new();
         wait_for(&s, &mut acks, |_, a| acked(a, 1) == 1);
         assert_eq!(acked(&acks, 1), 1);
-        let t = Instant::now();
         drop(srv);
         assert!(!path.exists(), "the server unlinks its socket");
         let reason = wait_dead(&s);
-        assert!(
-            t.elapsed() < Duration::from_millis(200) + PATIENCE / 2,
-            "{reason}"
-        );
+        assert!(!reason.contains("no answer"), "{reason}");
         assert_eq!(s.send(cp(1, 2, false, 1)), Err(SendError::Dead));
     }
 

@@ -54,6 +54,17 @@ pub struct Checkpoint {
     pub shared: Option<Vec<u8>>,
 }
 
+impl Checkpoint {
+    /// The first key carried twice in `flows`, if any. A checkpoint carries each flow at most
+    /// once: the primary builds it so (asserted where it is sent), and a backup refuses one
+    /// that does not (its bound arithmetic would count the key's old record twice).
+    pub fn duplicate_key(&self) -> Option<FlowKey> {
+        use foldhash::{HashSet, HashSetExt};
+        let mut seen = HashSet::with_capacity(self.flows.len());
+        self.flows.iter().map(|u| u.key).find(|k| !seen.insert(*k))
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FlowUpdate {
     pub key: FlowKey,

@@ -307,8 +307,9 @@ pub(crate) enum Phase {
 #[derive(Default)]
 pub(crate) struct Migration {
     pub holds: HashMap<FlowKey, Hold>,
-    /// Held packets in arrival order.
-    pub held: VecDeque<crate::nf::Packet>,
+    /// Held packets in arrival order, each with its arrival number (`held_packets` counted
+    /// when it was held).
+    pub held: VecDeque<(u64, crate::nf::Packet)>,
     /// Where migrated keys went (for late packets), with FIFO eviction order.
     pub forwards: HashMap<FlowKey, std::sync::Arc<str>>,
     pub forward_order: VecDeque<FlowKey>,

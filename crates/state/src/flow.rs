@@ -508,6 +508,14 @@ impl<S: FlowState> FlowTable<S> {
         for a in &e.aliases {
             self.add_tombstone(*a, e.version);
         }
+        // Invariant 1 (one owner): after export nothing here resolves to the flow any more;
+        // the importer holds the only active copy.
+        debug_assert!(
+            std::iter::once(&e.key)
+                .chain(&e.aliases)
+                .all(|k| !self.index.contains_key(k)),
+            "an exported flow still resolves here"
+        );
         self.stats.exported += 1;
         Ok(bytes)
     }
@@ -726,6 +734,16 @@ impl<S: FlowState> FlowTable<S> {
     }
 
     fn install(&mut self, slot: u32, entry: Entry<S>) {
+        // Invariant 1 (one owner): a key names at most one thing here — one live flow, or the
+        // tombstone of one that moved away. Create/import/alias refuse (`Exists`, `Migrated`) or
+        // clear the tombstone (import) before they get here.
+        debug_assert!(
+            std::iter::once(&entry.key)
+                .chain(&entry.aliases)
+                .all(|k| !self.index.contains_key(k) && !self.tombs.contains_key(k)),
+            "installing {} over a live flow or a tombstone",
+            entry.key
+        );
         self.index.insert(entry.key, slot);
         for a in &entry.aliases {
             self.index.insert(*a, slot);
@@ -760,6 +778,9 @@ impl<S: FlowState> FlowTable<S> {
             .entry
             .as_ref()
             .ok_or(StateError::NotFound(*key))?;
+        // Invariant 2 (no copy mid-transaction): export and snapshot call `check_idle` first;
+        // a copy taken with a transaction open could miss the NF's next write.
+        debug_assert_eq!(e.refcount, 0, "copying {} mid-transaction", e.key);
         let timers = e
             .timers
             .iter()

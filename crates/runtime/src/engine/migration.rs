@@ -42,7 +42,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             if let Some(h) = self.mig.holds.get_mut(&key) {
                 h.first_held.get_or_insert(now);
             }
-            self.mig.held.push_back(pkt);
+            self.mig.held.push_back((self.mig.stats.held_packets, pkt));
             return None;
         }
         if let Some(to) = self.mig.forwards.get(&key) {
@@ -531,16 +531,22 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
         let mut returned = Vec::new();
         let mut to_nf = Vec::new();
         let held = std::mem::take(&mut self.mig.held);
-        for p in held {
+        for (arrival, p) in held {
             let k = p.meta.key;
             if keep.contains(&k) {
                 returned.push(WirePacket::new(p.ingress, &p.offload, p.buf));
             } else if rel.contains(&k) {
-                to_nf.push(p);
+                to_nf.push((arrival, p));
             } else {
-                self.mig.held.push_back(p);
+                self.mig.held.push_back((arrival, p));
             }
         }
+        // Invariant 5 (order): the released packets reach the NF in the order they arrived
+        // (across flows, hence per flow and across both directions of one).
+        debug_assert!(
+            to_nf.windows(2).all(|w| w[0].0 < w[1].0),
+            "held packets released out of arrival order"
+        );
         let mut pauses = Vec::new();
         let mut held_us_max = 0u64;
         for k in release {
@@ -568,7 +574,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
         let released_packets = to_nf.len() as u64;
         self.mig.stats.released_packets += released_packets;
         self.mig.stats.returned_packets += returned.len() as u64;
-        for p in to_nf {
+        for (_, p) in to_nf {
             self.nf.process(&mut self.ctx, p);
         }
         let (imported, import_failed, rejected) = self
