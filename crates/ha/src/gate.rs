@@ -273,6 +273,10 @@ impl<T> OutputGate<T> {
                 keep.push_back(h);
             }
         }
+        debug_assert!(
+            keep.iter().all(|h| h.dep_seq > acked),
+            "an acknowledged item stayed held"
+        );
         q.held = keep;
         self.stats.released += released;
     }
@@ -376,13 +380,14 @@ mod tests {
         let mut gate: OutputGate<u32> = OutputGate::new(3);
         gate.add_group(1, 1);
         let d = |seq| Dep { group: 1, seq };
+        // Epoch 1 closed (shipped, unacked), epoch 2 open: items wait for either.
+        assert_eq!(gate.close_epoch(1), Some(1));
         gate.hold(d(2), 10).unwrap();
         gate.hold(d(1), 11).unwrap();
         gate.hold(d(2), 12).unwrap();
         assert!(matches!(gate.hold(d(1), 13), Err(HoldRefused::Full(13))));
         assert_eq!(gate.stats.dropped_hold_full, 1);
         assert!(matches!(gate.hold(d(1), 14), Err(HoldRefused::Full(_))));
-        assert_eq!(gate.close_epoch(1), Some(1));
         assert_eq!(gate.close_epoch(1), Some(2));
         let mut out = Vec::new();
         gate.ack(1, 1, &mut out);

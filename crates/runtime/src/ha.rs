@@ -1262,6 +1262,13 @@ impl HaPrimary {
             flows,
             shared: None,
         };
+        // A flow twice would make the backup refuse the whole checkpoint.
+        debug_assert!(
+            cp.duplicate_key().is_none(),
+            "flow {:?} twice in checkpoint {} of group {id}",
+            cp.duplicate_key(),
+            cp.seq
+        );
         self.audit.sent(&cp, self.tick, false);
         match self.links[self.groups[i].link].link.send(cp) {
             Ok(()) => {}
