@@ -44,7 +44,8 @@ use std::sync::mpsc::SyncSender;
 /// loggers' (`local_audit`). Each output is checked as its logger hands it out for
 /// transmission (`pliant_ftmb::OutputLogger::drain_released`). A recovered primary's hosted
 /// logger leaves `hosting` with it (its later output is counted in `local_audit`), so sample
-/// before a recovery to keep what it had checked.
+/// before a recovery to keep what it had checked. Not audited, because they depend on no PAL:
+/// what the engine sends without the NF (ARP, answers to pings of the gateway address).
 pub fn audit_totals(status: &Value) -> (u64, u64) {
     let count = |v: &Value, k: &str| v[k].as_u64().unwrap_or(0);
     let mut checked = count(&status["local_audit"], "audit_checked");
