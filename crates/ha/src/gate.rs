@@ -289,6 +289,14 @@ impl<T> OutputGate<T> {
         self.stats.released_unprotected += n;
     }
 
+    /// Takes every item `g` holds, in held order, without releasing it (the caller holds it
+    /// elsewhere: its flow moved to another group).
+    pub fn take_held(&mut self, g: GroupId, out: &mut Vec<T>) {
+        if let Some(q) = self.q_mut(g) {
+            out.extend(q.held.drain(..).map(|h| h.item));
+        }
+    }
+
     /// Moves held items of `g` that wait for `from` and match `pred` to wait for `to` instead
     /// (their flow could not be copied into checkpoint `from`, so it goes into `to`). Returns
     /// how many moved.

@@ -234,6 +234,8 @@ pub struct ReplStats {
     pub standby_cleared: u64,
     /// Flows deleted from a backup after moving to another group (and being acked there).
     pub standby_evicted: u64,
+    /// Held packets a policy change moved from a retiring group to their flow's new group.
+    pub held_moved: u64,
 }
 
 /// What happens to one output packet.
@@ -286,6 +288,9 @@ pub struct HaPrimary {
     /// Test-only fault: output that should wait leaves at once, so tests can show the audit
     /// counts early releases. Never set outside tests.
     fault_release_early: bool,
+    /// Held output a policy change moved out of a retiring group that may leave now (its flow
+    /// is unprotected) or must be dropped (the new group's queue is full).
+    moved_out: Vec<(Held, Route)>,
     pub(crate) out: OutStats,
     pub(crate) repl: ReplStats,
     /// Round counter (the audit's clock: a packet is written and a checkpoint taken in a round).
@@ -327,6 +332,7 @@ impl HaPrimary {
             gate: OutputGate::new(MAX_HELD_PER_GROUP),
             audit: ExitAudit::new(),
             fault_release_early: false,
+            moved_out: Vec::new(),
             out: OutStats::default(),
             repl: ReplStats::default(),
             tick: 0,
@@ -424,12 +430,15 @@ impl HaPrimary {
         let mut gone = Vec::new();
         // (key, old group, new group) of flows the old group's backup holds.
         let mut moved = Vec::new();
+        // (key, new group) of every flow whose group changed.
+        let mut arrived = Vec::new();
         for (k, rep) in ha.reps.iter_mut() {
             let g = wire_of(assigner.assign(k));
             if g != rep.group {
                 if rep.shipped.is_some() {
                     moved.push((*k, rep.group, g));
                 }
+                arrived.push((*k, g));
                 rep.group = g;
                 rep.shipped = None;
                 rep.base.clear();
@@ -441,6 +450,15 @@ impl HaPrimary {
         }
         for k in gone {
             ha.forget(&k);
+        }
+        // A flow back in a (reused) group that was to evict it: that eviction is void, the
+        // group ships the flow in full instead (a `Deleted` beside it would carry the flow
+        // twice in one checkpoint, which the backup refuses as a whole).
+        for (k, new) in arrived {
+            if let Some(ng) = ha.groups.iter_mut().find(|g| g.id == new) {
+                ng.evict.retain(|e| e.0 != k);
+                ng.deletes.retain(|d| *d != k);
+            }
         }
         for (k, old, new) in moved {
             // The successor's next checkpoint carries the flow (its copy was reset above).
@@ -466,8 +484,63 @@ impl HaPrimary {
         if !ha.remus {
             ha.sweep(table, now);
         }
+        ha.move_retiring_output();
         ha.drop_idle_links();
         ha
+    }
+
+    /// Output held by retiring groups moves to the group its flow belongs to now, behind
+    /// nothing of its own flow (the new group's first checkpoint carries the flow in full, so
+    /// it is the right thing to wait for). Left in place, it would wait for its old backup —
+    /// possibly dead, then for a connect timeout — while the same flow's later packets, held
+    /// by the new group, leave first (a flow reordered by pliant itself, design invariant 5).
+    /// Output whose flow is now unprotected leaves at once ([`Self::take_moved_out`]).
+    fn move_retiring_output(&mut self) {
+        let retiring: Vec<GroupId> = self
+            .groups
+            .iter()
+            .filter(|g| g.retiring)
+            .map(|g| g.id)
+            .collect();
+        let epoch_group = self.groups.iter().find(|g| !g.retiring).map(|g| g.id);
+        for old in retiring {
+            let mut held = Vec::new();
+            self.gate.take_held(old, &mut held);
+            for mut h in held {
+                let new = if self.remus {
+                    epoch_group.unwrap_or(0)
+                } else {
+                    match h.exit.key {
+                        Some(k) => self
+                            .reps
+                            .get(&k)
+                            .map_or_else(|| self.wire_of(self.assigner.assign(&k)), |r| r.group),
+                        None => 0,
+                    }
+                };
+                self.repl.held_moved += 1;
+                h.exit.group = new;
+                let Some(seq) = self.gate.open_seq(new).filter(|_| new != 0) else {
+                    self.out.released_unprotected += 1;
+                    self.moved_out.push((h, Route::Now));
+                    continue;
+                };
+                match self.gate.hold(Dep { group: new, seq }, h) {
+                    Ok(()) => {}
+                    Err(HoldRefused::Full(h)) => {
+                        self.out.dropped_hold_full += 1;
+                        self.moved_out.push((h, Route::Dropped));
+                    }
+                    Err(e) => self.moved_out.push((e.into_inner(), Route::Now)),
+                }
+            }
+        }
+    }
+
+    /// Output that a policy change let go (see [`Self::move_retiring_output`]): to be routed
+    /// (or dropped) by the engine right after `protect`.
+    pub(crate) fn take_moved_out(&mut self) -> Vec<(Held, Route)> {
+        std::mem::take(&mut self.moved_out)
     }
 
     fn link_for(&mut self, b: &BackupTarget, factory: &mut dyn LinkFactory) -> usize {

@@ -175,7 +175,23 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             prev,
         );
         let groups = ha.groups_brief();
-        self.ha = Some(ha);
+        let moved = {
+            let mut ha = ha;
+            let moved = ha.take_moved_out();
+            for (h, route) in &moved {
+                if matches!(route, Route::Now) {
+                    ha.audit_exit(&h.exit);
+                }
+            }
+            self.ha = Some(ha);
+            moved
+        };
+        for (h, route) in moved {
+            match route {
+                Route::Now => self.route_one(h.pkt, now),
+                Route::Dropped => self.ctx.pkt_drop(h.pkt, "ha_hold_full"),
+            }
+        }
         json!({"ok": true, "groups": groups})
     }
 

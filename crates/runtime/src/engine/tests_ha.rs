@@ -1188,3 +1188,98 @@ fn chord_growth_moves_flows_to_the_new_backup_and_evicts_them_from_the_old_after
     let st = status(&mut e, t0 + MS * 7);
     assert_eq!(st["replication"]["standby_evicted"], moved as u64, "{st}");
 }
+
+/// A re-protection while output waits: the held packet follows its flow to the new group and
+/// leaves before the flow's later packets (design invariant 5), even though the old backup
+/// never answers. Left in the old group it would wait for that backup while the new group's
+/// ack let the flow's next packet overtake it.
+#[test]
+fn held_output_follows_its_flow_to_the_new_group_in_order() {
+    let (mut e, backups, t0) = engine();
+    assert_eq!(protect(&mut e, 1, single(1000), t0)["ok"], true);
+    backups.up("/fake/b", 1, vec![]);
+    e.port_mut(Side::Inside).inject(&pkt(1, b'm'));
+    e.poll_once(t0 + MS);
+    assert!(sent(&mut e).is_empty(), "waits for b");
+    let to_c = Policy::Single {
+        backup: target("c"),
+        hz: 1000,
+    };
+    assert_eq!(protect(&mut e, 2, to_c, t0 + MS * 2)["ok"], true);
+    backups.up("/fake/c", 1, vec![]);
+    e.port_mut(Side::Inside).inject(&pkt(1, b'm'));
+    e.poll_once(t0 + MS * 3);
+    assert!(sent(&mut e).is_empty(), "waits for c");
+    // b never acknowledges; c does.
+    backups.deliver("/fake/c");
+    e.poll_once(t0 + MS * 4);
+    assert_eq!(
+        sent(&mut e),
+        [(1, b'm', 1), (1, b'm', 2)],
+        "both packets, in write order, on c's ack"
+    );
+    backups.kill("/fake/b");
+    e.poll_once(t0 + MS * 5);
+    assert!(sent(&mut e).is_empty(), "nothing was left behind on b");
+    let st = status(&mut e, t0 + MS * 6);
+    assert_eq!(st["replication"]["held_moved"], 1, "{st}");
+    assert_eq!(st["output"]["audit_violations"], 0, "{st}");
+    assert_eq!(st["output"]["audit_checked"], 2, "{st}");
+}
+
+/// Chords grow to a backup that dies before acknowledging, then shrink back: the flows that
+/// went to the dead backup's group return to groups that were to evict them. Those evictions
+/// are void; each flow is shipped exactly once per checkpoint (a `Deleted` beside a full record
+/// would make the backup refuse the whole checkpoint) and ends with one standby copy.
+#[test]
+fn a_flow_back_in_a_group_that_was_evicting_it_ships_once() {
+    let (mut e, backups, t0) = engine();
+    let chords = |names: &[&str]| Policy::Chords {
+        backups: names.iter().map(|n| target(n)).collect(),
+        vnodes: 64,
+        hz: 1000,
+    };
+    const FLOWS: u16 = 24;
+    assert_eq!(protect(&mut e, 1, chords(&["b", "c"]), t0)["ok"], true);
+    backups.up("/fake/b", 1, vec![]);
+    backups.up("/fake/c", 1, vec![]);
+    for f in 0..FLOWS {
+        e.port_mut(Side::Inside).inject(&pkt(f, b'm'));
+    }
+    e.poll_once(t0 + MS);
+    backups.deliver("/fake/b");
+    backups.deliver("/fake/c");
+    e.poll_once(t0 + MS * 2);
+    assert_eq!(sent(&mut e).len(), FLOWS as usize);
+    assert_eq!(
+        protect(&mut e, 2, chords(&["b", "c", "d"]), t0 + MS * 3)["ok"],
+        true
+    );
+    backups.up("/fake/d", 1, vec![]);
+    e.poll_once(t0 + MS * 4);
+    assert!(
+        backups.unapplied("/fake/d") > 0,
+        "d's group shipped its flows"
+    );
+    // d dies unacknowledged; the ring shrinks back to b and c.
+    backups.kill("/fake/d");
+    e.poll_once(t0 + MS * 5);
+    assert_eq!(
+        protect(&mut e, 3, chords(&["b", "c"]), t0 + MS * 6)["ok"],
+        true
+    );
+    let mut round = 7u32;
+    for _ in 0..6 {
+        e.poll_once(t0 + MS * round);
+        round += 1;
+        for s in ["/fake/b", "/fake/c"] {
+            for cp in backups.deliver(s) {
+                assert_eq!(cp.duplicate_key(), None, "{cp:?}");
+            }
+        }
+    }
+    let held = |s: &str| standby_flows(&backups, s);
+    assert_eq!(held("/fake/b") + held("/fake/c"), FLOWS as usize);
+    let st = status(&mut e, t0 + MS * round);
+    assert_eq!(st["output"]["audit_violations"], 0, "{st}");
+}
