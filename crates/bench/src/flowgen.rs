@@ -7,9 +7,9 @@
 //!
 //! - [`UdpFlows`]: `n` UDP flows from the client (one connected socket per source port) to one
 //!   server port, paced round-robin; every datagram carries `(magic, flow id, seq)`. The server
-//!   thread counts per flow: received, reordered (a seq not above the highest seen), and the
-//!   largest inter-arrival gap since the last [`UdpFlows::take_max_gap_us`] (flow 0: the pause a
-//!   migration caused, seen on the wire). It also records the source port each flow arrives from
+//!   thread keeps a [`SeqTracker`] per flow (which seqs arrived: lost, reordered and duplicated
+//!   datagrams, see there) and the largest inter-arrival gap since the last
+//!   [`UdpFlows::take_max_gap_us`] (flow 0: the pause a migration caused, seen on the wire). It also records the source port each flow arrives from
 //!   (the NAT's external port: the flow's alias at the replica). Flows can be ended one by one
 //!   ([`UdpFlows::end_flow`]); an ended flow sends nothing more.
 //! - [`TcpStream`]: one TCP connection from a fixed client port, the client writing a known
@@ -23,7 +23,7 @@ use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -58,15 +58,114 @@ pub fn spawn_in_netns<T: Send + 'static>(
         .map_err(|e| BenchError::Io("thread".into(), e))
 }
 
+/// A seq this far above the highest one seen is not from this flow's generator, which numbers
+/// its datagrams 0, 1, 2, ...: it is ignored instead of growing the bitmap up to it (a stray
+/// datagram with our magic could otherwise allocate gigabytes).
+pub const MAX_SEQ_JUMP: u64 = 1 << 20;
+
+/// How [`SeqTracker::record`] classified one arrival.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arrival {
+    /// Above every seq seen so far (gaps before it may still be filled by late arrivals).
+    InOrder,
+    /// First arrival of a seq below the highest one seen: it was overtaken.
+    Reordered,
+    /// A seq that had already arrived.
+    Duplicate,
+    /// More than [`MAX_SEQ_JUMP`] above the highest seq seen: not counted at all.
+    Ignored,
+}
+
+/// Which sequence numbers of one flow arrived, and in what order. Pure (no sockets, no clock),
+/// so every fault can be injected in a unit test.
+///
+/// A bitmap of the seqs seen is what tells the three faults apart: counting only "not above
+/// the highest seen" calls a repeat of the latest datagram reordered, and `sent - received`
+/// lets a duplicate hide a loss (one of each nets to zero).
+#[derive(Clone, Debug, Default)]
+pub struct SeqTracker {
+    /// Bit `seq` set: seq arrived at least once.
+    seen: Vec<u64>,
+    received: u64,
+    reordered: u64,
+    duplicated: u64,
+    ignored: u64,
+    /// Highest seq seen + 1 (0: nothing yet).
+    next_expected: u64,
+}
+
+impl SeqTracker {
+    /// Counts one arrival of `seq`.
+    pub fn record(&mut self, seq: u64) -> Arrival {
+        if seq >= self.next_expected.saturating_add(MAX_SEQ_JUMP) {
+            self.ignored += 1;
+            return Arrival::Ignored;
+        }
+        self.received += 1;
+        // seq < next_expected + MAX_SEQ_JUMP, and next_expected only grows in such steps as
+        // datagrams arrive: the bitmap stays as large as the traffic.
+        let (word, bit) = ((seq / 64) as usize, 1u64 << (seq % 64));
+        if word >= self.seen.len() {
+            self.seen.resize(word + 1, 0);
+        }
+        if self.seen[word] & bit != 0 {
+            self.duplicated += 1;
+            return Arrival::Duplicate;
+        }
+        self.seen[word] |= bit;
+        if seq < self.next_expected {
+            self.reordered += 1;
+            Arrival::Reordered
+        } else {
+            self.next_expected = seq + 1;
+            Arrival::InOrder
+        }
+    }
+
+    /// Datagrams that arrived (duplicates included, ignored ones not).
+    pub fn received(&self) -> u64 {
+        self.received
+    }
+
+    pub fn reordered(&self) -> u64 {
+        self.reordered
+    }
+
+    pub fn duplicated(&self) -> u64 {
+        self.duplicated
+    }
+
+    pub fn ignored(&self) -> u64 {
+        self.ignored
+    }
+
+    /// Seqs in `0..sent` that never arrived (the generator numbers its `sent` datagrams
+    /// `0..sent`): loss at the start, in the middle and at the end alike.
+    pub fn lost(&self, sent: u64) -> u64 {
+        let full = usize::try_from(sent / 64).unwrap_or(usize::MAX);
+        let mut arrived: u64 = self
+            .seen
+            .iter()
+            .take(full)
+            .map(|w| u64::from(w.count_ones()))
+            .sum();
+        let rest = sent % 64;
+        if rest > 0 {
+            if let Some(w) = self.seen.get(full) {
+                arrived += u64::from((w & ((1u64 << rest) - 1)).count_ones());
+            }
+        }
+        sent - arrived
+    }
+}
+
 /// Receiver-side counters of one flow.
 #[derive(Default)]
 pub struct FlowCounters {
     pub sent: AtomicU64,
     pub send_errors: AtomicU64,
-    pub received: AtomicU64,
-    pub reordered: AtomicU64,
-    /// Highest seq seen + 1 (0: nothing yet).
-    pub next_expected: AtomicU64,
+    /// Written by the receiver thread; locked once per datagram (uncontended) and by readers.
+    seq: Mutex<SeqTracker>,
     /// Source port at the server (the NAT's external port); 0 until the first datagram.
     pub seen_sport: AtomicU16,
     pub active: AtomicBool,
@@ -80,14 +179,29 @@ pub struct FlowCounters {
 pub struct UdpTotals {
     pub flows: u64,
     pub sent: u64,
+    /// Arrivals, duplicates included.
     pub received: u64,
-    /// `sent - received` per flow, summed (never negative per flow).
+    /// Seqs sent that never arrived, summed over flows.
     pub lost: u64,
+    /// Arrivals of a new seq below the highest one already seen (overtaken datagrams).
     pub reordered: u64,
     /// Datagrams the client's kernel refused (ENOBUFS...): not sent, so not lost.
     pub send_errors: u64,
-    /// Received more than sent (duplicates), summed over flows.
+    /// Arrivals of a seq that had already arrived, summed over flows.
     pub duplicated: u64,
+}
+
+impl UdpTotals {
+    /// Adds one flow that sent `sent` datagrams (seqs `0..sent`) and whose arrivals `seq` saw.
+    pub fn add_flow(&mut self, sent: u64, send_errors: u64, seq: &SeqTracker) {
+        self.flows += 1;
+        self.sent += sent;
+        self.received += seq.received();
+        self.lost += seq.lost(sent);
+        self.reordered += seq.reordered();
+        self.duplicated += seq.duplicated();
+        self.send_errors += send_errors;
+    }
 }
 
 struct Shared {
@@ -219,17 +333,8 @@ impl UdpFlows {
     pub fn totals(&self, range: std::ops::Range<usize>) -> UdpTotals {
         let mut t = UdpTotals::default();
         for f in self.shared.flows.get(range).unwrap_or(&[]) {
-            let (s, r) = (
-                f.sent.load(Ordering::Relaxed),
-                f.received.load(Ordering::Relaxed),
-            );
-            t.flows += 1;
-            t.sent += s;
-            t.received += r;
-            t.lost += s.saturating_sub(r);
-            t.duplicated += r.saturating_sub(s);
-            t.reordered += f.reordered.load(Ordering::Relaxed);
-            t.send_errors += f.send_errors.load(Ordering::Relaxed);
+            let sent = f.sent.load(Ordering::Relaxed);
+            t.add_flow(sent, f.send_errors.load(Ordering::Relaxed), &lock(&f.seq));
         }
         t
     }
@@ -291,12 +396,8 @@ fn receive_loop(
             continue;
         };
         let now_us = sh.epoch.elapsed().as_micros() as u64 + 1;
-        f.received.fetch_add(1, Ordering::Relaxed);
-        let next = f.next_expected.load(Ordering::Relaxed);
-        if seq < next {
-            f.reordered.fetch_add(1, Ordering::Relaxed);
-        } else {
-            f.next_expected.store(seq + 1, Ordering::Relaxed);
+        if lock(&f.seq).record(seq) == Arrival::Ignored {
+            continue;
         }
         let last = f.last_arrival_us.swap(now_us, Ordering::Relaxed);
         if last != 0 {
@@ -308,6 +409,12 @@ fn receive_loop(
         }
     }
     Ok(())
+}
+
+/// The tracker even if a thread panicked while holding it (its counts are still the best
+/// there are; the panic itself is reported by the join).
+fn lock(m: &Mutex<SeqTracker>) -> MutexGuard<'_, SeqTracker> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// `(flow, seq)` of a generated datagram, or None for anything else.
@@ -743,6 +850,201 @@ mod tests {
                 ("TcpExtTCPAbortOnClose".into(), 0)
             ]
         );
+    }
+
+    /// Feeds `arrivals` to a fresh tracker; returns (lost of `sent`, reordered, duplicated).
+    fn track(arrivals: &[u64], sent: u64) -> (u64, u64, u64) {
+        let mut t = SeqTracker::default();
+        for s in arrivals {
+            t.record(*s);
+        }
+        assert_eq!(t.received(), arrivals.len() as u64);
+        (t.lost(sent), t.reordered(), t.duplicated())
+    }
+
+    #[test]
+    fn an_intact_stream_counts_no_fault() {
+        let all: Vec<u64> = (0..200).collect();
+        assert_eq!(track(&all, 200), (0, 0, 0));
+        assert_eq!(track(&[], 0), (0, 0, 0));
+    }
+
+    #[test]
+    fn each_dropped_seq_is_lost_wherever_it_is() {
+        let without = |gone: &[u64], n: u64| -> Vec<u64> {
+            (0..n).filter(|s| !gone.contains(s)).collect()
+        };
+        // Middle, start (nothing arrives below it), end (nothing arrives after it: only the
+        // sender's count shows it), and several across bitmap words.
+        assert_eq!(track(&without(&[57], 100), 100), (1, 0, 0));
+        assert_eq!(track(&without(&[0], 100), 100), (1, 0, 0));
+        assert_eq!(track(&without(&[0, 1, 2], 100), 100), (3, 0, 0));
+        assert_eq!(track(&without(&[99], 100), 100), (1, 0, 0));
+        assert_eq!(track(&without(&[63, 64, 127, 128], 130), 130), (4, 0, 0));
+        // Nothing arrived at all.
+        assert_eq!(track(&[], 5), (5, 0, 0));
+    }
+
+    #[test]
+    fn a_swap_is_one_reordered_arrival_and_no_loss() {
+        assert_eq!(track(&[0, 1, 3, 2, 4], 5), (0, 1, 0));
+        // The first datagram overtaken by the second.
+        assert_eq!(track(&[1, 0, 2], 3), (0, 1, 0));
+        // One datagram overtaken by three: one late arrival, not three.
+        assert_eq!(track(&[0, 2, 3, 4, 1, 5], 6), (0, 1, 0));
+        // Across a bitmap word boundary.
+        let mut s: Vec<u64> = (0..130).collect();
+        s.swap(63, 64);
+        assert_eq!(track(&s, 130), (0, 1, 0));
+    }
+
+    #[test]
+    fn a_repeat_is_a_duplicate_not_a_reordering() {
+        // The latest seq again (it is below the highest seen + 1, which the old count took for
+        // reordering).
+        assert_eq!(track(&[0, 1, 2, 2, 3], 4), (0, 0, 1));
+        // An old one again, and the first one three times.
+        assert_eq!(track(&[0, 1, 2, 3, 1], 4), (0, 0, 1));
+        assert_eq!(track(&[0, 0, 0, 1], 2), (0, 0, 2));
+        // A reordered datagram that then arrives once more.
+        assert_eq!(track(&[0, 2, 1, 1], 3), (0, 1, 1));
+    }
+
+    #[test]
+    fn a_duplicate_does_not_hide_a_loss() {
+        // Seq 2 lost, seq 1 duplicated: as many arrivals as datagrams sent.
+        assert_eq!(track(&[0, 1, 1, 3], 4), (1, 0, 1));
+        // The same at the start and at the end of the stream.
+        assert_eq!(track(&[1, 1, 2, 3], 4), (1, 0, 1));
+        assert_eq!(track(&[0, 0, 1, 2], 4), (1, 0, 1));
+    }
+
+    #[test]
+    fn seqs_beyond_the_sent_count_are_not_counted_as_arrived_below_it() {
+        // The receiver read while seq 3 was sent but `sent` not yet updated: seqs 0..3 arrived.
+        assert_eq!(track(&[0, 1, 2, 3], 3), (0, 0, 0));
+        // 2 lost, and the arrival of 3 must not make up for it.
+        assert_eq!(track(&[0, 1, 3], 3), (1, 0, 0));
+    }
+
+    #[test]
+    fn foreign_seqs_far_ahead_are_ignored_without_growing_the_bitmap() {
+        // Sequence numbers are u64 counted from 0 and never wrap in practice (2^64 datagrams);
+        // a huge one is someone else's datagram with our magic.
+        let mut t = SeqTracker::default();
+        assert_eq!(t.record(0), Arrival::InOrder);
+        assert_eq!(t.record(u64::MAX), Arrival::Ignored);
+        assert_eq!(t.record(1 + MAX_SEQ_JUMP), Arrival::Ignored);
+        assert_eq!(t.record(MAX_SEQ_JUMP), Arrival::InOrder);
+        assert_eq!(t.record(1), Arrival::Reordered);
+        assert_eq!(t.record(1), Arrival::Duplicate);
+        assert_eq!(
+            (t.received(), t.ignored(), t.reordered(), t.duplicated()),
+            (4, 2, 1, 1)
+        );
+        assert_eq!(t.lost(MAX_SEQ_JUMP + 1), MAX_SEQ_JUMP + 1 - 3);
+        assert!(t.seen.len() as u64 <= MAX_SEQ_JUMP / 64 + 1);
+    }
+
+    #[test]
+    fn totals_sum_each_fault_per_flow() {
+        let mut a = SeqTracker::default();
+        for s in [0, 2, 1, 3, 3] {
+            a.record(s);
+        }
+        let mut b = SeqTracker::default();
+        for s in [1, 2] {
+            b.record(s);
+        }
+        let mut t = UdpTotals::default();
+        t.add_flow(5, 1, &a);
+        t.add_flow(4, 0, &b);
+        assert_eq!(
+            t,
+            UdpTotals {
+                flows: 2,
+                sent: 9,
+                received: 7,
+                lost: 1 + 2,
+                reordered: 1,
+                send_errors: 1,
+                duplicated: 1,
+            }
+        );
+    }
+
+    /// The receiver thread over a real socket: datagrams with injected faults in, the counts
+    /// `totals` reports out (the path `bench migrate` and the migration e2e tests read).
+    #[test]
+    fn the_receiver_counts_injected_faults_from_real_datagrams() {
+        let probe = UdpSocket::bind("127.0.0.1:0").expect("bind");
+        let addr = match probe.local_addr().expect("addr") {
+            std::net::SocketAddr::V4(a) => a,
+            a => panic!("not v4: {a}"),
+        };
+        drop(probe);
+        let shared = Arc::new(Shared {
+            stop: AtomicBool::new(false),
+            flows: (0..2).map(|_| FlowCounters::default()).collect(),
+            epoch: Instant::now(),
+        });
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let sh = shared.clone();
+        let h = std::thread::spawn(move || receive_loop(&sh, addr, tx));
+        rx.recv_timeout(Duration::from_secs(5))
+            .expect("receiver started")
+            .expect("receiver bound");
+        let send = UdpSocket::bind("127.0.0.1:0").expect("bind");
+        let mut b = [0u8; 64];
+        // Flow 0 sent seqs 0..8: 4 and 7 lost, 3 overtaken by 5, 2 twice.
+        // Flow 1 sent 0..3 intact. Plus one foreign datagram and one seq a whole
+        // MAX_SEQ_JUMP past flow 0's next expected seq (7).
+        let arrivals: [(u32, u64); 11] = [
+            (0, 0),
+            (0, 1),
+            (1, 0),
+            (0, 2),
+            (0, 5),
+            (0, 3),
+            (0, 2),
+            (1, 1),
+            (0, 6),
+            (1, 2),
+            (0, 7 + MAX_SEQ_JUMP),
+        ];
+        for (flow, seq) in arrivals {
+            datagram(&mut b, flow, seq);
+            send.send_to(&b, addr).expect("send");
+        }
+        send.send_to(b"not ours", addr).expect("send");
+        shared.flows[0].sent.store(8, Ordering::Relaxed);
+        shared.flows[1].sent.store(3, Ordering::Relaxed);
+        let wait = Instant::now();
+        let want = |t: &UdpTotals| t.received == 10;
+        let totals = |sh: &Shared| {
+            let mut t = UdpTotals::default();
+            for f in &sh.flows {
+                t.add_flow(f.sent.load(Ordering::Relaxed), 0, &lock(&f.seq));
+            }
+            t
+        };
+        while !want(&totals(&shared)) {
+            assert!(
+                wait.elapsed() < Duration::from_secs(10),
+                "receiver saw {:?}",
+                totals(&shared)
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        shared.stop.store(true, Ordering::SeqCst);
+        h.join().expect("receiver thread").expect("receiver");
+        let t = totals(&shared);
+        assert_eq!(
+            (t.sent, t.received, t.lost, t.reordered, t.duplicated),
+            (11, 10, 2, 1, 1),
+            "{t:?}"
+        );
+        assert_eq!(lock(&shared.flows[0].seq).ignored(), 1);
     }
 
     #[test]

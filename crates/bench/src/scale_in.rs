@@ -85,6 +85,7 @@ pub struct ScaleInReport {
     pub speedup_vs_kill_based: Option<f64>,
     pub packets_lost: Option<u64>,
     pub packets_reordered: Option<u64>,
+    pub packets_duplicated: Option<u64>,
     pub replicas: usize,
     pub per_replica: usize,
     pub interval_ms: u64,
@@ -123,12 +124,14 @@ pub fn run_scale_in(opts: &ScaleInOpts) -> ScaleInReport {
     rep.pliant_first_release_s = rep.pliant.first_release_s;
     rep.packets_lost = Some(rep.pliant.udp.lost);
     rep.packets_reordered = Some(rep.pliant.udp.reordered);
+    rep.packets_duplicated = Some(rep.pliant.udp.duplicated);
     if !opts.skip_kill_based && !cmd::interrupted() {
         progress("kill-based run (release a replica once it is empty)");
         let k = one_run(opts, false);
         rep.kill_based_first_release_s = k.first_release_s;
         rep.packets_lost = rep.packets_lost.map(|l| l + k.udp.lost);
         rep.packets_reordered = rep.packets_reordered.map(|l| l + k.udp.reordered);
+        rep.packets_duplicated = rep.packets_duplicated.map(|l| l + k.udp.duplicated);
         rep.kill_based = Some(k);
     }
     rep.speedup_vs_kill_based = match (rep.pliant_first_release_s, rep.kill_based_first_release_s) {
