@@ -398,6 +398,8 @@ pub struct HaBrief {
     pub token: u64,
     /// Some group lost its backup and runs unprotected: the controller must send `protect`.
     pub needs_backup: bool,
+    /// Names of the backups those groups lost their link to (suspects until probed).
+    pub dead_backups: Vec<String>,
     /// Groups in each state (`up`, `connecting`, `dead`, `unprotected`).
     pub groups_up: u64,
     pub groups_total: u64,
@@ -413,6 +415,16 @@ pub fn parse_ha_status(v: &Value) -> HaBrief {
     HaBrief {
         token: v["token"].as_u64().unwrap_or(0),
         needs_backup: groups.iter().any(|g| g["needs_backup"] == true),
+        dead_backups: {
+            let mut v: Vec<String> = groups
+                .iter()
+                .filter(|g| g["needs_backup"] == true)
+                .filter_map(|g| g["backup"].as_str().map(str::to_string))
+                .collect();
+            v.sort();
+            v.dedup();
+            v
+        },
         groups_up: groups.iter().filter(|g| g["state"] == "up").count() as u64,
         groups_total: groups.len() as u64,
         standby: v["standby"]

@@ -12,6 +12,8 @@
 //! - [`steering`]: the fabric behind a trait (`FabricSteering`: pliant-steer's tc-BPF maps).
 //! - [`ha`]: high availability (Pico replication): `[ha]` config, protection policies,
 //!   liveness probe; failover and re-protection live in `controller/failover.rs`.
+//! - [`protection`]: when a re-protection may start and which replicas it may name (pure,
+//!   property-tested over random orders of kills, reports, probes and failovers).
 //! - [`daemon`]: `pliant controller --config ctl.toml`.
 
 pub mod agent;
@@ -25,6 +27,7 @@ pub mod http;
 pub mod migrator;
 pub mod policy;
 pub mod ports;
+pub mod protection;
 pub mod replica_client;
 pub mod steering;
 pub mod store;

@@ -42,6 +42,7 @@
 
 use super::*;
 use crate::ha::{self, HaBrief, Probe};
+use crate::protection::{self, Caller, Decision, Liveness};
 
 /// Failover records kept for `ha status` (newest last).
 pub const MAX_FAILOVER_RECORDS: usize = 64;
@@ -73,6 +74,14 @@ pub struct HaCounters {
     pub ftmb_no_logger: AtomicU64,
     /// FTMB: `ftmb_protect` not sent because the replica already logs to its successor.
     pub ftmb_protect_unchanged: AtomicU64,
+    /// Protections not started now (`protection::decide` deferred them; see its reasons).
+    pub protects_deferred: AtomicU64,
+    /// Protections whose policy, as sent, named a replica that was not live by then
+    /// (suspected, failing over, gone). Must stay 0; checked at send time, apart from the
+    /// decision.
+    pub protects_naming_unlive: AtomicU64,
+    /// Backups a replica reported its replication link to as dead (each probed at once).
+    pub backups_suspected: AtomicU64,
 }
 
 /// HA part of the controller state (under the `state` lock).
@@ -95,6 +104,13 @@ pub(super) struct HaState {
     /// FTMB: primary -> the replica hosting its logger, as of its last successful
     /// `ftmb_protect` (the one to recover it if it dies).
     pub ftmb_logger: BTreeMap<u32, u32>,
+    /// Replicas a peer reported its replication link to as dead, until a probe answers (or
+    /// they are failed over): never named as a backup meanwhile.
+    pub suspects: BTreeSet<u32>,
+    /// Replicas whose `protect` is in flight.
+    pub protecting: BTreeSet<u32>,
+    /// Replicas whose failover has started and not finished.
+    pub failing_over: BTreeSet<u32>,
     pub failovers: VecDeque<Value>,
 }
 
@@ -170,6 +186,9 @@ impl Controller {
                 "records_dropped": g(&c.records_dropped),
                 "ftmb_no_logger": g(&c.ftmb_no_logger),
                 "ftmb_protect_unchanged": g(&c.ftmb_protect_unchanged),
+                "protects_deferred": g(&c.protects_deferred),
+                "protects_naming_unlive": g(&c.protects_naming_unlive),
+                "backups_suspected": g(&c.backups_suspected),
             },
         })
     }
@@ -221,10 +240,16 @@ impl Controller {
             return;
         }
         for (i, sock) in &members {
+            let fetched = Instant::now();
             let Ok(v) = rc::call(sock, &json!({"cmd": "ha_status"}), timeout) else {
                 continue;
             };
             let b = ha::parse_ha_status(&v);
+            // A backup the replica lost its link to may be dead: suspect it (never named as a
+            // backup meanwhile) and probe it now rather than wait for the watch loop.
+            if self.suspect_backups(*i, &b.dead_backups) {
+                continue; // a failover ran: it re-protected the survivors
+            }
             let due = {
                 let mut st = lock(&self.state);
                 let unprotected = !st.ha.protected.contains_key(i);
@@ -242,10 +267,124 @@ impl Controller {
             };
             if due {
                 self.counters.ha.reprotects.fetch_add(1, Ordering::Relaxed);
-                let r = self.protect_one(*i, &members);
+                let r = self.protect_from_poll(*i, fetched);
                 self.event("reprotect", json!({"replica": i, "answer": r}));
             }
         }
+    }
+
+    /// Suspects every replica `reporter` says its replication link to died, and probes each
+    /// at once: refused -> failed over now (true: a failover ran); listening -> cleared.
+    fn suspect_backups(&self, reporter: u32, names: &[String]) -> bool {
+        let mut failed_over = false;
+        for name in names {
+            let Some(x) = name.strip_prefix('r').and_then(|n| n.parse::<u32>().ok()) else {
+                continue;
+            };
+            let sock = {
+                let mut st = lock(&self.state);
+                let Some((r, h)) = st.replicas.get(&x) else {
+                    continue;
+                };
+                if h.failed_over {
+                    continue;
+                }
+                let sock = r.socket.clone();
+                if st.ha.suspects.insert(x) {
+                    self.counters
+                        .ha
+                        .backups_suspected
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                sock
+            };
+            match ha::probe(&sock) {
+                Probe::Dead(why) => {
+                    let evidence = format!("r{reporter}'s replication link to it died; {why}");
+                    if let Err(e) = self.failover(x, &evidence) {
+                        self.event(
+                            "failover_error",
+                            json!({"replica": x, "error": e.to_string()}),
+                        );
+                    }
+                    failed_over = true;
+                }
+                Probe::Listening => {
+                    lock(&self.state).ha.suspects.remove(&x);
+                }
+                // Not known yet: stays suspected until a probe or heartbeat tells.
+                Probe::Unknown(_) => {}
+            }
+        }
+        failed_over
+    }
+
+    /// What [`protection::decide`] looks at, from the controller's state.
+    fn protection_facts(st: &State) -> protection::Facts {
+        let mut f = protection::Facts::default();
+        for (i, (_, h)) in &st.replicas {
+            if h.draining {
+                continue;
+            }
+            let l = if h.failed_over {
+                if st.ha.failing_over.contains(i) {
+                    Liveness::FailingOver
+                } else {
+                    Liveness::Gone
+                }
+            } else if !h.alive || h.missed > 0 || st.ha.suspects.contains(i) {
+                Liveness::Suspected
+            } else {
+                Liveness::Live
+            };
+            f.members.insert(*i, l);
+        }
+        f.protecting = st.ha.protecting.clone();
+        f.failing_over = st.ha.failing_over.clone();
+        f
+    }
+
+    /// Protects `i` if [`protection::decide`] lets `caller` do it now, over the backups it
+    /// names. `status_read`: when the poll read the status that asked for it (a protection
+    /// started since makes that status stale).
+    fn protect_checked(&self, i: u32, caller: Caller, status_read: Option<Instant>) -> Value {
+        let (decision, members) = {
+            let mut st = lock(&self.state);
+            let mut f = Self::protection_facts(&st);
+            f.stale_status =
+                status_read.is_some_and(|t| st.ha.last_protect.get(&i).is_some_and(|p| *p >= t));
+            let d = protection::decide(&f, i, caller);
+            let members: Vec<(u32, PathBuf)> = match &d {
+                Decision::Protect { backups } => st
+                    .replicas
+                    .iter()
+                    .filter(|(x, _)| **x == i || backups.contains(x))
+                    .map(|(x, (r, _))| (*x, r.socket.clone()))
+                    .collect(),
+                Decision::Defer(_) => Vec::new(),
+            };
+            if matches!(d, Decision::Protect { .. }) {
+                st.ha.protecting.insert(i);
+            }
+            (d, members)
+        };
+        if let Decision::Defer(why) = decision {
+            self.counters
+                .ha
+                .protects_deferred
+                .fetch_add(1, Ordering::Relaxed);
+            return json!({"ok": false, "deferred": why});
+        }
+        let ans = self.protect_one(i, &members);
+        lock(&self.state).ha.protecting.remove(&i);
+        ans
+    }
+
+    /// The poll's re-protection: under the HA lock, so it never interleaves with a failover
+    /// (which re-protects the survivors itself) or another protection.
+    pub(super) fn protect_from_poll(&self, i: u32, status_read: Instant) -> Value {
+        let _g = lock(&self.ha_lock);
+        self.protect_checked(i, Caller::Poll, Some(status_read))
     }
 
     /// FTMB flavour of [`Controller::ha_poll`]: `ftmb_status` of every member; a member the
@@ -255,6 +394,7 @@ impl Controller {
     /// logger) is left alone: re-sending would restart its full snapshot.
     fn ftmb_poll(&self, members: &[(u32, PathBuf)], timeout: Duration, min_gap: Duration) {
         for (i, sock) in members {
+            let fetched = Instant::now();
             let Ok(v) = rc::call(sock, &json!({"cmd": "ftmb_status"}), timeout) else {
                 continue;
             };
@@ -279,7 +419,7 @@ impl Controller {
             };
             if due {
                 self.counters.ha.reprotects.fetch_add(1, Ordering::Relaxed);
-                let r = self.protect_one(*i, members);
+                let r = self.protect_from_poll(*i, fetched);
                 self.event("reprotect", json!({"replica": i, "answer": r}));
             }
         }
@@ -333,6 +473,15 @@ impl Controller {
     /// is left alone.
     pub fn failover(&self, a: u32, evidence: &str) -> Result<Value> {
         let _g = lock(&self.ha_lock);
+        let r = self.failover_locked(a, evidence);
+        // Started or not, it is over: `a` is gone (or was never failed over by this call).
+        let mut st = lock(&self.state);
+        st.ha.failing_over.remove(&a);
+        st.ha.suspects.remove(&a);
+        r
+    }
+
+    fn failover_locked(&self, a: u32, evidence: &str) -> Result<Value> {
         let t0 = Instant::now();
         let detected_unix_ms = now_ms();
         let last_seen = {
@@ -348,6 +497,7 @@ impl Controller {
             h.alive = false;
             h.pps = 0;
             st.ha.failed.entry(a).or_default();
+            st.ha.failing_over.insert(a);
             last_seen
         };
         self.counters.replicas_died.fetch_add(1, Ordering::Relaxed);
@@ -498,7 +648,7 @@ impl Controller {
             .fetch_add(failed, Ordering::Relaxed);
         // 5. Re-protect the survivors (their backup A is gone; activated flows need backups).
         let t_prot = Instant::now();
-        let protect = self.protect_all();
+        let protect = self.protect_all_as(Caller::Failover);
         let protect_ms = ms(t_prot.elapsed());
         // 6. Persist (for a controller restart; the store's fsyncs are off the critical path).
         let mut by_owner: BTreeMap<u32, Vec<FlowKey>> = BTreeMap::new();
@@ -649,6 +799,12 @@ impl Controller {
     /// Sends `protect` with a fresh policy to every member (in parallel). Answers per replica.
     /// FTMB: `ftmb_protect` only to members whose logger host is not their successor yet.
     pub fn protect_all(&self) -> Value {
+        self.protect_all_as(Caller::Api)
+    }
+
+    /// [`Controller::protect_all`] on behalf of `caller` (each member through
+    /// [`protection::decide`]).
+    fn protect_all_as(&self, caller: Caller) -> Value {
         if !self.ha_enabled() {
             return Value::Null;
         }
@@ -682,10 +838,7 @@ impl Controller {
         let mut out: Vec<(u32, Value)> = std::thread::scope(|sc| {
             let hs: Vec<_> = todo
                 .iter()
-                .map(|i| {
-                    let m = &members;
-                    (*i, sc.spawn(move || self.protect_one(*i, m)))
-                })
+                .map(|i| (*i, sc.spawn(move || self.protect_checked(*i, caller, None))))
                 .collect();
             hs.into_iter()
                 .map(|(i, h)| (i, h.join().unwrap_or(json!({"error": "panicked"}))))
@@ -710,7 +863,7 @@ impl Controller {
         let policy = ha::build_policy(&cfg, i, members);
         let req = json!({"cmd": "protect", "token": token, "policy": policy});
         self.counters.ha.protects.fetch_add(1, Ordering::Relaxed);
-        lock(&self.state).ha.last_protect.insert(i, Instant::now());
+        self.note_protect_sent(i, members);
         match rc::call(sock, &req, self.ha_rpc_timeout()) {
             Ok(v) => {
                 let backups = ha::protect_backups(&v);
@@ -729,6 +882,30 @@ impl Controller {
         }
     }
 
+    /// Records that a protection of `i` naming `named` is being sent, and checks, apart from
+    /// the decision that chose them, that every named replica is still live now.
+    fn note_protect_sent(&self, i: u32, named: &[(u32, PathBuf)]) {
+        let mut st = lock(&self.state);
+        st.ha.last_protect.insert(i, Instant::now());
+        let f = Self::protection_facts(&st);
+        let unlive: Vec<u32> = named
+            .iter()
+            .map(|(x, _)| *x)
+            .filter(|x| *x != i && f.members.get(x) != Some(&Liveness::Live))
+            .collect();
+        drop(st);
+        if !unlive.is_empty() {
+            self.counters
+                .ha
+                .protects_naming_unlive
+                .fetch_add(1, Ordering::Relaxed);
+            self.event(
+                "protect_names_unlive",
+                json!({"replica": i, "named": unlive}),
+            );
+        }
+    }
+
     /// FTMB: points replica `i`'s workers at its successor's logger (`ftmb_protect`) and
     /// remembers the successor as the one to recover `i`.
     fn protect_one_ftmb(&self, i: u32, members: &[(u32, PathBuf)]) -> Value {
@@ -742,7 +919,7 @@ impl Controller {
         };
         let req = ha::ftmb_protect_request(&hsock);
         self.counters.ha.protects.fetch_add(1, Ordering::Relaxed);
-        lock(&self.state).ha.last_protect.insert(i, Instant::now());
+        self.note_protect_sent(i, &[(h, hsock.clone())]);
         match rc::call(sock, &req, self.ha_rpc_timeout()) {
             Ok(_) => {
                 let mut st = lock(&self.state);
@@ -933,7 +1110,7 @@ impl Controller {
                 if !members.iter().any(|(x, _)| *x == i) {
                     return Err(ControllerError::Dead(i));
                 }
-                json!({format!("r{i}"): self.protect_one(i, &members)})
+                json!({format!("r{i}"): self.protect_checked(i, Caller::Api, None)})
             }
             None => self.protect_all(),
         };

@@ -25,6 +25,8 @@ struct FakeState {
     protects: Vec<Value>,
     activations: Vec<(String, u64)>,
     needs_backup: bool,
+    /// The backup whose link died when `needs_backup` (reported in `ha_status`).
+    lost_backup: Option<String>,
     // FTMB (the runtime's side of ftmb-contract.md, faked): where the workers log, the
     // `ftmb_protect` requests seen, the flows this replica can recover per primary it hosts.
     ftmb_logger: Option<String>,
@@ -108,7 +110,7 @@ impl FakeReplica {
                 }
                 Some("ha_status") => json!({"ok": true, "mode": "pico", "token": g.token,
                     "groups": [{"id": 1, "state": if g.needs_backup {"unprotected"} else {"up"},
-                        "needs_backup": g.needs_backup}],
+                        "needs_backup": g.needs_backup, "backup": g.lost_backup}],
                     "standby": g.standby.iter().map(|(p, f)| json!({"primary": p, "flows": f.len()}))
                         .collect::<Vec<_>>(),
                     "output": {"audit_checked": 1, "audit_violations": 0}}),
@@ -820,6 +822,62 @@ fn a_backup_that_lost_its_backup_is_reprotected_at_a_bounded_rate() {
     w.state(1).lock().unwrap().needs_backup = true;
     c.heartbeat_once();
     assert_eq!(w.state(1).lock().unwrap().protects.len(), before + 1);
+}
+
+/// r3 dies; before the watch loop sees it, r1 reports that its link to r3 died. The poll
+/// suspects r3, probes it, fails it over, and the failover re-protects the survivors over the
+/// live ones: no protection sent after the kill names r3 (before, the poll re-protected r1
+/// over a member list that still held r3).
+#[test]
+fn a_backup_reported_dead_is_failed_over_and_never_named_again() {
+    let (w, _s, c) = ha3("suspect");
+    let sent_before: Vec<usize> = (1..=2)
+        .map(|i| w.state(i).lock().unwrap().protects.len())
+        .collect();
+    w.kill(3);
+    {
+        let s = w.state(1);
+        let mut g = s.lock().unwrap();
+        g.needs_backup = true;
+        g.lost_backup = Some("r3".into());
+    }
+    c.heartbeat_once();
+    let ha = &c.counters.ha;
+    assert_eq!(ha.backups_suspected.load(Ordering::Relaxed), 1);
+    assert_eq!(ha.failovers.load(Ordering::Relaxed), 1, "r3 failed over");
+    assert_eq!(ha.protects_naming_unlive.load(Ordering::Relaxed), 0);
+    for (i, before) in (1..=2).zip(sent_before) {
+        let s = w.state(i);
+        let g = s.lock().unwrap();
+        let after = &g.protects[before..];
+        assert!(!after.is_empty(), "r{i} re-protected");
+        for p in after {
+            assert!(
+                !p.to_string().contains("\"r3\""),
+                "r{i} protected with r3: {p}"
+            );
+        }
+    }
+    // The poll again: r1 is protected (by the failover), nothing is suspected, nothing sent.
+    w.state(1).lock().unwrap().needs_backup = false;
+    let n = w.state(1).lock().unwrap().protects.len();
+    c.heartbeat_once();
+    assert_eq!(w.state(1).lock().unwrap().protects.len(), n);
+}
+
+/// A protection decided from a status read before the replica's last protection started is
+/// stale and deferred (the failover re-protected it meanwhile); a poll that interleaved with a
+/// failover used to protect the replica a second time.
+#[test]
+fn a_poll_acting_on_a_status_older_than_the_last_protection_defers() {
+    let (w, _s, c) = ha3("stale");
+    let read = Instant::now();
+    let n = w.state(1).lock().unwrap().protects.len();
+    c.protect_all(); // a protection after the status was read
+    let ans = c.protect_from_poll(1, read);
+    assert_eq!(ans["deferred"], "stale_status", "{ans}");
+    assert_eq!(w.state(1).lock().unwrap().protects.len(), n + 1);
+    assert_eq!(c.counters.ha.protects_deferred.load(Ordering::Relaxed), 1);
 }
 
 #[test]

@@ -316,6 +316,19 @@ fn protected_output_is_released_by_the_logger_host_and_snapshots_arrive() {
         st["full_snapshots"], 1,
         "one full snapshot, then deltas: {st}"
     );
+    // Protecting again to the same logger over a healthy session changes nothing: no new
+    // epoch, no second full snapshot (a retry or a raced re-protection is harmless).
+    let epoch = st["session_epoch"].clone();
+    let again = answer(
+        &mut a,
+        Cmd::FtmbProtect {
+            logger: sb.to_str().unwrap().into(),
+        },
+    );
+    assert_eq!(again["unchanged"], true, "{again}");
+    assert_eq!(again["epoch"], epoch, "{again}");
+    let st = answer(&mut a, Cmd::FtmbStatus);
+    assert_eq!(st["full_snapshots"], 1, "{st}");
     assert!(st["snapshot_pause_us_p50"].is_u64(), "{st}");
     assert!(st["snapshot_pause_us_p99"].is_u64(), "{st}");
     // b's `hosting` is the coordinator's cached copy of its server's status, refreshed

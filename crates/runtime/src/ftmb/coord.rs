@@ -571,6 +571,19 @@ impl<F: FtmbNf> Coord<F> {
         let Some(secret) = self.secret.clone() else {
             return Err("no [ha] repl_secret: cannot authenticate to a logger".into());
         };
+        // Idempotent: already logging to this logger over a healthy session, a repeated
+        // request (a controller retry, a poll that raced a failover's re-protection) must not
+        // restart the session and its full snapshot, nor bump the epoch.
+        let healthy = self.link.as_mut().is_some_and(|l| l.broken().is_none()) && !self.need_full;
+        {
+            let st = lock(&self.status);
+            if healthy && st.protected && st.logger.as_deref() == Some(path) {
+                return Ok(
+                    json!({"ok": true, "logger": path, "epoch": st.session_epoch,
+                                 "unchanged": true}),
+                );
+            }
+        }
         let n = self.ctl.len();
         let epoch = lock(&self.status).session_epoch + 1;
         let p = Path::new(path);
