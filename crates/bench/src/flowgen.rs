@@ -871,9 +871,8 @@ mod tests {
 
     #[test]
     fn each_dropped_seq_is_lost_wherever_it_is() {
-        let without = |gone: &[u64], n: u64| -> Vec<u64> {
-            (0..n).filter(|s| !gone.contains(s)).collect()
-        };
+        let without =
+            |gone: &[u64], n: u64| -> Vec<u64> { (0..n).filter(|s| !gone.contains(s)).collect() };
         // Middle, start (nothing arrives below it), end (nothing arrives after it: only the
         // sender's count shows it), and several across bitmap words.
         assert_eq!(track(&without(&[57], 100), 100), (1, 0, 0));

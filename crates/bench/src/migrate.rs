@@ -997,7 +997,12 @@ mod tests {
 
     #[test]
     fn every_drop_reason_counts_unless_it_cannot_be_a_moved_flows_packet() {
-        for r in ["migrate_hold_overflow", "nat_no_mapping", "tx_full", "ttl_exceeded"] {
+        for r in [
+            "migrate_hold_overflow",
+            "nat_no_mapping",
+            "tx_full",
+            "ttl_exceeded",
+        ] {
             assert!(drop_may_hit_moved_flow(r), "{r}");
         }
         // A reason nobody listed yet counts: the check is an exemption list, not an allow-list.
