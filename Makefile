@@ -6,7 +6,7 @@ CARGO ?= cargo
 FUZZ_SECONDS ?= 30
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: demo test deps build unit e2e c-test fuzz lint bench clean
+.PHONY: demo test preflight deps build unit e2e c-test fuzz lint bench clean
 
 demo: deps build
 	./target/release/pliant demo
@@ -18,10 +18,19 @@ test: deps build
 	$(CARGO) test --release --workspace --no-run
 	$(MAKE) c-test
 	$(CARGO) test --release --workspace -- --test-threads=1
+	# The unit tests again with debug assertions (the invariants) and overflow checks on.
+	$(CARGO) test --profile test-da --workspace --lib --bins -- --test-threads=2
 	$(MAKE) fuzz
+	@bash scripts/preflight.sh report
 	@echo "make test: all stages passed"
 
-deps:
+# Not root and no PLIANT_ALLOW_SKIP=1: fail here, in seconds, not after the install and the build
+# (scripts/preflight.sh). Every target that installs goes through it, and it truncates the skip
+# log that `preflight.sh report` counts at the end of a test run.
+preflight:
+	@bash scripts/preflight.sh
+
+deps: preflight
 	@bash scripts/install-deps.sh
 
 # Binaries and libpliant.so (the C example and the e2e tests need them next to each other).
@@ -29,11 +38,13 @@ build:
 	$(CARGO) build --release --workspace
 
 # Developer shortcuts: everything but the namespace e2e suite, or only that suite.
-unit:
+unit: deps
 	$(CARGO) test --release --workspace --lib --bins
+	@bash scripts/preflight.sh report
 
-e2e:
+e2e: deps build
 	$(CARGO) test --release --workspace --test '*' -- --test-threads=1
+	@bash scripts/preflight.sh report
 
 # The C network function built against include/pliant.h and libpliant.so.
 c-test:

@@ -6,6 +6,13 @@ use pliant_bench::{run_forward, ForwardOpts};
 
 #[test]
 fn kernel_nat_is_measured_and_a_missing_pliant_is_reported_not_invented() {
+    if !pliant_testkit::require_root()
+        || !pliant_testkit::require_tool("iperf3", "iperf3")
+        || !pliant_testkit::require_tool("trafgen", "netsniff-ng")
+        || !pliant_testkit::require_tool("nft", "nftables")
+    {
+        return;
+    }
     let opts = ForwardOpts {
         duration_s: 1,
         flows: 64,
@@ -26,7 +33,14 @@ fn kernel_nat_is_measured_and_a_missing_pliant_is_reported_not_invented() {
     assert_eq!(kn.rtt_samples, Some(500));
 
     // Not selected: an explanation, no numbers.
-    assert!(r.kernel_forward.error.is_some());
+    assert!(
+        r.kernel_forward
+            .error
+            .as_deref()
+            .is_some_and(|e| e.contains("not selected")),
+        "{:?}",
+        r.kernel_forward.error
+    );
     assert!(r.kernel_forward.gbps_1stream.is_none());
     // No binary: an error naming the cause, no numbers, no ratios.
     let pl = &r.pliant_nat;

@@ -1,6 +1,6 @@
 //! The kernel HA peer for real: conntrackd + keepalived NAT pair in namespaces, txload through
 //! it, then the master is killed mid-load and the connections must survive on the backup.
-//! Needs root, conntrackd, keepalived, nftables (skips without root).
+//! Needs root, conntrackd, keepalived, nftables (`pliant_testkit` checks them).
 
 use pliant_bench::ha_kernel::{KernelPeer, Router, SERVER_IP};
 use pliant_bench::txload::{self, Marker, TxClientOpts, TxServer, PROBE_PORT, TX_PORT};
@@ -8,15 +8,13 @@ use std::net::SocketAddrV4;
 use std::sync::Arc;
 use std::time::Duration;
 
-fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
-}
-
 #[test]
 fn kernel_peer_carries_transactions_and_survives_a_master_kill() {
-    if !is_root() {
-        eprintln!("skipping: needs root");
+    if !pliant_testkit::require_root()
+        || !pliant_testkit::require_tool("conntrackd", "conntrackd")
+        || !pliant_testkit::require_tool("keepalived", "keepalived")
+        || !pliant_testkit::require_tool("nft", "nftables")
+    {
         return;
     }
     let mut peer =
@@ -68,7 +66,15 @@ fn kernel_peer_carries_transactions_and_survives_a_master_kill() {
         "{}",
         peer.log_tail("rb-keepalived.out", 10)
     );
-    assert!(r.probe_recovery_ms().is_some(), "{:?}", r.probes);
+    // Every probe flow is forwarded again by the new master (each has a recovery time).
+    assert_eq!(r.probes.len(), 4, "{:?}", r.probes);
+    assert!(
+        r.probes
+            .iter()
+            .all(|p| p.recovery_ms.is_some_and(|ms| ms > 0.0) && p.echoed > 0),
+        "{:?}",
+        r.probes
+    );
     eprintln!("rb notify: {}", peer.log_tail("rb-notify.log", 10));
     eprintln!("rb keepalived: {}", peer.log_tail("rb-keepalived.out", 30));
     for c in r

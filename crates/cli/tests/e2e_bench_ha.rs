@@ -2,14 +2,15 @@
 //! pliant without HA, 2-second windows, failover experiments on. Checks the JSON contract on the
 //! last stdout line and that the numbers are measured and sane.
 //!
-//! Needs root, conntrackd, keepalived, nftables, iperf3 (skips without root). Run in release:
+//! Needs root, conntrackd, keepalived, nftables, iperf3 (`pliant_testkit` checks them). Run in
+//! release:
 //! `cargo test --release -p pliant-cli --test e2e_bench_ha -- --nocapture`.
 
 use serde_json::Value;
 use std::process::Command;
 
 mod common;
-use common::{is_root, pliant};
+use common::pliant;
 
 const CONTRACT: [&str; 7] = [
     "transactions_per_s",
@@ -58,8 +59,12 @@ fn check_system(r: &Value, sys: &str) -> f64 {
 
 #[test]
 fn bench_ha_kernel_peer_and_no_ha_report_the_contract() {
-    if !is_root() {
-        eprintln!("skipping: needs root");
+    if !pliant_testkit::require_root()
+        || !pliant_testkit::require_tool("conntrackd", "conntrackd")
+        || !pliant_testkit::require_tool("keepalived", "keepalived")
+        || !pliant_testkit::require_tool("nft", "nftables")
+        || !pliant_testkit::require_tool("iperf3", "iperf3")
+    {
         return;
     }
     let out = Command::new(pliant())
@@ -113,12 +118,26 @@ fn bench_ha_kernel_peer_and_no_ha_report_the_contract() {
     let k = check_system(&r, "kernel_conntrackd");
     // conntrackd shipped state over the sync link while the transactions ran.
     assert!(num(&r["kernel_conntrackd"]["repl_bytes_per_s"], "repl") > 0.0);
-    assert!(num(&r["kernel_conntrackd"]["cpu_pct"], "cpu") >= 0.0);
+    // conntrackd + keepalived are processes of the machine, so their CPU is part of the
+    // machine's over the same window (same unit: 100 = one core); a number outside that is a
+    // unit or accounting error. (Not "> 0": the two daemons use well under one 10 ms clock tick
+    // per second here, so 0 ticks in a 2 s window is a correct measurement.)
+    let kc = &r["kernel_conntrackd"];
+    let (cpu, host) = (
+        num(&kc["cpu_pct"], "cpu"),
+        num(&kc["host_cpu_pct"], "host cpu"),
+    );
+    assert!(
+        (0.0..=host).contains(&cpu),
+        "kernel peer cpu {cpu} % outside the machine's {host} %: {kc}"
+    );
     let f = &r["kernel_conntrackd"]["failover"];
     let total = num(&f["flows_total"], "flows_total");
     assert_eq!(total, 8.0, "{f}");
+    // The README's claim for the peer (with nf_conntrack_tcp_loose=0 and invalid-state drops):
+    // every connection survives the master's death.
     let survived = num(&f["flows_survived"], "flows_survived");
-    assert!(survived <= total, "{f}");
+    assert_eq!(survived, total, "{f}");
     // VRRP at 100 ms adverts cannot take over in less than 3 intervals.
     let rec = num(&f["recovery_ms"], "recovery_ms");
     assert!(rec > 200.0, "kernel peer recovered in {rec} ms: {f}");
@@ -127,7 +146,15 @@ fn bench_ha_kernel_peer_and_no_ha_report_the_contract() {
     let n = check_system(&r, "no_ha");
     // Unprotected pliant ships nothing.
     assert_eq!(num(&r["no_ha"]["repl_bytes_per_s"], "repl"), 0.0);
-    assert!(num(&r["no_ha"]["cpu_pct"], "cpu") > 0.0);
+    // The replicas forwarded every transaction: they used CPU, within the machine's.
+    let (cpu, host) = (
+        num(&r["no_ha"]["cpu_pct"], "cpu"),
+        num(&r["no_ha"]["host_cpu_pct"], "host cpu"),
+    );
+    assert!(
+        0.0 < cpu && cpu <= host,
+        "no_ha cpu {cpu} % (machine {host} %)"
+    );
     let ratio = num(
         &r["vs_no_ha"]["kernel_conntrackd"]["transactions_per_s_ratio"],
         "ratio",

@@ -15,12 +15,12 @@
 //! persistent echo connection through each victim (a round trip every 2 ms, which must never
 //! break) measures the TCP stall the failover causes.
 //!
-//! Needs root (skips otherwise). Run in release:
+//! Needs root (`pliant_testkit::require_root`). Run in release:
 //! `cargo test --release -p pliant-cli --test e2e_ftmb -- --test-threads=1 --nocapture`.
 
 mod common;
 use common::ha::{control, Download, HaRun};
-use common::{is_root, pliant};
+use common::pliant;
 use pliant_lab::{cmd, Lab, LabHaMode, LabSpec, PliantNf, ReplicaMode, Role, SERVER_IP};
 use serde_json::{json, Value};
 use std::collections::BTreeSet;
@@ -155,10 +155,10 @@ print(json.dumps(out), flush=True)
 "#;
 
 /// Brings up the FTMB lab (3 NAT replicas, `[ha] mode = "ftmb"`) and the controller in FTMB
-/// mode; waits until every replica logs to its successor's logger. `None` without root.
+/// mode; waits until every replica logs to its successor's logger. `None` when skipped
+/// (`pliant_testkit::require_root`).
 fn ftmb_up() -> Option<HaRun> {
-    if !is_root() {
-        eprintln!("skipping: needs root");
+    if !pliant_testkit::require_root() {
         return None;
     }
     let dir = std::env::temp_dir().join(format!("pliant-e2e-ftmb-{}", std::process::id()));

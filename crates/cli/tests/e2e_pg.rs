@@ -1,8 +1,8 @@
 //! End-to-end tests of `pliant pg` (issue 5): a real PostgreSQL 15 primary and synchronous
 //! standby in namespaces, the pliant proxy in front, failures injected for real.
 //!
-//! Run serially (`--test-threads=1`; a lock enforces it too). Skipped with a message when
-//! PostgreSQL 15 is not installed or not running as root.
+//! Run serially (`--test-threads=1`; a lock enforces it too). Needs root, PostgreSQL 15 and psql
+//! (`pliant_testkit`: a test fails without them unless PLIANT_ALLOW_SKIP=1).
 
 use pliant_pg::bank;
 use pliant_pg::bench::proxy_config;
@@ -19,18 +19,11 @@ use std::time::{Duration, Instant};
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
+/// `false`: the test was skipped under PLIANT_ALLOW_SKIP=1 and must return.
 fn usable() -> bool {
-    let ok = std::path::Path::new("/usr/lib/postgresql/15/bin/postgres").exists()
-        && unsafe { libc_geteuid() } == 0;
-    if !ok {
-        eprintln!("skipping: needs root and postgresql-15 (scripts/install-deps.sh)");
-    }
-    ok
-}
-
-extern "C" {
-    #[link_name = "geteuid"]
-    fn libc_geteuid() -> u32;
+    pliant_testkit::require_root()
+        && pliant_testkit::require_tool("/usr/lib/postgresql/15/bin/postgres", "postgresql-15")
+        && pliant_testkit::require_tool("psql", "postgresql-client-15")
 }
 
 /// Cluster + proxy, torn down on drop (also when an assertion fails).
@@ -268,15 +261,20 @@ fn pg_sessions_survive_failover_and_reprotection() {
                     &user,
                     "-n",
                 ])
+                // --max-tries 2: the failover aborts a transaction in flight inside a block
+                // with 40001 (see crates/pg/README.md), which pgbench retries once instead of
+                // counting it failed.
                 .args([
                     "-c",
-                    "4",
+                    &PGBENCH_CLIENTS.to_string(),
                     "-j",
                     "2",
                     "-T",
                     &secs.to_string(),
                     "-M",
                     "prepared",
+                    "--max-tries",
+                    "2",
                     "postgres",
                 ])
                 .output()
@@ -292,13 +290,37 @@ fn pg_sessions_survive_failover_and_reprotection() {
         let stdout = String::from_utf8_lossy(&out.stdout);
         let stderr = String::from_utf8_lossy(&out.stderr);
         eprintln!("round {round} pgbench:\n{stdout}\n{stderr}");
+        // A client whose session died aborts, and pgbench then exits non-zero ("Run was
+        // aborted"); a transaction that failed (an error other than the failover's 40001, or a
+        // 40001 again on its retry) is counted in its report. Neither may happen across the
+        // failover. Each client has at most one transaction in flight when the primary dies,
+        // so at most one retry per client: more would be aborts the failover did not cause.
+        assert!(
+            out.status.success(),
+            "round {round}: pgbench exited with {}: a client was dropped: {stderr}",
+            out.status
+        );
         assert!(
             !stderr.contains("aborted in command"),
             "a pgbench client was dropped: {stderr}"
         );
         assert!(
-            stdout.contains("number of clients: 4"),
+            stdout.contains(&format!("number of clients: {PGBENCH_CLIENTS}")),
             "pgbench ran: {stdout}"
+        );
+        assert_eq!(
+            pgbench_count(&stdout, "number of failed transactions:"),
+            0,
+            "round {round}: transactions failed across the failover: {stdout}"
+        );
+        let retried = pgbench_count(&stdout, "number of transactions retried:");
+        assert!(
+            retried <= PGBENCH_CLIENTS,
+            "round {round}: {retried} transactions retried, more than one per client: {stdout}"
+        );
+        assert!(
+            pgbench_count(&stdout, "number of transactions actually processed:") > 0,
+            "round {round}: no transaction processed: {stdout}"
         );
         for (i, p) in psqls.iter_mut().enumerate() {
             let ans = p.ask(
@@ -325,6 +347,40 @@ fn pg_sessions_survive_failover_and_reprotection() {
     assert_eq!(st["sessions_dropped_unreplayable"], 1);
     assert_eq!(st["sessions_dropped_other"], 0);
     assert_eq!(st["failovers"], 2);
+}
+
+/// Clients of the pgbench run across each failover.
+const PGBENCH_CLIENTS: u64 = 4;
+
+/// The count after `label` in pgbench's report ("number of failed transactions: 0 (0.000%)"),
+/// panicking if the report has no such line (a count that is not there is not 0).
+fn pgbench_count(report: &str, label: &str) -> u64 {
+    report
+        .lines()
+        .find_map(|l| l.trim().strip_prefix(label))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.split('/').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no {label:?} count in pgbench's report: {report}"))
+}
+
+#[test]
+fn pgbench_counts_are_read_from_its_report() {
+    let r = "number of transactions actually processed: 5127\n\
+             number of failed transactions: 3 (0.058%)\nlatency average = 4.6 ms\n";
+    assert_eq!(pgbench_count(r, "number of failed transactions:"), 3);
+    assert_eq!(
+        pgbench_count(r, "number of transactions actually processed:"),
+        5127
+    );
+    // With -t the processed count reads "done/planned".
+    let t = "number of transactions actually processed: 40/40\n";
+    assert_eq!(
+        pgbench_count(t, "number of transactions actually processed:"),
+        40
+    );
+    let missing = std::panic::catch_unwind(|| pgbench_count("tps = 1\n", "number of failed:"));
+    assert!(missing.is_err());
 }
 
 fn raw_login(lab: &Lab, password: &str) -> TcpStream {
@@ -696,9 +752,10 @@ fn pg_scram_auth_and_cancel_forwarding() {
         writeln!(py_in, "go").expect("to python");
         let l = next();
         let mut w = l.split_whitespace();
+        // CANCELLED is the proof the cancel arrived: uncancelled, pg_sleep(30) ends normally
+        // (NOT_CANCELLED). The seconds it ran are only shown.
         assert_eq!(w.next(), Some("CANCELLED"), "round {round}: {l}");
-        let secs: f64 = w.next().and_then(|x| x.parse().ok()).unwrap_or(99.0);
-        assert!(secs < 15.0, "round {round}: cancelled only after {secs} s");
+        let _secs = w.next();
         assert_eq!(w.next(), Some("cancel-test"), "session kept: {l}");
     }
     drop(py_in);
@@ -770,14 +827,20 @@ fn pg_async_fallback_when_standby_dies() {
     assert_eq!(st["protected"], false, "{st}");
     assert_eq!(st["degraded"], true, "{st}");
     assert_eq!(p.shared.primary.load(SeqCst), primary, "no failover");
-    // Commits continue, unprotected.
+    // Commits continue, unprotected (how fast is the machine's business, not this test's:
+    // the sleep only makes the unprotected time checked below at least 2 s).
     let c0 = wl.commits();
     std::thread::sleep(Duration::from_secs(2));
+    let t_more = Instant::now();
+    while wl.commits() <= c0 + 20 {
+        assert!(
+            t_more.elapsed() < Duration::from_secs(60),
+            "commits stopped after the fallback: {c0} -> {}",
+            wl.commits()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let c1 = wl.commits();
-    assert!(
-        c1 > c0 + 20,
-        "commits continue after the fallback: {c0} -> {c1}"
-    );
     let mut dc = lab
         .cl
         .client(primary, Duration::from_secs(10))

@@ -10,29 +10,27 @@
 //! afterwards (a flow broken by a migration — state lost, steering or NAT return path wrong —
 //! stops counting), and the status/CLI must show two live replicas.
 //!
-//! Needs root (skips otherwise). Run in release (the unoptimised runtime is slow):
+//! Needs root (`pliant_testkit::require_root`). Run in release (the unoptimised runtime is slow):
 //! `cargo test --release -p pliant-cli --test e2e_scale -- --test-threads=1 --nocapture`.
 
+mod common;
+
 use pliant_lab::{cmd, Lab, LabSpec, PliantNf, ReplicaMode, Role, CLIENT_IP, SERVER_IP};
+use pliant_state::FlowKey;
 use serde_json::Value;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-
-fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .map(|s| {
-            s.lines()
-                .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0"))
-        })
-        .unwrap_or(false)
-}
 
 fn pliant() -> &'static str {
     env!("CARGO_BIN_EXE_pliant")
 }
 
 const ECHO_PORT: u16 = 9000;
+/// The burst test's sequence-numbered UDP stream, and its downloads' first client port.
+const UDP_SPORT: u16 = 40000;
+const UDP_DPORT: u16 = 9100;
+const DOWNLOAD_SPORT: u16 = 45000;
 
 const ECHO_SERVER: &str = r#"
 import socket, sys
@@ -69,6 +67,37 @@ while True:
         with open(tmp, "w") as f:
             f.write(str(got))
         os.replace(tmp, out)
+"#;
+
+/// An HTTP GET that reads the body at `rate` bytes/s from a fixed client port, into a file.
+/// The small receive buffer keeps the kernel from taking the body ahead of the reader, so the
+/// connection carries data for the whole download. Exits non-zero on any error, including a
+/// body shorter than its Content-Length (http.client raises IncompleteRead).
+const SLOW_GET: &str = r#"
+import http.client, socket, sys, time
+host, path, out, sport, rate = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+s.bind(("", sport))
+s.settimeout(30)
+s.connect((host, 80))
+c = http.client.HTTPConnection(host, 80)
+c.sock = s
+c.request("GET", path)
+r = c.getresponse()
+if r.status != 200:
+    sys.exit("status %d" % r.status)
+t0, n = time.time(), 0
+with open(out, "wb") as f:
+    while True:
+        b = r.read(16384)
+        if not b:
+            break
+        f.write(b)
+        n += len(b)
+        ahead = n / rate - (time.time() - t0)
+        if ahead > 0:
+            time.sleep(ahead)
 "#;
 
 /// Everything this test started, stopped in the right order on drop (also on panic):
@@ -207,8 +236,7 @@ fn start(tag: &str, policy: &str) -> Option<Run> {
 }
 
 fn start_with_file(tag: &str, policy: &str, file: &[(&str, u64)]) -> Option<Run> {
-    if !is_root() {
-        eprintln!("skipping: needs root");
+    if !pliant_testkit::require_root() {
         return None;
     }
     let dir = std::env::temp_dir().join(format!("pliant-e2e-scale-{tag}-{}", std::process::id()));
@@ -281,6 +309,21 @@ fn start_with_file(tag: &str, policy: &str, file: &[(&str, u64)]) -> Option<Run>
         std::thread::sleep(Duration::from_millis(20));
     }
     Some(run)
+}
+
+/// The live replica whose flow listing holds `key` (as the controller's `flows` shows it).
+fn owner_of(run: &Run, key: &str) -> Option<u64> {
+    let v = run.cli(&["flows"]);
+    v["replicas"]
+        .as_array()?
+        .iter()
+        .filter(|r| r["alive"] == true)
+        .find(|r| {
+            r["flows"]
+                .as_array()
+                .is_some_and(|fs| fs.iter().any(|f| f["key"] == key))
+        })
+        .and_then(|r| r["replica"].as_u64())
 }
 
 fn assert_all_flows_alive(run: &Run, ports: &[u16]) {
@@ -390,8 +433,16 @@ fn cli_refuses_a_wrong_token() {
 /// replicas and rebalances live connections onto them. When the burst's downloads end (their NAT
 /// mappings expire 2 s after FIN), flows per replica fall below the low-water mark and the policy
 /// scales back in to one replica on its own, merging the still-running base downloads into the
-/// survivor. Every one of the 50 downloads must complete with the served file's sha256: a TCP
-/// connection broken or corrupted by a migration fails it.
+/// survivor. Every one of the 50 downloads must complete with the served file's size and sha256:
+/// a TCP connection broken or corrupted by a migration fails it. The base downloads must still
+/// be running when the scale-in is done, must have been spread over 2+ replicas before it (the
+/// test moves one if the policy left them together, so at least one is merged), and must all be
+/// on the surviving replica afterwards.
+///
+/// A sequence-numbered UDP stream through the NAT runs from the start to the end (TCP would
+/// retransmit what a move drops): the test moves it to another replica once the deployment has
+/// scaled out, so it is moved at least once (and again if its replica is merged away); it must
+/// end on the survivor with 0 lost, 0 reordered and 0 duplicated datagrams.
 #[test]
 fn burst_scale_out_then_in_downloads_complete() {
     const BASE: usize = 4;
@@ -413,9 +464,12 @@ fn burst_scale_out_then_in_downloads_complete() {
         .served_file("2M.bin")
         .expect("served file")
         .clone();
+    // Fixed client ports: the base downloads' flow keys are known, to find them on replicas.
+    let sport = |i: usize| DOWNLOAD_SPORT + i as u16;
     let start_download = |run: &Run, i: usize, f: &pliant_lab::ServedFile, rate: &str| {
         let out = run.dir.join(format!("dl-{i}.bin"));
         let o = out.display().to_string();
+        let lp = sport(i).to_string();
         let c = run
             .lab()
             .spawn(
@@ -426,6 +480,8 @@ fn burst_scale_out_then_in_downloads_complete() {
                     "--fail",
                     "--max-time",
                     "150",
+                    "--local-port",
+                    &lp,
                     "--limit-rate",
                     rate,
                     "-o",
@@ -435,13 +491,47 @@ fn burst_scale_out_then_in_downloads_complete() {
                 &run.dir.join(format!("dl-{i}.log")),
             )
             .expect("spawn curl");
-        (c, out, f.sha256.clone())
+        (c, out, f.sha256.clone(), f.size_bytes)
     };
+    let (cip, sip) = (
+        CLIENT_IP.parse().expect("ip"),
+        SERVER_IP.parse().expect("ip"),
+    );
+    let base_keys: Vec<String> = (0..BASE)
+        .map(|i| FlowKey::v4(6, cip, sport(i), sip, 80).0.to_string())
+        .collect();
+    // The base downloads read at a paced rate themselves: curl's --limit-rate (7.88) lets the
+    // whole body arrive at once and then sleeps, so its connection carried nothing after the
+    // first seconds (8 MB arrived in under 2 s here) and some finished before the scale-in.
+    let slow_download = |run: &Run, i: usize, f: &pliant_lab::ServedFile| {
+        let out = run.dir.join(format!("dl-{i}.bin"));
+        let script = run.dir.join("slow_get.py").display().to_string();
+        let path = f
+            .url
+            .split_once(SERVER_IP)
+            .map_or("/", |(_, p)| p)
+            .to_string();
+        let (o, lp) = (out.display().to_string(), sport(i).to_string());
+        let c = run
+            .lab()
+            .spawn(
+                Role::Client,
+                &["python3", &script, SERVER_IP, &path, &o, &lp, "250000"],
+                &run.dir.join(format!("dl-{i}.log")),
+            )
+            .expect("spawn a slow download");
+        (c, out, f.sha256.clone(), f.size_bytes)
+    };
+    std::fs::write(run.dir.join("slow_get.py"), SLOW_GET).expect("write");
     let mut downloads = Vec::new();
     // Base load: under the high-water mark, long enough to outlive the burst and the scale-in.
     for i in 0..BASE {
-        downloads.push(start_download(&run, i, &long, "250k"));
+        downloads.push(slow_download(&run, i, &long));
     }
+    // One more flow of the base load (4 + 1 stays under the high-water mark).
+    let udp = common::migration::SeqStream::start(run.lab(), UDP_SPORT, UDP_DPORT, 1000.0);
+    udp.wait_arriving(Duration::from_secs(5));
+    let udp_key = udp.key.to_string();
     std::thread::sleep(Duration::from_secs(1));
     assert_eq!(run.loads().len(), 1, "no scale-out for the base load");
     // Burst.
@@ -458,6 +548,45 @@ fn burst_scale_out_then_in_downloads_complete() {
         r.loads().iter().filter(|l| l.1 > 0).count() >= 2
     });
     let peak = run.loads().len();
+    // Move the UDP stream to another replica (so it is moved at least once), and spread the
+    // base downloads over 2+ replicas if the policy left them on one (so that scaling in to one
+    // replica has to merge at least one of them).
+    let live: Vec<u64> = run.loads().iter().map(|l| l.0).collect();
+    let udp_from = owner_of(&run, &udp_key).expect("the UDP flow on a replica");
+    let udp_to = *live.iter().find(|r| **r != udp_from).expect("2+ replicas");
+    let sent_before = udp.sent();
+    let mv = run.cli(&["migrate", "--flow", &udp_key, "--to", &format!("r{udp_to}")]);
+    let udp_sent_during_move = udp.sent() - sent_before;
+    assert_eq!(mv["moved"], 1, "{mv}");
+    assert_eq!(owner_of(&run, &udp_key), Some(udp_to), "UDP flow not moved");
+    let base_owners =
+        |run: &Run| -> Vec<Option<u64>> { base_keys.iter().map(|k| owner_of(run, k)).collect() };
+    let owners = base_owners(&run);
+    assert!(
+        owners.iter().all(Option::is_some),
+        "base downloads not on replicas: {owners:?}"
+    );
+    if owners.iter().all(|o| *o == owners[0]) {
+        let to = *live
+            .iter()
+            .find(|r| Some(**r) != owners[0])
+            .expect("2+ replicas");
+        let mv = run.cli(&[
+            "migrate",
+            "--flow",
+            &base_keys[0],
+            "--to",
+            &format!("r{to}"),
+        ]);
+        assert_eq!(mv["moved"], 1, "{mv}");
+    }
+    let owners_before_in = base_owners(&run);
+    let spread_over: std::collections::BTreeSet<u64> =
+        owners_before_in.iter().flatten().copied().collect();
+    assert!(
+        spread_over.len() >= 2,
+        "base downloads on one replica: {owners_before_in:?}"
+    );
     let spread = run.cli(&["status"])["counters"]["flows_migrated"]
         .as_u64()
         .unwrap_or(0);
@@ -470,12 +599,35 @@ fn burst_scale_out_then_in_downloads_complete() {
     assert_eq!(st["counters"]["migrations_failed"], 0, "{st}");
     let merged = st["counters"]["flows_migrated"].as_u64().unwrap_or(0) - spread;
     assert!(merged >= 1, "scale-in moved no flow: {st}");
-    let base_running = downloads[..BASE]
+    // The scale-in happened while the base downloads ran, and their flows (and the UDP stream)
+    // are on the one replica left.
+    let base_ended: Vec<(usize, std::process::ExitStatus)> = downloads[..BASE]
         .iter_mut()
-        .filter_map(|d| d.0.try_wait().ok())
-        .filter(Option::is_none)
-        .count();
-    for (i, (mut c, out, sha)) in downloads.into_iter().enumerate() {
+        .enumerate()
+        .filter_map(|(i, d)| Some((i, d.0.try_wait().ok().flatten()?)))
+        .collect();
+    assert!(
+        base_ended.is_empty(),
+        "base downloads ended before the scale-in was done: {base_ended:?}: {}",
+        base_ended
+            .iter()
+            .map(|(i, _)| pliant_lab::log_tail(&run.dir.join(format!("dl-{i}.log")), 3))
+            .collect::<Vec<_>>()
+            .join(" | ")
+    );
+    let survivor = run.loads()[0].0;
+    assert_eq!(
+        base_owners(&run),
+        vec![Some(survivor); BASE],
+        "base downloads not (only) on the surviving r{survivor} (before: {owners_before_in:?})"
+    );
+    assert_eq!(
+        owner_of(&run, &udp_key),
+        Some(survivor),
+        "UDP flow not on the survivor"
+    );
+    let udp_totals = udp.finish_loss_free("UDP through scale-out, a move and the scale-in");
+    for (i, (mut c, out, sha, size)) in downloads.into_iter().enumerate() {
         let code = cmd::wait_bounded(&mut c, Duration::from_secs(180));
         assert_eq!(
             code,
@@ -496,9 +648,13 @@ fn burst_scale_out_then_in_downloads_complete() {
             .unwrap_or("")
             .to_string();
         assert_eq!(got, sha, "download {i} corrupted");
+        let len = std::fs::metadata(&out).map(|m| m.len()).unwrap_or(0);
+        assert_eq!(len, size, "download {i}: {len} of {size} bytes");
     }
     eprintln!(
         "burst: {TOTAL} downloads, peak {peak} replicas, {spread} flows rebalanced, {merged} \
-         merged on policy scale-in ({base_running} base downloads still running then)"
+         merged on policy scale-in ({BASE} base downloads still running then; base on \
+         {owners_before_in:?} before, r{survivor} after); UDP stream {udp_totals:?}, moved \
+         r{udp_from} -> r{udp_to} with {udp_sent_during_move} datagrams sent during the move"
     );
 }

@@ -7,7 +7,8 @@
 //! Everything started here is stopped by `Drop` (also on panic): traffic, stopped replicas,
 //! the controller (which detaches its BPF filters), replicas the controller added, the lab.
 
-use super::{is_root, pliant};
+use super::pliant;
+use pliant_lab::topology::{CLIENT_MAC, IN_PORT_MAC, OUT_PORT_MAC, SERVER_MAC};
 use pliant_lab::{cmd, Lab, LabSpec, PliantNf, ReplicaMode, Role, CLIENT_IP, SERVER_IP};
 use pliant_state::FlowKey;
 use serde_json::{json, Value};
@@ -81,10 +82,10 @@ impl Drop for HaRun {
 }
 
 /// Brings up the lab (3 replicas of `nf`, HA on) and the controller; waits until every
-/// replica's groups are `up`. `None` without root.
+/// replica's groups are `up`. `None` when skipped
+/// (`pliant_testkit::require_root`).
 pub fn ha_up(tag: &str, nf: PliantNf, files: &[(&str, u64)]) -> Option<HaRun> {
-    if !is_root() {
-        eprintln!("skipping: needs root");
+    if !pliant_testkit::require_root() {
         return None;
     }
     let nat = nf.kind == "nat";
@@ -509,30 +510,74 @@ pub fn standby_flows(run: &HaRun, primary: u32) -> u64 {
 /// Sends `n` UDP frames out of replica `r`'s outside port from inside its namespace (what a
 /// revived or partitioned old owner would emit), for the fencing check.
 pub fn emit_from_replica(run: &HaRun, r: u32, n: u32) {
+    emit_udp_frames(
+        run,
+        r,
+        Side::Outside,
+        ("10.77.2.1", 20999),
+        (SERVER_IP, 9),
+        b"FENCED-OLD-OWNER-OUTPUT",
+        n,
+    );
+}
+
+/// Which of a replica's ports a frame leaves by: inside (towards the client) or outside.
+#[derive(Clone, Copy, Debug)]
+pub enum Side {
+    Inside,
+    Outside,
+}
+
+/// Sends `n` UDP frames with `payload` from `src` to `dst` (IPv4, port) out of replica `r`'s
+/// `side` port, written on the port itself (AF_PACKET) as the replica's own output is: Ethernet
+/// from the port's MAC to the client's or server's MAC.
+pub fn emit_udp_frames(
+    run: &HaRun,
+    r: u32,
+    side: Side,
+    src: (&str, u16),
+    dst: (&str, u16),
+    payload: &[u8],
+    n: u32,
+) {
     let py = r#"
 import socket, struct, sys
-ifname, n = sys.argv[1], int(sys.argv[2])
+ifname, n, src, sport, dst, dport, smac, dmac, payload = sys.argv[1:10]
+n, sport, dport = int(n), int(sport), int(dport)
+payload = bytes.fromhex(payload)
 def csum(b):
     s = sum(struct.unpack("!%dH" % (len(b) // 2), b))
     s = (s >> 16) + (s & 0xffff)
     s += s >> 16
     return (~s) & 0xffff
-payload = b"FENCED-OLD-OWNER-OUTPUT"
-udp = struct.pack("!HHHH", 20999, 9, 8 + len(payload), 0) + payload
+udp = struct.pack("!HHHH", sport, dport, 8 + len(payload), 0) + payload
 ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 1, 0, 64, 17, 0,
-                 socket.inet_aton("10.77.2.1"), socket.inet_aton("10.77.2.2"))
+                 socket.inet_aton(src), socket.inet_aton(dst))
 ip = ip[:10] + struct.pack("!H", csum(ip)) + ip[12:]
-eth = bytes.fromhex("02706c000202") + bytes.fromhex("02706c000201") + b"\x08\x00"
+eth = bytes.fromhex(dmac) + bytes.fromhex(smac) + b"\x08\x00"
 s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
 s.bind((ifname, 0))
 for _ in range(n):
     s.send(eth + ip + udp)
 "#;
-    let ifname = format!("r{r}out");
+    let (ifname, smac, dmac) = match side {
+        Side::Inside => (format!("r{r}in"), IN_PORT_MAC, CLIENT_MAC),
+        Side::Outside => (format!("r{r}out"), OUT_PORT_MAC, SERVER_MAC),
+    };
+    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
     let role = Role::Replica(u8::try_from(r).expect("index"));
+    let (sp, dp, count) = (src.1.to_string(), dst.1.to_string(), n.to_string());
+    let (smac, dmac) = (smac.replace(':', ""), dmac.replace(':', ""));
+    let payload = hex(payload);
     run.lab()
-        .exec_ok(role, &["python3", "-c", py, &ifname, &n.to_string()])
-        .expect("emit frames from the old owner");
+        .exec_ok(
+            role,
+            &[
+                "python3", "-c", py, &ifname, &count, src.0, &sp, dst.0, &dp, &smac, &dmac,
+                &payload,
+            ],
+        )
+        .expect("emit frames from a replica's port");
 }
 
 /// What a failover scenario measured.

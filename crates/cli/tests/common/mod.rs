@@ -4,21 +4,14 @@
 
 /// The HA harness (3-replica HA lab + controller), used by the `e2e_ha_*` tests.
 pub mod ha;
+/// Loss-free migration checks (sequence-numbered UDP stream, whole drops map).
+pub mod migration;
 
 use pliant_lab::{Lab, LabSpec, PliantNf, ReplicaMode};
 use pliant_runtime::config::ReplicaConfig;
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
-
-pub fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .map(|s| {
-            s.lines()
-                .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0"))
-        })
-        .unwrap_or(false)
-}
 
 pub fn pliant() -> &'static str {
     env!("CARGO_BIN_EXE_pliant")
