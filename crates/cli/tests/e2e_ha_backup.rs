@@ -1,4 +1,4 @@
-//! End-to-end Pico HA, backup death (issue 4 acceptance): r1 serves downloads, protected to r2
+//! End-to-end Pico HA, backup death: r1 serves downloads, protected to r2
 //! and r3 (chords, 1 kHz). r2 hangs (SIGSTOP: it still accepts connections, so the controller
 //! only learns of it from missed heartbeats, seconds later). r1's group backed by r2 stops
 //! getting acknowledgements; after its retry timeout r1 runs it unprotected (`needs_backup`,

@@ -1,4 +1,4 @@
-//! End-to-end Pico HA with MBServ (issue 4 acceptance). MBServ drops every packet that does not
+//! End-to-end Pico HA with MBServ. MBServ drops every packet that does not
 //! fit a known flow's TCP state machine, so a failover without the replicated state would break
 //! every connection; with Pico replication the survivors continue them. Same scenario as
 //! `e2e_ha_nat` (see `common::ha::kill_primary_mid_transfer`): r1 SIGKILLed mid-transfer, every

@@ -1,4 +1,4 @@
-//! End-to-end Pico HA with the NAT (issue 4 acceptance): three replicas r1, r2, r3 in an HA lab,
+//! End-to-end Pico HA with the NAT: three replicas r1, r2, r3 in an HA lab,
 //! the controller protecting every replica (chords over the others, 1 kHz), long iperf3 TCP
 //! and large curl downloads through r1, r1 SIGKILLed mid-transfer. Every connection completes
 //! without reset and with the served sha256; the server sees every connection from the same

@@ -1,4 +1,4 @@
-//! End-to-end tests of `pliant pg` (issue 5): a real PostgreSQL 15 primary and synchronous
+//! End-to-end tests of `pliant pg`: a real PostgreSQL 15 primary and synchronous
 //! standby in namespaces, the pliant proxy in front, failures injected for real.
 //!
 //! Run serially (`--test-threads=1`; a lock enforces it too). Needs root, PostgreSQL 15 and psql

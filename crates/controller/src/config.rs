@@ -17,7 +17,7 @@ pub struct ControllerConfig {
     pub ports: Option<PortsSection>,
     #[serde(default)]
     pub policy: Option<Policy>,
-    /// High availability (Pico replication, issue 4); absent = off.
+    /// High availability (Pico replication); absent = off.
     #[serde(default)]
     pub ha: Option<crate::ha::HaConfig>,
 }

@@ -1,4 +1,4 @@
-//! High availability (Pico replication, issue 4), the controller's pure parts: the `[ha]`
+//! High availability (Pico replication), the controller's pure parts: the `[ha]`
 //! config, the protection policy each replica gets (as the `protect` JSON of the HA contract),
 //! parsing of `ha_status` / `activate` answers, and the liveness probe. The orchestration
 //! (failure detection, fencing, activation, re-steering, re-protection) is in
@@ -27,7 +27,7 @@ pub enum HaMode {
     Pico,
     /// The Remus-mode baseline: whole-replica epochs, all output held.
     Remus,
-    /// FTMB rollback recovery (issue 6): every replica is a primary logging to an FTMB
+    /// FTMB rollback recovery: every replica is a primary logging to an FTMB
     /// logger hosted by its successor in the ring of live replicas; a dead primary is
     /// recovered by replay on that host.
     Ftmb,
@@ -56,7 +56,7 @@ impl PolicyKind {
     }
 }
 
-/// Most checkpoints per second a group may be asked for (the issue's goal is >= 10 kHz).
+/// Most checkpoints per second a group may be asked for (the goal is >= 10 kHz).
 pub const MAX_HZ: u32 = 100_000;
 /// Bound on virtual nodes per backup in the chords ring.
 pub const MAX_VNODES: u32 = 4096;

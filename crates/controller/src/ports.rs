@@ -6,7 +6,7 @@
 //! Blocks are assigned lowest-free-first and never move while their owner lives, so a live
 //! mapping's port always stays with the replica that allocated it.
 //!
-//! FTMB replicas (issue 6) cannot take blocks at run time: their pool is a shared variable
+//! FTMB replicas cannot take blocks at run time: their pool is a shared variable
 //! captured in every snapshot and replayed by index, so it is fixed by the replica's config
 //! (`[nat] port_blocks`). For them blocks are *pinned* by replica index
 //! ([`PortBlocks::pinned_first`]): replica n owns blocks `(n-1)*per .. n*per`, the rule the lab

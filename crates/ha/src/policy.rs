@@ -21,7 +21,7 @@ pub use crate::wire::GroupId;
 use pliant_state::FlowKey;
 use serde::{Deserialize, Serialize};
 
-/// Highest checkpoint frequency accepted (the issue asks for >= 10 kHz).
+/// Highest checkpoint frequency accepted (the goal is >= 10 kHz).
 pub const MAX_HZ: u32 = 20_000;
 /// Bound on virtual nodes per backup in a chords ring.
 pub const MAX_VNODES: u32 = 1024;

@@ -1,4 +1,4 @@
-//! High availability in the lab (issue 4): the shared replication secret, the `[ha]` section
+//! High availability in the lab: the shared replication secret, the `[ha]` section
 //! every replica config carries, replica PIDs (the e2e tests SIGKILL a primary by the PID the
 //! lab started) and the fencing fallback for labs whose fabric is the tc mirred patch panel.
 //!
@@ -17,9 +17,9 @@ pub const SECRET_FILE: &str = "repl.secret";
 pub const SECRET_BYTES: usize = 32;
 
 /// Worker threads of a replica in FTMB mode (the runtime's default; >= 2 so that workers
-/// contend on the NAT's shared port pool, as issue 6 asks).
+/// contend on the NAT's shared port pool).
 pub const FTMB_WORKERS: u32 = 2;
-/// Snapshot interval of a replica in FTMB mode (the issue's recovery goal is stated at 50 ms).
+/// Snapshot interval of a replica in FTMB mode (the recovery goal is stated at 50 ms).
 pub const FTMB_SNAPSHOT_MS: u32 = 50;
 
 /// First NAT port of the pinned blocks of FTMB replicas (the NAT's default pool start).
@@ -67,7 +67,7 @@ pub enum LabHaMode {
     /// Pico replication (the runtime's default: no `mode` key written).
     #[default]
     Pico,
-    /// FTMB rollback recovery (issue 6): `mode = "ftmb"`, [`FTMB_WORKERS`] workers, a
+    /// FTMB rollback recovery: `mode = "ftmb"`, [`FTMB_WORKERS`] workers, a
     /// snapshot every [`FTMB_SNAPSHOT_MS`]; the logger listens on `r<n>.ftmb.sock` (the
     /// runtime's default beside the control socket, so added replicas need no retargeting).
     Ftmb,

@@ -131,12 +131,12 @@ pub struct LabSpec {
     pub run_root: PathBuf,
     /// Print progress lines to stderr.
     pub progress: bool,
-    /// High availability (issue 4; pliant modes only): the lab writes a replication secret
+    /// High availability (pliant modes only): the lab writes a replication secret
     /// (`repl.secret`, 0600) and gives every replica config an `[ha]` section (its replication
     /// socket beside the control socket, the secret), so any replica can be a primary or a
     /// backup. Replicas added later by `scale::add_replica` inherit it.
     pub ha: bool,
-    /// The HA mode the replicas run (with `ha`): Pico (default) or FTMB (issue 6; `[ha]`
+    /// The HA mode the replicas run (with `ha`): Pico (default) or FTMB (`[ha]`
     /// gets `mode = "ftmb"`, `ftmb_workers`, `ftmb_snapshot_ms`). FTMB without `ha` is refused.
     pub ha_mode: crate::ha::LabHaMode,
     /// pliant modes: `[replica] realtime_priority` of every replica (SCHED_FIFO; `None`: the

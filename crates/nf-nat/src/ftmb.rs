@@ -1,4 +1,4 @@
-//! The NAT as an FTMB network function ([`FtmbNat`], issue 6): the same packet behaviour as
+//! The NAT as an FTMB network function ([`FtmbNat`]): the same packet behaviour as
 //! [`crate::Nat`] (source NAT to `external_ip`, reverse translation of replies, TCP phases and
 //! the idle timeouts of [`Config`], ICMP echo by identifier, ICMP errors with their quote, drops
 //! counted by reason), run on N FTMB worker threads.

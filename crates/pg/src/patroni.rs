@@ -1,7 +1,7 @@
 //! The peer of `pliant bench pg`: Patroni (Debian package) with a one-member etcd, in
 //! namespaces this module creates (two PostgreSQL nodes and one etcd namespace on a bridge),
-//! synchronous mode on, `ttl`/`loop_wait`/`retry_timeout` as configured (5/1/2 like the
-//! issue's reference figures).
+//! synchronous mode on, `ttl`/`loop_wait`/`retry_timeout` as configured (5/1/2, the settings of
+//! the published reference figures).
 //!
 //! Patroni has no proxy: clients (the bank workload) connect to whichever node is a primary
 //! and reconnect after a failure, as a libpq client with several hosts and

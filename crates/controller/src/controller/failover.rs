@@ -1,4 +1,4 @@
-//! High availability in the controller (Pico replication, issue 4): failure detection,
+//! High availability in the controller (Pico replication): failure detection,
 //! failover and re-protection.
 //!
 //! Failover of a dead primary A (`Controller::failover`), in this order:
@@ -19,7 +19,7 @@
 //! 6. persist exceptions + the record of A's handed-over keys (for a controller restart; off
 //!    the critical path), record timings (`detect_ms`, `activate_ms`, `steer_ms`, ...).
 //!
-//! FTMB mode (`[ha] mode = "ftmb"`, issue 6) differs in steps 3-5: every live replica is a
+//! FTMB mode (`[ha] mode = "ftmb"`) differs in steps 3-5: every live replica is a
 //! primary whose FTMB logger runs in its ring successor (the next live replica by index;
 //! `protect` sends `ftmb_protect` with that replica's logger socket and remembers the host).
 //! On A's death, right after the fence, A's port blocks are re-homed to the host H that ran
@@ -863,13 +863,13 @@ impl Controller {
         let policy = ha::build_policy(&cfg, i, members);
         let req = json!({"cmd": "protect", "token": token, "policy": policy});
         self.counters.ha.protects.fetch_add(1, Ordering::Relaxed);
-        self.note_protect_sent(i, members);
+        let (named, sent_unix_ms) = self.note_protect_sent(i, members);
         match rc::call(sock, &req, self.ha_rpc_timeout()) {
             Ok(v) => {
                 let backups = ha::protect_backups(&v);
                 lock(&self.state).ha.protected.insert(i, backups.clone());
                 json!({"ok": true, "policy": policy["kind"], "backups": backups,
-                    "groups": v["groups"]})
+                    "groups": v["groups"], "named": named, "sent_unix_ms": sent_unix_ms})
             }
             Err(e) => {
                 self.counters
@@ -877,16 +877,21 @@ impl Controller {
                     .protect_errors
                     .fetch_add(1, Ordering::Relaxed);
                 lock(&self.state).ha.protected.remove(&i);
-                json!({"ok": false, "error": e.to_string()})
+                json!({"ok": false, "error": e.to_string(), "named": named,
+                    "sent_unix_ms": sent_unix_ms})
             }
         }
     }
 
     /// Records that a protection of `i` naming `named` is being sent, and checks, apart from
-    /// the decision that chose them, that every named replica is still live now.
-    fn note_protect_sent(&self, i: u32, named: &[(u32, PathBuf)]) {
+    /// the decision that chose them, that every named replica is still live now. Returns the
+    /// names of the replicas it names (`i` itself excluded) and the wall-clock time it is sent
+    /// at (both go into the answer, so a reader can check what was named after a failure
+    /// without trusting this check).
+    fn note_protect_sent(&self, i: u32, named: &[(u32, PathBuf)]) -> (Vec<String>, u64) {
         let mut st = lock(&self.state);
         st.ha.last_protect.insert(i, Instant::now());
+        let sent_unix_ms = now_ms();
         let f = Self::protection_facts(&st);
         let unlive: Vec<u32> = named
             .iter()
@@ -894,6 +899,11 @@ impl Controller {
             .filter(|x| *x != i && f.members.get(x) != Some(&Liveness::Live))
             .collect();
         drop(st);
+        let names: Vec<String> = named
+            .iter()
+            .filter(|(x, _)| *x != i)
+            .map(|(x, _)| format!("r{x}"))
+            .collect();
         if !unlive.is_empty() {
             self.counters
                 .ha
@@ -904,6 +914,7 @@ impl Controller {
                 json!({"replica": i, "named": unlive}),
             );
         }
+        (names, sent_unix_ms)
     }
 
     /// FTMB: points replica `i`'s workers at its successor's logger (`ftmb_protect`) and
@@ -919,14 +930,14 @@ impl Controller {
         };
         let req = ha::ftmb_protect_request(&hsock);
         self.counters.ha.protects.fetch_add(1, Ordering::Relaxed);
-        self.note_protect_sent(i, &[(h, hsock.clone())]);
+        let (named, sent_unix_ms) = self.note_protect_sent(i, &[(h, hsock.clone())]);
         match rc::call(sock, &req, self.ha_rpc_timeout()) {
             Ok(_) => {
                 let mut st = lock(&self.state);
                 st.ha.ftmb_logger.insert(i, h);
                 st.ha.protected.insert(i, vec![format!("r{h}")]);
                 json!({"ok": true, "policy": "ftmb", "backups": [format!("r{h}")],
-                    "logger": req["logger"]})
+                    "logger": req["logger"], "named": named, "sent_unix_ms": sent_unix_ms})
             }
             Err(e) => {
                 self.counters
@@ -938,7 +949,8 @@ impl Controller {
                 // last (a stale host would replay a stale log).
                 st.ha.ftmb_logger.remove(&i);
                 st.ha.protected.remove(&i);
-                json!({"ok": false, "error": e.to_string()})
+                json!({"ok": false, "error": e.to_string(), "named": named,
+                    "sent_unix_ms": sent_unix_ms})
             }
         }
     }

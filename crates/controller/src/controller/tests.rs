@@ -769,6 +769,15 @@ fn a_dead_primary_is_fenced_activated_on_its_backups_steered_and_survivors_repro
     for k in ["detect_ms", "activate_ms", "steer_ms", "failover_ms"] {
         assert!(rec[k].is_number(), "{k}: {rec}");
     }
+    // Each re-protection answer says whom its policy named and when it was sent (the e2e kill
+    // trials check from these that nothing sent after a detection names the dead replica).
+    let detected = rec["detected_unix_ms"].as_u64().expect("detected_unix_ms");
+    for (i, other) in [("r2", "r3"), ("r3", "r2")] {
+        let p = &rec["reprotected"][i];
+        assert_eq!(p["named"], json!([other]), "{rec}");
+        let sent = p["sent_unix_ms"].as_u64().expect("sent_unix_ms");
+        assert!(sent >= detected, "{rec}");
+    }
     // Idempotent: a second detection or a heartbeat death does nothing more.
     c.ha_watch_once();
     assert!(c.failover(1, "again").unwrap()["note"].is_string());

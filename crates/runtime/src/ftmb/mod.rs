@@ -1,4 +1,4 @@
-//! FTMB runtime mode (issue 6): the replica's IP packets are processed by N worker threads
+//! FTMB runtime mode: the replica's IP packets are processed by N worker threads
 //! running an [`nf::FtmbNf`], with ordered logging to a logger hosted by another replica.
 //!
 //! Threads and where a packet goes (crates/runtime/README.md, "FTMB mode"):

@@ -2,8 +2,8 @@
 //! exit`) loaded with bpf(2) and attached as a direct-action `cls_bpf` filter over rtnetlink.
 //!
 //! Why not `tc filter ... matchall action drop`: on this kernel neither `cls_matchall`/`cls_u32`
-//! nor the `gact` action module is available, while clsact + BPF direct-action works (see the
-//! machine facts in DESIGN.md). Building the program and the netlink request by hand avoids a
+//! nor the `gact` action module is available, while clsact + BPF direct-action works (checked on
+//! this machine kind). Building the program and the netlink request by hand avoids a
 //! clang step and an object file at run time; both are fixed and tiny.
 
 use std::io;
