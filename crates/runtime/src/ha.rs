@@ -943,6 +943,14 @@ impl HaPrimary {
                 continue;
             }
             let id = g.id;
+            // A backup that holds something of ours but is reconnecting cannot be cleared yet:
+            // leaving now would leave its copy behind, and a failover of this replica would then
+            // activate those flows there too (two live copies, invariant 1). Wait until the
+            // link is up again (then clear) or dead (a dead backup activates nothing).
+            if g.state == GroupState::Connecting && g.last_seq > 0 && !self.links[g.link].dead {
+                i += 1;
+                continue;
+            }
             if g.state == GroupState::Up && !self.links[g.link].dead {
                 let seq = self.gate.open_seq(id).unwrap_or(g.last_seq + 1);
                 let clear = Checkpoint {

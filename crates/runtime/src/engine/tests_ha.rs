@@ -1283,3 +1283,58 @@ fn a_flow_back_in_a_group_that_was_evicting_it_ships_once() {
     let st = status(&mut e, t0 + MS * round);
     assert_eq!(st["output"]["audit_violations"], 0, "{st}");
 }
+
+/// A re-protection retires the group of a backup that is reconnecting at that moment. The
+/// group must not leave before it cleared that backup's copy: the backup keeps what it held
+/// across a reconnection, and a failover of this replica would activate those flows there as
+/// well as on their new backup (two live copies, invariant 1).
+#[test]
+fn a_retiring_group_clears_a_reconnecting_backup_before_it_leaves() {
+    let (mut e, backups, t0) = engine();
+    assert_eq!(protect(&mut e, 1, single(1000), t0)["ok"], true);
+    backups.up("/fake/b", 1, vec![]);
+    for f in 0..4 {
+        e.port_mut(Side::Inside).inject(&pkt(f, b'm'));
+    }
+    e.poll_once(t0 + MS);
+    backups.deliver("/fake/b");
+    e.poll_once(t0 + MS * 2);
+    assert_eq!(sent(&mut e).len(), 4);
+    assert_eq!(standby_flows(&backups, "/fake/b"), 4);
+    // b's connection drops (its process lives on); meanwhile the replica is re-protected to c.
+    backups.get("/fake/b").lock().unwrap().status = LinkStatus::Connecting;
+    e.poll_once(t0 + MS * 3);
+    let to_c = Policy::Single {
+        backup: target("c"),
+        hz: 1000,
+    };
+    assert_eq!(protect(&mut e, 2, to_c, t0 + MS * 4)["ok"], true);
+    backups.up("/fake/c", 1, vec![]);
+    let mut round = 5u32;
+    for _ in 0..4 {
+        e.poll_once(t0 + MS * round);
+        backups.deliver("/fake/c");
+        round += 1;
+    }
+    assert_eq!(standby_flows(&backups, "/fake/c"), 4);
+    assert_eq!(
+        standby_flows(&backups, "/fake/b"),
+        4,
+        "b was not reachable: nothing cleared yet"
+    );
+    // b is back (it still holds seq 1 of the old group): the old group clears it, then leaves.
+    backups.up("/fake/b", 2, vec![(1, 1)]);
+    for _ in 0..3 {
+        e.poll_once(t0 + MS * round);
+        backups.deliver("/fake/b");
+        round += 1;
+    }
+    assert_eq!(
+        standby_flows(&backups, "/fake/b"),
+        0,
+        "one standby copy per flow"
+    );
+    let st = status(&mut e, t0 + MS * round);
+    assert_eq!(st["replication"]["standby_cleared"], 1, "{st}");
+    assert_eq!(st["groups"].as_array().map(Vec::len), Some(1), "{st}");
+}
