@@ -142,20 +142,36 @@ impl SeqTracker {
     /// Seqs in `0..sent` that never arrived (the generator numbers its `sent` datagrams
     /// `0..sent`): loss at the start, in the middle and at the end alike.
     pub fn lost(&self, sent: u64) -> u64 {
-        let full = usize::try_from(sent / 64).unwrap_or(usize::MAX);
-        let mut arrived: u64 = self
+        sent - self.arrived_below(sent)
+    }
+
+    /// Seqs in `lo..hi` that never arrived: the loss within one stretch of the stream (a test
+    /// that knows which seqs were sent while something happened attributes loss to it
+    /// exactly, seq by seq). Seqs not sent yet have not arrived either: pass `hi <= sent`.
+    pub fn lost_in(&self, lo: u64, hi: u64) -> u64 {
+        if hi <= lo {
+            return 0;
+        }
+        let arrived = |upto: u64| self.arrived_below(upto);
+        (hi - lo) - (arrived(hi) - arrived(lo))
+    }
+
+    /// How many seqs below `upto` arrived.
+    fn arrived_below(&self, upto: u64) -> u64 {
+        let full = usize::try_from(upto / 64).unwrap_or(usize::MAX);
+        let mut n: u64 = self
             .seen
             .iter()
             .take(full)
             .map(|w| u64::from(w.count_ones()))
             .sum();
-        let rest = sent % 64;
+        let rest = upto % 64;
         if rest > 0 {
             if let Some(w) = self.seen.get(full) {
-                arrived += u64::from((w & ((1u64 << rest) - 1)).count_ones());
+                n += u64::from((w & ((1u64 << rest) - 1)).count_ones());
             }
         }
-        sent - arrived
+        n
     }
 }
 
@@ -339,8 +355,32 @@ impl UdpFlows {
         t
     }
 
+    /// Datagrams flow `i` sent so far (its seqs `0..sent`).
+    pub fn sent(&self, i: usize) -> u64 {
+        self.shared
+            .flows
+            .get(i)
+            .map_or(0, |f| f.sent.load(Ordering::Relaxed))
+    }
+
+    /// Seqs in `lo..hi` of flow `i` that have not arrived ([`SeqTracker::lost_in`]).
+    pub fn lost_in(&self, i: usize, lo: u64, hi: u64) -> u64 {
+        self.shared
+            .flows
+            .get(i)
+            .map_or(hi.saturating_sub(lo), |f| lock(&f.seq).lost_in(lo, hi))
+    }
+
     /// Ends every flow, waits `settle` for datagrams in flight, stops the threads.
     pub fn stop(mut self, settle: Duration) -> (UdpTotals, Vec<String>) {
+        let errors = self.halt(settle);
+        let n = self.shared.flows.len();
+        (self.totals(0..n), errors)
+    }
+
+    /// [`UdpFlows::stop`] keeping the counters readable afterwards (per flow: [`Self::sent`],
+    /// [`Self::lost_in`], [`Self::totals`]). Returns the threads' errors.
+    pub fn halt(&mut self, settle: Duration) -> Vec<String> {
         for f in &self.shared.flows {
             f.active.store(false, Ordering::SeqCst);
         }
@@ -355,8 +395,7 @@ impl UdpFlows {
                 Err(_) => errors.push("generator thread panicked".into()),
             }
         }
-        let n = self.shared.flows.len();
-        (self.totals(0..n), errors)
+        errors
     }
 }
 
@@ -505,6 +544,63 @@ fn send_loop(sh: &Shared, spec: &UdpSpec) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// The controller's Maglev ring over a member list, as the fabric installs it (default ring
+/// size): which replica a new flow from the lab's client to its server lands on, so a
+/// generator can place flows on chosen replicas before their first packet.
+pub struct Ring {
+    table: Vec<u32>,
+    size: u32,
+}
+
+impl Ring {
+    pub fn of(members: &[u32]) -> Result<Ring, BenchError> {
+        let size = pliant_steer::maglev::DEFAULT_RING_SIZE;
+        let table =
+            pliant_steer::maglev::maglev_table(members, size).map_err(|e| BenchError::Tool {
+                tool: "maglev ring",
+                reason: format!("{members:?}: {e}"),
+            })?;
+        Ok(Ring { table, size })
+    }
+
+    /// The replica the ring sends the flow `proto` CLIENT_IP:`sport` -> SERVER_IP:`dport` to.
+    pub fn owner(&self, proto: u8, sport: u16, dport: u16) -> u32 {
+        let c: Ipv4Addr = pliant_lab::CLIENT_IP
+            .parse()
+            .unwrap_or(Ipv4Addr::UNSPECIFIED);
+        let s: Ipv4Addr = pliant_lab::SERVER_IP
+            .parse()
+            .unwrap_or(Ipv4Addr::UNSPECIFIED);
+        let (k, _) = pliant_state::FlowKey::v4(proto, c, sport, s, dport);
+        let slot = pliant_steer::layout::ring_slot(&k, self.size) as usize;
+        self.table.get(slot).copied().unwrap_or(0)
+    }
+
+    /// The first source port `>= from` that starts a block of `per_member * members` consecutive
+    /// ports whose `proto` flows to `dport` the ring spreads exactly `per_member` to each member
+    /// (a [`UdpFlows`] generator numbers its flows' ports consecutively). None if there is none
+    /// below `limit`.
+    pub fn spread_block(
+        &self,
+        members: &[u32],
+        proto: u8,
+        dport: u16,
+        per_member: usize,
+        from: u16,
+        limit: u16,
+    ) -> Option<u16> {
+        let n = per_member * members.len();
+        (from..limit.saturating_sub(n as u16)).find(|b| {
+            let owners: Vec<u32> = (0..n as u16)
+                .map(|i| self.owner(proto, b + i, dport))
+                .collect();
+            members
+                .iter()
+                .all(|m| owners.iter().filter(|o| *o == m).count() == per_member)
+        })
+    }
 }
 
 // ------------------------------------------------------------------------------------ TCP
@@ -919,6 +1015,30 @@ mod tests {
     }
 
     #[test]
+    fn loss_is_attributed_to_the_stretch_of_seqs_it_happened_in() {
+        let mut t = SeqTracker::default();
+        // 200 sent: 5 lost early, 63..=65 lost across a bitmap word boundary, 199 lost last.
+        for s in (0..200).filter(|s| ![5, 63, 64, 65, 199].contains(s)) {
+            t.record(s);
+        }
+        assert_eq!(t.lost(200), 5);
+        assert_eq!(t.lost_in(0, 5), 0);
+        assert_eq!(t.lost_in(0, 6), 1);
+        assert_eq!(t.lost_in(6, 63), 0);
+        assert_eq!(t.lost_in(63, 64), 1);
+        assert_eq!(t.lost_in(60, 70), 3);
+        assert_eq!(t.lost_in(66, 199), 0);
+        assert_eq!(t.lost_in(66, 200), 1);
+        // The stretches partition the stream: their losses add up to the whole.
+        let cuts = [0, 5, 40, 64, 65, 128, 200];
+        let sum: u64 = cuts.windows(2).map(|w| t.lost_in(w[0], w[1])).sum();
+        assert_eq!(sum, t.lost(200));
+        // Empty and reversed stretches lose nothing; seqs never sent did not arrive.
+        assert_eq!((t.lost_in(7, 7), t.lost_in(9, 3)), (0, 0));
+        assert_eq!(t.lost_in(200, 210), 10);
+    }
+
+    #[test]
     fn seqs_beyond_the_sent_count_are_not_counted_as_arrived_below_it() {
         // The receiver read while seq 3 was sent but `sent` not yet updated: seqs 0..3 arrived.
         assert_eq!(track(&[0, 1, 2, 3], 3), (0, 0, 0));
@@ -1044,6 +1164,27 @@ mod tests {
             "{t:?}"
         );
         assert_eq!(lock(&shared.flows[0].seq).ignored(), 1);
+    }
+
+    #[test]
+    fn a_spread_block_gives_each_member_its_share_of_the_ring() {
+        let members = [1, 2, 3];
+        let ring = Ring::of(&members).expect("ring");
+        let udp = pliant_state::key::proto::UDP;
+        let b = ring
+            .spread_block(&members, udp, 7000, 2, 20_000, 30_000)
+            .expect("a block");
+        assert!(b >= 20_000);
+        let mut per = [0usize; 4];
+        for p in b..b + 6 {
+            per[ring.owner(udp, p, 7000) as usize] += 1;
+        }
+        assert_eq!(per, [0, 2, 2, 2]);
+        // The ring itself spreads ports over every member, and only over members.
+        let owners: std::collections::BTreeSet<u32> =
+            (1000..1200).map(|p| ring.owner(udp, p, 7000)).collect();
+        assert_eq!(owners.into_iter().collect::<Vec<_>>(), members);
+        assert_eq!(ring.spread_block(&members, udp, 7000, 2, 100, 104), None);
     }
 
     #[test]

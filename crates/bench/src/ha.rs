@@ -24,6 +24,9 @@
 //!    `failover_system` is. `tcp_stall_ms`: the longest gap between
 //!    received bytes on any TCP connection. `flows_survived`: connections with no reset/error
 //!    that completed a transaction started after the failure; `flows_total`: connections.
+//!    A pliant failover also runs sequence-numbered UDP flows on every replica through it
+//!    ([`FailoverUdp`]: reordered and lost datagrams, the other replicas' stall beside their
+//!    own pre-kill gap).
 //!
 //! `cpu_pct` (100 = one core): pliant — the replica processes' utime+stime over the txload run
 //! (all replicas, from /proc/<pid>/stat); kernel peer — the HA daemons' (conntrackd and
@@ -68,6 +71,11 @@ const AFTER_KILL: Duration = Duration::from_secs(3);
 const PROTECT_TIMEOUT: Duration = Duration::from_secs(20);
 const REACH_TIMEOUT: Duration = Duration::from_secs(10);
 const REPLICAS: u8 = 3;
+/// UDP flows per replica in a pliant failover trial, their rate (one every 2 ms, the probes'
+/// pace) and their server port.
+pub const FAILOVER_UDP_PER_REPLICA: usize = 2;
+pub const FAILOVER_UDP_PPS: f64 = 500.0;
+const FAILOVER_UDP_PORT: u16 = 7300;
 /// Run directories of the kernel peer (configs, pid files, logs; removed on teardown).
 pub const KERNEL_RUN_ROOT: &str = "/run/pliant-ha-peer";
 
@@ -111,7 +119,7 @@ impl Default for HaOpts {
             failover: true,
             failover_system: "pico_1k".into(),
             probe_flows: 8,
-            trials: 1,
+            trials: 10,
             disable_offloads: true,
             run_root: PathBuf::from("/run/pliant"),
         }
@@ -141,6 +149,37 @@ pub struct FailoverReport {
     /// the logger host's replay time and replayed packets).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub controller_record: Option<Value>,
+    /// Pliant: sequence-numbered UDP flows through the failover, on every replica.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub udp: Option<FailoverUdp>,
+}
+
+/// Sequence-numbered UDP flows (flowgen) through one pliant failover: [`FAILOVER_UDP_PER_REPLICA`]
+/// on every replica (placed by the controller's ring before their first datagram, located by
+/// the replicas' `flows` listings before the kill), [`FAILOVER_UDP_PPS`] datagrams/s each. Gaps
+/// are the receiver's largest inter-arrival gap per flow: `pre_kill_gap_ms` from the flows'
+/// start (after the listing) to the kill, the stalls from the kill to the end of the window.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct FailoverUdp {
+    pub flows: usize,
+    pub on_failed_replica: usize,
+    pub on_other_replicas: usize,
+    /// Flows no replica listed (counted in neither group).
+    pub not_located: usize,
+    pub sent: u64,
+    pub received: u64,
+    /// Arrivals of a seq below the highest already seen, all flows.
+    pub reordered: u64,
+    pub duplicated: u64,
+    pub lost_failed_replica: u64,
+    pub lost_other_replicas: u64,
+    /// Largest gap of the other replicas' flows before the kill.
+    pub pre_kill_gap_ms: Option<f64>,
+    /// Largest gap of the other replicas' flows after the kill (goal: <= `pre_kill_gap_ms`).
+    pub other_replica_stall_ms: Option<f64>,
+    /// Largest gap of the failed replica's flows after the kill (their failover stall).
+    pub failed_replica_stall_ms: Option<f64>,
+    pub error: Option<String>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, PartialEq)]
@@ -1209,14 +1248,25 @@ fn measure_pliant(
     (r, trials)
 }
 
-/// One failover experiment on a pliant system: replica r1 SIGKILLed under txload.
+/// One failover experiment on a pliant system: replica r1 SIGKILLed under txload, with
+/// sequence-numbered UDP flows on every replica ([`FailoverUdp`]).
 fn kill_r1(opts: &HaOpts, p: &PliantSys, sys: &str) -> FailoverReport {
     let victim = p
         .replica_pids()
         .into_iter()
         .find(|pid| pliant_lab::state::proc_cmdline(*pid).is_some_and(|c| c.contains("r1.toml")));
+    let udp = start_failover_udp(p);
+    if let Err(e) = &udp {
+        progress(&format!("  failover UDP flows: {e}"));
+    }
+    let mut pre_gaps: Vec<u64> = Vec::new();
     let mut fail = |m: &Marker| match victim {
         Some(pid) => {
+            if let Ok((flows, _)) = &udp {
+                pre_gaps = (0..flows.flows().len())
+                    .map(|i| flows.take_max_gap_us(i))
+                    .collect();
+            }
             m.set();
             // SAFETY: SIGKILL to replica r1, a process of our lab (cmdline checked above).
             let rc = unsafe { libc::kill(pid, libc::SIGKILL) };
@@ -1236,7 +1286,141 @@ fn kill_r1(opts: &HaOpts, p: &PliantSys, sys: &str) -> FailoverReport {
     let t_kill = unix_ms();
     let mut f = run_failover(opts, &PliantSut(p, sys == "ftmb"), sys, &mut fail);
     f.controller_record = controller_failover(opts, p, 1, t_kill);
+    f.udp = Some(match udp {
+        Ok((flows, on_r1)) => finish_failover_udp(flows, &on_r1, &pre_gaps),
+        Err(e) => FailoverUdp {
+            error: Some(e),
+            ..Default::default()
+        },
+    });
     f
+}
+
+/// Starts the failover trial's UDP flows (spread over r1..r3 by the controller's ring), waits
+/// until each reaches the server, and locates each in the replicas' `flows` listings: `Some(true)`
+/// on r1 (the victim), `Some(false)` elsewhere, `None` listed nowhere. The flows' gaps so far
+/// (start-up) are discarded.
+fn start_failover_udp(
+    p: &PliantSys,
+) -> Result<(crate::flowgen::UdpFlows, Vec<Option<bool>>), String> {
+    use crate::flowgen::{Ring, UdpFlows, UdpSpec};
+    let members: Vec<u32> = (1..=u32::from(REPLICAS)).collect();
+    let ring = Ring::of(&members).map_err(|e| e.to_string())?;
+    let udp = pliant_state::key::proto::UDP;
+    let base = ring
+        .spread_block(
+            &members,
+            udp,
+            FAILOVER_UDP_PORT,
+            FAILOVER_UDP_PER_REPLICA,
+            20_000,
+            30_000,
+        )
+        .ok_or("no source port block spreads evenly over the ring")?;
+    let n = FAILOVER_UDP_PER_REPLICA * members.len();
+    crate::migrate::resolve_gateways(p.lab()).map_err(|e| e.to_string())?;
+    let (c, s): (Ipv4Addr, Ipv4Addr) = (
+        pliant_lab::CLIENT_IP.parse().map_err(|e| format!("{e}"))?,
+        pliant_lab::SERVER_IP.parse().map_err(|e| format!("{e}"))?,
+    );
+    let flows = UdpFlows::start(&UdpSpec {
+        client_ns: p.lab().netns(pliant_lab::Role::Client),
+        server_ns: p.lab().netns(pliant_lab::Role::Server),
+        client_ip: c,
+        server_ip: s,
+        sport_base: base,
+        dport: FAILOVER_UDP_PORT,
+        flows: n,
+        pps_per_flow: FAILOVER_UDP_PPS,
+        payload: 64,
+    })
+    .map_err(|e| e.to_string())?;
+    let t = Instant::now();
+    while !(0..n).all(|i| flows.seen_sport(i).is_some()) {
+        if t.elapsed() > REACH_TIMEOUT {
+            return Err("the UDP flows never all reached the server".into());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let keys: Vec<String> = (0..n as u16)
+        .map(|i| {
+            pliant_state::FlowKey::v4(udp, c, base + i, s, FAILOVER_UDP_PORT)
+                .0
+                .to_string()
+        })
+        .collect();
+    // FTMB replicas list their flows as of the last snapshot (50 ms): retry briefly.
+    let mut on_r1 = vec![None; n];
+    let t = Instant::now();
+    while on_r1.iter().any(Option::is_none) && t.elapsed() < Duration::from_secs(2) {
+        for (r, sock) in p.sockets() {
+            let Ok(v) = replica_request(&sock, &serde_json::json!({"cmd": "flows"})) else {
+                continue;
+            };
+            let listed: Vec<&str> = v["flows"]
+                .as_array()
+                .map(Vec::as_slice)
+                .unwrap_or(&[])
+                .iter()
+                .filter_map(|f| f["key"].as_str())
+                .collect();
+            for (i, k) in keys.iter().enumerate() {
+                if listed.contains(&k.as_str()) {
+                    // On r1 if any listing there has it (a copy elsewhere does not clear it).
+                    on_r1[i] = Some(on_r1[i].unwrap_or(false) || r == 1);
+                }
+            }
+        }
+        if on_r1.iter().any(Option::is_none) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    for i in 0..n {
+        flows.take_max_gap_us(i);
+    }
+    Ok((flows, on_r1))
+}
+
+/// Stops the trial's UDP flows and sums them up per group (see [`FailoverUdp`]).
+fn finish_failover_udp(
+    mut flows: crate::flowgen::UdpFlows,
+    on_r1: &[Option<bool>],
+    pre_gaps: &[u64],
+) -> FailoverUdp {
+    let n = on_r1.len();
+    let post: Vec<u64> = (0..n).map(|i| flows.take_max_gap_us(i)).collect();
+    let errors = flows.halt(Duration::from_millis(300));
+    let ms = |us: u64| us as f64 / 1e3;
+    let mut u = FailoverUdp {
+        flows: n,
+        error: (!errors.is_empty()).then(|| errors.join("; ")),
+        ..Default::default()
+    };
+    let max_of = |cur: Option<f64>, v: f64| Some(cur.map_or(v, |c: f64| c.max(v)));
+    for (i, loc) in on_r1.iter().enumerate() {
+        let t = flows.totals(i..i + 1);
+        u.sent += t.sent;
+        u.received += t.received;
+        u.reordered += t.reordered;
+        u.duplicated += t.duplicated;
+        match loc {
+            Some(true) => {
+                u.on_failed_replica += 1;
+                u.lost_failed_replica += t.lost;
+                u.failed_replica_stall_ms = max_of(u.failed_replica_stall_ms, ms(post[i]));
+            }
+            Some(false) => {
+                u.on_other_replicas += 1;
+                u.lost_other_replicas += t.lost;
+                u.other_replica_stall_ms = max_of(u.other_replica_stall_ms, ms(post[i]));
+                if let Some(g) = pre_gaps.get(i) {
+                    u.pre_kill_gap_ms = max_of(u.pre_kill_gap_ms, ms(*g));
+                }
+            }
+            None => u.not_located += 1,
+        }
+    }
+    u
 }
 
 fn unix_ms() -> f64 {
@@ -1366,6 +1550,22 @@ pub struct TrialsSummary {
     pub trials_unrecovered: usize,
     pub tcp_stall_ms_p50: Option<f64>,
     pub tcp_stall_ms_max: Option<f64>,
+    /// Completed trials whose UDP flows ran ([`FailoverUdp`]).
+    pub udp_trials: usize,
+    /// UDP datagrams reordered, over every flow of every trial.
+    pub reordered: u64,
+    /// UDP datagrams lost on flows of the replicas that did not fail (0 expected) / of the
+    /// failed replica.
+    pub udp_lost_other_replicas: u64,
+    pub udp_lost_failed_replica: u64,
+    /// The longest gap on flows of replicas that did not fail, after the kill, over the trials;
+    /// beside it the same flows' longest gap before the kill (goal: the first <= the second).
+    pub other_replica_stall_ms_max: Option<f64>,
+    pub pre_kill_gap_ms_max: Option<f64>,
+    /// Trials in which the other replicas' stall exceeded their own pre-kill gap.
+    pub trials_other_stall_over_pre_kill_gap: usize,
+    /// The longest gap on the failed replica's flows after the kill, over the trials.
+    pub failed_replica_stall_ms_max: Option<f64>,
     /// First errors (at most 5).
     pub errors: Vec<String>,
 }
@@ -1376,6 +1576,14 @@ impl TrialsSummary {
         let rec: Vec<f64> = done.iter().filter_map(|t| t.recovery_ms).collect();
         let stall: Vec<f64> = done.iter().filter_map(|t| t.tcp_stall_ms).collect();
         let max = |v: &[f64]| v.iter().copied().reduce(f64::max);
+        let udp: Vec<&FailoverUdp> = done
+            .iter()
+            .filter_map(|t| t.udp.as_ref())
+            .filter(|u| u.error.is_none())
+            .collect();
+        let of = |f: fn(&FailoverUdp) -> Option<f64>| -> Vec<f64> {
+            udp.iter().filter_map(|u| f(u)).collect()
+        };
         TrialsSummary {
             trials: trials.len(),
             trials_completed: done.len(),
@@ -1387,6 +1595,20 @@ impl TrialsSummary {
             trials_unrecovered: done.iter().filter(|t| t.recovery_ms.is_none()).count(),
             tcp_stall_ms_p50: crate::parse::percentile(&stall, 50.0),
             tcp_stall_ms_max: max(&stall),
+            udp_trials: udp.len(),
+            reordered: udp.iter().map(|u| u.reordered).sum(),
+            udp_lost_other_replicas: udp.iter().map(|u| u.lost_other_replicas).sum(),
+            udp_lost_failed_replica: udp.iter().map(|u| u.lost_failed_replica).sum(),
+            other_replica_stall_ms_max: max(&of(|u| u.other_replica_stall_ms)),
+            pre_kill_gap_ms_max: max(&of(|u| u.pre_kill_gap_ms)),
+            trials_other_stall_over_pre_kill_gap: udp
+                .iter()
+                .filter(|u| match (u.other_replica_stall_ms, u.pre_kill_gap_ms) {
+                    (Some(s), Some(g)) => s > g,
+                    _ => false,
+                })
+                .count(),
+            failed_replica_stall_ms_max: max(&of(|u| u.failed_replica_stall_ms)),
             errors: trials
                 .iter()
                 .filter_map(|t| t.error.clone())
@@ -1574,6 +1796,45 @@ mod tests {
         assert_eq!(s.errors, vec!["lab up failed".to_string()]);
         let none = TrialsSummary::of(&[]);
         assert_eq!((none.trials, none.recovery_ms_p50), (0, None));
+        assert_eq!(
+            (none.udp_trials, none.other_replica_stall_ms_max),
+            (0, None)
+        );
+    }
+
+    #[test]
+    fn trials_summary_sums_the_udp_flows_and_compares_stalls_with_pre_kill_gaps() {
+        let t = |stall: f64, pre: f64, reordered: u64, err: Option<&str>| FailoverReport {
+            udp: Some(FailoverUdp {
+                reordered,
+                lost_other_replicas: 1,
+                lost_failed_replica: 7,
+                other_replica_stall_ms: Some(stall),
+                pre_kill_gap_ms: Some(pre),
+                failed_replica_stall_ms: Some(stall * 10.0),
+                error: err.map(str::to_string),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let mut no_udp = t(1.0, 1.0, 0, None);
+        no_udp.udp = None;
+        let s = TrialsSummary::of(&[
+            t(3.0, 4.0, 0, None),
+            t(9.0, 5.0, 2, None),
+            t(99.0, 1.0, 50, Some("generator failed")),
+            no_udp,
+        ]);
+        assert_eq!(s.udp_trials, 2);
+        assert_eq!(s.reordered, 2);
+        assert_eq!(
+            (s.udp_lost_other_replicas, s.udp_lost_failed_replica),
+            (2, 14)
+        );
+        assert_eq!(s.other_replica_stall_ms_max, Some(9.0));
+        assert_eq!(s.pre_kill_gap_ms_max, Some(5.0));
+        assert_eq!(s.trials_other_stall_over_pre_kill_gap, 1);
+        assert_eq!(s.failed_replica_stall_ms_max, Some(90.0));
     }
 
     #[test]

@@ -36,7 +36,7 @@ pub struct HaArgs {
     #[arg(long, default_value = "pico_1k", value_parser = FAILOVER_SYSTEMS)]
     pub failover_system: String,
     /// Failover trials on the pliant system, each in a fresh lab (1..=200).
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=200))]
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=200))]
     pub trials: u32,
     /// UDP probe flows timing the failover (every 2 ms each).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=256))]
@@ -114,6 +114,21 @@ fn table(r: &HaReport) {
             fmt(t.recovery_ms_p50, 1),
             fmt(t.recovery_ms_max, 1),
             fmt(t.tcp_stall_ms_max, 1)
+        );
+    }
+    if t.udp_trials > 0 {
+        println!(
+            "failover UDP flows ({} trials): reordered {}, lost on other replicas {} / on the \
+             failed one {}; other replicas' stall max {} ms vs their pre-kill gap max {} ms \
+             (over it in {} trials); failed replica's stall max {} ms",
+            t.udp_trials,
+            t.reordered,
+            t.udp_lost_other_replicas,
+            t.udp_lost_failed_replica,
+            fmt(t.other_replica_stall_ms_max, 1),
+            fmt(t.pre_kill_gap_ms_max, 1),
+            t.trials_other_stall_over_pre_kill_gap,
+            fmt(t.failed_replica_stall_ms_max, 1)
         );
     }
     if let Some(f) = &r.kernel_conntrackd.failover {
