@@ -8,13 +8,12 @@
 //! the controller (which detaches its BPF filters), replicas the controller added, the lab.
 
 use super::pliant;
+pub use pliant_bench::flowgen::Ring;
 use pliant_lab::topology::{CLIENT_MAC, IN_PORT_MAC, OUT_PORT_MAC, SERVER_MAC};
 use pliant_lab::{cmd, Lab, LabSpec, PliantNf, ReplicaMode, Role, CLIENT_IP, SERVER_IP};
-use pliant_state::FlowKey;
 use serde_json::{json, Value};
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader, Write};
-use std::net::Ipv4Addr;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -246,18 +245,12 @@ impl HaRun {
     /// `n` client source ports, from `*next` upward, whose TCP flow to SERVER:`dport` the
     /// controller's Maglev ring over the current members sends to `replica`.
     pub fn sports_for(&self, replica: u32, dport: u16, n: usize, next: &mut u16) -> Vec<u16> {
-        let members = self.members();
-        let size = pliant_steer::maglev::DEFAULT_RING_SIZE;
-        let table = pliant_steer::maglev::maglev_table(&members, size).expect("maglev");
-        let c: Ipv4Addr = CLIENT_IP.parse().expect("ip");
-        let s: Ipv4Addr = SERVER_IP.parse().expect("ip");
+        let ring = Ring::of(&self.members()).expect("maglev");
         let mut out = Vec::new();
         while out.len() < n {
             let p = *next;
             *next = next.checked_add(1).expect("ran out of source ports");
-            let (k, _) = FlowKey::v4(pliant_state::key::proto::TCP, c, p, s, dport);
-            let slot = pliant_steer::layout::ring_slot(&k, size) as usize;
-            if table[slot] == replica {
+            if ring.owner(pliant_state::key::proto::TCP, p, dport) == replica {
                 out.push(p);
             }
         }

@@ -4,6 +4,8 @@
 
 /// The HA harness (3-replica HA lab + controller), used by the `e2e_ha_*` tests.
 pub mod ha;
+/// Long-lived UDP/TCP generations and controller checks for the kill-trial tests.
+pub mod kill_trials;
 /// Loss-free migration checks (sequence-numbered UDP stream, whole drops map).
 pub mod migration;
 
