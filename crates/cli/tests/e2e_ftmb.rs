@@ -2,9 +2,12 @@
 //! threads each, contending on the NAT's shared port pool; a snapshot every 50 ms), the real
 //! controller in `[ha] mode = "ftmb"` (each replica logs to a logger hosted by its ring
 //! successor). Under load — long rate-limited 32 MiB downloads through the victim and a stream
-//! of short connections from many source ports through every replica — a random replica is
-//! SIGKILLed by PID, five times; after each failover a replica is added (`pliant scale out`)
-//! so the next kill finds three again.
+//! of short connections from many source ports through every replica, and long-lived
+//! sequence-numbered UDP flows and byte-pattern TCP streams on every replica (generations of
+//! `common::kill_trials`, each living through three kills) — a random replica is SIGKILLed by
+//! PID after a random delay (seeded; seed printed, `PLIANT_TRIAL_SEED=<seed>` repeats victims
+//! and delays), ten times; after each failover a replica is added (`pliant scale out`) so the
+//! next kill finds three again.
 //!
 //! Checks: every long download completes with the served sha256 (no reset, no corruption:
 //! the flows survived the replay on the logger host); the server sees each long connection
@@ -13,21 +16,27 @@
 //! (the NAT's import counters); the output-commit audit of every hosted logger shows no
 //! violation; the controller recorded the recovery (detection, replay, steering times), and a
 //! persistent echo connection through each victim (a round trip every 2 ms, which must never
-//! break) measures the TCP stall the failover causes.
+//! break) measures the TCP stall the failover causes. The long-lived flows: no UDP datagram
+//! reordered or duplicated on any flow; none lost on a flow outside the trials in which it was
+//! on the victim (FTMB's recovery may lose the victim's datagrams; loss is attributed seq by
+//! seq to the trial it happened in); every TCP stream complete with 0 resets and 0 corrupted
+//! bytes. The controller: `protects_naming_unlive` is 0 and, independently, no `ftmb_protect`
+//! sent after a death was detected names the dead replica as logger host.
 //!
 //! Needs root (`pliant_testkit::require_root`). Run in release:
 //! `cargo test --release -p pliant-cli --test e2e_ftmb -- --test-threads=1 --nocapture`.
 
 mod common;
-use common::ha::{control, Download, HaRun};
+use common::ha::{control, unix_ms, Download, HaRun};
+use common::kill_trials::{Death, Protections, Rng, Traffic, UDP_PER_MEMBER};
 use common::pliant;
 use pliant_lab::{cmd, Lab, LabHaMode, LabSpec, PliantNf, ReplicaMode, Role, SERVER_IP};
 use serde_json::{json, Value};
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-const KILLS: usize = 5;
+const KILLS: usize = 10;
 const FILE: &str = "32M.bin";
 /// Short-connection server port (nginx keeps 80 for the long downloads, so the server's view
 /// of port 80 is exactly the long flows).
@@ -274,17 +283,6 @@ fn audit(run: &HaRun) -> (u64, u64) {
     (checked, violations)
 }
 
-/// A tiny deterministic generator for the victims (seed printed, so a run can be repeated).
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-}
-
 /// Each download's exit status (if it ended) and log tail, for failure messages.
 fn downloads_state(dls: &mut [Download]) -> String {
     dls.iter_mut()
@@ -331,7 +329,7 @@ struct Row {
 }
 
 #[test]
-fn ftmb_nat_survives_five_random_primary_kills_under_load() {
+fn ftmb_nat_survives_ten_random_primary_kills_under_load() {
     let Some(mut run) = ftmb_up() else {
         return;
     };
@@ -386,13 +384,15 @@ fn ftmb_nat_survives_five_random_primary_kills_under_load() {
     let short_idx = run.procs.len();
     run.procs.push(short);
 
-    let seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(1)
-        | 1;
-    eprintln!("victim seed {seed}");
-    let mut rng = Rng(seed);
+    let mut rng = Rng::from_env_or_clock();
+    eprintln!(
+        "victim seed {} (PLIANT_TRIAL_SEED={} repeats the victims and delays)",
+        rng.0, rng.0
+    );
+    let mut traffic = Traffic::new(&run);
+    let mut prot = Protections::default();
+    let mut deaths: Vec<Death> = Vec::new();
+    let mut victims: BTreeMap<usize, u32> = BTreeMap::new();
     let mut next = 40_000u16;
     let mut rows = Vec::new();
     let mut audit_checked_max = 0u64;
@@ -401,6 +401,7 @@ fn ftmb_nat_survives_five_random_primary_kills_under_load() {
         let members = run.members();
         assert_eq!(members.len(), 3, "kill {kill}: {members:?}");
         let victim = members[(rng.next() % 3) as usize];
+        traffic.start_gen(&run, kill);
         // The first kill: three long downloads (~10 s each); later: two (~4 s).
         let (n, secs) = if kill == 0 { (3, 10) } else { (2, 4) };
         let ports = run.sports_for(victim, 80, n, &mut next);
@@ -437,8 +438,18 @@ fn ftmb_nat_survives_five_random_primary_kills_under_load() {
             Duration::from_secs(10),
             || run.server_peer_ports(80).len() == n,
         );
-        // Well into the transfers (and a few snapshots after the flows began).
-        std::thread::sleep(Duration::from_millis(if kill == 0 { 1500 } else { 800 }));
+        let cut = traffic.cut(&run, kill, victim);
+        for m in &members {
+            assert!(
+                cut.udp_per_member.get(m).copied().unwrap_or(0) >= UDP_PER_MEMBER,
+                "kill {kill}: too few UDP flows on r{m}: {cut:?}"
+            );
+        }
+        prot.add_events(&run);
+        // Into the transfers (and a few 50 ms snapshots after the flows began), at a random
+        // point.
+        let delay = rng.kill_delay();
+        std::thread::sleep(delay);
         let (checked, violations) = audit(&run);
         assert_eq!(
             violations, 0,
@@ -454,8 +465,23 @@ fn ftmb_nat_survives_five_random_primary_kills_under_load() {
             downloads_state(&mut dls)
         );
         let killed = run.kill(victim);
+        victims.insert(kill, victim);
         let rec = run.wait_failover(victim, killed.unix_ms, Duration::from_secs(10));
-        eprintln!("kill {kill}: failover record {rec}");
+        eprintln!(
+            "kill {kill}: r{victim} killed after {} ms with {} of {} UDP flows and {} TCP \
+             streams on it; failover record {rec}",
+            delay.as_millis(),
+            cut.udp_on_victim,
+            cut.udp_flows,
+            cut.tcp_on_victim
+        );
+        deaths.push(Death {
+            replica: victim,
+            kill_unix_ms: killed.unix_ms,
+            detected_unix_ms: rec["detected_unix_ms"].as_u64().expect("detected_unix_ms"),
+            reused_unix_ms: None,
+        });
+        prot.add_answers(&rec["reprotected"], "failover");
         assert_eq!(rec["mode"], "ftmb", "{rec}");
         assert!(
             rec["ftmb"]["error"].is_null(),
@@ -502,7 +528,15 @@ fn ftmb_nat_survives_five_random_primary_kills_under_load() {
             "kill {kill}: r{victim}'s {n} long flows not all recovered: {rec}"
         );
         // Three again for the next kill (the lab agent starts it, the controller protects it).
+        let scale_at = unix_ms() as u64;
         let added = run.cli(&["scale", "out"]);
+        // A scale-out may reuse a retired index: naming it is fine from then on.
+        if let Some(idx) = added["replica"].as_u64() {
+            for d in deaths.iter_mut().filter(|d| u64::from(d.replica) == idx) {
+                d.reused_unix_ms.get_or_insert(scale_at);
+            }
+        }
+        prot.add_answers(&added["protect"], "scale_out");
         eprintln!(
             "kill {kill}: r{} killed: detect {:.1} ms, activate {:.2} ms (replay {:.2} ms, {} \
              packets), steer {:.2} ms, failover {:.2} ms, {} flows recovered; added r{}",
@@ -548,7 +582,11 @@ fn ftmb_nat_survives_five_random_primary_kills_under_load() {
             "kill {kill}: nginx saw other peers than {before:?}: {logged:?}"
         );
         wait_ftmb_protected(&run, Duration::from_secs(30));
+        prot.add_events(&run);
+        // Generations through their last kill are judged now.
+        traffic.retire(kill, false, &victims);
     }
+    traffic.retire(KILLS, true, &victims);
     // Stop the short connections and read their totals.
     std::fs::write(&stop, b"stop").expect("stop file");
     let mut c = run.procs.remove(short_idx);
@@ -580,6 +618,14 @@ fn ftmb_nat_survives_five_random_primary_kills_under_load() {
     assert_eq!(violations, 0, "output released before its PALs were logged");
     audit_checked_max = audit_checked_max.max(checked);
     assert!(audit_checked_max > 0, "the output audit checked nothing");
+    // The long-lived flows (each generation was judged as it retired: retire panics).
+    let t = traffic.totals.clone();
+    eprintln!("{}", t.line());
+    t.assert_clean_and_meaningful(KILLS);
+    // Each recovery re-points the victim's predecessor at the new host (an ftmb_protect sent
+    // after the detection).
+    let counters = run.ha()["summary"]["counters"].clone();
+    prot.assert_none_named_the_dead(&deaths, &counters, 1, "");
     let stat = |f: fn(&Row) -> f64| {
         let mut v: Vec<f64> = rows.iter().map(f).collect();
         v.sort_by(f64::total_cmp);
