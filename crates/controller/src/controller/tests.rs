@@ -1165,6 +1165,17 @@ fn ftmb_failover_recovers_on_the_logger_host_steers_it_and_repoints_the_predeces
     for k in ["detect_ms", "activate_ms", "steer_ms", "failover_ms"] {
         assert!(rec[k].is_number(), "{k}: {rec}");
     }
+    // The re-pointing answer says whom it named and when it was sent (after the detection);
+    // r2's, not sent, carries neither.
+    let p3 = &rec["reprotected"]["r3"];
+    assert_eq!(p3["named"], json!(["r2"]), "{rec}");
+    let sent = p3["sent_unix_ms"].as_u64().expect("sent_unix_ms");
+    assert!(
+        sent >= rec["detected_unix_ms"].as_u64().expect("detected"),
+        "{rec}"
+    );
+    assert_eq!(rec["reprotected"]["r2"]["unchanged"], true, "{rec}");
+    assert!(rec["reprotected"]["r2"]["sent_unix_ms"].is_null(), "{rec}");
     // The flows end at r2: r1 is retired and its block goes back to the pool, unowned.
     w.state(2).lock().unwrap().flows.clear();
     assert_eq!(c.gc_exceptions().unwrap(), 12);
