@@ -27,8 +27,8 @@
 //! `cargo test --release -p pliant-cli --test e2e_ftmb -- --test-threads=1 --nocapture`.
 
 mod common;
-use common::ha::{control, unix_ms, Download, HaRun};
-use common::kill_trials::{Death, Protections, Rng, Traffic, UDP_PER_MEMBER};
+use common::ha::{control, Download, HaRun};
+use common::kill_trials::{Protections, Rng, Traffic, UDP_PER_MEMBER};
 use common::pliant;
 use pliant_lab::{cmd, Lab, LabHaMode, LabSpec, PliantNf, ReplicaMode, Role, SERVER_IP};
 use serde_json::{json, Value};
@@ -391,7 +391,6 @@ fn ftmb_nat_survives_ten_random_primary_kills_under_load() {
     );
     let mut traffic = Traffic::new(&run);
     let mut prot = Protections::default();
-    let mut deaths: Vec<Death> = Vec::new();
     let mut victims: BTreeMap<usize, u32> = BTreeMap::new();
     let mut next = 40_000u16;
     let mut rows = Vec::new();
@@ -475,13 +474,7 @@ fn ftmb_nat_survives_ten_random_primary_kills_under_load() {
             cut.udp_flows,
             cut.tcp_on_victim
         );
-        deaths.push(Death {
-            replica: victim,
-            kill_unix_ms: killed.unix_ms,
-            detected_unix_ms: rec["detected_unix_ms"].as_u64().expect("detected_unix_ms"),
-            reused_unix_ms: None,
-        });
-        prot.add_answers(&rec["reprotected"], "failover");
+        prot.failover(victim, killed.unix_ms, &rec);
         assert_eq!(rec["mode"], "ftmb", "{rec}");
         assert!(
             rec["ftmb"]["error"].is_null(),
@@ -528,15 +521,7 @@ fn ftmb_nat_survives_ten_random_primary_kills_under_load() {
             "kill {kill}: r{victim}'s {n} long flows not all recovered: {rec}"
         );
         // Three again for the next kill (the lab agent starts it, the controller protects it).
-        let scale_at = unix_ms() as u64;
-        let added = run.cli(&["scale", "out"]);
-        // A scale-out may reuse a retired index: naming it is fine from then on.
-        if let Some(idx) = added["replica"].as_u64() {
-            for d in deaths.iter_mut().filter(|d| u64::from(d.replica) == idx) {
-                d.reused_unix_ms.get_or_insert(scale_at);
-            }
-        }
-        prot.add_answers(&added["protect"], "scale_out");
+        let added = prot.scale_out(&run);
         eprintln!(
             "kill {kill}: r{} killed: detect {:.1} ms, activate {:.2} ms (replay {:.2} ms, {} \
              packets), steer {:.2} ms, failover {:.2} ms, {} flows recovered; added r{}",
@@ -625,7 +610,7 @@ fn ftmb_nat_survives_ten_random_primary_kills_under_load() {
     // Each recovery re-points the victim's predecessor at the new host (an ftmb_protect sent
     // after the detection).
     let counters = run.ha()["summary"]["counters"].clone();
-    prot.assert_none_named_the_dead(&deaths, &counters, 1, "");
+    prot.assert_none_named_the_dead(&counters, 1, "");
     let stat = |f: fn(&Row) -> f64| {
         let mut v: Vec<f64> = rows.iter().map(f).collect();
         v.sort_by(f64::total_cmp);

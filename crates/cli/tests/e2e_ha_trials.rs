@@ -27,9 +27,7 @@
 
 mod common;
 use common::ha::*;
-use common::kill_trials::{
-    assert_no_refused_checkpoint, Death, Protections, Rng, Traffic, UDP_PER_MEMBER,
-};
+use common::kill_trials::{Protections, ReplicaSamples, Rng, Traffic, UDP_PER_MEMBER};
 use pliant_lab::PliantNf;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -58,12 +56,11 @@ fn thirty_random_kill_trials_keep_every_flow() {
     );
     let mut traffic = Traffic::new(&run);
     let mut prot = Protections::default();
-    let mut deaths: Vec<Death> = Vec::new();
     let mut victims: BTreeMap<usize, u32> = BTreeMap::new();
     let mut next = 42_000u16;
     let mut rows = Vec::new();
     let mut duplicates = 0usize;
-    let mut refused_checks = 0usize;
+    let mut samples = ReplicaSamples::default();
     let t_all = Instant::now();
     for trial in 0..TRIALS {
         let members = run.members();
@@ -87,7 +84,7 @@ fn thirty_random_kill_trials_keep_every_flow() {
                 "trial {trial}: too few UDP flows on r{m}: {cut:?}"
             );
         }
-        refused_checks += assert_no_refused_checkpoint(&run, &format!("trial {trial}, before"));
+        samples.sample(&run, &format!("trial {trial}, before"));
         prot.add_events(&run);
         // Into the transfers, at a random point.
         let delay = rng.kill_delay();
@@ -96,23 +93,9 @@ fn thirty_random_kill_trials_keep_every_flow() {
         victims.insert(trial, a);
         let rec = run.wait_failover(a, killed.unix_ms, Duration::from_secs(5));
         let seen_ms = killed.at.elapsed().as_secs_f64() * 1e3;
-        deaths.push(Death {
-            replica: a,
-            kill_unix_ms: killed.unix_ms,
-            detected_unix_ms: rec["detected_unix_ms"].as_u64().expect("detected_unix_ms"),
-            reused_unix_ms: None,
-        });
-        prot.add_answers(&rec["reprotected"], "failover");
+        prot.failover(a, killed.unix_ms, &rec);
         let detect_ms = rec["detected_unix_ms"].as_f64().unwrap_or(f64::NAN) - killed.unix_ms;
-        let scale_at = unix_ms() as u64;
-        let added = run.cli(&["scale", "out"]);
-        // A scale-out may reuse a retired index: protections naming it are fine from then on.
-        if let Some(idx) = added["replica"].as_u64() {
-            for d in deaths.iter_mut().filter(|d| u64::from(d.replica) == idx) {
-                d.reused_unix_ms.get_or_insert(scale_at);
-            }
-        }
-        prot.add_answers(&added["protect"], "scale_out");
+        let added = prot.scale_out(&run);
         for d in dls.iter_mut() {
             d.finish(&f.sha256, &format!("trial {trial} (killed r{a})"));
         }
@@ -150,7 +133,7 @@ fn thirty_random_kill_trials_keep_every_flow() {
         // The new replica must be protected (and protect others) before the next kill.
         run.wait_protected(Duration::from_secs(15));
         prot.add_events(&run);
-        refused_checks += assert_no_refused_checkpoint(&run, &format!("trial {trial}, after"));
+        samples.sample(&run, &format!("trial {trial}, after"));
         // Generations through their last kill are judged now.
         traffic.retire(trial, false, &victims);
     }
@@ -158,23 +141,16 @@ fn thirty_random_kill_trials_keep_every_flow() {
     let t = traffic.totals.clone();
     let v = run.ha();
     let counters = &v["summary"]["counters"];
-    let held_moved: u64 = v["replicas"]
-        .as_array()
-        .map(Vec::as_slice)
-        .unwrap_or(&[])
-        .iter()
-        .filter_map(|r| r["ha_status"]["replication"]["held_moved"].as_u64())
-        .sum();
     eprintln!("{}", t.line());
     t.assert_clean_and_meaningful(TRIALS);
     // Each failover re-protects both survivors after its detection.
     prot.assert_none_named_the_dead(
-        &deaths,
         counters,
         2,
         &format!(
-            "live replicas' held output moved to a new group: {held_moved}; refused-checkpoint \
-             checks: {refused_checks} replica statuses, 0 refused"
+            "held output moved to a new group by re-protections: {}; refused-checkpoint \
+             checks: {} replica statuses, 0 refused",
+            samples.held_moved, samples.statuses
         ),
     );
     assert_eq!(

@@ -561,11 +561,14 @@ pub struct Death {
     pub reused_unix_ms: Option<u64>,
 }
 
-/// Every protection the controller sent that the test could see (see the module docs).
+/// Every protection the controller sent that the test could see (see the module docs), and
+/// the deaths the test caused.
 #[derive(Default)]
 pub struct Protections {
     seen: BTreeSet<(String, u64, Vec<String>)>,
     pub sent: Vec<Sent>,
+    /// In kill order.
+    pub deaths: Vec<Death>,
     events_seen: BTreeSet<String>,
     /// Reads of the event list (the newest 20) that shared no event with what was seen before:
     /// events may have been missed in between.
@@ -597,6 +600,36 @@ impl Protections {
                 via,
             });
         }
+    }
+
+    /// The failover record `rec` of `replica`, killed at `kill_unix_ms`: its death (detected
+    /// when the record says) and the re-protections the failover sent.
+    pub fn failover(&mut self, replica: u32, kill_unix_ms: f64, rec: &Value) {
+        self.deaths.push(Death {
+            replica,
+            kill_unix_ms,
+            detected_unix_ms: rec["detected_unix_ms"].as_u64().expect("detected_unix_ms"),
+            reused_unix_ms: None,
+        });
+        self.add_answers(&rec["reprotected"], "failover");
+    }
+
+    /// `pliant scale out` on `run`, noting the protections it sent and an index it reuses (a
+    /// retired replica's: naming it is fine from then on). Returns the answer.
+    pub fn scale_out(&mut self, run: &HaRun) -> Value {
+        let at = super::ha::unix_ms() as u64;
+        let added = run.cli(&["scale", "out"]);
+        if let Some(idx) = added["replica"].as_u64() {
+            for d in self
+                .deaths
+                .iter_mut()
+                .filter(|d| u64::from(d.replica) == idx)
+            {
+                d.reused_unix_ms.get_or_insert(at);
+            }
+        }
+        self.add_answers(&added["protect"], "scale_out");
+        added
     }
 
     /// Answers keyed by replica name (a failover record's `reprotected`, a scale-out's
@@ -637,8 +670,9 @@ impl Protections {
 
     /// Protections sent after a death was detected (until its index is reused) that name the
     /// dead replica, in the policy or among the backups the replica answered with: must be
-    /// none. `deaths` in kill order.
-    pub fn check(&self, deaths: &[Death]) -> ProtectionCheck {
+    /// none.
+    pub fn check(&self) -> ProtectionCheck {
+        let deaths = &self.deaths;
         let mut c = ProtectionCheck {
             after_each_death_min: usize::MAX,
             ..Default::default()
@@ -704,12 +738,11 @@ impl Protections {
     /// printed line.
     pub fn assert_none_named_the_dead(
         &self,
-        deaths: &[Death],
         counters: &Value,
         min_after_each_death: usize,
         extra: &str,
     ) -> ProtectionCheck {
-        let pc = self.check(deaths);
+        let pc = self.check();
         eprintln!(
             "controller: {} protections seen ({} (protection, death) pairs checked, {} naming \
              the victim between its kill and its detection), event gaps {}; counters \
@@ -761,30 +794,49 @@ pub fn refused_checkpoints(ha_status: &Value) -> u64 {
     standby + ha_status["server"]["refused"].as_u64().unwrap_or(0)
 }
 
-/// Asserts no live replica refused a checkpoint so far (`ha status` through the controller).
-/// Returns the replicas checked.
-pub fn assert_no_refused_checkpoint(run: &HaRun, when: &str) -> usize {
-    let v = run.ha();
-    let mut n = 0;
-    for r in v["replicas"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
-        let st = &r["ha_status"];
-        if st["ok"] != true {
-            continue;
+/// Samples of every live replica's `ha_status` (`ha status` through the controller), taken
+/// before and after every kill: each asserts that no replica refused a checkpoint so far, and
+/// they sum the held output re-protections moved from a retiring group to its flow's new group
+/// (`replication.held_moved`, counted up to each replica's last sample before it died).
+#[derive(Default)]
+pub struct ReplicaSamples {
+    /// Replica statuses checked.
+    pub statuses: usize,
+    pub held_moved: u64,
+    last_held_moved: BTreeMap<u64, u64>,
+}
+
+impl ReplicaSamples {
+    pub fn sample(&mut self, run: &HaRun, when: &str) {
+        let v = run.ha();
+        for r in v["replicas"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
+            let st = &r["ha_status"];
+            if st["ok"] != true {
+                continue;
+            }
+            self.statuses += 1;
+            assert!(
+                st["standby"].is_array() && st["server"].is_object(),
+                "{when}: r{}'s ha_status lacks standby/server: {st}",
+                r["index"]
+            );
+            assert_eq!(
+                refused_checkpoints(st),
+                0,
+                "{when}: r{} refused checkpoints: standby {} server {}",
+                r["index"],
+                st["standby"],
+                st["server"]
+            );
+            let (Some(i), Some(h)) = (
+                r["index"].as_u64(),
+                st["replication"]["held_moved"].as_u64(),
+            ) else {
+                continue;
+            };
+            let last = self.last_held_moved.insert(i, h).unwrap_or(0);
+            // A smaller count is a new replica under a reused index.
+            self.held_moved += if h >= last { h - last } else { h };
         }
-        n += 1;
-        assert!(
-            st["standby"].is_array() && st["server"].is_object(),
-            "{when}: r{}'s ha_status lacks standby/server: {st}",
-            r["index"]
-        );
-        assert_eq!(
-            refused_checkpoints(st),
-            0,
-            "{when}: r{} refused checkpoints: standby {} server {}",
-            r["index"],
-            st["standby"],
-            st["server"]
-        );
     }
-    n
 }
