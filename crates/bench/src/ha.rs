@@ -3,7 +3,7 @@
 //!
 //! Systems: `no_ha` (pliant NAT, 3 replicas, controller, no protection), `pico_1k` / `pico_10k`
 //! (the controller protects every replica with elastic Pico chords at 1 / 10 kHz), `remus_40`
-//! (Remus mode, whole-replica epochs at 40 Hz, all output held), `ftmb` (issue 6: every
+//! (Remus mode, whole-replica epochs at 40 Hz, all output held), `ftmb` (every
 //! replica runs its NAT on 2 FTMB worker threads with ordered logging to a logger in its ring
 //! successor, snapshots every 50 ms; the controller recovers a dead primary by replay on that
 //! host), `kernel_conntrackd` (the kernel peer, see [`crate::ha_kernel`]).
@@ -227,7 +227,7 @@ pub struct VsNoHa {
 }
 
 /// The top-level failover section: the `failover_system`'s failover plus the ftmb system's
-/// (issue 6 asks for `failover.ftmb_recovery_ms` beside Pico's numbers).
+/// (`failover.ftmb_recovery_ms` beside Pico's numbers).
 #[derive(Clone, Debug, Default, Serialize, PartialEq)]
 pub struct TopFailover {
     #[serde(flatten)]

@@ -1,4 +1,4 @@
-//! End-to-end FTMB (issue 6 acceptance): three NAT replicas in `[ha] mode = "ftmb"` (2 worker
+//! End-to-end FTMB (failover acceptance): three NAT replicas in `[ha] mode = "ftmb"` (2 worker
 //! threads each, contending on the NAT's shared port pool; a snapshot every 50 ms), the real
 //! controller in `[ha] mode = "ftmb"` (each replica logs to a logger hosted by its ring
 //! successor). Under load — long rate-limited 32 MiB downloads through the victim and a stream

@@ -1,7 +1,8 @@
-//! Repeated kill trials under mixed traffic (issue 4 acceptance, and the re-protection fixes:
-//! no protection naming a dead replica, no flow reordered across a re-protection). One HA lab
-//! (NAT, three replicas, the controller protecting each with chords at 1 kHz); per trial, with
-//! a seeded generator (seed printed; `PLIANT_TRIAL_SEED=<seed>` repeats victims and delays):
+//! Repeated kill trials under mixed traffic (Pico failover acceptance; no protection may name a
+//! dead replica, no flow may be reordered or lose a datagram it did not have inside the victim).
+//! One HA lab (NAT, three replicas, the controller protecting each with chords at 1 kHz); per
+//! trial, with a seeded generator (seed printed; `PLIANT_TRIAL_SEED=<seed>` repeats victims and
+//! delays):
 //! - a new traffic generation (`common::kill_trials`): sequence-numbered UDP flows (2 on every
 //!   replica, placed by the controller's ring) and a byte-pattern TCP stream on every replica,
 //!   each living through three kills; two rate-limited downloads through the victim A (source
@@ -20,7 +21,10 @@
 //! independently, no protection sent after a death was detected (`sent_unix_ms` in every
 //! protection answer: failover records, scale-out answers, the poll's `reprotect` events)
 //! names the dead replica; the survivors' output audit shows no violation. Prints a line per
-//! trial and a summary.
+//! trial and a summary, with how much held output re-protections moved to a flow's new group
+//! (`held_moved`: under SIGKILL the survivors' links to the victim die at once, so this path is
+//! rarely if ever taken here; its unit test is
+//! `held_output_follows_its_flow_to_the_new_group_in_order`).
 //!
 //! Needs root (`pliant_testkit::require_root`). Run in release:
 //! `cargo test --release -p pliant-cli --test e2e_ha_trials -- --test-threads=1 --nocapture`.

@@ -1,4 +1,4 @@
-//! The HA e2e harness (issue 4): a 3-replica HA lab (`LabSpec::ha`: replication secret and
+//! The HA e2e harness: a 3-replica HA lab (`LabSpec::ha`: replication secret and
 //! `[ha]` in every replica config), the real `pliant controller` with `[ha]` (Pico, chords at
 //! 1 kHz) taking over the lab's tc-BPF steering, and helpers to place flows on a chosen replica
 //! (client source ports whose flow key the Maglev ring maps there), SIGKILL a replica by the PID
