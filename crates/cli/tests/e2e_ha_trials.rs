@@ -31,7 +31,9 @@
 
 mod common;
 use common::ha::*;
-use common::kill_trials::{Protections, ReplicaSamples, Rng, Traffic, UDP_PER_MEMBER};
+use common::kill_trials::{
+    OffVictimLoss, Protections, ReplicaSamples, Rng, Traffic, UDP_PER_MEMBER,
+};
 use pliant_lab::PliantNf;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -58,7 +60,7 @@ fn thirty_random_kill_trials_keep_every_flow() {
         "trial seed {} (PLIANT_TRIAL_SEED={} repeats the victims and delays)",
         rng.0, rng.0
     );
-    let mut traffic = Traffic::new(&run);
+    let mut traffic = Traffic::new(&run, OffVictimLoss::Judged);
     let mut prot = Protections::default();
     let mut victims: BTreeMap<usize, u32> = BTreeMap::new();
     let mut next = 42_000u16;
