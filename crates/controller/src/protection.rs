@@ -202,16 +202,8 @@ mod tests {
         );
     }
 
-    /// Deterministic xorshift so a failure reproduces.
-    struct Rng(u64);
-    impl Rng {
-        fn below(&mut self, n: u64) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0 % n
-        }
-    }
+    /// Deterministic so a failure reproduces.
+    use pliant_testkit::XorShift as Rng;
 
     /// A simulated controller applying the decision to random interleavings of kills (the
     /// truth, unseen), link-death reports, probes, heartbeats, failovers started and finished

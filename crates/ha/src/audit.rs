@@ -455,16 +455,8 @@ mod tests {
         assert_eq!(a.stats.violations, 2);
     }
 
-    /// Deterministic xorshift so a failure reproduces.
-    struct Rng(u64);
-    impl Rng {
-        fn below(&mut self, n: u64) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0 % n
-        }
-    }
+    /// Deterministic so a failure reproduces.
+    use pliant_testkit::XorShift as Rng;
 
     /// Property: under random writes, checkpoints and cumulative acks, a packet released by a
     /// correct rule (its version carried by an acked checkpoint) is never a violation, and one

@@ -436,19 +436,8 @@ mod tests {
         assert!(!gate.has_group(1));
     }
 
-    /// Deterministic xorshift so a failure reproduces.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-        fn below(&mut self, n: u64) -> u64 {
-            self.next() % n
-        }
-    }
+    /// Deterministic so a failure reproduces.
+    use pliant_testkit::XorShift as Rng;
 
     /// Property: random interleavings of writes (modifying or not), epoch closes (with
     /// checkpoints carrying the dirty flows), in-order cumulative acks, and a link death never

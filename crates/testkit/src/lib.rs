@@ -228,3 +228,23 @@ mod tests {
         assert!(manifest.contains("[workspace]") && manifest.contains("\"crates/testkit\""));
     }
 }
+
+/// A deterministic xorshift64 generator for seeded tests (one seed reproduces one interleaving);
+/// the seed must be non-zero.
+#[derive(Clone, Debug)]
+pub struct XorShift(pub u64);
+
+impl XorShift {
+    #[allow(clippy::should_implement_trait)]
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// A value in `0..n` (`n` > 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}

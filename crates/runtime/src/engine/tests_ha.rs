@@ -326,16 +326,8 @@ fn status(e: &mut E, now: Instant) -> Value {
     e.answer(Cmd::HaStatus, now)
 }
 
-/// Deterministic xorshift.
-struct Rng(u64);
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % n
-    }
-}
+/// Deterministic so a failure reproduces.
+use pliant_testkit::XorShift as Rng;
 
 /// Output-commit audit (invariant 3), checked twice and independently: the test's own model
 /// finds, per stateful packet that left, the first acked checkpoint carrying its flow at the
