@@ -172,6 +172,15 @@ fn set_l4_word(
             proto::UDP => udp_field(update16(f, old, new)),
             _ => update16(f, old, new),
         });
+        // ICMPv4 has no pseudo header: an all-zero message sums to +0, whose checksum is
+        // 0xffff, but the incremental update yields the other zero, 0x0000, which does not
+        // verify. Only then (rare) is the message scanned.
+        if p.proto == proto::ICMP && be16(frame, csum_off) == Some(0) {
+            let seg = frame.get(usize::from(p.l4_off)..p.l4_end()).unwrap_or(&[]);
+            if seg.iter().all(|b| *b == 0) {
+                frame[csum_off..csum_off + 2].copy_from_slice(&0xffffu16.to_be_bytes());
+            }
+        }
     }
     Ok(())
 }
