@@ -38,7 +38,11 @@ impl Lab {
     }
     /// Like `up`, with the proxy configuration adjusted by `f`.
     fn up_with(f: impl FnOnce(&mut ProxyConfig)) -> Lab {
-        let cl = Arc::new(Cluster::create(ClusterConfig::default()).expect("create namespaces"));
+        Lab::up_cfg(ClusterConfig::default(), f)
+    }
+    /// Like `up_with`, with the servers' configuration given.
+    fn up_cfg(cc: ClusterConfig, f: impl FnOnce(&mut ProxyConfig)) -> Lab {
+        let cl = Arc::new(Cluster::create(cc).expect("create namespaces"));
         let mut lab = Lab {
             cl: cl.clone(),
             proxy: None,
@@ -496,6 +500,240 @@ fn pg_bad_input_gets_postgres_errors() {
     let st = lab.proxy().stats_json();
     assert!(st["protocol_errors"].as_u64().unwrap_or(0) >= 5, "{st}");
     assert!(st["auth_failures"].as_u64().unwrap_or(0) >= 2, "{st}");
+}
+
+/// Reads up to ReadyForQuery: the SQLSTATEs of the errors on the way and the status.
+fn until_ready(s: &mut TcpStream) -> (Vec<String>, u8) {
+    let mut codes = Vec::new();
+    loop {
+        match proto::read_frame(s) {
+            Ok(Some(f)) if f.tag == b'E' => {
+                codes.push(proto::error_field(&f.body, b'C').unwrap_or_default())
+            }
+            Ok(Some(f)) if f.tag == b'Z' => return (codes, f.body[0]),
+            Ok(Some(_)) => {}
+            other => panic!("no ReadyForQuery: {other:?}"),
+        }
+    }
+}
+
+/// A simple query on a raw session.
+fn raw_query(s: &mut TcpStream, sql: &str) -> (Vec<String>, u8) {
+    proto::write_frames(s, &[proto::query(sql)]).expect("write");
+    until_ready(s)
+}
+
+/// `sql` with the extended protocol (unnamed Parse, Bind, Execute, Sync), as pgJDBC runs
+/// its commit().
+fn raw_extended(s: &mut TcpStream, sql: &str) -> (Vec<String>, u8) {
+    let mut p = Vec::new();
+    proto::put_cstr(&mut p, "");
+    proto::put_cstr(&mut p, sql);
+    p.extend([0, 0]);
+    let b = vec![0, 0, 0, 0, 0, 0, 0, 0];
+    let e = vec![0, 0, 0, 0, 0];
+    proto::write_frames(
+        s,
+        &[
+            proto::Frame::new(b'P', p),
+            proto::Frame::new(b'B', b),
+            proto::Frame::new(b'E', e),
+            proto::Frame::new(b'S', vec![]),
+        ],
+    )
+    .expect("write");
+    until_ready(s)
+}
+
+/// The SQLSTATE and message of a failed query (panics if it did not fail).
+fn failure(
+    r: Result<(pliant_pg::client::Rows, String), pliant_pg::client::ClientError>,
+) -> (String, String) {
+    match r {
+        Err(pliant_pg::client::ClientError::Server { code, message }) => (code, message),
+        other => panic!("expected a server error, got {other:?}"),
+    }
+}
+
+/// The failover fixes of the session state machine, several sessions across one failover:
+/// COMMIT of a transaction the failover aborted fails (simple and extended protocol) and the
+/// session goes on; set_config, savepoints, DEALLOCATE and PREPARE in a rolled-back block are
+/// replayed right; WITH HOLD cursors and unreadable set_config close the session with 57P01.
+/// Then admission: more clients than max_connections get the server's 53300 at once, and a
+/// client that sends nothing is closed after the (shortened) startup timeout.
+#[test]
+fn pg_failover_session_state_lost_commits_and_admission() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !usable() {
+        return;
+    }
+    let cc = ClusterConfig {
+        max_connections: 20,
+        ..ClusterConfig::default()
+    };
+    let lab = Lab::up_cfg(cc, |pc| {
+        pc.auth = AuthMethod::Md5;
+        pc.startup_timeout_ms = 1000;
+    });
+    let pw = lab.cl.cfg.password.clone();
+    let mut setup = lab.client();
+    setup.query("CREATE TABLE t(a int)").expect("table");
+    let ok = |c: &mut Client, sql: &str| c.query(sql).unwrap_or_else(|e| panic!("{sql}: {e}"));
+    // 1. Idle inside a block when the primary fails, then COMMIT: simple protocol (first
+    // statement after the failover, and after an earlier 40001), extended protocol.
+    let mut lost = lab.client();
+    ok(&mut lost, "BEGIN");
+    ok(&mut lost, "INSERT INTO t VALUES (1)");
+    let mut lost2 = lab.client();
+    ok(&mut lost2, "BEGIN");
+    ok(&mut lost2, "INSERT INTO t VALUES (2)");
+    let mut lost3 = raw_login(&lab, &pw);
+    until_ready(&mut lost3);
+    assert_eq!(raw_query(&mut lost3, "BEGIN"), (vec![], b'T'));
+    assert_eq!(
+        raw_query(&mut lost3, "INSERT INTO t VALUES (3)"),
+        (vec![], b'T')
+    );
+    // 2-5. Session state.
+    let mut st = lab.client();
+    for sql in [
+        "SELECT set_config('myapp.tenant', 'x', false)",
+        "BEGIN",
+        "SELECT set_config('myapp.tenant', 'local', true)",
+        "SELECT set_config('myapp.other', 'rolled-back', false)",
+        "ROLLBACK",
+        "BEGIN",
+        "SET application_name = 'sp-kept'",
+        "SAVEPOINT sp",
+        "SET work_mem = '7MB'",
+        "ROLLBACK TO SAVEPOINT sp",
+        "COMMIT",
+        "PREPARE q AS SELECT 1",
+        "DEALLOCATE q",
+        "PREPARE q AS SELECT 2",
+        "BEGIN",
+        "PREPARE r AS SELECT 5",
+        "ROLLBACK",
+    ] {
+        ok(&mut st, sql);
+    }
+    // 6. State that cannot move.
+    let mut hold = lab.client();
+    ok(&mut hold, "BEGIN");
+    ok(&mut hold, "DECLARE c CURSOR WITH HOLD FOR SELECT 1");
+    ok(&mut hold, "COMMIT");
+    let mut setcfg = lab.client();
+    ok(
+        &mut setcfg,
+        "SELECT set_config('myapp.user', current_user, false)",
+    );
+
+    lab.kill_primary();
+
+    let (code, msg) = failure(lost.query("COMMIT"));
+    assert_eq!(code, "40001", "COMMIT of a lost transaction: {msg}");
+    assert!(msg.contains("failed over"), "{msg}");
+    assert_eq!(lost.status, b'I', "idle after the failed COMMIT");
+    let (code, _) = failure(lost2.query("INSERT INTO t VALUES (22)"));
+    assert_eq!(code, "40001");
+    assert_eq!(failure(lost2.query("COMMIT")).0, "40001");
+    let (codes, status) = raw_extended(&mut lost3, "COMMIT");
+    assert_eq!(
+        (codes, status),
+        (vec!["40001".to_string()], b'I'),
+        "extended COMMIT"
+    );
+    // The sessions go on normally; nothing of the lost transactions exists.
+    for c in [&mut lost, &mut lost2] {
+        ok(c, "BEGIN");
+        ok(c, "INSERT INTO t VALUES (10)");
+        ok(c, "COMMIT");
+    }
+    assert_eq!(
+        raw_extended(&mut lost3, "INSERT INTO t VALUES (10)"),
+        (vec![], b'I')
+    );
+    let n = setup
+        .scalar("SELECT string_agg(a::text, ',' ORDER BY a) FROM t")
+        .expect("count");
+    assert_eq!(
+        n.as_deref(),
+        Some("10,10,10"),
+        "only the transactions after the failover"
+    );
+    let rows = |c: &mut Client, sql: &str| {
+        c.scalar(sql)
+            .unwrap_or_else(|e| panic!("after failover, {sql}: {e}"))
+            .unwrap_or_default()
+    };
+    assert_eq!(rows(&mut st, "SELECT current_setting('myapp.tenant')"), "x");
+    assert_eq!(
+        rows(
+            &mut st,
+            "SELECT coalesce(current_setting('myapp.other', true), '')"
+        ),
+        ""
+    );
+    assert_eq!(rows(&mut st, "SHOW application_name"), "sp-kept");
+    assert_eq!(rows(&mut st, "SHOW work_mem"), "4MB");
+    assert_eq!(rows(&mut st, "EXECUTE q"), "2");
+    assert_eq!(rows(&mut st, "EXECUTE r"), "5");
+    for (c, what) in [(&mut hold, "WITH HOLD"), (&mut setcfg, "set_config")] {
+        let (code, msg) = failure(c.query("SELECT 1"));
+        assert_eq!(code, "57P01", "{msg}");
+        assert!(msg.contains(what), "{msg}");
+    }
+    let stats = lab.proxy().stats_json();
+    assert_eq!(stats["sessions_dropped_unreplayable"], 2, "{stats}");
+    assert_eq!(stats["sessions_dropped_other"], 0, "{stats}");
+
+    // 7. More clients than max_connections: the server's own 53300, at once.
+    let mut held = Vec::new();
+    let refused = loop {
+        let t = Instant::now();
+        match Client::connect(
+            lab.proxy().addr,
+            &lab.cl.cfg.user,
+            &pw,
+            "postgres",
+            Duration::from_secs(30),
+        ) {
+            Ok(c) => held.push(c),
+            Err(e) => break (e, t.elapsed()),
+        }
+        assert!(
+            held.len() < 40,
+            "max_connections = 20 never refused a login"
+        );
+    };
+    let (e, took) = refused;
+    assert_eq!(e.sqlstate(), Some("53300"), "{e}");
+    assert!(e.to_string().contains("too many clients"), "{e}");
+    assert!(took < Duration::from_secs(2), "refused after {took:?}");
+    drop(held);
+    // 8. A client that sends nothing: closed after the startup timeout, saying so.
+    let mut idle = TcpStream::connect(lab.proxy().addr).expect("connect");
+    idle.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let t = Instant::now();
+    let f = proto::read_frame(&mut idle).expect("read").expect("frame");
+    let took = t.elapsed();
+    assert_eq!(f.tag, b'E');
+    assert_eq!(
+        proto::error_field(&f.body, b'M').as_deref(),
+        Some("timeout waiting for startup packet")
+    );
+    assert!(
+        took >= Duration::from_millis(900) && took < Duration::from_secs(5),
+        "{took:?}"
+    );
+    let stats = lab.proxy().stats_json();
+    eprintln!("proxy: {stats}");
+    assert!(
+        stats["logins_refused_by_server"].as_u64().unwrap_or(0) >= 1,
+        "{stats}"
+    );
+    assert_eq!(stats["startup_timeouts"], 1, "{stats}");
 }
 
 /// `psql -c sql` through the proxy with `password`; -qAt output.

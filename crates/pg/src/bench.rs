@@ -182,6 +182,7 @@ pub fn proxy_config(c: &Cluster, primary: usize) -> ProxyConfig {
         auto_reprotect: true,
         auth: AuthMethod::ScramSha256,
         async_fallback_ms: Some(DEFAULT_ASYNC_FALLBACK_MS),
+        startup_timeout_ms: crate::proxy::DEFAULT_STARTUP_TIMEOUT_MS,
     }
 }
 

@@ -29,6 +29,8 @@ pub struct ClusterConfig {
     pub shared_buffers_mb: u32,
     /// Directory for data; a unique subdirectory is created in it.
     pub base: PathBuf,
+    /// `max_connections` of both servers.
+    pub max_connections: u32,
 }
 
 impl Default for ClusterConfig {
@@ -39,6 +41,7 @@ impl Default for ClusterConfig {
             fsync: false,
             shared_buffers_mb: 64,
             base: PathBuf::from("/tmp"),
+            max_connections: 120,
         }
     }
 }
@@ -311,12 +314,13 @@ impl Cluster {
             .stdout(Stdio::null()))?;
         let conf = format!(
             "\n# pliant\nwal_level = replica\nmax_wal_senders = 6\nwal_log_hints = on\nwal_keep_size = '64MB'\nmin_wal_size = '32MB'\n\
-             hot_standby = on\nsynchronous_commit = on\nfsync = {}\nshared_buffers = '{}MB'\nmax_connections = 120\n\
+             hot_standby = on\nsynchronous_commit = on\nfsync = {}\nshared_buffers = '{}MB'\nmax_connections = {}\n\
              password_encryption = md5\nwal_receiver_status_interval = '1s'\nwal_sender_timeout = '5s'\n\
              wal_receiver_timeout = '5s'\nwal_retrieve_retry_interval = '200ms'\nlogging_collector = off\n\
              log_min_messages = warning\nlog_min_error_statement = panic\n",
             if self.cfg.fsync { "on" } else { "off" },
-            self.cfg.shared_buffers_mb
+            self.cfg.shared_buffers_mb,
+            self.cfg.max_connections
         );
         append(&nd.data.join("postgresql.conf"), &conf)?;
         let net = format!("10.213.{}.0/24", self.host_ip.octets()[2]);

@@ -17,7 +17,7 @@
 use crate::client::{Authenticator, Client};
 use crate::proto::{self, Frame, Startup};
 use crate::scram::{self, Secret, ServerExchange};
-use crate::session::{ClientAction, CommitTxid, SessionState};
+use crate::session::{ClientAction, CommitTxid, ServerAction, SessionState};
 use serde::Serialize;
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -78,7 +78,13 @@ pub struct ProxyConfig {
     /// Run unprotected after the standby has been unreachable, or a commit has waited for
     /// it, this long (ms); `None` = block commits until the standby returns (strict 2-safe).
     pub async_fallback_ms: Option<u64>,
+    /// How long a new connection may take to send its startup packet and each
+    /// authentication message (ms) before it is closed.
+    pub startup_timeout_ms: u64,
 }
+
+/// Default of `startup_timeout_ms`.
+pub const DEFAULT_STARTUP_TIMEOUT_MS: u64 = 30_000;
 
 /// Counters (all monotonic except the gauges marked so).
 #[derive(Default, Debug, Serialize)]
@@ -101,6 +107,10 @@ pub struct Stats {
     pub protocol_errors: AtomicU64,
     pub auth_failures: AtomicU64,
     pub session_limit_hits: AtomicU64,
+    /// Logins the primary refused with an error of its own (passed on to the client).
+    pub logins_refused_by_server: AtomicU64,
+    /// Connections closed because the startup packet or a password did not arrive in time.
+    pub startup_timeouts: AtomicU64,
     pub reprotections: AtomicU64,
     pub reprotect_failures: AtomicU64,
     /// Times the primary was switched to run unprotected because the standby was lost.
@@ -319,7 +329,57 @@ struct Backend {
     key: Option<(u32, u32)>,
 }
 
-fn connect_backend(sh: &Shared, startup: &[(String, String)]) -> Result<Backend, String> {
+/// Why a server connection could not be opened.
+#[derive(Debug)]
+enum ConnectError {
+    /// The server answered the login with this error (too many clients, a missing
+    /// database, ...): passed to the client as it is, at once.
+    Refused(Frame),
+    /// No answer, a transport error, or a server not accepting connections yet (57P0x):
+    /// worth waiting for.
+    Unreachable(String),
+}
+
+impl std::fmt::Display for ConnectError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ConnectError::Refused(e) => {
+                write!(
+                    f,
+                    "{}",
+                    proto::error_field(&e.body, b'M').unwrap_or_default()
+                )
+            }
+            ConnectError::Unreachable(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl From<String> for ConnectError {
+    fn from(e: String) -> Self {
+        ConnectError::Unreachable(e)
+    }
+}
+
+impl From<&str> for ConnectError {
+    fn from(e: &str) -> Self {
+        ConnectError::Unreachable(e.to_string())
+    }
+}
+
+/// An ErrorResponse at login that is the server's answer for this client rather than a
+/// sign that it is (still) unavailable: 57P0x (shutting down, starting up, in recovery)
+/// is worth waiting for, anything else (53300 too many clients, 28P01, 3D000) is final.
+fn login_error(f: Frame) -> ConnectError {
+    let code = proto::error_field(&f.body, b'C').unwrap_or_default();
+    if code.starts_with("57P0") {
+        ConnectError::Unreachable(proto::error_field(&f.body, b'M').unwrap_or_default())
+    } else {
+        ConnectError::Refused(f)
+    }
+}
+
+fn connect_backend(sh: &Shared, startup: &[(String, String)]) -> Result<Backend, ConnectError> {
     let epoch = sh.ready_epoch.load(SeqCst);
     let addr = sh.cfg.nodes[sh.primary.load(SeqCst)];
     let t = Duration::from_millis(sh.cfg.probe_timeout_ms.max(200) * 5);
@@ -349,7 +409,7 @@ fn connect_backend(sh: &Shared, startup: &[(String, String)]) -> Result<Backend,
                     proto::write_frames(&mut s, &[reply]).map_err(|e| e.to_string())?;
                 }
             }
-            b'E' => return Err(proto::error_field(&f.body, b'M').unwrap_or_default()),
+            b'E' => return Err(login_error(f)),
             b'S' => params.push(f),
             b'K' if f.body.len() == 8 => {
                 let w = |i: usize| {
@@ -396,8 +456,10 @@ fn run_quiet(b: &mut Backend, frames: &[Frame], zs: usize) -> Result<(u8, bool),
 
 fn serve_client(mut c: TcpStream, sh: &Shared) -> Result<(), String> {
     let _ = c.set_nodelay(true);
-    c.set_read_timeout(Some(Duration::from_secs(30)))
-        .map_err(|e| e.to_string())?;
+    c.set_read_timeout(Some(Duration::from_millis(
+        sh.cfg.startup_timeout_ms.max(1),
+    )))
+    .map_err(|e| e.to_string())?;
     // Startup: refuse TLS/GSS; a CancelRequest goes to the backend serving that session.
     let params = loop {
         match proto::read_startup(&mut c) {
@@ -411,6 +473,11 @@ fn serve_client(mut c: TcpStream, sh: &Shared) -> Result<(), String> {
             }
             Ok(None) => return Ok(()),
             Ok(Some(Startup::Params(p))) => break p,
+            Err(e) if timed_out(&e) => {
+                sh.stats.startup_timeouts.fetch_add(1, SeqCst);
+                fatal(&mut c, "08006", "timeout waiting for startup packet");
+                return Ok(());
+            }
             Err(e) => {
                 sh.stats.protocol_errors.fetch_add(1, SeqCst);
                 let code = if matches!(e, proto::ProtoError::Version(..)) {
@@ -447,6 +514,15 @@ fn serve_client(mut c: TcpStream, sh: &Shared) -> Result<(), String> {
             );
             return Ok(());
         }
+        Auth::TimedOut => {
+            sh.stats.startup_timeouts.fetch_add(1, SeqCst);
+            fatal(
+                &mut c,
+                "08006",
+                "timeout waiting for the authentication response",
+            );
+            return Ok(());
+        }
         Auth::Protocol(what) => {
             sh.stats.protocol_errors.fetch_add(1, SeqCst);
             fatal(&mut c, "08P01", &what);
@@ -457,6 +533,12 @@ fn serve_client(mut c: TcpStream, sh: &Shared) -> Result<(), String> {
     let mut st = SessionState::new(params);
     let mut be = match wait_backend(sh, &st.startup, 0) {
         Ok(b) => b,
+        Err(ConnectError::Refused(f)) => {
+            sh.stats.logins_refused_by_server.fetch_add(1, SeqCst);
+            let _ = proto::write_frames(&mut c, &[f]);
+            let _ = c.shutdown(Shutdown::Both);
+            return Ok(());
+        }
         Err(e) => {
             fatal(
                 &mut c,
@@ -484,20 +566,28 @@ fn serve_client(mut c: TcpStream, sh: &Shared) -> Result<(), String> {
 enum Auth {
     Ok,
     Failed,
+    TimedOut,
     Protocol(String),
     Gone,
 }
 
-/// Reads the client's next message, which must be a password/SASL response ('p').
-fn read_password_message(c: &mut TcpStream) -> Result<Option<Vec<u8>>, String> {
+/// A read gave up because the client sent nothing within the socket's read timeout.
+fn timed_out(e: &proto::ProtoError) -> bool {
+    matches!(e, proto::ProtoError::Io(io) if matches!(io.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut))
+}
+
+/// Reads the client's next message, which must be a password/SASL response ('p');
+/// `Err(None)`: it did not arrive in time.
+fn read_password_message(c: &mut TcpStream) -> Result<Option<Vec<u8>>, Option<String>> {
     match proto::read_frame(c) {
         Ok(Some(f)) if f.tag == b'p' => Ok(Some(f.body)),
-        Ok(Some(f)) => Err(format!(
+        Ok(Some(f)) => Err(Some(format!(
             "expected password response, got message type {}",
             f.tag
-        )),
+        ))),
         Ok(None) => Ok(None),
-        Err(e) => Err(format!("invalid password response: {e}")),
+        Err(e) if timed_out(&e) => Err(None),
+        Err(e) => Err(Some(format!("invalid password response: {e}"))),
     }
 }
 
@@ -514,7 +604,7 @@ fn authenticate(c: &mut TcpStream, sh: &Shared, user: &str) -> Auth {
             let body = match read_password_message(c) {
                 Ok(Some(b)) => b,
                 Ok(None) => return Auth::Gone,
-                Err(e) => return Auth::Protocol(e),
+                Err(e) => return e.map_or(Auth::TimedOut, Auth::Protocol),
             };
             let got = proto::cstr(&body).map(|(s, _)| s).unwrap_or_default();
             let want = proto::md5_password(user, &sh.cfg.password, &salt);
@@ -534,7 +624,7 @@ fn authenticate(c: &mut TcpStream, sh: &Shared, user: &str) -> Auth {
             let body = match read_password_message(c) {
                 Ok(Some(b)) => b,
                 Ok(None) => return Auth::Gone,
-                Err(e) => return Auth::Protocol(e),
+                Err(e) => return e.map_or(Auth::TimedOut, Auth::Protocol),
             };
             let (mech, data) = match proto::parse_sasl_initial_response(&body) {
                 Ok(x) => x,
@@ -557,7 +647,7 @@ fn authenticate(c: &mut TcpStream, sh: &Shared, user: &str) -> Auth {
             let body = match read_password_message(c) {
                 Ok(Some(b)) => b,
                 Ok(None) => return Auth::Gone,
-                Err(e) => return Auth::Protocol(e),
+                Err(e) => return e.map_or(Auth::TimedOut, Auth::Protocol),
             };
             match ex.finish(&String::from_utf8_lossy(&body)) {
                 Ok(server_final) if user == sh.cfg.user => {
@@ -652,12 +742,17 @@ fn forward_cancel(sh: &Shared, pid: u32, key: u32) {
 }
 
 /// Connects to the primary, waiting out a failover in progress.
-fn wait_backend(sh: &Shared, startup: &[(String, String)], _after: u64) -> Result<Backend, String> {
+fn wait_backend(
+    sh: &Shared,
+    startup: &[(String, String)],
+    _after: u64,
+) -> Result<Backend, ConnectError> {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         if sh.epoch.load(SeqCst) == sh.ready_epoch.load(SeqCst) {
             match connect_backend(sh, startup) {
                 Ok(b) => return Ok(b),
+                Err(e @ ConnectError::Refused(_)) => return Err(e),
                 Err(e) if Instant::now() > deadline => return Err(e),
                 Err(_) => {}
             }
@@ -686,8 +781,6 @@ fn pump(
     let mut tmp = vec![0u8; 65536];
     // Set after an error was sent for an extended cycle: drop messages until Sync.
     let mut skip_until_sync = false;
-    // The open transaction was aborted by a failover while the client was idle in it.
-    let mut abort_pending = false;
     // Client frames held back until the txid of the transaction being committed is known:
     // the COMMIT is sent only after its txid is recorded, so a failure in between is known
     // to have aborted the transaction (one extra round trip per commit).
@@ -731,8 +824,10 @@ fn pump(
                                     lost = true;
                                     break;
                                 }
-                                if st.on_server(&f) {
-                                    f.encode_into(&mut out);
+                                match st.on_server(&f) {
+                                    ServerAction::Forward => f.encode_into(&mut out),
+                                    ServerAction::Replace(g) => g.encode_into(&mut out),
+                                    ServerAction::Swallow => {}
                                 }
                             }
                             Ok(None) => break,
@@ -773,9 +868,6 @@ fn pump(
                 Lost::Moved(nb) => {
                     *be = nb;
                     set_cancel_target(sh, id, None, be);
-                    if st.status != b'I' && st.idle() {
-                        abort_pending = st.status == b'T';
-                    }
                     if st.ext_open {
                         skip_until_sync = true;
                         st.ext_open = false;
@@ -818,36 +910,6 @@ fn pump(
                     }
                     continue;
                 }
-                if abort_pending {
-                    abort_pending = false;
-                    let sql = if f.tag == b'Q' {
-                        proto::cstr(&f.body).map(|(s, _)| s.to_string())
-                    } else {
-                        None
-                    };
-                    let ends = sql.as_deref().is_some_and(|s| {
-                        crate::session::is_rollback(s) || crate::session::is_commit(s)
-                    });
-                    if !ends {
-                        // The server session is in a failed block too (see backend_lost), so
-                        // what follows behaves as after any error inside a transaction.
-                        proto::error_response(
-                            "ERROR",
-                            "40001",
-                            "pliant: the primary failed over; the open transaction was aborted (roll back and retry)",
-                        )
-                        .encode_into(&mut reply);
-                        st.status = b'E';
-                        if f.tag == b'Q' {
-                            proto::ready_for_query(b'E').encode_into(&mut reply);
-                        } else if f.tag != b'S' {
-                            skip_until_sync = true;
-                        } else {
-                            proto::ready_for_query(b'E').encode_into(&mut reply);
-                        }
-                        continue;
-                    }
-                }
                 match st.on_client(&f) {
                     ClientAction::Forward {
                         inject_before,
@@ -867,6 +929,19 @@ fn pump(
                         if inject_after {
                             proto::query(crate::session::TXID_QUERY).encode_into(dst);
                         }
+                    }
+                    ClientAction::Substitute(g) => {
+                        let dst = if held.is_empty() { &mut out } else { &mut held };
+                        g.encode_into(dst);
+                    }
+                    ClientAction::Reply {
+                        frames,
+                        skip_to_sync,
+                    } => {
+                        for g in frames {
+                            g.encode_into(&mut reply);
+                        }
+                        skip_until_sync |= skip_to_sync;
                     }
                     ClientAction::Terminate => {
                         let _ = be.s.write_all(&out);
@@ -945,7 +1020,7 @@ fn backend_lost(c: &mut TcpStream, st: &mut SessionState, sh: &Shared, old_epoch
         );
         return Lost::Closed;
     }
-    if let Some(u) = st.unreplayable {
+    if let Some(u) = st.unreplayable_reason() {
         sh.stats.sessions_dropped_unreplayable.fetch_add(1, SeqCst);
         if st.commit.is_some() {
             sh.stats.outcomes_unknown.fetch_add(1, SeqCst);
@@ -963,6 +1038,14 @@ fn backend_lost(c: &mut TcpStream, st: &mut SessionState, sh: &Shared, old_epoch
     }
     let mut nb = match wait_backend(sh, &st.startup, old_epoch) {
         Ok(b) => b,
+        Err(ConnectError::Refused(f)) => {
+            // The new primary refuses this session (e.g. too many clients): say so.
+            sh.stats.sessions_dropped_other.fetch_add(1, SeqCst);
+            sh.stats.logins_refused_by_server.fetch_add(1, SeqCst);
+            let _ = proto::write_frames(c, &[f]);
+            let _ = c.shutdown(Shutdown::Both);
+            return Lost::Closed;
+        }
         Err(e) => {
             sh.stats.sessions_dropped_other.fetch_add(1, SeqCst);
             dbg("session dropped");
@@ -974,8 +1057,7 @@ fn backend_lost(c: &mut TcpStream, st: &mut SessionState, sh: &Shared, old_epoch
             return Lost::Closed;
         }
     };
-    let replay = st.replay_frames();
-    let zs = st.sets.len() + usize::from(!st.prepared.is_empty());
+    let (replay, zs) = st.replay_frames();
     match run_quiet(&mut nb, &replay, zs) {
         Ok((_, false)) => {}
         Ok((_, true)) | Err(_) => {
@@ -995,8 +1077,14 @@ fn backend_lost(c: &mut TcpStream, st: &mut SessionState, sh: &Shared, old_epoch
     let mut aborted = false;
     if st.idle() {
         // Between requests: an open block is gone (Lemma 2); the client learns it on its next
-        // statement (see `abort_pending` in `pump`).
+        // statement, or as an error of its COMMIT (`SessionState::block_aborted_by_failover`).
         aborted = st.status != b'I';
+        if st.status == b'T' {
+            st.block_aborted_by_failover(false);
+        } else if st.status == b'E' {
+            // Already failed by its own error: it ends as it would have (COMMIT → ROLLBACK).
+            st.reset_cycle(b'E');
+        }
     } else if let Some(ct) = st.commit {
         let outcome = resolve_commit(sh, &mut nb, ct);
         let pending = st.awaiting.max(1);
@@ -1063,24 +1151,25 @@ fn backend_lost(c: &mut TcpStream, st: &mut SessionState, sh: &Shared, old_epoch
         st.ext_open = ext;
     } else {
         aborted = true;
+        let lost_live_block = st.cycle_status == b'T';
         let pending = st.awaiting;
-        proto::error_response(
-            "ERROR",
-            "40001",
-            "pliant: the primary failed over; the open transaction was aborted (roll back and retry)",
-        )
-        .encode_into(&mut reply);
+        proto::error_response("ERROR", "40001", crate::session::LOST_BLOCK_MESSAGE)
+            .encode_into(&mut reply);
         for _ in 0..pending {
             proto::ready_for_query(b'E').encode_into(&mut reply);
         }
         let ext = st.ext_open;
         st.reset_cycle(b'E');
         st.ext_open = ext;
+        if lost_live_block {
+            st.block_aborted_by_failover(true);
+        }
     }
     if aborted {
         sh.stats.txns_aborted_by_failover.fetch_add(1, SeqCst);
         // Put the new server session into a failed block so that later statements of the
-        // client's transaction fail as they would have, and COMMIT answers ROLLBACK.
+        // client's transaction fail as they would have; a COMMIT of it is answered with an
+        // error, not with the ROLLBACK tag (see `SessionState::on_server`).
         if run_quiet(&mut nb, &[proto::query("BEGIN; SELECT 1/0")], 1).is_err() {
             dbg("session dropped");
             fatal(
