@@ -1078,13 +1078,7 @@ fn backend_lost(c: &mut TcpStream, st: &mut SessionState, sh: &Shared, old_epoch
     if st.idle() {
         // Between requests: an open block is gone (Lemma 2); the client learns it on its next
         // statement, or as an error of its COMMIT (`SessionState::block_aborted_by_failover`).
-        aborted = st.status != b'I';
-        if st.status == b'T' {
-            st.block_aborted_by_failover(false);
-        } else if st.status == b'E' {
-            // Already failed by its own error: it ends as it would have (COMMIT → ROLLBACK).
-            st.reset_cycle(b'E');
-        }
+        aborted = st.moved_between_requests();
     } else if let Some(ct) = st.commit {
         let outcome = resolve_commit(sh, &mut nb, ct);
         let pending = st.awaiting.max(1);

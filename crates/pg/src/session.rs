@@ -693,6 +693,18 @@ impl SessionState {
         self.block_lost_unreported = !reported;
     }
 
+    /// The session moved to a new server between requests; returns whether it was inside a
+    /// block, which is gone (the caller puts the new server session into a failed block).
+    pub fn moved_between_requests(&mut self) -> bool {
+        match self.status {
+            b'T' => self.block_aborted_by_failover(false),
+            // Already failed by its own error: it ends as it would have (COMMIT → ROLLBACK).
+            b'E' => self.reset_cycle(b'E'),
+            _ => return false,
+        }
+        true
+    }
+
     /// At the first frame of a cycle: returns (inject_before, hold) for a COMMIT of a block.
     fn start_cycle_if_idle(&mut self, first_sql: Option<&str>) -> (bool, bool) {
         // A COMMIT of a block a failover aborted commits nothing: no txid to track.
@@ -1239,10 +1251,14 @@ impl SessionState {
 }
 
 #[cfg(test)]
+mod model;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
-    fn parse(name: &str, sql: &str) -> Frame {
+    /// A Parse message (no parameter types).
+    pub(super) fn parse(name: &str, sql: &str) -> Frame {
         let mut b = Vec::new();
         proto::put_cstr(&mut b, name);
         proto::put_cstr(&mut b, sql);
