@@ -225,6 +225,43 @@ pub enum Stmt {
 
 /// Classifies one statement (see `split_statements`).
 pub fn classify(stmt: &str) -> Stmt {
+    // Most statements (SELECT, INSERT, ...) change no session state: decide on the first
+    // word before looking at (and lower-casing) the whole text.
+    let head = skip_comments(stmt);
+    let end = head
+        .find(|c: char| !c.is_ascii_alphabetic())
+        .unwrap_or(head.len());
+    let w0 = head[..end].to_ascii_lowercase();
+    const KEYWORDS: [&str; 16] = [
+        "begin",
+        "start",
+        "commit",
+        "end",
+        "prepare",
+        "rollback",
+        "abort",
+        "savepoint",
+        "release",
+        "deallocate",
+        "discard",
+        "declare",
+        "close",
+        "set",
+        "reset",
+        "select",
+    ];
+    if !KEYWORDS.contains(&w0.as_str()) {
+        return Stmt::Other;
+    }
+    if w0 == "select" {
+        return match set_config_call(stmt) {
+            Some((key, false)) => Stmt::Set {
+                key,
+                sql: head.trim_end().trim_end_matches(';').trim_end().to_string(),
+            },
+            _ => Stmt::Other,
+        };
+    }
     let n = norm(stmt);
     let raw = skip_comments(stmt)
         .trim_end()
@@ -294,13 +331,6 @@ pub fn classify(stmt: &str) -> Stmt {
         "reset" => Stmt::Set {
             key: setting_key(&w[1..]),
             sql: raw.to_string(),
-        },
-        "select" => match set_config_call(raw) {
-            Some((key, false)) => Stmt::Set {
-                key,
-                sql: raw.to_string(),
-            },
-            _ => Stmt::Other,
         },
         _ => Stmt::Other,
     }
@@ -518,6 +548,9 @@ fn push_effect(list: &mut Vec<Effect>, e: Effect) {
 #[derive(Debug)]
 enum Slot {
     Stmt(Stmt),
+    /// A COMMIT (or the ROLLBACK sent for it) of a block a failover aborted: its ROLLBACK
+    /// tag becomes the client's error.
+    LostCommit(Stmt),
     Ready,
 }
 
@@ -593,8 +626,6 @@ pub struct SessionState {
     block_lost: bool,
     /// ... and the client has not been told yet.
     block_lost_unreported: bool,
-    /// A COMMIT of a lost block is in flight: its ROLLBACK tag becomes an error.
-    lost_commits: u32,
 }
 
 /// What to do with a client frame.
@@ -658,7 +689,6 @@ impl SessionState {
             overflow: false,
             block_lost: false,
             block_lost_unreported: false,
-            lost_commits: 0,
         }
     }
 
@@ -830,8 +860,7 @@ impl SessionState {
                     // rest of the query would not run after a failed COMMIT either).
                     let rb = proto::query("ROLLBACK");
                     self.start_cycle_if_idle(Some("ROLLBACK"));
-                    self.lost_commits += 1;
-                    self.slots.push_back(Slot::Stmt(Stmt::Rollback));
+                    self.slots.push_back(Slot::LostCommit(Stmt::Rollback));
                     self.push_inflight(&rb);
                     self.awaiting += 1;
                     self.maybe_inject_after(self.status);
@@ -904,10 +933,12 @@ impl SessionState {
                     .first()
                     .map(|s| classify(s))
                     .unwrap_or(Stmt::Other);
-                if self.block_lost && st == Stmt::Commit {
-                    self.lost_commits += 1;
-                }
-                self.slots.push_back(Slot::Stmt(st));
+                self.slots
+                    .push_back(if self.block_lost && st == Stmt::Commit {
+                        Slot::LostCommit(st)
+                    } else {
+                        Slot::Stmt(st)
+                    });
                 self.push_inflight(f);
                 self.ext_open = true;
                 PLAIN_FORWARD
@@ -989,7 +1020,7 @@ impl SessionState {
             b'Z' => {
                 self.expect.pop_front();
                 // Statements skipped after an error, then the cycle's end.
-                while let Some(Slot::Stmt(_)) = self.slots.front() {
+                while let Some(Slot::Stmt(_) | Slot::LostCommit(_)) = self.slots.front() {
                     self.slots.pop_front();
                 }
                 self.slots.pop_front();
@@ -1008,7 +1039,6 @@ impl SessionState {
                 self.awaiting = self.awaiting.saturating_sub(1);
                 self.parse_queue.clear();
                 self.cycle_error = false;
-                self.lost_commits = 0;
                 if self.awaiting == 0 && !self.ext_open {
                     self.inflight.clear();
                     self.inflight_bytes = 0;
@@ -1027,27 +1057,26 @@ impl SessionState {
             b'C' => {
                 self.forwarded_in_cycle = true;
                 let tag = proto::cstr(&f.body).map(|(s, _)| s).unwrap_or("");
-                if let Some(Slot::Stmt(st)) = self.slots.front() {
-                    let st = st.clone();
-                    self.slots.pop_front();
-                    let lost_commit = self.lost_commits > 0
-                        && matches!(st, Stmt::Commit | Stmt::Rollback)
-                        && tag == "ROLLBACK";
+                let slot = match self.slots.front() {
+                    Some(Slot::Stmt(_) | Slot::LostCommit(_)) => self.slots.pop_front(),
+                    _ => None,
+                };
+                let lost_commit = matches!(slot, Some(Slot::LostCommit(_)));
+                if let Some(Slot::Stmt(st) | Slot::LostCommit(st)) = slot {
                     self.apply(st, tag);
-                    if lost_commit {
-                        self.lost_commits -= 1;
-                        self.cycle_error = true;
-                        return ServerAction::Replace(proto::error_response(
-                            "ERROR",
-                            "40001",
-                            LOST_COMMIT_MESSAGE,
-                        ));
-                    }
+                }
+                if lost_commit && tag == "ROLLBACK" {
+                    self.cycle_error = true;
+                    return ServerAction::Replace(proto::error_response(
+                        "ERROR",
+                        "40001",
+                        LOST_COMMIT_MESSAGE,
+                    ));
                 }
             }
             b's' | b'I' => {
                 // PortalSuspended / EmptyQueryResponse: the Execute ended without effect.
-                if let Some(Slot::Stmt(_)) = self.slots.front() {
+                if let Some(Slot::Stmt(_) | Slot::LostCommit(_)) = self.slots.front() {
                     self.slots.pop_front();
                 }
                 self.forwarded_in_cycle = true;
@@ -1245,7 +1274,6 @@ impl SessionState {
         self.parse_queue.clear();
         self.cycle_error = false;
         self.levels.clear();
-        self.lost_commits = 0;
         self.overflow = false;
     }
 }
@@ -1924,6 +1952,32 @@ mod tests {
             }
             a => panic!("{a:?}"),
         }
+    }
+
+    #[test]
+    fn lost_commit_pipelined_behind_another_request_still_fails() {
+        let mut s = SessionState::new(vec![]);
+        q(&mut s, "BEGIN", &["BEGIN"], b'T');
+        s.block_aborted_by_failover(true);
+        s.status = b'E';
+        // A query and a COMMIT sent before the first answer arrives.
+        assert_eq!(s.on_client(&proto::query("SELECT 1")), PLAIN);
+        assert_eq!(
+            s.on_client(&proto::query("COMMIT")),
+            ClientAction::Substitute(proto::query("ROLLBACK"))
+        );
+        let server = [
+            proto::error_response("ERROR", "25P02", "aborted"),
+            z(b'E'),
+            proto::command_complete("ROLLBACK"),
+            z(b'I'),
+        ];
+        let out: Vec<ServerAction> = server.iter().map(|f| s.on_server(f)).collect();
+        assert!(
+            matches!(&out[2], ServerAction::Replace(e) if e.tag == b'E'),
+            "{out:?}"
+        );
+        assert!(s.idle() && s.status == b'I');
     }
 
     #[test]
