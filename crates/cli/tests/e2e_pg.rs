@@ -736,6 +736,161 @@ fn pg_failover_session_state_lost_commits_and_admission() {
     assert_eq!(stats["startup_timeouts"], 1, "{stats}");
 }
 
+/// A random statement that changes session state (all allowed on a hot standby); in a
+/// failed block (`status` E) mostly one that ends or recovers it.
+fn random_state_statement(r: &mut pliant_testkit::XorShift, status: u8) -> String {
+    fn pick(r: &mut pliant_testkit::XorShift, xs: &[&'static str]) -> &'static str {
+        xs[r.below(xs.len() as u64) as usize]
+    }
+    let key = pick(r, &["pl.a", "pl.b", "work_mem"]);
+    let val = if key == "work_mem" {
+        pick(r, &["1MB", "2MB", "3MB"])
+    } else {
+        pick(r, &["v1", "v2", "v3"])
+    };
+    let sp = pick(r, &["s1", "s2"]);
+    let p = pick(r, &["p1", "p2", "p3"]);
+    let choice = pick(r, &["DEALLOCATE ALL", "DISCARD PLANS", "DISCARD ALL"]);
+    let end = pick(r, &["COMMIT", "END"]);
+    if status == b'E' && r.below(3) > 0 {
+        return pick(
+            r,
+            &[
+                "ROLLBACK",
+                "ROLLBACK TO SAVEPOINT s1",
+                "ROLLBACK TO s2",
+                "COMMIT",
+            ],
+        )
+        .into();
+    }
+    match r.below(24) {
+        0 | 1 => format!("SET {key} = '{val}'"),
+        2 => format!("SET SESSION {key} TO '{val}'"),
+        3 => format!("SET LOCAL {key} = '{val}'"),
+        4 => format!("SELECT set_config('{key}', '{val}', false)"),
+        5 => format!("SELECT set_config('{key}', '{val}', true)"),
+        6 => format!("RESET {key}"),
+        7 => "RESET ALL".into(),
+        8 | 9 => format!("SAVEPOINT {sp}"),
+        10 => format!("RELEASE SAVEPOINT {sp}"),
+        11 => format!("ROLLBACK TO SAVEPOINT {sp}"),
+        12 | 13 => format!("PREPARE {p} AS SELECT 1"),
+        14 => format!("DEALLOCATE {p}"),
+        15 => choice.into(),
+        16 | 17 => "BEGIN".into(),
+        18 => end.into(),
+        19 | 20 => "ROLLBACK".into(),
+        21 => "SELECT 1/0".into(),
+        _ => format!("SHOW {key}"),
+    }
+}
+
+/// The session state a client can observe: the settings touched, the prepared statements
+/// (NULL and '' alike: a placeholder setting once SET reads '' after a rollback).
+fn observed_state(c: &mut Client) -> String {
+    c.scalar(
+        "SELECT concat_ws('|', coalesce(current_setting('pl.a', true), ''), \
+         coalesce(current_setting('pl.b', true), ''), current_setting('work_mem'), \
+         (SELECT string_agg(name, ',' ORDER BY name) FROM pg_prepared_statements))",
+    )
+    .unwrap_or_else(|e| panic!("observe: {e}"))
+    .unwrap_or_default()
+}
+
+/// A random sequence of session-state statements runs on a direct session (on the standby:
+/// hot standby allows all of them, and the session survives the promotion) and through the
+/// proxy; the primary fails at a random point. After every statement both give the same
+/// outcome (SQLSTATE) and transaction status, and the same observable state. At the
+/// failover an open block is lost through the proxy (its COMMIT must fail with 40001) and
+/// rolled back on the direct session. PLIANT_PG_STATE_SEED=N reruns one seed.
+#[test]
+fn pg_random_session_state_matches_postgres_across_failover() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !usable() {
+        return;
+    }
+    let seed = std::env::var("PLIANT_PG_STATE_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(1)
+                | 1
+        });
+    eprintln!("PLIANT_PG_STATE_SEED={seed}");
+    let mut r = pliant_testkit::XorShift(seed);
+    let lab = Lab::up();
+    let mut proxied = lab.client();
+    let standby = 1 - lab.proxy().shared.primary.load(SeqCst);
+    let mut direct = lab
+        .cl
+        .client(standby, Duration::from_secs(10))
+        .expect("standby");
+    let outcome = |c: &mut Client, sql: &str| match c.query(sql) {
+        Ok(_) => String::new(),
+        Err(e) => e.sqlstate().unwrap_or("no sqlstate").to_string(),
+    };
+    let n = 100;
+    // From a random point on, the first time the session is inside a live block (the
+    // interesting case), or 15 statements later.
+    let fail_from = 10 + r.below(n - 30);
+    let mut failed_over = false;
+    let mut log = Vec::new();
+    for i in 0..n {
+        if !failed_over && i >= fail_from && (proxied.status == b'T' || i >= fail_from + 15) {
+            failed_over = true;
+            log.push(format!("-- failover (status {})", proxied.status as char));
+            lab.kill_primary();
+            match proxied.status {
+                b'T' => {
+                    let e = proxied.query("COMMIT").map(|_| ()).err();
+                    let code = e.as_ref().and_then(|e| e.sqlstate());
+                    assert_eq!(code, Some("40001"), "lost COMMIT, seed {seed}: {log:?}");
+                    direct.query("ROLLBACK").expect("direct rollback");
+                }
+                b'E' => {
+                    proxied.query("ROLLBACK").expect("proxied rollback");
+                    direct.query("ROLLBACK").expect("direct rollback");
+                }
+                _ => {}
+            }
+            assert_eq!(proxied.status, b'I', "seed {seed}: {log:?}");
+            assert_eq!(
+                observed_state(&mut proxied),
+                observed_state(&mut direct),
+                "state after the failover, seed {seed}: {log:?}"
+            );
+        }
+        let k = 1 + usize::from(r.below(4) == 0) + usize::from(r.below(8) == 0);
+        let sql: Vec<String> = (0..k)
+            .map(|_| random_state_statement(&mut r, proxied.status))
+            .collect();
+        let sql = sql.join("; ");
+        let (a, b) = (outcome(&mut proxied, &sql), outcome(&mut direct, &sql));
+        log.push(format!("{sql} -> {a:?}/{}", proxied.status as char));
+        assert_eq!(a, b, "outcome of {sql:?}, seed {seed}: {log:?}");
+        assert_eq!(
+            proxied.status, direct.status,
+            "status, seed {seed}: {log:?}"
+        );
+        if proxied.status != b'E' {
+            assert_eq!(
+                observed_state(&mut proxied),
+                observed_state(&mut direct),
+                "state after {sql:?}, seed {seed}: {log:?}"
+            );
+        }
+    }
+    eprintln!("{}", log.join("\n"));
+    let st = lab.proxy().stats_json();
+    assert_eq!(st["failovers"], 1, "{st}");
+    assert_eq!(st["sessions_dropped_other"], 0, "{st}");
+    assert_eq!(st["sessions_dropped_unreplayable"], 0, "{st}");
+}
+
 /// `psql -c sql` through the proxy with `password`; -qAt output.
 fn psql_c(lab: &Lab, password: &str, sql: &str) -> std::process::Output {
     let a = lab.proxy().addr;
