@@ -1176,15 +1176,28 @@ impl Controller {
     fn gc_apply(&self, saved: &BTreeMap<String, u32>, present: &BTreeSet<String>) -> Result<usize> {
         let now: BTreeMap<String, u32> =
             store::get_json(lock(&self.store).as_ref(), K_EXCEPTIONS)?.unwrap_or_default();
-        let stale: Vec<FlowKey> = saved
+        let stale: Vec<(FlowKey, u32)> = saved
             .iter()
             .filter(|(k, o)| !present.contains(*k) && now.get(*k) == Some(*o))
-            .filter_map(|(k, _)| k.parse().ok())
+            .filter_map(|(k, o)| k.parse().ok().map(|k| (k, *o)))
             .collect();
         if stale.is_empty() {
             return Ok(0);
         }
-        lock(&self.steering).remove_exceptions(&stale)?;
+        // A live owner's exception becomes a conn pin to it: a connection reusing the 5-tuple
+        // may have started through the exception after the listing (it was not pinned), and
+        // the ring could send its next packets elsewhere (a second mapping of one tuple, a
+        // reset). Dead owners' exceptions just go (their pins are flushed at failover).
+        let live: BTreeSet<u32> = self.live_indexes().into_iter().collect();
+        let (of_live, of_dead): (Vec<_>, Vec<_>) =
+            stale.iter().partition(|(_, o)| live.contains(o));
+        let dead_keys: Vec<FlowKey> = of_dead.iter().map(|(k, _)| *k).collect();
+        {
+            let mut s = lock(&self.steering);
+            s.demote_exceptions(&of_live)?;
+            s.remove_exceptions(&dead_keys)?;
+        }
+        let stale: Vec<FlowKey> = stale.into_iter().map(|(k, _)| k).collect();
         self.save_exceptions(&stale, None)?;
         self.counters
             .exceptions_collected

@@ -21,6 +21,12 @@ pub trait Steering: Send {
     fn set_exceptions(&mut self, entries: &[(FlowKey, u32)]) -> Result<()>;
     fn remove_exceptions(&mut self, keys: &[FlowKey]) -> Result<usize>;
     fn exceptions(&self) -> Result<Vec<(FlowKey, u32)>>;
+    /// Replaces each exception `key -> owner` by a conn pin to the same owner (pin first,
+    /// then remove): packets of the key keep going where they went. For exceptions of flows
+    /// that looked ended: a new flow reusing the 5-tuple may have started through the
+    /// exception since (its first packet did not pin it), and must not be re-homed by the
+    /// ring mid-connection. Pins are bounded by the fabric's LRU, exceptions are not.
+    fn demote_exceptions(&mut self, entries: &[(FlowKey, u32)]) -> Result<usize>;
     fn set_port_owner(&mut self, range: RangeInclusive<u16>, owner: Option<u32>) -> Result<()>;
     /// Drops the fabric's learned pins to `index` (after it is drained).
     fn flush_pins(&mut self, index: u32) -> Result<usize>;
@@ -37,6 +43,8 @@ pub struct MemSteering {
     pub live: BTreeMap<u32, bool>,
     pub ring: Vec<u32>,
     pub exceptions: BTreeMap<FlowKey, u32>,
+    /// Conn pins the controller set (the fabric also learns its own; not modelled).
+    pub pins: BTreeMap<FlowKey, u32>,
     pub port_owner: BTreeMap<u16, u32>,
     pub fenced: BTreeMap<u32, bool>,
 }
@@ -69,6 +77,13 @@ impl Steering for MemSteering {
     fn exceptions(&self) -> Result<Vec<(FlowKey, u32)>> {
         Ok(self.exceptions.iter().map(|(k, r)| (*k, *r)).collect())
     }
+    fn demote_exceptions(&mut self, entries: &[(FlowKey, u32)]) -> Result<usize> {
+        for (k, r) in entries {
+            self.pins.insert(*k, *r);
+        }
+        let keys: Vec<FlowKey> = entries.iter().map(|(k, _)| *k).collect();
+        self.remove_exceptions(&keys)
+    }
     fn set_port_owner(&mut self, range: RangeInclusive<u16>, owner: Option<u32>) -> Result<()> {
         for p in range {
             match owner {
@@ -78,8 +93,10 @@ impl Steering for MemSteering {
         }
         Ok(())
     }
-    fn flush_pins(&mut self, _index: u32) -> Result<usize> {
-        Ok(0)
+    fn flush_pins(&mut self, index: u32) -> Result<usize> {
+        let before = self.pins.len();
+        self.pins.retain(|_, r| *r != index);
+        Ok(before - self.pins.len())
     }
     fn set_fenced(&mut self, index: u32, fenced: bool) -> Result<()> {
         self.fenced.insert(index, fenced);
@@ -175,6 +192,13 @@ impl Steering for FabricSteering {
     fn exceptions(&self) -> Result<Vec<(FlowKey, u32)>> {
         self.steer.exceptions().map_err(serr)
     }
+    fn demote_exceptions(&mut self, entries: &[(FlowKey, u32)]) -> Result<usize> {
+        for (k, r) in entries {
+            self.steer.pin_conn(k, *r).map_err(serr)?;
+        }
+        let keys: Vec<FlowKey> = entries.iter().map(|(k, _)| *k).collect();
+        self.steer.remove_exceptions(&keys).map_err(serr)
+    }
     fn set_port_owner(&mut self, range: RangeInclusive<u16>, owner: Option<u32>) -> Result<()> {
         self.steer.set_port_owner(range, owner).map_err(serr)
     }
@@ -225,6 +249,9 @@ impl Steering for LabLinkSteering {
     }
     fn exceptions(&self) -> Result<Vec<(FlowKey, u32)>> {
         self.mem.exceptions()
+    }
+    fn demote_exceptions(&mut self, entries: &[(FlowKey, u32)]) -> Result<usize> {
+        self.mem.demote_exceptions(entries)
     }
     fn set_port_owner(&mut self, range: RangeInclusive<u16>, owner: Option<u32>) -> Result<()> {
         self.mem.set_port_owner(range, owner)

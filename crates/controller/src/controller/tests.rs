@@ -329,6 +329,9 @@ impl Steering for SharedSteer {
     fn exceptions(&self) -> crate::steering::Result<Vec<(FlowKey, u32)>> {
         self.0.lock().unwrap().exceptions()
     }
+    fn demote_exceptions(&mut self, e: &[(FlowKey, u32)]) -> crate::steering::Result<usize> {
+        self.0.lock().unwrap().demote_exceptions(e)
+    }
     fn set_port_owner(
         &mut self,
         r: std::ops::RangeInclusive<u16>,
@@ -475,8 +478,19 @@ fn exceptions_of_ended_flows_are_collected() {
     assert_eq!(steer.0.lock().unwrap().exceptions.len(), 6);
     assert_eq!(c.gc_exceptions().unwrap(), 0, "all flows still exist");
     w.state(2).lock().unwrap().flows.remove(0);
+    let before: BTreeMap<FlowKey, u32> = steer.0.lock().unwrap().exceptions.clone();
     assert_eq!(c.gc_exceptions().unwrap(), 2);
-    assert_eq!(steer.0.lock().unwrap().exceptions.len(), 4);
+    let st = steer.0.lock().unwrap();
+    assert_eq!(st.exceptions.len(), 4);
+    // The collected ones became pins to the same (live) replica, nothing else moved: a
+    // connection that reused the tuple since the listing stays where it started.
+    let gone: BTreeMap<FlowKey, u32> = before
+        .into_iter()
+        .filter(|(k, _)| !st.exceptions.contains_key(k))
+        .collect();
+    assert_eq!(gone.len(), 2);
+    assert_eq!(st.pins, gone);
+    assert!(gone.values().all(|o| *o == 2), "{gone:?}");
 }
 
 #[test]
