@@ -143,7 +143,17 @@ struct LocalStats {
     sweeps: u64,
     /// Drops and other events by reason (a fixed set of static labels: bounded).
     events: BTreeMap<&'static str, u64>,
+    /// The first few recovered mappings refused at import because this worker already held
+    /// their inside key or outside tuple, each beside the mapping it collided with (an import
+    /// conflict means two replicas held one flow: the detail is what tells how).
+    import_conflicts: Vec<serde_json::Value>,
+    /// The first few replies that found no mapping (outside tuple, TCP flags): after a
+    /// recovery they tell a flow the recovery missed from the late packets of ended flows.
+    no_mapping: Vec<String>,
 }
+
+/// Import conflicts kept in detail per worker (the counter counts them all).
+const CONFLICTS_KEPT: usize = 8;
 
 /// One worker's partitioned state.
 pub struct Local {
@@ -516,6 +526,13 @@ impl FtmbNat {
         }
         let now = local.meta.now_ms;
         let Some(key) = local.by_outside.get(&pkt.key()).copied() else {
+            if local.stats.no_mapping.len() < CONFLICTS_KEPT {
+                let flags = pkt.meta.tcp_flags;
+                local
+                    .stats
+                    .no_mapping
+                    .push(format!("{} flags {flags:#04x}", pkt.key()));
+            }
             return local.count("nat_no_mapping");
         };
         let Some(m) = local.flows.get_mut(&key) else {
@@ -808,8 +825,21 @@ impl FtmbNf for FtmbNat {
                 continue;
             };
             let alias = m.outside_key(ext);
-            if local.flows.contains_key(&key) || local.by_outside.contains_key(&alias) {
+            let held_key = local
+                .flows
+                .get(&key)
+                .map(|_| key)
+                .or_else(|| local.by_outside.get(&alias).copied());
+            if let Some(held_key) = held_key {
                 local.count("nat_import_conflict");
+                if local.stats.import_conflicts.len() < CONFLICTS_KEPT {
+                    let held = local.flows.get(&held_key);
+                    local.stats.import_conflicts.push(serde_json::json!({
+                        "same": if held_key == key { "inside_key" } else { "outside_tuple" },
+                        "imported": format!("{m:?}"),
+                        "held": format!("{held:?}"),
+                    }));
+                }
                 continue;
             }
             if local.flows.len() >= MAX_MAPPINGS_PER_WORKER {
@@ -860,6 +890,8 @@ impl FtmbNf for FtmbNat {
             "sweeps": s.sweeps,
             "dirty": local.dirty.len(),
             "events": s.events,
+            "import_conflicts": s.import_conflicts,
+            "no_mapping": s.no_mapping,
         })
     }
 }
