@@ -4,10 +4,11 @@
 //! successor). Under load — long rate-limited 32 MiB downloads through the victim and a stream
 //! of short connections from many source ports through every replica, and long-lived
 //! sequence-numbered UDP flows and byte-pattern TCP streams on every replica (generations of
-//! `common::kill_trials`, each living through three kills) — a random replica is SIGKILLed by
-//! PID after a random delay (seeded; seed printed, `PLIANT_TRIAL_SEED=<seed>` repeats victims
-//! and delays), five times (`PLIANT_FTMB_KILLS=N` for more, see [`kills`]); after each failover a replica is added (`pliant scale out`) so the
-//! next kill finds three again.
+//! `common::kill_trials`, each living through three kills) — a random replica (often one that
+//! had itself recovered an earlier victim) is SIGKILLed by PID after a random delay (seeded;
+//! seed printed, `PLIANT_TRIAL_SEED=<seed>` repeats victims and delays), five times
+//! (`PLIANT_FTMB_KILLS=N` for more, see [`kills`]); after each failover a replica is added
+//! (`pliant scale out`) so the next kill finds three again.
 //!
 //! Checks: every long download completes with the served sha256 (no reset, no corruption:
 //! the flows survived the replay on the logger host); the server sees each long connection
@@ -39,11 +40,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-/// Kills per run: 5 unless `PLIANT_FTMB_KILLS` says otherwise. At 10, a known FTMB defect shows
-/// in about one run of two (one short connection reset among ~17,000, after a logger host that
-/// had itself recovered a replica was killed: packets of a flow the recovery did not bring back
-/// arrive at the new host, `nat_no_mapping`); the suite stays at the count it passes reliably
-/// until that is fixed, and the longer run is one variable away.
+/// Kills per run: 5 unless `PLIANT_FTMB_KILLS` says otherwise (each kill costs ~5 s).
 fn kills() -> usize {
     std::env::var("PLIANT_FTMB_KILLS")
         .ok()
@@ -417,7 +414,9 @@ fn ftmb_nat_survives_random_primary_kills_under_load() {
         let victim = members[(rng.next() % 3) as usize];
         traffic.start_gen(&run, kill);
         // The first kill: three long downloads (~10 s each); later: two (~4 s).
-        let (n, secs) = if kill == 0 { (3, 10) } else { (2, 4) };
+        // (curl's rate limit lets a transfer run ahead at first: 4 s downloads sometimes ended
+        // before a late kill.)
+        let (n, secs) = if kill == 0 { (3, 10) } else { (2, 6) };
         let ports = run.sports_for(victim, 80, n, &mut next);
         // A persistent echo connection through the victim times the TCP stall.
         let ping_port = run.sports_for(victim, SHORT_PORT, 1, &mut next)[0];
@@ -513,7 +512,16 @@ fn ftmb_nat_survives_random_primary_kills_under_load() {
                     .map(Vec::as_slice)
                     .unwrap_or(&[])
                     .iter()
-                    .map(|w| w["nf"]["events"].clone())
+                    .map(|w| {
+                        let mut e = w["nf"]["events"].clone();
+                        for k in ["import_conflicts", "no_mapping"] {
+                            let c = &w["nf"][k];
+                            if c.as_array().is_some_and(|a| !a.is_empty()) {
+                                e[k] = c.clone();
+                            }
+                        }
+                        e
+                    })
                     .collect();
                 (v["dispatch"].clone(), ev)
             })

@@ -783,3 +783,89 @@ fn flows_lists_the_workers_flows_and_forgets_the_ended_ones_protected_or_not() {
         "listing never forces a full snapshot: {st}"
     );
 }
+
+/// Recoveries chain: a host that recovered a primary's flows keeps them through its own
+/// logger's death, a fallback, a new logger and then its own death — the next host brings
+/// every one of them back with its external port (they reached the new logger only through
+/// the host's full snapshots, never as logged input of a packet that created them).
+#[test]
+fn flows_a_host_recovered_survive_its_own_recovery_after_a_new_logger() {
+    let dir = TempDir::new("chain");
+    let s = |n: &str| dir.sock(&format!("{n}.ftmb.sock"));
+    let mut a = engine("r1", hosting("r1", &s("a"), 10));
+    let mut b = engine("r2", hosting("r2", &s("b"), 10));
+    let mut c = engine("r3", hosting("r3", &s("c"), 10));
+    protect(&mut a, &s("b"));
+    protect(&mut b, &s("c"));
+    for sport in 5000..5010u16 {
+        a.port_mut(Side::Inside).inject(&udp_out(sport));
+    }
+    let mut at_b = Vec::new();
+    pump(&mut [&mut a, &mut b, &mut c], |es| {
+        tx(es[1], Side::Outside, &mut at_b);
+        at_b.len() >= 10
+    });
+    let ports: std::collections::BTreeSet<u16> = ext_ports(&at_b).into_iter().collect();
+    assert_eq!(ports.len(), 10);
+    drop(a);
+    let v = answer(
+        &mut b,
+        Cmd::FtmbActivate {
+            primary: "r1".into(),
+        },
+    );
+    assert_eq!(v["activated"], 10, "{v}");
+    // Traffic on the recovered flows through b (released by b's logger host c).
+    let mut at_c = Vec::new();
+    for sport in 5000..5010u16 {
+        b.port_mut(Side::Inside).inject(&udp_out(sport));
+    }
+    pump(&mut [&mut b, &mut c], |es| {
+        tx(es[1], Side::Outside, &mut at_c);
+        at_c.len() >= 10
+    });
+    // b's logger host dies: b falls back, then logs to a new host d.
+    drop(c);
+    let mut at_b2 = Vec::new();
+    pump(&mut [&mut b], |es| {
+        es[0].port_mut(Side::Inside).inject(&udp_out(5000));
+        tx(es[0], Side::Outside, &mut at_b2);
+        !at_b2.is_empty()
+    });
+    let mut d = engine("r4", hosting("r4", &s("d"), 10));
+    protect(&mut b, &s("d"));
+    let mut at_d = Vec::new();
+    for sport in 5000..5010u16 {
+        b.port_mut(Side::Inside).inject(&udp_out(sport));
+    }
+    pump(&mut [&mut b, &mut d], |es| {
+        tx(es[1], Side::Outside, &mut at_d);
+        at_d.len() >= 10
+    });
+    for f in at_c.iter().chain(&at_b2).chain(&at_d) {
+        assert!(
+            ports.contains(&parsed(f).sport),
+            "a recovered flow got a new port"
+        );
+    }
+    drop(b);
+    let v = answer(
+        &mut d,
+        Cmd::FtmbActivate {
+            primary: "r2".into(),
+        },
+    );
+    assert_eq!(v["ok"], true, "{v}");
+    assert_eq!(v["activated"], 10, "{v}");
+    for &port in &ports {
+        d.port_mut(Side::Outside).inject(&udp_back(port));
+    }
+    let mut back = Vec::new();
+    pump(&mut [&mut d], |es| {
+        tx(es[0], Side::Inside, &mut back);
+        back.len() >= 10
+    });
+    let mut sports: Vec<u16> = back.iter().map(|f| parsed(f).dport).collect();
+    sports.sort_unstable();
+    assert_eq!(sports, (5000..5010).collect::<Vec<_>>());
+}
