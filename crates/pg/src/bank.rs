@@ -7,6 +7,12 @@
 //! - every acknowledged COMMIT is visible (no acked commit lost);
 //! - no transaction whose COMMIT was never sent is visible;
 //! - every COMMIT reported as rolled back is absent (reported outcome matches the database).
+//!
+//! The workers read COMMIT's answer as most drivers do (psycopg, many ORMs): success unless it
+//! is an error, whatever the command tag. So a COMMIT that PostgreSQL answers with the tag
+//! `ROLLBACK` and no error — what it does inside a block failover aborted, if the proxy let
+//! the COMMIT through — counts as acknowledged, and the "no acked commit lost" check catches
+//! it; such answers are also counted apart (`Workload::commit_tags_not_commit`).
 
 use crate::client::{Client, ClientError};
 use crate::cluster::Cluster;
@@ -49,6 +55,8 @@ struct Shared {
     t0: Instant,
     reconnects: AtomicU64,
     commits: AtomicU64,
+    /// COMMITs answered without an error but with another tag than `COMMIT`.
+    odd_tags: AtomicU64,
 }
 
 /// Creates the schema (on the primary, through any connection).
@@ -102,6 +110,7 @@ impl Workload {
             t0: Instant::now(),
             reconnects: AtomicU64::new(0),
             commits: AtomicU64::new(0),
+            odd_tags: AtomicU64::new(0),
         });
         let threads = (0..sessions)
             .map(|sid| {
@@ -119,6 +128,10 @@ impl Workload {
     }
     pub fn reconnects(&self) -> u64 {
         self.sh.reconnects.load(SeqCst)
+    }
+    /// COMMITs answered without an error but with another tag (counted as acknowledged).
+    pub fn commit_tags_not_commit(&self) -> u64 {
+        self.sh.odd_tags.load(SeqCst)
     }
 
     /// Starts a failover measurement now (call right after the failure is injected).
@@ -349,8 +362,13 @@ fn worker(
                 eprintln!("worker {sid}: COMMIT: {e}");
             }
             match r {
-                Ok((_, tag)) if tag == "COMMIT" => Outcome::Acked,
-                Ok(_) => Outcome::ReportedAborted,
+                Ok((_, tag)) => {
+                    // Tag-blind, like the drivers above.
+                    if tag != "COMMIT" {
+                        sh.odd_tags.fetch_add(1, SeqCst);
+                    }
+                    Outcome::Acked
+                }
                 Err(ClientError::Server { code, .. }) if code == "40001" => {
                     Outcome::ReportedAborted
                 }
@@ -391,6 +409,9 @@ pub struct TrialsReport {
     pub outcome_mismatch: u64,
     pub outcomes_unknown: u64,
     pub reported_aborted: u64,
+    /// COMMITs answered without an error but not with the tag `COMMIT` (each one is an
+    /// acknowledgement to a tag-blind driver; a failure of the run).
+    pub commit_tags_not_commit: u64,
     pub total_conserved: bool,
     pub sessions_total: u64,
     pub sessions_dropped: u64,
@@ -485,6 +506,14 @@ pub fn run_trials(
         ));
         if !r.ok() {
             rep.failures.push(format!("trial {t}: {r:?}"));
+        }
+        let odd = wl.commit_tags_not_commit();
+        if odd > rep.commit_tags_not_commit {
+            rep.failures.push(format!(
+                "trial {t}: {} COMMIT(s) answered without an error but not with the tag COMMIT",
+                odd - rep.commit_tags_not_commit
+            ));
+            rep.commit_tags_not_commit = odd;
         }
         rep.acked_commits = r.acked;
         rep.acked_commits_lost = rep.acked_commits_lost.max(r.acked_lost);
