@@ -43,6 +43,10 @@ pub struct EngineOptions {
     pub max_listed_flows: usize,
     /// Packets held for incoming flows at most (beyond: dropped, `hold_overflow`).
     pub max_held_packets: usize,
+    /// The router's own ICMP errors (time exceeded, fragmentation needed): a token bucket of
+    /// this many a second with this burst (RFC 1812 §4.3.2.8; the kernel's global default).
+    pub icmp_errors_per_s: u32,
+    pub icmp_errors_burst: u32,
 }
 
 impl Default for EngineOptions {
@@ -55,6 +59,8 @@ impl Default for EngineOptions {
             max_sleep: Duration::from_millis(100),
             max_listed_flows: 1000,
             max_held_packets: crate::migrate::MAX_HELD_PACKETS,
+            icmp_errors_per_s: 1000,
+            icmp_errors_burst: 50,
         }
     }
 }
@@ -119,6 +125,8 @@ pub struct Engine<N: NetworkFunction, P: FramePort> {
     /// every wake-up (capacity only; cleared and refilled each time).
     sleep_wake_fds: Vec<std::os::fd::RawFd>,
     sleep_pollfds: Vec<libc::pollfd>,
+    /// Rate limit of the router's own ICMP errors.
+    icmp_limit: crate::ratelimit::TokenBucket,
 }
 
 impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
@@ -136,7 +144,10 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             now,
         );
         ctx.max_output = opts.max_output;
+        let icmp_limit =
+            crate::ratelimit::TokenBucket::new(opts.icmp_errors_per_s, opts.icmp_errors_burst);
         Engine {
+            icmp_limit,
             name: name.to_string(),
             nf,
             ctx,
@@ -438,6 +449,12 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             self.ctx.count_drop("l2_multicast", 1);
             return self.ctx.recycle(f.buf);
         }
+        // Router checks before the NF sees anything (RFC 1812 §5.2.2, §5.3.1), so a frame
+        // that is dropped anyway never creates NF state (a NAT mapping).
+        if let Err(reason) = self.router_check(side, &f.buf, &parsed, f.forwarded) {
+            self.ctx.count_drop(reason, 1);
+            return self.ctx.recycle(f.buf);
+        }
         let mut buf = f.buf;
         let mut offload = f.offload;
         offload.csum_valid = false;
@@ -482,6 +499,13 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             }
             return self.ctx.recycle(buf);
         }
+        // TTL before the NF: a packet that expires here is answered (time exceeded, from our
+        // address on this side) and never becomes NF state. `route_one` decrements it.
+        if parsed.ttl <= 1 {
+            self.ctx.count_drop("ttl_exceeded", 1);
+            self.send_icmp_error(side, &buf, &parsed, 11, 0, [0, 0], now);
+            return self.ctx.recycle(buf);
+        }
         let mut pkt = Packet::new(buf, side, parsed);
         pkt.offload = offload;
         // The only per-packet cost of migration when nothing moves: one check.
@@ -498,6 +522,66 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             ha.touch(pkt.meta.key);
         }
         self.nf.process(&mut self.ctx, pkt);
+    }
+
+    /// Header checks of a received IP frame: the destination MAC is ours (broadcast and
+    /// multicast are dropped before this; frames a peer replica forwarded carry the MAC of the
+    /// replica the fabric sent them to), the IPv4 header checksum verifies (the parser has
+    /// already refused bad versions, IHL and total lengths), the source is a unicast address.
+    fn router_check(
+        &self,
+        side: Side,
+        frame: &[u8],
+        p: &pliant_net::Parsed,
+        forwarded: bool,
+    ) -> Result<(), &'static str> {
+        if !forwarded && p.dst_mac != self.ports[idx(side)].mac() {
+            return Err("l2_foreign_dst");
+        }
+        if let IpAddr::V4(src) = p.src {
+            if !pliant_net::ipv4_header_ok(frame, p) {
+                return Err("bad_ipv4_checksum");
+            }
+            if src.is_multicast() || src.is_broadcast() || src.is_loopback() {
+                return Err("bad_src_addr");
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends the router's ICMP error about `frame` (received on `side`) back out of `side`,
+    /// from our address there, subject to the rate limit. Nothing for packets RFC 1812 says
+    /// must not be answered (errors, fragments, non-unicast sources) or without an address.
+    #[allow(clippy::too_many_arguments)]
+    fn send_icmp_error(
+        &mut self,
+        side: Side,
+        frame: &[u8],
+        p: &pliant_net::Parsed,
+        icmp_type: u8,
+        code: u8,
+        rest: [u16; 2],
+        now: Instant,
+    ) {
+        let IpAddr::V4(src) = p.src else { return };
+        if !pliant_net::icmp_error::may_answer(p) || p.vlan.is_some() {
+            return;
+        }
+        let i = idx(side);
+        let Some(router) = self.nets[i].source_or_any(src) else {
+            return;
+        };
+        if !self.icmp_limit.take(now) {
+            self.side_stats(side).icmp_errors_rate_limited += 1;
+            return;
+        }
+        let mac = self.ports[i].mac();
+        if let Some(e) =
+            pliant_net::icmp_error::build_v4(frame, p, mac, router, icmp_type, code, rest)
+        {
+            self.send_frame(side, &e);
+            self.side_stats(side).icmp_errors_sent += 1;
+        }
     }
 
     /// Answers an ICMP echo request addressed to the router; false if `p` is not one.
@@ -711,13 +795,8 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
 
     fn send_arp_request(&mut self, side: Side, target: std::net::Ipv4Addr) {
         let i = idx(side);
-        let Some(src) = self.nets[i].source_for(target).or_else(|| {
-            // Gateway outside our subnets cannot happen (config validation); be safe anyway.
-            self.nets[i].addrs.iter().find_map(|c| match c.addr {
-                IpAddr::V4(a) => Some(a),
-                IpAddr::V6(_) => None,
-            })
-        }) else {
+        // A gateway outside our subnets cannot happen (config validation); be safe anyway.
+        let Some(src) = self.nets[i].source_or_any(target) else {
             self.ctx.count_drop("arp_no_source_address", 1);
             return;
         };
