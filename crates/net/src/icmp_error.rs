@@ -343,15 +343,8 @@ pub fn build_v4(
 mod tests {
     use super::*;
     use crate::build::{self, MAC_A, MAC_B};
-    use crate::testutil::Rng;
-    use crate::{l4_checksum_ok, parse, Frame};
-
-    fn parsed(f: &[u8]) -> Parsed {
-        match parse(f) {
-            Ok(Frame::Ip(p)) => p,
-            other => panic!("{other:?}"),
-        }
-    }
+    use crate::l4_checksum_ok;
+    use crate::testutil::{parsed, Rng};
 
     /// The ICMP error a router at `router` sends to `orig_src` about the packet `orig` (a
     /// built frame), quoting `quote` bytes of its IP packet.

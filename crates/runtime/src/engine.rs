@@ -506,6 +506,14 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             self.send_icmp_error(side, &buf, &parsed, 11, 0, [0, 0], now);
             return self.ctx.recycle(buf);
         }
+        // Path MTU (RFC 1191) before the NF too: the frame is answered with "fragmentation
+        // needed" from the addresses it carries now (an outbound packet after SNAT would name
+        // the NAT itself) and never becomes NF state. Oversized packets without DF pass and
+        // are fragmented on output.
+        if let Err(reason) = self.mtu_check(side, &buf, &parsed, &offload, now) {
+            self.ctx.count_drop(reason, 1);
+            return self.ctx.recycle(buf);
+        }
         let mut pkt = Packet::new(buf, side, parsed);
         pkt.offload = offload;
         // The only per-packet cost of migration when nothing moves: one check.
@@ -545,6 +553,40 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             if src.is_multicast() || src.is_broadcast() || src.is_loopback() {
                 return Err("bad_src_addr");
             }
+        }
+        Ok(())
+    }
+
+    /// Refuses a packet that does not fit the MTU of the port opposite `side` (where the NF
+    /// sends it by default) and may not be fragmented: DF set (answered with ICMP
+    /// "fragmentation needed" carrying that MTU, rate-limited), IPv6 (no ICMPv6 here: counted
+    /// only), or a GSO super-frame whose segments would not fit.
+    fn mtu_check(
+        &mut self,
+        side: Side,
+        frame: &[u8],
+        p: &pliant_net::Parsed,
+        offload: &Offload,
+        now: Instant,
+    ) -> Result<(), &'static str> {
+        let mtu = self.ports[idx(side.opposite())].mtu();
+        let wire = match offload.gso {
+            Some(g) => usize::from(p.payload_off - p.l3_off) + usize::from(g.segment_size),
+            None => pliant_net::frag::ip_len(p),
+        };
+        if wire <= mtu {
+            return Ok(());
+        }
+        if !p.src.is_ipv4() {
+            return Err(pliant_net::frag::ERR_NOT_V4);
+        }
+        if pliant_net::frag::dont_fragment(frame, p) {
+            let next_hop_mtu = u16::try_from(mtu).unwrap_or(u16::MAX);
+            self.send_icmp_error(side, frame, p, 3, 4, [0, next_hop_mtu], now);
+            return Err(pliant_net::frag::ERR_DF);
+        }
+        if offload.gso.is_some() {
+            return Err("gso_too_big");
         }
         Ok(())
     }
@@ -718,21 +760,66 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
         if pliant_net::rewrite::set_src_mac(&mut pkt.buf, &mut pkt.meta, our_mac).is_err() {
             return self.ctx.pkt_drop(pkt, "rewrite_failed");
         }
+        if pkt.offload.gso.is_none() && pliant_net::frag::ip_len(&pkt.meta) > self.ports[i].mtu() {
+            return self.route_fragments(pkt, nh, now);
+        }
         if !pkt.offload.is_none() {
             if let Err(reason) = self.finish_offload(&mut pkt, i) {
                 return self.ctx.pkt_drop(pkt, reason);
             }
         }
+        self.transmit(side, nh, pkt.buf, pkt.offload, now);
+    }
+
+    /// An IPv4 packet larger than the egress MTU, without DF (refused before the NF when DF
+    /// is set): sent as fragments (`fragmented`, `fragments_sent`). The L4 checksum is
+    /// completed in software first (fragments carry no offload metadata).
+    fn route_fragments(&mut self, mut pkt: Packet, nh: IpAddr, now: Instant) {
+        let side = pkt.egress;
+        if pkt.offload.csum_partial.is_some() {
+            if !pliant_net::recompute_checksums(&mut pkt.buf, &pkt.meta) {
+                return self.ctx.pkt_drop(pkt, "csum_completion_failed");
+            }
+            pkt.offload = Offload::NONE;
+        }
+        let mtu = self.ports[idx(side)].mtu();
+        match pliant_net::frag::fragment_v4(&pkt.buf, &pkt.meta, mtu) {
+            Ok(frags) => {
+                self.side_stats(side).fragmented += 1;
+                self.side_stats(side).fragments_sent += frags.len() as u64;
+                self.ctx.recycle(pkt.buf);
+                for f in frags {
+                    self.transmit(side, nh, f, Offload::NONE, now);
+                }
+            }
+            Err(reason) => self.ctx.pkt_drop(pkt, reason),
+        }
+    }
+
+    /// Sends a routed frame (source MAC set) to next hop `nh` on `side`: at once when its MAC
+    /// is known, else queued behind ARP resolution.
+    fn transmit(
+        &mut self,
+        side: Side,
+        nh: IpAddr,
+        mut pkt_buf: Vec<u8>,
+        pkt_offload: Offload,
+        now: Instant,
+    ) {
+        let i = idx(side);
         if let Some(mac) = self.neigh[i].lookup(nh) {
-            let _ = pliant_net::rewrite::set_dst_mac(&mut pkt.buf, &mut pkt.meta, mac);
-            self.send_frame_offload(side, &pkt.buf, &pkt.offload);
-            return self.ctx.recycle(pkt.buf);
+            if let Some(d) = pkt_buf.get_mut(..6) {
+                d.copy_from_slice(&mac);
+            }
+            self.send_frame_offload(side, &pkt_buf, &pkt_offload);
+            return self.ctx.recycle(pkt_buf);
         }
         let IpAddr::V4(nh4) = nh else {
             // No NDP yet: IPv6 next hops are usable only once gleaned.
-            return self.ctx.pkt_drop(pkt, "neigh_v6_unknown");
+            self.ctx.count_drop("neigh_v6_unknown", 1);
+            return self.ctx.recycle(pkt_buf);
         };
-        let mut frame = Some((pkt.buf, pkt.offload));
+        let mut frame = Some((pkt_buf, pkt_offload));
         match self.neigh[i].resolve(nh, &mut frame, now) {
             crate::neigh::Resolve::Mac(mac) => {
                 // Raced with a learn in this round: send directly.

@@ -24,6 +24,9 @@ pub struct SideStats {
     /// needed), and those the rate limit suppressed.
     pub icmp_errors_sent: u64,
     pub icmp_errors_rate_limited: u64,
+    /// IPv4 packets larger than this port's MTU sent as fragments, and the fragments.
+    pub fragmented: u64,
+    pub fragments_sent: u64,
 }
 
 #[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]

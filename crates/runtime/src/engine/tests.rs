@@ -773,3 +773,77 @@ fn time_exceeded_is_rate_limited() {
     e.poll_once(t0 + Duration::from_millis(100));
     assert_eq!(e.port_mut(Side::Inside).take_tx().len(), 1);
 }
+
+/// A client UDP datagram with `len` payload bytes, DF set or not.
+fn big_udp(len: usize, df: bool) -> Vec<u8> {
+    let payload = vec![0x5au8; len];
+    let mut f = build::udp(
+        CLIENT_MAC,
+        IN_MAC,
+        ip("10.0.1.2"),
+        1000,
+        ip("10.0.2.2"),
+        53,
+        &payload,
+    );
+    if !df {
+        let l3 = usize::from(parsed(&f).l3_off);
+        f[l3 + 6] &= !0x40;
+        f[l3 + 10..l3 + 12].fill(0);
+        let c = pliant_net::checksum::checksum(&f[l3..l3 + 20]);
+        f[l3 + 10..l3 + 12].copy_from_slice(&c.to_be_bytes());
+    }
+    f
+}
+
+#[test]
+fn oversized_packets_get_frag_needed_with_df_and_are_fragmented_without() {
+    let mut ports = [MemPort::new(IN_MAC), MemPort::new(OUT_MAC)];
+    ports[1] = MemPort::with_limits(
+        OUT_MAC,
+        pliant_io::MemPortLimits {
+            max_frame_bytes: 1280 + 18,
+            ..Default::default()
+        },
+    );
+    let (e0, t0) = engine_of(Seen::default(), EngineOptions::default());
+    let mut e = Engine::new(
+        "t",
+        Seen::default(),
+        ports,
+        e0.nets.clone(),
+        EngineOptions::default(),
+        t0,
+    );
+    e.port_mut(Side::Outside).inject(&server_arp_reply());
+    e.poll_once(t0);
+    e.port_mut(Side::Inside).inject(&big_udp(1400, true));
+    e.port_mut(Side::Inside).inject(&big_udp(2900, false));
+    e.port_mut(Side::Inside).inject(&big_udp(1200, true));
+    e.poll_once(t0);
+    assert_eq!(e.nf().n, 2, "the DF packet never reached the NF");
+    assert_eq!(e.ctx.drops().get("frag_needed"), 1);
+    // Fragmentation needed, next-hop MTU 1280, from our inside address.
+    let back = e.port_mut(Side::Inside).take_tx();
+    assert_eq!(back.len(), 1);
+    let p = parsed(&back[0].frame);
+    assert_eq!((p.icmp_type, p.icmp_code, p.src), (3, 4, ip("10.0.1.1")));
+    let l4 = usize::from(p.l4_off);
+    assert_eq!(&back[0].frame[l4 + 6..l4 + 8], &1280u16.to_be_bytes());
+    // The one without DF left as three fragments that fit, the small one whole.
+    let out: Vec<Vec<u8>> = e
+        .port_mut(Side::Outside)
+        .take_tx()
+        .into_iter()
+        .map(|r| r.frame)
+        .collect();
+    assert_eq!(out.len(), 4);
+    for f in &out {
+        let q = parsed(f);
+        assert!(pliant_net::frag::ip_len(&q) <= 1280);
+        assert!(pliant_net::ipv4_header_ok(f, &q));
+        assert_eq!((q.dst_mac, q.src_mac), (SERVER_MAC, OUT_MAC));
+    }
+    assert_eq!(e.stats().outside.fragmented, 1);
+    assert_eq!(e.stats().outside.fragments_sent, 3);
+}
