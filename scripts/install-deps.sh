@@ -11,6 +11,7 @@ set -euo pipefail
 #   netsniff-ng (trafgen)    64-byte packet generator (iperf3 tops out at ~190k pps here)
 #   curl                     HTTP client in the client namespace
 #   iputils-ping             RTT measurements
+#   traceroute               the NAT hop seen by traceroute -n (router TTL handling, e2e)
 #   cbindgen                 generates include/pliant.h from the ffi crate
 #   clang, llvm              libFuzzer-compatible sancov builds (and BPF programs later)
 #   ethtool, tcpdump         diagnostics used by tests when something fails
@@ -20,7 +21,7 @@ set -euo pipefail
 #   conntrackd, keepalived   the kernel NAT HA peer (conntrack state sync + VRRP) in `pliant bench ha`
 #   patroni, etcd-server, etcd-client  the PostgreSQL HA peer measured by `pliant bench pg`
 #   default-jdk-headless, libpostgresql-jdbc-java  a JDBC client (pgJDBC) through the pg proxy in the e2e test
-pkgs=(iproute2 nftables iperf3 nginx-light netsniff-ng curl iputils-ping cbindgen clang llvm ethtool
+pkgs=(iproute2 nftables iperf3 nginx-light netsniff-ng curl iputils-ping traceroute cbindgen clang llvm ethtool
       conntrackd keepalived patroni etcd-server etcd-client default-jdk-headless libpostgresql-jdbc-java
       tcpdump fonts-dejavu-core gcc g++ make pkg-config postgresql-15 postgresql-client-15)
 missing=()

@@ -140,6 +140,22 @@ impl Topo {
         self.children.len() - 1
     }
 
+    /// Starts `pliant replica` with `vnet` (`PLIANT_VNET_HDR=0|1`) and waits for its control
+    /// socket; returns the child's index.
+    fn start_replica(&mut self, vnet: &str, cfg: &std::path::Path, sock: &str) -> usize {
+        let ns = self.replica.clone();
+        let cfg = cfg.to_str().unwrap();
+        let i = self.spawn(
+            &ns,
+            &["env", vnet, pliant(), "replica", "--config", cfg],
+            "replica.log",
+        );
+        wait_for("control socket", Duration::from_secs(10), || {
+            std::path::Path::new(sock).exists()
+        });
+        i
+    }
+
     fn log(&self, name: &str) -> String {
         std::fs::read_to_string(self.dir.join(name)).unwrap_or_default()
     }
@@ -331,21 +347,7 @@ fn nat_e2e(offloads: bool) {
     } else {
         "PLIANT_VNET_HDR=0"
     };
-    let replica = t.spawn(
-        &t.replica.clone(),
-        &[
-            "env",
-            vnet,
-            pliant(),
-            "replica",
-            "--config",
-            cfg.to_str().unwrap(),
-        ],
-        "replica.log",
-    );
-    wait_for("control socket", Duration::from_secs(10), || {
-        std::path::Path::new(&sock).exists()
-    });
+    let replica = t.start_replica(vnet, &cfg, &sock);
     let filters = t.ns(
         &t.replica,
         &["tc", "filter", "show", "dev", "rin", "ingress"],
@@ -561,5 +563,151 @@ fn nat_e2e(offloads: bool) {
     assert!(
         !filters.contains("pliant_drop"),
         "tc filter left behind: {filters}"
+    );
+}
+
+/// Counts the bytes of one TCP connection on 10.201.2.2:9000 and prints the total.
+const SINK: &str = r#"
+import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("10.201.2.2", 9000))
+s.listen(1)
+print("ready", flush=True)
+c, _ = s.accept()
+n = 0
+while True:
+    b = c.recv(65536)
+    if not b:
+        break
+    n += len(b)
+print("got", n, flush=True)
+"#;
+
+/// The router role against what the kernel router does: traceroute sees the NAT hop (time
+/// exceeded from the inside address), a 1 MB upload with DF completes over an outside link of
+/// MTU 1280 (fragmentation needed teaches the client the path MTU), and unicast frames for
+/// another MAC create no mapping and are counted.
+#[test]
+fn nat_router_ttl_mtu_and_foreign_mac() {
+    if !pliant_testkit::require_root() {
+        return;
+    }
+    let mut t = Topo::new(true);
+    // Only the replica's side of the outside link: the server announces an MSS for 1500, so
+    // TCP's MSS negotiation alone does not avoid oversized segments.
+    t.ns(&t.replica, &["ip", "link", "set", "rout", "mtu", "1280"]);
+    let sock = t.dir.join("r.sock").to_str().unwrap().to_string();
+    let cfg = t.dir.join("replica.toml");
+    std::fs::write(&cfg, t.config(&sock)).unwrap();
+    t.start_replica("PLIANT_VNET_HDR=1", &cfg, &sock);
+    let sink = t.dir.join("sink.py");
+    std::fs::write(&sink, SINK).unwrap();
+    let srv = t.server.clone();
+    t.spawn(
+        &srv,
+        &["/usr/bin/python3", sink.to_str().unwrap()],
+        "sink.log",
+    );
+    wait_for("sink", Duration::from_secs(10), || {
+        t.log("sink.log").contains("ready")
+    });
+
+    // traceroute -n: hop 1 is the NAT's inside address, hop 2 the server.
+    let tr = t.ns(
+        &t.client,
+        &[
+            "traceroute",
+            "-n",
+            "-q",
+            "1",
+            "-w",
+            "2",
+            "-m",
+            "3",
+            "10.201.2.2",
+        ],
+    );
+    eprintln!("{tr}");
+    assert!(
+        tr.lines()
+            .any(|l| l.trim_start().starts_with("1 ") && l.contains("10.201.1.1")),
+        "the NAT hop is missing:\n{tr}"
+    );
+    assert!(
+        tr.lines()
+            .any(|l| l.contains("10.201.2.2 ") && !l.starts_with("traceroute")),
+        "{tr}"
+    );
+
+    // 1 MB upload with DF (Linux TCP sets it) through the MTU-1280 outside link.
+    let up = t.ns(
+        &t.client,
+        &[
+            "timeout",
+            "20",
+            "bash",
+            "-c",
+            "head -c 1000000 /dev/zero > /dev/tcp/10.201.2.2/9000",
+        ],
+    );
+    eprintln!("{up}");
+    wait_for("upload received", Duration::from_secs(10), || {
+        t.log("sink.log").contains("got")
+    });
+    assert!(
+        t.log("sink.log").contains("got 1000000"),
+        "{}",
+        t.log("sink.log")
+    );
+
+    // Frames for another MAC: dropped before the NAT, counted, no mapping.
+    t.ns(
+        &t.client,
+        &[
+            "mausezahn",
+            "c0",
+            "-q",
+            "-c",
+            "5",
+            "-a",
+            "02:00:00:00:00:77",
+            "-b",
+            "02:00:00:00:00:99",
+            "-A",
+            "10.201.1.2",
+            "-B",
+            "10.201.2.2",
+            "-t",
+            "udp",
+            "sp=7777,dp=7777",
+        ],
+    );
+    let v: serde_json::Value = serde_json::from_str(
+        t.ns(
+            &t.replica,
+            &[pliant(), "stats", "--socket", &sock, "--json"],
+        )
+        .trim(),
+    )
+    .expect("stats JSON");
+    eprintln!("replica stats: {v}");
+    assert!(
+        v["drops"]["l2_foreign_dst"].as_u64().unwrap_or(0) >= 5,
+        "{v}"
+    );
+    assert!(v["drops"]["frag_needed"].as_u64().unwrap_or(0) >= 1, "{v}");
+    assert!(v["drops"]["ttl_exceeded"].as_u64().unwrap_or(0) >= 1, "{v}");
+    assert!(
+        v["engine"]["inside"]["icmp_errors_sent"]
+            .as_u64()
+            .unwrap_or(0)
+            >= 2,
+        "{v}"
+    );
+    let q = t.ns(&t.replica, &[pliant(), "query", "--socket", &sock]);
+    assert!(
+        !q.contains(":7777"),
+        "a foreign-MAC frame made a mapping: {q}"
     );
 }

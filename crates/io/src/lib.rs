@@ -144,6 +144,11 @@ pub trait FramePort {
     /// The interface's MAC address.
     fn mac(&self) -> [u8; 6];
 
+    /// The interface's MTU (largest IP packet it sends in one frame).
+    fn mtu(&self) -> usize {
+        1500
+    }
+
     /// True when this port reports and accepts offload metadata (virtio_net_hdr). When false, the
     /// caller must finish checksums itself before sending and must not send frames above the MTU.
     fn offloads_enabled(&self) -> bool {

@@ -267,6 +267,11 @@ impl FramePort for MemPort {
     fn offloads_enabled(&self) -> bool {
         self.offloads
     }
+
+    /// `max_frame_bytes` less the Ethernet and VLAN headers (1500 by default).
+    fn mtu(&self) -> usize {
+        self.limits.max_frame_bytes.saturating_sub(18)
+    }
 }
 
 #[cfg(test)]

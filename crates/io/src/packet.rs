@@ -1103,6 +1103,10 @@ impl MmsgQueue {
 }
 
 impl FramePort for PacketPort {
+    fn mtu(&self) -> usize {
+        self.mtu
+    }
+
     fn recv_batch_meta(
         &mut self,
         max: usize,

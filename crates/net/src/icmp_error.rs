@@ -281,19 +281,70 @@ pub fn set_inner_port(
     Ok(())
 }
 
+/// Bytes of the offending IP packet an ICMP error quotes at most: RFC 1812 §4.3.2.3 (the
+/// error, IP header included, stays within 576 bytes).
+pub const MAX_QUOTE: usize = 576 - 20 - 8;
+
+/// Whether a router may answer the IPv4 packet `p` with an ICMP error (RFC 1122 §3.2.2,
+/// RFC 1812 §4.3.2.7): not about an ICMP error, a non-first fragment, a packet whose source
+/// is not a unicast host address, or one sent to a link-layer broadcast/multicast address.
+pub fn may_answer(p: &Parsed) -> bool {
+    let IpAddr::V4(src) = p.src else {
+        return false;
+    };
+    if p.fragment || is_error(p) || p.dst_mac[0] & 1 != 0 {
+        return false;
+    }
+    if let IpAddr::V4(d) = p.dst {
+        if d.is_broadcast() || d.is_multicast() {
+            return false;
+        }
+    }
+    !(src.is_unspecified()
+        || src.is_broadcast()
+        || src.is_multicast()
+        || src.is_loopback()
+        || src.octets()[0] == 0)
+}
+
+/// The ICMPv4 error (`icmp_type`/`code`, the 4 type-specific bytes as `rest`) a router at
+/// `router` sends back to the source of the IPv4 packet in `frame` (parsed as `p`), quoting its
+/// IP header and up to [`MAX_QUOTE`] bytes of it; addressed from `our_mac` to the frame's
+/// sender. `None` when [`may_answer`] says no error may be sent. Allocates (not the data path).
+pub fn build_v4(
+    frame: &[u8],
+    p: &Parsed,
+    our_mac: crate::Mac,
+    router: Ipv4Addr,
+    icmp_type: u8,
+    code: u8,
+    rest: [u16; 2],
+) -> Option<Vec<u8>> {
+    if !may_answer(p) {
+        return None;
+    }
+    let l3 = usize::from(p.l3_off);
+    let end = p.l4_end().min(frame.len()).min(l3 + MAX_QUOTE);
+    let quote = frame.get(l3..end)?;
+    Some(crate::build::icmp(
+        our_mac,
+        p.src_mac,
+        IpAddr::V4(router),
+        p.src,
+        proto::ICMP,
+        icmp_type,
+        code,
+        rest,
+        quote,
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::build::{self, MAC_A, MAC_B};
-    use crate::testutil::Rng;
-    use crate::{l4_checksum_ok, parse, Frame};
-
-    fn parsed(f: &[u8]) -> Parsed {
-        match parse(f) {
-            Ok(Frame::Ip(p)) => p,
-            other => panic!("{other:?}"),
-        }
-    }
+    use crate::l4_checksum_ok;
+    use crate::testutil::{parsed, Rng};
 
     /// The ICMP error a router at `router` sends to `orig_src` about the packet `orig` (a
     /// built frame), quoting `quote` bytes of its IP packet.
@@ -389,5 +440,43 @@ mod tests {
             assert_eq!(inner(&e, &p), Some(i));
         }
         assert!(compared > 2_000, "only {compared} cases compared");
+    }
+
+    #[test]
+    fn router_errors_quote_the_packet_and_refuse_what_rfc_1812_forbids() {
+        let c: IpAddr = "10.0.0.1".parse().unwrap();
+        let s: IpAddr = "10.0.9.9".parse().unwrap();
+        let r = Ipv4Addr::new(10, 0, 0, 254);
+        let big = vec![7u8; 1400];
+        let orig = build::udp(MAC_A, MAC_B, c, 4000, s, 53, &big);
+        let p = parsed(&orig);
+        let e = build_v4(&orig, &p, MAC_B, r, 11, 0, [0, 0]).unwrap();
+        let ep = parsed(&e);
+        assert_eq!((ep.src, ep.dst, ep.icmp_type), (IpAddr::V4(r), c, 11));
+        assert_eq!((ep.dst_mac, ep.src_mac), (MAC_A, MAC_B));
+        assert_eq!(usize::from(ep.payload_len), MAX_QUOTE);
+        assert!(l4_checksum_ok(&e, &ep) && crate::ipv4_header_ok(&e, &ep));
+        let i = inner(&e, &ep).unwrap();
+        assert_eq!(i.key, p.key);
+        // Never about an ICMP error (here: the error just built).
+        assert!(build_v4(&e, &ep, MAC_B, r, 11, 0, [0, 0]).is_none());
+        // Never to a non-unicast source, nor for a frame sent to a multicast MAC.
+        let bc = build::udp(
+            MAC_A,
+            MAC_B,
+            "255.255.255.255".parse().unwrap(),
+            1,
+            s,
+            2,
+            b"",
+        );
+        assert!(!may_answer(&parsed(&bc)));
+        let mut mc = orig.clone();
+        mc[0] = 0x01;
+        assert!(!may_answer(&parsed(&mc)));
+        let (a6, b6) = ("fd00::1".parse().unwrap(), "fd00::2".parse().unwrap());
+        assert!(!may_answer(&parsed(&build::udp(
+            MAC_A, MAC_B, a6, 1, b6, 2, b""
+        ))));
     }
 }

@@ -19,6 +19,7 @@ pub mod arp;
 pub mod build;
 pub mod checksum;
 mod eth;
+pub mod frag;
 mod frame_csum;
 pub mod icmp_error;
 mod ipv4;

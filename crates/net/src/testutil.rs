@@ -28,3 +28,11 @@ impl Rng {
         }
     }
 }
+
+/// The parse result of an IP frame (panics on anything else).
+pub fn parsed(f: &[u8]) -> crate::Parsed {
+    match crate::parse(f) {
+        Ok(crate::Frame::Ip(p)) => p,
+        other => panic!("not IP: {other:?}"),
+    }
+}

@@ -26,6 +26,7 @@
 //! non-first fragments (`nat_fragment`).
 
 pub mod ftmb;
+mod guard;
 mod icmp_err;
 mod pool;
 mod xlate;
@@ -68,6 +69,14 @@ pub struct Config {
     pub udp_timeout_s: u64,
     #[serde(default = "d_icmp")]
     pub icmp_timeout_s: u64,
+    /// Idle timeout of a TCP mapping whose SYN has not been answered yet (embryonic): a SYN
+    /// flood's mappings end this soon even without pool pressure.
+    #[serde(default = "d_embryonic")]
+    pub tcp_embryonic_timeout_s: u64,
+    /// Live mappings one inside address may hold at most (all protocols); 0 = no limit.
+    /// Beyond it new flows of that host are refused (`nat_host_quota`).
+    #[serde(default)]
+    pub max_mappings_per_host: u32,
 }
 
 fn d_port_min() -> u16 {
@@ -91,6 +100,9 @@ fn d_udp() -> u64 {
 fn d_icmp() -> u64 {
     30
 }
+fn d_embryonic() -> u64 {
+    20
+}
 
 impl Config {
     /// A config with the defaults and the given external address.
@@ -105,6 +117,8 @@ impl Config {
             tcp_closing_timeout_s: d_tcp_closing(),
             udp_timeout_s: d_udp(),
             icmp_timeout_s: d_icmp(),
+            tcp_embryonic_timeout_s: d_embryonic(),
+            max_mappings_per_host: 0,
         }
     }
 
@@ -128,6 +142,17 @@ impl Config {
         }
     }
 
+    /// Idle timeout, in seconds, of mapping `m`: [`Config::idle_timeout_s`], except that a
+    /// TCP mapping still opening and never answered gets the embryonic timeout (if shorter).
+    pub fn mapping_timeout_s(&self, m: &Mapping) -> u64 {
+        let t = self.idle_timeout_s(m.proto, m.phase);
+        if m.proto == proto::TCP && m.phase == TcpPhase::Opening && !m.replied {
+            t.min(self.tcp_embryonic_timeout_s)
+        } else {
+            t
+        }
+    }
+
     pub fn validate(&self) -> Result<(), String> {
         if self.port_min == 0 || self.port_min > self.port_max {
             return Err(format!(
@@ -142,6 +167,7 @@ impl Config {
             ("tcp_closing_timeout_s", self.tcp_closing_timeout_s),
             ("udp_timeout_s", self.udp_timeout_s),
             ("icmp_timeout_s", self.icmp_timeout_s),
+            ("tcp_embryonic_timeout_s", self.tcp_embryonic_timeout_s),
         ];
         for (name, v) in timeouts {
             // Zero would re-arm a timer at the same instant forever; a day-long bound keeps
@@ -242,6 +268,17 @@ impl Mapping {
         }
     }
 
+    /// Whether the mapping may be evicted under pool pressure: it carries no confirmed
+    /// two-way traffic (conntrack's "not assured"). TCP: not established (a SYN never
+    /// answered, or answered and never acknowledged, or closing); UDP/ICMP: never answered.
+    pub fn evictable(&self) -> bool {
+        if self.proto == proto::TCP {
+            self.phase != TcpPhase::Established
+        } else {
+            !self.replied
+        }
+    }
+
     /// The inside key (what the mapping's inside packets are keyed by).
     pub(crate) fn inside_key(&self) -> FlowKey {
         FlowKey::v4(
@@ -338,6 +375,8 @@ pub struct Nat {
     tcp: PortPool,
     udp: PortPool,
     icmp: PortPool,
+    /// Abuse defences: evictable mappings in creation order, per-host mapping counts.
+    guard: guard::Guard,
 }
 
 impl Nat {
@@ -353,6 +392,7 @@ impl Nat {
             tcp: PortPool::from_blocks(&blocks),
             udp: PortPool::from_blocks(&blocks),
             icmp: PortPool::from_blocks(&blocks),
+            guard: guard::Guard::default(),
             cfg,
             epoch,
             epoch_wall_ms: wall_ms,
@@ -407,7 +447,7 @@ impl Nat {
     }
 
     fn timeout(&self, m: &Mapping) -> Duration {
-        self.timeout_of(m.proto, m.phase)
+        Duration::from_secs(self.cfg.mapping_timeout_s(m))
     }
 
     /// Checks what the NF can translate; returns the drop reason otherwise.
@@ -496,7 +536,14 @@ impl Nat {
     ) -> Result<u16, &'static str> {
         let p = pkt.meta.proto;
         opens_mapping(pkt)?;
-        let ext = self.pool(p).alloc().ok_or("nat_port_exhausted")?;
+        let quota = self.cfg.max_mappings_per_host;
+        if quota > 0 && self.guard.host_count(ctx, src) >= quota {
+            return Err("nat_host_quota");
+        }
+        let ext = match self.pool(p).alloc() {
+            Some(port) => port,
+            None => self.evict_for(ctx, p).ok_or("nat_port_exhausted")?,
+        };
         let m = Mapping::opened_by(pkt, src, dst, ext, now_ms);
         let timeout = self.timeout(&m);
         let alias = m.outside_key(self.cfg.external_ip);
@@ -521,7 +568,27 @@ impl Nat {
             return Err("nat_alias_conflict");
         }
         ctx.count("nat_mappings_created", 1);
+        self.guard.created(ctx, key, p, src);
         Ok(ext)
+    }
+
+    /// The pool of protocol `p` is empty: evicts the oldest evictable mapping of `p` (see
+    /// [`Mapping::evictable`]) and allocates its port again. None if there is none.
+    fn evict_for(&mut self, ctx: &mut Ctx<Mapping>, p: u8) -> Option<u16> {
+        while let Some(key) = self.guard.pop_evictable(ctx, p) {
+            let Ok(m) = ctx.flows.delete_flow(&key) else {
+                continue;
+            };
+            self.guard.ended(m.inside_addr);
+            self.pool(p).release(m.external_port);
+            ctx.count("nat_evicted_embryonic", 1);
+            if let Some(port) = self.pool(p).alloc() {
+                // The refusal the eviction avoided is not an exhaustion.
+                self.pool(p).exhausted = self.pool(p).exhausted.saturating_sub(1);
+                return Some(port);
+            }
+        }
+        None
     }
 
     fn inbound(&mut self, ctx: &mut Ctx<Mapping>, mut pkt: Packet) {
@@ -609,6 +676,7 @@ impl Nat {
         }
         match ctx.flows.delete_flow(&key) {
             Ok(m) => {
+                self.guard.ended(m.inside_addr);
                 if !self.pool(m.proto).release(m.external_port)
                     && !self.pool(m.proto).owns(m.external_port)
                 {
@@ -671,11 +739,13 @@ impl NetworkFunction for Nat {
         let Some(m) = ctx.flows.peek(&key) else {
             return;
         };
-        let (p, port) = (m.proto, m.external_port);
+        let (p, port, host) = (m.proto, m.external_port, m.inside_addr);
         let pool = self.pool(p);
         if pool.owns(port) && pool.reserve(port) {
             ctx.count("nat_imported_ports_reserved", 1);
         }
+        // Evictable imported mappings queue behind local ones of the same age class.
+        self.guard.created(ctx, key, p, host);
     }
 
     fn set_port_blocks(
@@ -731,6 +801,7 @@ impl NetworkFunction for Nat {
             "external_ip": self.cfg.external_ip.to_string(),
             "mappings": ctx.flows.len(),
             "pools": { "tcp": pool(&self.tcp), "udp": pool(&self.udp), "icmp": pool(&self.icmp) },
+            "abuse": self.guard.query(ctx, &self.cfg),
             "sample": sample,
         })
     }

@@ -200,17 +200,45 @@ fn tcp_fin_shortens_the_timeout() {
     );
 }
 
+/// Opens a TCP mapping from the client's `sport` and completes the handshake through it
+/// (SYN, SYN-ACK, ACK): established, so never evicted. Returns the external port.
+fn established(h: &mut Harness<Nat>, sport: u16) -> u16 {
+    h.inject(Side::Inside, &tcp_out(sport, tcp_flags::SYN, b""))
+        .unwrap();
+    let ext = check(&one_output(h).1).sport;
+    h.inject(
+        Side::Outside,
+        &tcp_in(ext, tcp_flags::SYN | tcp_flags::ACK, b""),
+    )
+    .unwrap();
+    one_output(h);
+    h.inject(Side::Inside, &tcp_out(sport, tcp_flags::ACK, b""))
+        .unwrap();
+    one_output(h);
+    ext
+}
+
+/// Sends a UDP answer to external port `ext` (the mapping is answered: not evictable).
+fn answer_udp(h: &mut Harness<Nat>, ext: u16) {
+    h.inject(Side::Outside, &udp_in(ext)).unwrap();
+    one_output(h);
+}
+
 #[test]
 fn exhaustion_is_a_counted_refusal() {
     let mut cfg = Config::with_external_ip(EXT);
     cfg.port_min = 30000;
     cfg.port_max = 30003;
     let mut h = nat(cfg);
-    for i in 0..6u16 {
+    for i in 0..4u16 {
+        established(&mut h, 10000 + i);
+    }
+    // Every mapping established: nothing may give way.
+    for i in 4..6u16 {
         h.inject(Side::Inside, &tcp_out(10000 + i, tcp_flags::SYN, b""))
             .unwrap();
     }
-    assert_eq!(h.take_output().len(), 4);
+    assert!(h.take_output().is_empty());
     assert_eq!(h.drop_count("nat_port_exhausted"), 2);
     assert_eq!(h.query()["pools"]["tcp"]["exhausted"], 2);
     // UDP has its own pool.
@@ -380,12 +408,14 @@ fn port_blocks_bound_allocation_and_keep_ports_in_use() {
     h.inject(Side::Inside, &udp_out(1000)).unwrap();
     let first = check(&one_output(&mut h).1).sport;
     assert_eq!(first, 20000);
+    answer_udp(&mut h, first);
     let v =
         h.nf.set_port_blocks(&mut h.ctx, &[(20000, 20001)])
             .expect("valid blocks");
     assert_eq!(v["udp_in_use"], 1, "{v}");
     h.inject(Side::Inside, &udp_out(1001)).unwrap();
     assert_eq!(check(&one_output(&mut h).1).sport, 20001);
+    answer_udp(&mut h, 20001);
     h.inject(Side::Inside, &udp_out(1002)).unwrap();
     assert_eq!(h.drop_count("nat_port_exhausted"), 1);
     assert!(h.nf.set_port_blocks(&mut h.ctx, &[(5, 1)]).is_err());
@@ -466,6 +496,7 @@ fn an_imported_mapping_reserves_its_port_in_a_shared_range() {
     let mut h1 = nat(cfg.clone());
     h1.inject(Side::Inside, &udp_out(5353)).unwrap();
     assert_eq!(check(&one_output(&mut h1).1).sport, 30000);
+    answer_udp(&mut h1, 30000);
     let k = FlowKey::v4(proto::UDP, CLIENT, 5353, SERVER, 53).0;
     let rec = h1.ctx.flows.snapshot_flow(&k, h1.now()).expect("snapshot");
     // The backup uses the same block (no port blocks per replica).
@@ -479,6 +510,154 @@ fn an_imported_mapping_reserves_its_port_in_a_shared_range() {
         30001,
         "the activated mapping's port is not handed out again"
     );
+    answer_udp(&mut h2, 30001);
     h2.inject(Side::Inside, &udp_out(6001)).unwrap();
     assert_eq!(h2.drop_count("nat_port_exhausted"), 1);
+}
+
+/// A SYN flood from one inside host fills the pool; new flows of anyone still get ports by
+/// evicting the oldest unanswered mappings, established ones are never touched.
+#[test]
+fn a_syn_flood_evicts_its_own_embryonic_mappings_not_established_ones() {
+    let mut cfg = Config::with_external_ip(EXT);
+    cfg.port_blocks = vec![(30000, 30007)];
+    let mut h = nat(cfg);
+    let kept = established(&mut h, 999);
+    let flooder = Ipv4Addr::new(10, 0, 1, 66);
+    let syn = |sport: u16| {
+        build::tcp(
+            MAC_A,
+            MAC_B,
+            v4(flooder),
+            sport,
+            v4(SERVER),
+            80,
+            tcp_flags::SYN,
+            1,
+            0,
+            b"",
+        )
+    };
+    for i in 0..40u16 {
+        h.inject(Side::Inside, &syn(1000 + i)).unwrap();
+    }
+    assert_eq!(h.take_output().len(), 40, "every flood SYN got a port");
+    assert_eq!(h.counter("nat_evicted_embryonic"), 33);
+    assert_eq!(h.drop_count("nat_port_exhausted"), 0);
+    // The other host: its established flow still works, and a new flow gets a port at once.
+    h.inject(Side::Outside, &tcp_in(kept, tcp_flags::ACK, b"x"))
+        .unwrap();
+    assert_eq!(check(&one_output(&mut h).1).dport, 999);
+    let ext = established(&mut h, 2000);
+    h.inject(Side::Outside, &tcp_in(ext, tcp_flags::ACK, b"y"))
+        .unwrap();
+    assert_eq!(check(&one_output(&mut h).1).dport, 2000);
+    // The flood went on: the newest flood mappings are still there, the oldest are gone.
+    let fk = |sport| FlowKey::v4(proto::TCP, flooder, sport, SERVER, 80).0;
+    assert!(h.ctx.flows.contains(&fk(1039)));
+    assert!(!h.ctx.flows.contains(&fk(1000)));
+    let q = h.query();
+    assert_eq!(q["abuse"]["evicted_embryonic"], 34, "{q}");
+    assert_eq!(q["abuse"]["top_hosts"][0]["host"], "10.0.1.66");
+    assert_eq!(q["pools"]["tcp"]["exhausted"], 0);
+    // With both established mappings and six flood mappings the pool is full; all flood
+    // mappings answered by the server (SYN-ACK) and reset by the flooder stay evictable.
+    let flood_ext: Vec<u16> = (1034..1040)
+        .filter_map(|s| h.ctx.flows.peek(&fk(s)).map(|m| m.external_port))
+        .collect();
+    assert_eq!(flood_ext.len(), 6);
+    for e in flood_ext {
+        h.inject(
+            Side::Outside,
+            &tcp_in(e, tcp_flags::SYN | tcp_flags::ACK, b""),
+        )
+        .unwrap();
+    }
+    for i in 1034..1040u16 {
+        let rst = build::tcp(
+            MAC_A,
+            MAC_B,
+            v4(flooder),
+            i,
+            v4(SERVER),
+            80,
+            tcp_flags::RST,
+            1,
+            0,
+            b"",
+        );
+        h.inject(Side::Inside, &rst).unwrap();
+    }
+    h.take_output();
+    established(&mut h, 2001);
+    assert_eq!(h.counter("nat_evicted_embryonic"), 35);
+}
+
+#[test]
+fn unanswered_syns_expire_after_the_embryonic_timeout() {
+    let mut cfg = Config::with_external_ip(EXT);
+    cfg.tcp_embryonic_timeout_s = 5;
+    let mut h = nat(cfg);
+    h.inject(Side::Inside, &tcp_out(1000, tcp_flags::SYN, b""))
+        .unwrap();
+    h.take_output();
+    let answered = established(&mut h, 1001);
+    h.inject(Side::Inside, &tcp_out(1002, tcp_flags::SYN, b""))
+        .unwrap();
+    let half = check(&one_output(&mut h).1).sport;
+    // Answered but not yet acknowledged: the transitory timeout (60 s), not the embryonic one.
+    h.inject(
+        Side::Outside,
+        &tcp_in(half, tcp_flags::SYN | tcp_flags::ACK, b""),
+    )
+    .unwrap();
+    h.take_output();
+    h.advance(Duration::from_secs(6));
+    let k = |s| FlowKey::v4(proto::TCP, CLIENT, s, SERVER, 80).0;
+    assert!(!h.ctx.flows.contains(&k(1000)), "unanswered SYN expired");
+    assert!(h.ctx.flows.contains(&k(1001)) && h.ctx.flows.contains(&k(1002)));
+    assert_eq!(h.query()["pools"]["tcp"]["in_use"], 2);
+    let _ = answered;
+    let mut bad = Config::with_external_ip(EXT);
+    bad.tcp_embryonic_timeout_s = 0;
+    assert!(Nat::new(bad).is_err());
+}
+
+#[test]
+fn a_per_host_quota_refuses_only_that_host() {
+    let mut cfg = Config::with_external_ip(EXT);
+    cfg.max_mappings_per_host = 3;
+    cfg.udp_timeout_s = 10;
+    let mut h = nat(cfg);
+    for s in 0..5u16 {
+        h.inject(Side::Inside, &udp_out(1000 + s)).unwrap();
+    }
+    assert_eq!(h.take_output().len(), 3);
+    assert_eq!(h.drop_count("nat_host_quota"), 2);
+    let other = build::udp(
+        MAC_A,
+        MAC_B,
+        v4(Ipv4Addr::new(10, 0, 1, 9)),
+        5,
+        v4(SERVER),
+        53,
+        b"q",
+    );
+    h.inject(Side::Inside, &other).unwrap();
+    assert_eq!(h.take_output().len(), 1);
+    let q = h.query();
+    assert_eq!(q["abuse"]["host_quota_refused"], 2, "{q}");
+    assert_eq!(q["abuse"]["hosts"], 2);
+    // Mappings that expire give the quota back.
+    h.advance(Duration::from_secs(11));
+    h.inject(Side::Inside, &udp_out(2000)).unwrap();
+    assert_eq!(h.take_output().len(), 1);
+    // Flows that leave unseen (exported by a migration) are noticed: counts rebuilt.
+    let k = FlowKey::v4(proto::UDP, CLIENT, 2000, SERVER, 53).0;
+    h.ctx.flows.export_flow(&k, h.now()).expect("export");
+    for s in 0..3u16 {
+        h.inject(Side::Inside, &udp_out(3000 + s)).unwrap();
+    }
+    assert_eq!(h.take_output().len(), 3);
+    assert_eq!(h.query()["abuse"]["host_counts_rebuilt"], 1);
 }

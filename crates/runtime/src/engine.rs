@@ -43,6 +43,10 @@ pub struct EngineOptions {
     pub max_listed_flows: usize,
     /// Packets held for incoming flows at most (beyond: dropped, `hold_overflow`).
     pub max_held_packets: usize,
+    /// The router's own ICMP errors (time exceeded, fragmentation needed): a token bucket of
+    /// this many a second with this burst (RFC 1812 §4.3.2.8; the kernel's global default).
+    pub icmp_errors_per_s: u32,
+    pub icmp_errors_burst: u32,
 }
 
 impl Default for EngineOptions {
@@ -55,6 +59,8 @@ impl Default for EngineOptions {
             max_sleep: Duration::from_millis(100),
             max_listed_flows: 1000,
             max_held_packets: crate::migrate::MAX_HELD_PACKETS,
+            icmp_errors_per_s: 1000,
+            icmp_errors_burst: 50,
         }
     }
 }
@@ -119,6 +125,8 @@ pub struct Engine<N: NetworkFunction, P: FramePort> {
     /// every wake-up (capacity only; cleared and refilled each time).
     sleep_wake_fds: Vec<std::os::fd::RawFd>,
     sleep_pollfds: Vec<libc::pollfd>,
+    /// Rate limit of the router's own ICMP errors.
+    icmp_limit: crate::ratelimit::TokenBucket,
 }
 
 impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
@@ -136,7 +144,10 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             now,
         );
         ctx.max_output = opts.max_output;
+        let icmp_limit =
+            crate::ratelimit::TokenBucket::new(opts.icmp_errors_per_s, opts.icmp_errors_burst);
         Engine {
+            icmp_limit,
             name: name.to_string(),
             nf,
             ctx,
@@ -438,6 +449,12 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             self.ctx.count_drop("l2_multicast", 1);
             return self.ctx.recycle(f.buf);
         }
+        // Router checks before the NF sees anything (RFC 1812 §5.2.2, §5.3.1), so a frame
+        // that is dropped anyway never creates NF state (a NAT mapping).
+        if let Err(reason) = self.router_check(side, &f.buf, &parsed, f.forwarded) {
+            self.ctx.count_drop(reason, 1);
+            return self.ctx.recycle(f.buf);
+        }
         let mut buf = f.buf;
         let mut offload = f.offload;
         offload.csum_valid = false;
@@ -482,6 +499,21 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             }
             return self.ctx.recycle(buf);
         }
+        // TTL before the NF: a packet that expires here is answered (time exceeded, from our
+        // address on this side) and never becomes NF state. `route_one` decrements it.
+        if parsed.ttl <= 1 {
+            self.ctx.count_drop("ttl_exceeded", 1);
+            self.send_icmp_error(side, &buf, &parsed, 11, 0, [0, 0], now);
+            return self.ctx.recycle(buf);
+        }
+        // Path MTU (RFC 1191) before the NF too: the frame is answered with "fragmentation
+        // needed" from the addresses it carries now (an outbound packet after SNAT would name
+        // the NAT itself) and never becomes NF state. Oversized packets without DF pass and
+        // are fragmented on output.
+        if let Err(reason) = self.mtu_check(side, &buf, &parsed, &offload, now) {
+            self.ctx.count_drop(reason, 1);
+            return self.ctx.recycle(buf);
+        }
         let mut pkt = Packet::new(buf, side, parsed);
         pkt.offload = offload;
         // The only per-packet cost of migration when nothing moves: one check.
@@ -498,6 +530,100 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             ha.touch(pkt.meta.key);
         }
         self.nf.process(&mut self.ctx, pkt);
+    }
+
+    /// Header checks of a received IP frame: the destination MAC is ours (broadcast and
+    /// multicast are dropped before this; frames a peer replica forwarded carry the MAC of the
+    /// replica the fabric sent them to), the IPv4 header checksum verifies (the parser has
+    /// already refused bad versions, IHL and total lengths), the source is a unicast address.
+    fn router_check(
+        &self,
+        side: Side,
+        frame: &[u8],
+        p: &pliant_net::Parsed,
+        forwarded: bool,
+    ) -> Result<(), &'static str> {
+        if !forwarded && p.dst_mac != self.ports[idx(side)].mac() {
+            return Err("l2_foreign_dst");
+        }
+        if let IpAddr::V4(src) = p.src {
+            if !pliant_net::ipv4_header_ok(frame, p) {
+                return Err("bad_ipv4_checksum");
+            }
+            if src.is_multicast() || src.is_broadcast() || src.is_loopback() {
+                return Err("bad_src_addr");
+            }
+        }
+        Ok(())
+    }
+
+    /// Refuses a packet that does not fit the MTU of the port opposite `side` (where the NF
+    /// sends it by default) and may not be fragmented: DF set (answered with ICMP
+    /// "fragmentation needed" carrying that MTU, rate-limited), IPv6 (no ICMPv6 here: counted
+    /// only), or a GSO super-frame whose segments would not fit.
+    fn mtu_check(
+        &mut self,
+        side: Side,
+        frame: &[u8],
+        p: &pliant_net::Parsed,
+        offload: &Offload,
+        now: Instant,
+    ) -> Result<(), &'static str> {
+        let mtu = self.ports[idx(side.opposite())].mtu();
+        let wire = match offload.gso {
+            Some(g) => usize::from(p.payload_off - p.l3_off) + usize::from(g.segment_size),
+            None => pliant_net::frag::ip_len(p),
+        };
+        if wire <= mtu {
+            return Ok(());
+        }
+        if !p.src.is_ipv4() {
+            return Err(pliant_net::frag::ERR_NOT_V4);
+        }
+        if pliant_net::frag::dont_fragment(frame, p) {
+            let next_hop_mtu = u16::try_from(mtu).unwrap_or(u16::MAX);
+            self.send_icmp_error(side, frame, p, 3, 4, [0, next_hop_mtu], now);
+            return Err(pliant_net::frag::ERR_DF);
+        }
+        if offload.gso.is_some() {
+            return Err("gso_too_big");
+        }
+        Ok(())
+    }
+
+    /// Sends the router's ICMP error about `frame` (received on `side`) back out of `side`,
+    /// from our address there, subject to the rate limit. Nothing for packets RFC 1812 says
+    /// must not be answered (errors, fragments, non-unicast sources) or without an address.
+    #[allow(clippy::too_many_arguments)]
+    fn send_icmp_error(
+        &mut self,
+        side: Side,
+        frame: &[u8],
+        p: &pliant_net::Parsed,
+        icmp_type: u8,
+        code: u8,
+        rest: [u16; 2],
+        now: Instant,
+    ) {
+        let IpAddr::V4(src) = p.src else { return };
+        if !pliant_net::icmp_error::may_answer(p) || p.vlan.is_some() {
+            return;
+        }
+        let i = idx(side);
+        let Some(router) = self.nets[i].source_or_any(src) else {
+            return;
+        };
+        if !self.icmp_limit.take(now) {
+            self.side_stats(side).icmp_errors_rate_limited += 1;
+            return;
+        }
+        let mac = self.ports[i].mac();
+        if let Some(e) =
+            pliant_net::icmp_error::build_v4(frame, p, mac, router, icmp_type, code, rest)
+        {
+            self.send_frame(side, &e);
+            self.side_stats(side).icmp_errors_sent += 1;
+        }
     }
 
     /// Answers an ICMP echo request addressed to the router; false if `p` is not one.
@@ -634,21 +760,66 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
         if pliant_net::rewrite::set_src_mac(&mut pkt.buf, &mut pkt.meta, our_mac).is_err() {
             return self.ctx.pkt_drop(pkt, "rewrite_failed");
         }
+        if pkt.offload.gso.is_none() && pliant_net::frag::ip_len(&pkt.meta) > self.ports[i].mtu() {
+            return self.route_fragments(pkt, nh, now);
+        }
         if !pkt.offload.is_none() {
             if let Err(reason) = self.finish_offload(&mut pkt, i) {
                 return self.ctx.pkt_drop(pkt, reason);
             }
         }
+        self.transmit(side, nh, pkt.buf, pkt.offload, now);
+    }
+
+    /// An IPv4 packet larger than the egress MTU, without DF (refused before the NF when DF
+    /// is set): sent as fragments (`fragmented`, `fragments_sent`). The L4 checksum is
+    /// completed in software first (fragments carry no offload metadata).
+    fn route_fragments(&mut self, mut pkt: Packet, nh: IpAddr, now: Instant) {
+        let side = pkt.egress;
+        if pkt.offload.csum_partial.is_some() {
+            if !pliant_net::recompute_checksums(&mut pkt.buf, &pkt.meta) {
+                return self.ctx.pkt_drop(pkt, "csum_completion_failed");
+            }
+            pkt.offload = Offload::NONE;
+        }
+        let mtu = self.ports[idx(side)].mtu();
+        match pliant_net::frag::fragment_v4(&pkt.buf, &pkt.meta, mtu) {
+            Ok(frags) => {
+                self.side_stats(side).fragmented += 1;
+                self.side_stats(side).fragments_sent += frags.len() as u64;
+                self.ctx.recycle(pkt.buf);
+                for f in frags {
+                    self.transmit(side, nh, f, Offload::NONE, now);
+                }
+            }
+            Err(reason) => self.ctx.pkt_drop(pkt, reason),
+        }
+    }
+
+    /// Sends a routed frame (source MAC set) to next hop `nh` on `side`: at once when its MAC
+    /// is known, else queued behind ARP resolution.
+    fn transmit(
+        &mut self,
+        side: Side,
+        nh: IpAddr,
+        mut pkt_buf: Vec<u8>,
+        pkt_offload: Offload,
+        now: Instant,
+    ) {
+        let i = idx(side);
         if let Some(mac) = self.neigh[i].lookup(nh) {
-            let _ = pliant_net::rewrite::set_dst_mac(&mut pkt.buf, &mut pkt.meta, mac);
-            self.send_frame_offload(side, &pkt.buf, &pkt.offload);
-            return self.ctx.recycle(pkt.buf);
+            if let Some(d) = pkt_buf.get_mut(..6) {
+                d.copy_from_slice(&mac);
+            }
+            self.send_frame_offload(side, &pkt_buf, &pkt_offload);
+            return self.ctx.recycle(pkt_buf);
         }
         let IpAddr::V4(nh4) = nh else {
             // No NDP yet: IPv6 next hops are usable only once gleaned.
-            return self.ctx.pkt_drop(pkt, "neigh_v6_unknown");
+            self.ctx.count_drop("neigh_v6_unknown", 1);
+            return self.ctx.recycle(pkt_buf);
         };
-        let mut frame = Some((pkt.buf, pkt.offload));
+        let mut frame = Some((pkt_buf, pkt_offload));
         match self.neigh[i].resolve(nh, &mut frame, now) {
             crate::neigh::Resolve::Mac(mac) => {
                 // Raced with a learn in this round: send directly.
@@ -711,13 +882,8 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
 
     fn send_arp_request(&mut self, side: Side, target: std::net::Ipv4Addr) {
         let i = idx(side);
-        let Some(src) = self.nets[i].source_for(target).or_else(|| {
-            // Gateway outside our subnets cannot happen (config validation); be safe anyway.
-            self.nets[i].addrs.iter().find_map(|c| match c.addr {
-                IpAddr::V4(a) => Some(a),
-                IpAddr::V6(_) => None,
-            })
-        }) else {
+        // A gateway outside our subnets cannot happen (config validation); be safe anyway.
+        let Some(src) = self.nets[i].source_or_any(target) else {
             self.ctx.count_drop("arp_no_source_address", 1);
             return;
         };

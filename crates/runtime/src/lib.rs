@@ -24,6 +24,7 @@ pub mod migrate_client;
 pub mod neigh;
 pub mod nf;
 pub mod peer;
+pub mod ratelimit;
 pub mod replica;
 pub mod route;
 pub mod sched;

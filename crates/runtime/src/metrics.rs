@@ -20,6 +20,13 @@ pub struct SideStats {
     pub echo_replies_sent: u64,
     /// Frames whose partial (offload) checksum the engine completed before the NF saw them.
     pub csum_completed: u64,
+    /// ICMP errors the router role sent out of this port (time exceeded, fragmentation
+    /// needed), and those the rate limit suppressed.
+    pub icmp_errors_sent: u64,
+    pub icmp_errors_rate_limited: u64,
+    /// IPv4 packets larger than this port's MTU sent as fragments, and the fragments.
+    pub fragmented: u64,
+    pub fragments_sent: u64,
 }
 
 #[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
@@ -95,7 +102,17 @@ pub fn render(s: &Snapshot<'_>) -> String {
     };
     let sides = [("inside", &s.engine.inside), ("outside", &s.engine.outside)];
     type Field = fn(&SideStats) -> u64;
-    let side_metrics: [(&str, &str, Field); 8] = [
+    let side_metrics: [(&str, &str, Field); 10] = [
+        (
+            "pliant_icmp_errors_sent_total",
+            "ICMP errors (time exceeded, fragmentation needed) the router sent per port",
+            |x| x.icmp_errors_sent,
+        ),
+        (
+            "pliant_icmp_errors_rate_limited_total",
+            "ICMP errors the router's rate limit suppressed per port",
+            |x| x.icmp_errors_rate_limited,
+        ),
         ("pliant_frames_in_total", "Frames received per port", |x| {
             x.frames_in
         }),

@@ -50,6 +50,19 @@ impl SideNet {
     }
 }
 
+impl SideNet {
+    /// Our IPv4 address in the subnet of `ip`, else our first IPv4 address on this side (the
+    /// source of ARP requests and of the router's ICMP errors).
+    pub fn source_or_any(&self, ip: Ipv4Addr) -> Option<Ipv4Addr> {
+        self.source_for(ip).or_else(|| {
+            self.addrs.iter().find_map(|c| match c.addr {
+                IpAddr::V4(a) => Some(a),
+                IpAddr::V6(_) => None,
+            })
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -668,3 +668,182 @@ fn a_full_control_queue_refuses_and_counts() {
     e.poll_once(t0);
     assert_eq!(again.try_recv().unwrap()["ok"], true);
 }
+
+/// Forwards like `Forward` and counts what it was given: proves a frame never reached the NF.
+#[derive(Default)]
+struct Seen {
+    n: usize,
+}
+
+impl NetworkFunction for Seen {
+    type Flow = ();
+    const NAME: &'static str = "seen";
+    fn process(&mut self, ctx: &mut Ctx<()>, pkt: Packet) {
+        self.n += 1;
+        ctx.pkt_write_direct(pkt);
+    }
+}
+
+/// `client_udp` with one byte of the IPv4 header changed and the checksum fixed (or not).
+fn client_udp_with(dst: &str, at: usize, val: u8, fix_csum: bool) -> Vec<u8> {
+    let mut f = client_udp(dst);
+    let p = parsed(&f);
+    f[usize::from(p.l3_off) + at] = val;
+    if fix_csum {
+        let l3 = usize::from(p.l3_off);
+        f[l3 + 10..l3 + 12].fill(0);
+        let c = pliant_net::checksum::checksum(&f[l3..l3 + 20]);
+        f[l3 + 10..l3 + 12].copy_from_slice(&c.to_be_bytes());
+    }
+    f
+}
+
+#[test]
+fn router_checks_run_before_the_nf_and_are_counted() {
+    let (mut e, t0) = engine_of(Seen::default(), EngineOptions::default());
+    let port = e.port_mut(Side::Inside);
+    // A bad header checksum (TTL changed, checksum not fixed).
+    port.inject(&client_udp_with("10.0.2.2", 8, 9, false));
+    // A unicast frame for another MAC.
+    let mut foreign = client_udp("10.0.2.2");
+    foreign[..6].copy_from_slice(&[0x02, 9, 9, 9, 9, 9]);
+    port.inject(&foreign);
+    // A multicast source address.
+    let mut mc = client_udp("10.0.2.2");
+    let l3 = usize::from(parsed(&mc).l3_off);
+    mc[l3 + 12] = 224;
+    let l3c = l3 + 10;
+    mc[l3c..l3c + 2].fill(0);
+    let c = pliant_net::checksum::checksum(&mc[l3..l3 + 20]);
+    mc[l3c..l3c + 2].copy_from_slice(&c.to_be_bytes());
+    port.inject(&mc);
+    // TTL 1: answered with time exceeded from our inside address, quoting the packet.
+    let ttl1 = client_udp_with("10.0.2.2", 8, 1, true);
+    port.inject(&ttl1);
+    // A good one still passes.
+    port.inject(&client_udp("10.0.2.2"));
+    e.poll_once(t0);
+    assert_eq!(e.nf().n, 1, "only the good frame reaches the NF");
+    let d = e.ctx.drops();
+    assert_eq!(d.get("bad_ipv4_checksum"), 1);
+    assert_eq!(d.get("l2_foreign_dst"), 1);
+    assert_eq!(d.get("bad_src_addr"), 1);
+    assert_eq!(d.get("ttl_exceeded"), 1);
+    let back: Vec<Vec<u8>> = e
+        .port_mut(Side::Inside)
+        .take_tx()
+        .into_iter()
+        .map(|r| r.frame)
+        .collect();
+    assert_eq!(back.len(), 1);
+    let p = parsed(&back[0]);
+    assert_eq!((p.proto, p.icmp_type, p.icmp_code), (proto::ICMP, 11, 0));
+    assert_eq!((p.src, p.dst), (ip("10.0.1.1"), ip("10.0.1.2")));
+    assert_eq!((p.src_mac, p.dst_mac), (IN_MAC, CLIENT_MAC));
+    assert!(pliant_net::ipv4_header_ok(&back[0], &p));
+    assert!(pliant_net::l4_checksum_ok(&back[0], &p));
+    let q = pliant_net::icmp_error::inner(&back[0], &p).unwrap();
+    assert_eq!(q.key, parsed(&ttl1).key);
+    assert_eq!(e.stats().inside.icmp_errors_sent, 1);
+    let m = metric_value(&e, t0, "pliant_icmp_errors_sent_total", "port=\"inside\"");
+    assert_eq!(m, Some(1));
+}
+
+#[test]
+fn time_exceeded_is_rate_limited() {
+    let opts = EngineOptions {
+        icmp_errors_per_s: 10,
+        icmp_errors_burst: 3,
+        ..EngineOptions::default()
+    };
+    let (mut e, t0) = engine_of(Seen::default(), opts);
+    let ttl1 = client_udp_with("10.0.2.2", 8, 1, true);
+    for _ in 0..8 {
+        e.port_mut(Side::Inside).inject(&ttl1);
+    }
+    e.poll_once(t0);
+    assert_eq!(e.nf().n, 0);
+    assert_eq!(e.ctx.drops().get("ttl_exceeded"), 8);
+    assert_eq!(e.port_mut(Side::Inside).take_tx().len(), 3);
+    assert_eq!(e.stats().inside.icmp_errors_sent, 3);
+    assert_eq!(e.stats().inside.icmp_errors_rate_limited, 5);
+    // 10/s: one more after 100 ms.
+    e.port_mut(Side::Inside).inject(&ttl1);
+    e.port_mut(Side::Inside).inject(&ttl1);
+    e.poll_once(t0 + Duration::from_millis(100));
+    assert_eq!(e.port_mut(Side::Inside).take_tx().len(), 1);
+}
+
+/// A client UDP datagram with `len` payload bytes, DF set or not.
+fn big_udp(len: usize, df: bool) -> Vec<u8> {
+    let payload = vec![0x5au8; len];
+    let mut f = build::udp(
+        CLIENT_MAC,
+        IN_MAC,
+        ip("10.0.1.2"),
+        1000,
+        ip("10.0.2.2"),
+        53,
+        &payload,
+    );
+    if !df {
+        let l3 = usize::from(parsed(&f).l3_off);
+        f[l3 + 6] &= !0x40;
+        f[l3 + 10..l3 + 12].fill(0);
+        let c = pliant_net::checksum::checksum(&f[l3..l3 + 20]);
+        f[l3 + 10..l3 + 12].copy_from_slice(&c.to_be_bytes());
+    }
+    f
+}
+
+#[test]
+fn oversized_packets_get_frag_needed_with_df_and_are_fragmented_without() {
+    let mut ports = [MemPort::new(IN_MAC), MemPort::new(OUT_MAC)];
+    ports[1] = MemPort::with_limits(
+        OUT_MAC,
+        pliant_io::MemPortLimits {
+            max_frame_bytes: 1280 + 18,
+            ..Default::default()
+        },
+    );
+    let (e0, t0) = engine_of(Seen::default(), EngineOptions::default());
+    let mut e = Engine::new(
+        "t",
+        Seen::default(),
+        ports,
+        e0.nets.clone(),
+        EngineOptions::default(),
+        t0,
+    );
+    e.port_mut(Side::Outside).inject(&server_arp_reply());
+    e.poll_once(t0);
+    e.port_mut(Side::Inside).inject(&big_udp(1400, true));
+    e.port_mut(Side::Inside).inject(&big_udp(2900, false));
+    e.port_mut(Side::Inside).inject(&big_udp(1200, true));
+    e.poll_once(t0);
+    assert_eq!(e.nf().n, 2, "the DF packet never reached the NF");
+    assert_eq!(e.ctx.drops().get("frag_needed"), 1);
+    // Fragmentation needed, next-hop MTU 1280, from our inside address.
+    let back = e.port_mut(Side::Inside).take_tx();
+    assert_eq!(back.len(), 1);
+    let p = parsed(&back[0].frame);
+    assert_eq!((p.icmp_type, p.icmp_code, p.src), (3, 4, ip("10.0.1.1")));
+    let l4 = usize::from(p.l4_off);
+    assert_eq!(&back[0].frame[l4 + 6..l4 + 8], &1280u16.to_be_bytes());
+    // The one without DF left as three fragments that fit, the small one whole.
+    let out: Vec<Vec<u8>> = e
+        .port_mut(Side::Outside)
+        .take_tx()
+        .into_iter()
+        .map(|r| r.frame)
+        .collect();
+    assert_eq!(out.len(), 4);
+    for f in &out {
+        let q = parsed(f);
+        assert!(pliant_net::frag::ip_len(&q) <= 1280);
+        assert!(pliant_net::ipv4_header_ok(f, &q));
+        assert_eq!((q.dst_mac, q.src_mac), (SERVER_MAC, OUT_MAC));
+    }
+    assert_eq!(e.stats().outside.fragmented, 1);
+    assert_eq!(e.stats().outside.fragments_sent, 3);
+}
