@@ -22,6 +22,12 @@ enum PgCmd {
         /// primary runs unprotected until the standby is back (ms; 0 = block commits instead).
         #[arg(long, default_value_t = pliant_pg::bench::DEFAULT_ASYNC_FALLBACK_MS)]
         async_fallback_ms: u64,
+        /// TLS everywhere: a private CA and server certificate are made in the run directory
+        /// (keys 0600); the proxy requires TLS of its clients (SCRAM-SHA-256-PLUS offered) and
+        /// uses TLS, verified against that CA, towards the servers (ssl = on, hostssl only).
+        /// `up` prints the CA's path (`sslrootcert`).
+        #[arg(long)]
+        tls: bool,
     },
     /// Stop the proxy and servers and remove the namespaces.
     Down,
@@ -35,11 +41,13 @@ pub fn run(a: PgArgs) -> Result<(), String> {
             foreground,
             auth,
             async_fallback_ms,
+            tls,
         } => pliant_pg::cmd::up(
             foreground,
             &pliant_pg::cmd::UpOpts {
                 auth,
                 async_fallback_ms,
+                tls,
             },
         )?,
         PgCmd::Down => pliant_pg::cmd::down()?,

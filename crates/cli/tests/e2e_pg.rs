@@ -5,11 +5,12 @@
 //! (`pliant_testkit`: a test fails without them unless PLIANT_ALLOW_SKIP=1).
 
 use pliant_pg::bank;
-use pliant_pg::bench::proxy_config;
+use pliant_pg::bench::{cluster_tls, proxy_config, require_tls};
 use pliant_pg::client::Client;
 use pliant_pg::cluster::{Cluster, ClusterConfig};
 use pliant_pg::proto;
-use pliant_pg::proxy::{AuthMethod, ClusterOps, Proxy, ProxyConfig};
+use pliant_pg::proxy::{AuthMethod, ClusterOps, Proxy, ProxyConfig, UpstreamTls};
+use pliant_pg::tls::{make_demo_pki, DemoPki};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
@@ -42,7 +43,19 @@ impl Lab {
     }
     /// Like `up_with`, with the servers' configuration given.
     fn up_cfg(cc: ClusterConfig, f: impl FnOnce(&mut ProxyConfig)) -> Lab {
-        let cl = Arc::new(Cluster::create(cc).expect("create namespaces"));
+        Lab::start(Cluster::create(cc).expect("create namespaces"), f)
+    }
+    /// TLS everywhere, as `pliant pg up --tls`: servers with ssl = on and hostssl-only
+    /// access, the proxy requiring TLS of its clients and verifying the servers.
+    fn up_tls() -> (Lab, DemoPki) {
+        let mut cl = Cluster::create(ClusterConfig::default()).expect("create namespaces");
+        let dir = cl.dir.join("pki");
+        let pki = cluster_tls(&mut cl, &dir).expect("server TLS");
+        let lab = Lab::start(cl, |pc| require_tls(pc, &pki));
+        (lab, pki)
+    }
+    fn start(cl: Cluster, f: impl FnOnce(&mut ProxyConfig)) -> Lab {
+        let cl = Arc::new(cl);
         let mut lab = Lab {
             cl: cl.clone(),
             proxy: None,
@@ -156,18 +169,20 @@ struct Psql {
 
 impl Psql {
     fn start(lab: &Lab) -> Psql {
+        Psql::start_with(lab, "")
+    }
+    /// With more libpq connection parameters (`sslmode=...`).
+    fn start_with(lab: &Lab, conninfo: &str) -> Psql {
         let a = lab.proxy().addr;
         let mut child = Command::new("psql")
             .env("PGPASSWORD", &lab.cl.cfg.password)
-            .args([
-                "-h",
-                &a.ip().to_string(),
-                "-p",
-                &a.port().to_string(),
-                "-U",
-                &lab.cl.cfg.user,
-            ])
-            .args(["-X", "-q", "-A", "-t", "postgres"])
+            .args(["-X", "-q", "-A", "-t"])
+            .arg(format!(
+                "host={} port={} user={} dbname=postgres {conninfo}",
+                a.ip(),
+                a.port(),
+                lab.cl.cfg.user
+            ))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -891,6 +906,65 @@ fn pg_random_session_state_matches_postgres_across_failover() {
     assert_eq!(st["sessions_dropped_unreplayable"], 0, "{st}");
 }
 
+/// A child process fed lines on stdin and read line by line; killed on drop.
+struct Coproc {
+    child: Child,
+    stdin: Option<std::process::ChildStdin>,
+    lines: mpsc::Receiver<String>,
+    timeout: Duration,
+}
+
+impl Coproc {
+    fn spawn(cmd: &mut Command, timeout: Duration) -> Coproc {
+        let mut child = cmd
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+        let stdin = child.stdin.take();
+        let (tx, lines) = mpsc::channel();
+        let out = child.stdout.take().expect("stdout");
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = tx.send(l);
+            }
+        });
+        Coproc {
+            child,
+            stdin,
+            lines,
+            timeout,
+        }
+    }
+    fn send(&mut self, line: &str) {
+        let i = self.stdin.as_mut().expect("stdin open");
+        writeln!(i, "{line}").expect("to the child");
+    }
+    /// Ends its input (it finishes its loop).
+    fn close(&mut self) {
+        self.stdin = None;
+    }
+    /// Its next line; on a timeout, "<no answer>" and what it wrote to stderr.
+    fn next(&mut self) -> String {
+        self.lines.recv_timeout(self.timeout).unwrap_or_else(|_| {
+            let _ = self.child.kill();
+            let mut e = String::new();
+            if let Some(mut se) = self.child.stderr.take() {
+                let _ = se.read_to_string(&mut e);
+            }
+            format!("<no answer> {e}")
+        })
+    }
+}
+
+impl Drop for Coproc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// `psql -c sql` through the proxy with `password`; -qAt output.
 fn psql_c(lab: &Lab, password: &str, sql: &str) -> std::process::Output {
     let a = lab.proxy().addr;
@@ -1055,85 +1129,33 @@ fn pg_scram_auth_and_cancel_forwarding() {
 
     // Query cancel: psycopg2's conn.cancel() sends a CancelRequest with the key the proxy gave
     // it; the proxy forwards it to the backend serving the session, before and after a failover.
-    let mut py = Command::new("/usr/bin/python3")
-        .args([
+    let mut py = Coproc::spawn(
+        Command::new("/usr/bin/python3").args([
             "-c",
             CANCEL_PY,
             &a.ip().to_string(),
             &a.port().to_string(),
             &user,
             &pw,
-        ])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("python3");
-    let mut py_in = py.stdin.take().expect("stdin");
-    let (tx, rx) = mpsc::channel();
-    let out = py.stdout.take().expect("stdout");
-    std::thread::spawn(move || {
-        for l in BufReader::new(out).lines().map_while(Result::ok) {
-            let _ = tx.send(l);
-        }
-    });
-    struct Kill(Child);
-    impl Drop for Kill {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-    let mut py = Kill(py);
-    let mut next = || {
-        rx.recv_timeout(Duration::from_secs(40))
-            .unwrap_or_else(|_| {
-                let _ = py.0.kill();
-                let mut e = String::new();
-                if let Some(mut se) = py.0.stderr.take() {
-                    let _ = se.read_to_string(&mut e);
-                }
-                format!("<no answer> {e}")
-            })
-    };
-    assert_eq!(next(), "READY");
+        ]),
+        Duration::from_secs(40),
+    );
+    assert_eq!(py.next(), "READY");
     // JDBC: pgJDBC logs in over SCRAM and uses named prepared statements; the same connection
     // is used again after the failover below.
     let java_src = std::env::temp_dir().join(format!("JdbcCheck-{}.java", std::process::id()));
     std::fs::write(&java_src, JDBC_JAVA).expect("write java");
-    let mut jv = Command::new("java")
-        .args(["-cp", "/usr/share/java/postgresql.jar"])
-        .arg(&java_src)
-        .args([&a.ip().to_string(), &a.port().to_string(), &user, &pw])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("java (default-jdk-headless)");
-    let mut jv_in = jv.stdin.take().expect("stdin");
-    let (jtx, jrx) = mpsc::channel();
-    let jout = jv.stdout.take().expect("stdout");
-    std::thread::spawn(move || {
-        for l in BufReader::new(jout).lines().map_while(Result::ok) {
-            let _ = jtx.send(l);
-        }
-    });
-    let mut jv = Kill(jv);
-    let mut jnext = || {
-        jrx.recv_timeout(Duration::from_secs(60))
-            .unwrap_or_else(|_| {
-                let _ = jv.0.kill();
-                let mut e = String::new();
-                if let Some(mut se) = jv.0.stderr.take() {
-                    let _ = se.read_to_string(&mut e);
-                }
-                format!("<no answer> {e}")
-            })
-    };
-    assert_eq!(jnext(), "READY", "JDBC client did not connect");
-    writeln!(jv_in, "go").expect("to java");
+    let mut jv = Coproc::spawn(
+        Command::new("java")
+            .args(["-cp", "/usr/share/java/postgresql.jar"])
+            .arg(&java_src)
+            .args([&a.ip().to_string(), &a.port().to_string(), &user, &pw]),
+        Duration::from_secs(60),
+    );
+    assert_eq!(jv.next(), "READY", "JDBC client did not connect");
+    jv.send("go");
     assert_eq!(
-        jnext(),
+        jv.next(),
         "OK 44 jdbc-test public,pg_catalog",
         "JDBC before failover"
     );
@@ -1142,8 +1164,8 @@ fn pg_scram_auth_and_cancel_forwarding() {
             lab.wait_protected();
             lab.kill_primary();
         }
-        writeln!(py_in, "go").expect("to python");
-        let l = next();
+        py.send("go");
+        let l = py.next();
         let mut w = l.split_whitespace();
         // CANCELLED is the proof the cancel arrived: uncancelled, pg_sleep(30) ends normally
         // (NOT_CANCELLED). The seconds it ran are only shown.
@@ -1151,16 +1173,16 @@ fn pg_scram_auth_and_cancel_forwarding() {
         let _secs = w.next();
         assert_eq!(w.next(), Some("cancel-test"), "session kept: {l}");
     }
-    drop(py_in);
+    py.close();
     // The JDBC session outlived the failover: same connection, session state replayed
     // (ApplicationName, search_path, the named prepared statement).
-    writeln!(jv_in, "go").expect("to java");
+    jv.send("go");
     assert_eq!(
-        jnext(),
+        jv.next(),
         "OK 44 jdbc-test public,pg_catalog",
         "JDBC after failover"
     );
-    drop(jv_in);
+    jv.close();
     let _ = std::fs::remove_file(&java_src);
     // A CancelRequest with a wrong key is dropped and counted.
     let mut s = TcpStream::connect(a).expect("connect");
@@ -1367,4 +1389,182 @@ fn pg_up_status_down_leaves_nothing_behind() {
     let again = pliant_pg(&run_dir, &["down"]);
     assert!(!again.status.success(), "down without a cluster: {again:?}");
     assert!(!run_dir.exists());
+}
+
+/// psycopg2 with the given sslmode: SET state, then per line from stdin its application_name,
+/// whether its own connection uses TLS, and whether the server backend serving it (behind
+/// the proxy) sees TLS.
+const TLS_PY: &str = r#"
+import sys, psycopg2
+host, port, user, pw, mode = sys.argv[1:6]
+conn = psycopg2.connect(host=host, port=int(port), user=user, password=pw, dbname="postgres", sslmode=mode)
+conn.autocommit = True
+cur = conn.cursor()
+cur.execute("SET application_name = 'tls-py'")
+print("READY", flush=True)
+for line in sys.stdin:
+    cur.execute("SELECT current_setting('application_name'), ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()")
+    app, backend_ssl = cur.fetchone()
+    print(app, conn.info.ssl_in_use, backend_ssl, flush=True)
+"#;
+
+/// `psql -c sql` through the proxy with a libpq connection string; (success, stdout, stderr).
+fn psql_conninfo(lab: &Lab, conninfo: &str, sql: &str) -> (bool, String, String) {
+    let a = lab.proxy().addr;
+    let out = Command::new("psql")
+        .env("PGPASSWORD", &lab.cl.cfg.password)
+        .args(["-X", "-qAt", "-c", sql])
+        .arg(format!(
+            "host={} port={} user={} dbname=postgres {conninfo}",
+            a.ip(),
+            a.port(),
+            lab.cl.cfg.user
+        ))
+        .output()
+        .expect("psql");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).trim().to_string(),
+        String::from_utf8_lossy(&out.stderr).trim().to_string(),
+    )
+}
+
+#[test]
+fn pg_tls_clients_channel_binding_and_failover() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !usable() {
+        return;
+    }
+    let t0 = Instant::now();
+    let (lab, pki) = Lab::up_tls();
+    let a = lab.proxy().addr;
+    let ca = pki.ca.display().to_string();
+    // psql: verify-full against the demo CA (the certificate names the proxy's IP) and
+    // channel binding required (SCRAM-SHA-256-PLUS with the certificate's hash).
+    let strict = format!("sslmode=verify-full sslrootcert={ca} channel_binding=require");
+    let mut psql = Psql::start_with(&lab, &strict);
+    let q = "SET application_name = 'tls-psql'; \
+             SELECT current_setting('application_name') || ' ' || ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid();";
+    assert_eq!(
+        psql.ask(q),
+        "tls-psql true",
+        "psql over TLS, server side over TLS"
+    );
+    // psycopg2 with sslmode=require.
+    let mut py = Coproc::spawn(
+        Command::new("/usr/bin/python3").args([
+            "-c",
+            TLS_PY,
+            &a.ip().to_string(),
+            &a.port().to_string(),
+            &lab.cl.cfg.user,
+            &lab.cl.cfg.password,
+            "require",
+        ]),
+        Duration::from_secs(30),
+    );
+    assert_eq!(py.next(), "READY");
+    py.send("go");
+    assert_eq!(
+        py.next(),
+        "tls-py True True",
+        "psycopg2 before the failover"
+    );
+    // Both sessions move at a failover and stay encrypted on both sides.
+    lab.kill_primary();
+    assert_eq!(
+        psql.ask("SELECT current_setting('application_name') || ' ' || ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid();"),
+        "tls-psql true",
+        "psql after the failover"
+    );
+    py.send("go");
+    assert_eq!(py.next(), "tls-py True True", "psycopg2 after the failover");
+    py.close();
+    let st = lab.proxy().stats_json();
+    assert_eq!(st["failovers"], 1, "{st}");
+    assert_eq!(st["sessions_dropped_other"], 0, "{st}");
+    assert_eq!(st["tls"], "required", "{st}");
+    // A plaintext client is refused (TLS required), with a reason.
+    let (ok, _, err) = psql_conninfo(&lab, "sslmode=disable", "SELECT 1");
+    assert!(!ok && err.contains("TLS is required"), "plaintext: {err}");
+    // A client trusting another CA refuses the proxy's certificate.
+    let other = make_demo_pki(&lab.cl.dir.join("other-ca"), &lab.cl.addresses()).expect("pki");
+    let (ok, _, err) = psql_conninfo(
+        &lab,
+        &format!("sslmode=verify-full sslrootcert={}", other.ca.display()),
+        "SELECT 1",
+    );
+    assert!(
+        !ok && err.contains("certificate verify failed"),
+        "wrong CA: {err}"
+    );
+    // verify-full with the right CA but another host name than the certificate has.
+    let (ok, _, err) = psql_conninfo(
+        &lab,
+        &format!(
+            "sslmode=verify-full sslrootcert={ca} hostaddr={} host=elsewhere.invalid",
+            a.ip()
+        ),
+        "SELECT 1",
+    );
+    assert!(
+        !ok && err.contains("does not match host name"),
+        "wrong name: {err}"
+    );
+    // SSLRequest, then garbage instead of a ClientHello: closed, nothing else happens.
+    let mut s = TcpStream::connect(a).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let mut req = 8u32.to_be_bytes().to_vec();
+    req.extend(proto::SSL_REQUEST.to_be_bytes());
+    s.write_all(&req).expect("SSLRequest");
+    let mut b = [0u8; 1];
+    s.read_exact(&mut b).expect("answer");
+    assert_eq!(b[0], b'S');
+    s.write_all(&proto::startup_message(&[("user".into(), "x".into())]))
+        .expect("garbage");
+    let mut rest = Vec::new();
+    let _ = s.read_to_end(&mut rest);
+    assert!(rest.len() < 64, "only a TLS alert at most: {rest:?}");
+    // GSSENCRequest still gets N.
+    let mut s = TcpStream::connect(a).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let mut req = 8u32.to_be_bytes().to_vec();
+    req.extend(proto::GSSENC_REQUEST.to_be_bytes());
+    s.write_all(&req).expect("GSSENCRequest");
+    s.read_exact(&mut b).expect("answer");
+    assert_eq!(b[0], b'N');
+    // Towards the servers: a proxy trusting another CA refuses them (and says why).
+    let mut pc = proxy_config(&lab.cl, lab.proxy().shared.primary.load(SeqCst));
+    pc.listen.set_port(6433);
+    pc.server_tls = Some(UpstreamTls {
+        ca: other.ca.clone(),
+        server_name: None,
+        allow_cleartext_password: false,
+    });
+    // Unprotected and without cluster hooks: its controller never fails over.
+    let bad = Proxy::start(pc, false, None).expect("second proxy");
+    let e = Client::connect(
+        bad.addr,
+        &lab.cl.cfg.user,
+        &lab.cl.cfg.password,
+        "postgres",
+        Duration::from_secs(10),
+    )
+    .err()
+    .map(|e| e.to_string())
+    .unwrap_or_default();
+    bad.stop();
+    assert!(
+        e.contains("28000") && e.contains("certificate"),
+        "upstream with the wrong CA: {e}"
+    );
+    let st = lab.proxy().stats_json();
+    assert!(st["plaintext_refused"].as_u64().unwrap_or(0) >= 1, "{st}");
+    assert!(
+        st["tls_handshake_failures"].as_u64().unwrap_or(0) >= 2,
+        "{st}"
+    );
+    eprintln!("TLS test body took {:?}", t0.elapsed());
 }

@@ -4,8 +4,9 @@
 
 use crate::bank;
 use crate::client::Client;
-use crate::cluster::{Cluster, ClusterConfig};
-use crate::proxy::{AuthMethod, ClusterOps, Proxy, ProxyConfig};
+use crate::cluster::{Cluster, ClusterConfig, ClusterTls};
+use crate::proxy::{AuthMethod, ClusterOps, ListenTls, Proxy, ProxyConfig, UpstreamTls};
+use crate::tls::DemoPki;
 use serde_json::{json, Value};
 use std::net::SocketAddr;
 use std::path::Path;
@@ -183,7 +184,36 @@ pub fn proxy_config(c: &Cluster, primary: usize) -> ProxyConfig {
         auth: AuthMethod::ScramSha256,
         async_fallback_ms: Some(DEFAULT_ASYNC_FALLBACK_MS),
         startup_timeout_ms: crate::proxy::DEFAULT_STARTUP_TIMEOUT_MS,
+        tls: None,
+        server_tls: None,
     }
+}
+
+/// Switches the cluster's servers to TLS (before `init_primary`) with a demo PKI made in
+/// `dir` that names the cluster's addresses.
+pub fn cluster_tls(cl: &mut Cluster, dir: &Path) -> Result<DemoPki, String> {
+    let pki = crate::tls::make_demo_pki(dir, &cl.addresses())?;
+    cl.set_tls(ClusterTls {
+        cert: pki.cert.clone(),
+        key: pki.key.clone(),
+        ca: pki.ca.clone(),
+    })?;
+    Ok(pki)
+}
+
+/// TLS on both sides of the proxy with `pki`: clients must use TLS (the proxy presents the
+/// PKI's server certificate), servers are verified against its CA.
+pub fn require_tls(pc: &mut ProxyConfig, pki: &DemoPki) {
+    pc.tls = Some(ListenTls {
+        cert: pki.cert.clone(),
+        key: pki.key.clone(),
+        allow_plaintext: false,
+    });
+    pc.server_tls = Some(UpstreamTls {
+        ca: pki.ca.clone(),
+        server_name: None,
+        allow_cleartext_password: false,
+    });
 }
 
 /// The whole benchmark; returns the JSON object (progress on stderr).

@@ -31,6 +31,18 @@ pub struct ClusterConfig {
     pub base: PathBuf,
     /// `max_connections` of both servers.
     pub max_connections: u32,
+    /// Servers with `ssl = on` and `hostssl`-only network access (plaintext logins over the
+    /// network refused); see [`Cluster::set_tls`] for certificates that name the nodes.
+    pub tls: Option<ClusterTls>,
+}
+
+/// Certificate and key the servers present, and the CA that signed it (what clients,
+/// including this crate's own, verify against).
+#[derive(Clone, Debug)]
+pub struct ClusterTls {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub ca: PathBuf,
 }
 
 impl Default for ClusterConfig {
@@ -42,6 +54,7 @@ impl Default for ClusterConfig {
             shared_buffers_mb: 64,
             base: PathBuf::from("/tmp"),
             max_connections: 120,
+            tls: None,
         }
     }
 }
@@ -76,6 +89,8 @@ pub struct Cluster {
     /// Extra namespaces on the bridge (name, host-side veth), e.g. etcd for the Patroni peer.
     aux: Mutex<Vec<(String, String)>>,
     torn_down: std::sync::atomic::AtomicBool,
+    /// This crate's clients (`client`) verify the servers with it when TLS is on.
+    tls_client: Option<crate::tls::TlsClient>,
 }
 
 fn sh(cmd: &mut Command) -> Result<String, String> {
@@ -152,9 +167,50 @@ impl Cluster {
             created_links: Mutex::new(true),
             aux: Mutex::new(Vec::new()),
             torn_down: std::sync::atomic::AtomicBool::new(false),
+            tls_client: None,
         };
         c.setup_net()?;
+        let mut c = c;
+        if let Some(t) = c.cfg.tls.clone() {
+            c.set_tls(t)?;
+        }
         Ok(c)
+    }
+
+    /// Addresses a certificate for this cluster must name: the bridge (where the proxy
+    /// listens) and both servers.
+    pub fn addresses(&self) -> Vec<std::net::IpAddr> {
+        let mut v = vec![self.host_ip.into()];
+        v.extend(self.nodes.iter().map(|n| std::net::IpAddr::from(n.ip)));
+        v
+    }
+
+    /// Switches the servers to TLS (before `init_primary`): the certificate and key are
+    /// copied into `<dir>/tls`, owned by postgres, 0600 (PostgreSQL refuses a key others
+    /// can read).
+    pub fn set_tls(&mut self, t: ClusterTls) -> Result<(), String> {
+        use std::os::unix::fs::PermissionsExt;
+        let (uid, gid) = postgres_ids()?;
+        let d = self.dir.join("tls");
+        std::fs::create_dir_all(&d).map_err(|e| format!("mkdir {}: {e}", d.display()))?;
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| e.to_string())?;
+        std::os::unix::fs::chown(&d, Some(uid), Some(gid)).map_err(|e| e.to_string())?;
+        let cert = std::fs::read(&t.cert).map_err(|e| format!("{}: {e}", t.cert.display()))?;
+        let key = std::fs::read(&t.key).map_err(|e| format!("{}: {e}", t.key.display()))?;
+        let (c, k) = (d.join("server.crt"), d.join("server.key"));
+        crate::tls::write_private(&c, &cert)?;
+        crate::tls::write_private(&k, &key)?;
+        for f in [&c, &k] {
+            std::os::unix::fs::chown(f, Some(uid), Some(gid)).map_err(|e| e.to_string())?;
+        }
+        self.tls_client = Some(crate::tls::TlsClient::load(&t.ca, None)?);
+        self.cfg.tls = Some(ClusterTls {
+            cert: c,
+            key: k,
+            ca: t.ca,
+        });
+        Ok(())
     }
 
     fn setup_net(&self) -> Result<(), String> {
@@ -257,6 +313,10 @@ impl Cluster {
         ]);
         c.arg(prog);
         c.env("PGPASSWORD", &self.cfg.password);
+        // libpq (pg_basebackup, pg_rewind, the walreceiver) looks for a client certificate
+        // under $HOME, root's here, which postgres may not read: none is used.
+        let none = self.dir.join("no-client-certificate");
+        c.env("PGSSLCERT", &none).env("PGSSLKEY", &none);
         c
     }
 
@@ -326,7 +386,11 @@ impl Cluster {
         let net = format!("10.213.{}.0/24", self.host_ip.octets()[2]);
         append(
             &nd.data.join("pg_hba.conf"),
-            &format!("host all all {net} md5\nhost replication all {net} md5\n"),
+            &if self.cfg.tls.is_some() {
+                format!("hostssl all all {net} md5\nhostssl replication all {net} md5\n")
+            } else {
+                format!("host all all {net} md5\nhost replication all {net} md5\n")
+            },
         )?;
         self.start(0, None)?;
         // Set the password (stored as md5) over the local socket, once it accepts connections.
@@ -383,6 +447,12 @@ impl Cluster {
         ] {
             cmd.arg("-c").arg(format!("{k}={v}"));
         }
+        if let Some(t) = &self.cfg.tls {
+            cmd.args(["-c", "ssl=on", "-c"])
+                .arg(format!("ssl_cert_file={}", t.cert.display()))
+                .arg("-c")
+                .arg(format!("ssl_key_file={}", t.key.display()));
+        }
         if let Some(p) = primary {
             cmd.arg("-c").arg(format!(
                 "primary_conninfo=host={} port={PG_PORT} user={} password={} application_name={}",
@@ -407,13 +477,15 @@ impl Cluster {
     }
 
     pub fn client(&self, i: usize, timeout: Duration) -> Result<Client, String> {
-        Client::connect(
-            self.nodes[i].addr(),
-            &self.cfg.user,
-            &self.cfg.password,
-            "postgres",
+        Client::dial(&crate::client::Dial {
+            addr: self.nodes[i].addr(),
+            user: &self.cfg.user,
+            password: &self.cfg.password,
+            database: "postgres",
+            connect_timeout: timeout,
             timeout,
-        )
+            tls: self.tls_client.as_ref(),
+        })
         .map_err(|e| format!("{}: {e}", self.nodes[i].name))
     }
 

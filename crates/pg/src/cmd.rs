@@ -7,6 +7,7 @@
 use crate::bench::proxy_config;
 use crate::cluster::{Cluster, ClusterConfig};
 use crate::proxy::{AuthMethod, ClusterOps, Proxy};
+use crate::tls::DemoPki;
 use serde_json::json;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
@@ -27,12 +28,19 @@ pub fn state_dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("/run/pliant/pg"))
 }
 
+/// Subdirectory of the run directory with the `--tls` demo CA and server certificate.
+const TLS_DIR: &str = "tls";
+
 /// Removes every file `up` created and the directory itself if nothing else is in it.
 fn remove_state_files() {
     let d = state_dir();
     for f in ["state.json", "status.json", "up.log"] {
         let _ = std::fs::remove_file(d.join(f));
     }
+    for f in ["ca.crt", "server.crt", "server.key"] {
+        let _ = std::fs::remove_file(d.join(TLS_DIR).join(f));
+    }
+    let _ = std::fs::remove_dir(d.join(TLS_DIR));
     // remove_dir fails on a non-empty directory: files someone else put there stay.
     let _ = std::fs::remove_dir(&d);
 }
@@ -56,6 +64,8 @@ pub struct UpOpts {
     /// Run unprotected after the standby is lost for this long (ms); 0 = never (commits block
     /// until the standby returns).
     pub async_fallback_ms: u64,
+    /// Demo TLS: private CA + server certificate in the run directory; clients must use TLS.
+    pub tls: bool,
 }
 
 impl Default for UpOpts {
@@ -63,6 +73,7 @@ impl Default for UpOpts {
         UpOpts {
             auth: AuthMethod::ScramSha256,
             async_fallback_ms: crate::bench::DEFAULT_ASYNC_FALLBACK_MS,
+            tls: false,
         }
     }
 }
@@ -89,6 +100,7 @@ pub fn up(foreground: bool, opts: &UpOpts) -> Result<String, String> {
         })
         .arg("--async-fallback-ms")
         .arg(opts.async_fallback_ms.to_string())
+        .args(opts.tls.then_some("--tls"))
         .stdin(std::process::Stdio::null())
         .stdout(log.try_clone().map_err(|e| e.to_string())?)
         .stderr(log)
@@ -128,11 +140,21 @@ fn serve(opts: &UpOpts) -> Result<String, String> {
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
     }
-    let cl = Arc::new(Cluster::create(ClusterConfig {
+    let mut cl = Cluster::create(ClusterConfig {
         fsync: true,
         ..Default::default()
-    })?);
-    let r = serve_cluster(&cl, opts);
+    })?;
+    // The certificate must name the bridge and the servers, known once the namespaces exist.
+    let pki = if opts.tls {
+        Some(crate::bench::cluster_tls(
+            &mut cl,
+            &state_dir().join(TLS_DIR),
+        )?)
+    } else {
+        None
+    };
+    let cl = Arc::new(cl);
+    let r = serve_cluster(&cl, opts, pki.as_ref());
     cl.teardown();
     // up.log stays until `down` has seen this process exit (it still writes to it).
     let _ = std::fs::remove_file(state_dir().join("status.json"));
@@ -140,7 +162,11 @@ fn serve(opts: &UpOpts) -> Result<String, String> {
     r
 }
 
-fn serve_cluster(cl: &Arc<Cluster>, opts: &UpOpts) -> Result<String, String> {
+fn serve_cluster(
+    cl: &Arc<Cluster>,
+    opts: &UpOpts,
+    pki: Option<&DemoPki>,
+) -> Result<String, String> {
     cl.init_primary()?;
     cl.add_standby(1, 0)?;
     cl.protect(0, 1)?;
@@ -148,16 +174,33 @@ fn serve_cluster(cl: &Arc<Cluster>, opts: &UpOpts) -> Result<String, String> {
     let mut pc = proxy_config(cl, 0);
     pc.auth = opts.auth;
     pc.async_fallback_ms = Some(opts.async_fallback_ms).filter(|ms| *ms > 0);
+    if let Some(p) = pki {
+        crate::bench::require_tls(&mut pc, p);
+    }
     let proxy = Proxy::start(pc, true, Some(ops))?;
+    let ssl = pki
+        .map(|p| format!(" sslmode=verify-full sslrootcert={}", p.ca.display()))
+        .unwrap_or_default();
     let state = json!({
         "ready": true, "pid": std::process::id(), "dir": cl.dir, "proxy": proxy.addr.to_string(),
         "bridge": cl.bridge,
         "user": cl.cfg.user, "password": cl.cfg.password,
         "nodes": cl.nodes.iter().map(|n| json!({"name": n.name, "ns": n.ns, "addr": n.addr().to_string()})).collect::<Vec<_>>(),
-        "connect": format!("PGPASSWORD={} psql -h {} -p {} -U {} postgres", cl.cfg.password, proxy.addr.ip(), proxy.addr.port(), cl.cfg.user),
+        "connect": format!("PGPASSWORD={} psql 'host={} port={} user={} dbname=postgres{ssl}'", cl.cfg.password, proxy.addr.ip(), proxy.addr.port(), cl.cfg.user),
+        "sslrootcert": pki.map(|p| p.ca.display().to_string()),
     });
-    std::fs::write(state_dir().join("state.json"), state.to_string()).map_err(|e| e.to_string())?;
+    // It holds the password: readable by its owner only.
+    crate::tls::write_private(
+        &state_dir().join("state.json"),
+        state.to_string().as_bytes(),
+    )?;
     eprintln!("pliant pg: up, proxy at {}", proxy.addr);
+    if let Some(p) = pki {
+        eprintln!(
+            "pliant pg: TLS required; CA for sslrootcert: {}",
+            p.ca.display()
+        );
+    }
     while !STOP.load(SeqCst) {
         let p = proxy.shared.primary.load(SeqCst);
         let protected = proxy.shared.protected.load(SeqCst);

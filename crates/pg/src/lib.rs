@@ -20,3 +20,5 @@ pub mod proto;
 pub mod proxy;
 pub mod scram;
 pub mod session;
+pub mod startup;
+pub mod tls;

@@ -15,14 +15,17 @@
 //! resumes once it streams synchronously again.
 
 use crate::client::{Authenticator, Client};
-use crate::proto::{self, Frame, Startup};
-use crate::scram::{self, Secret, ServerExchange};
+use crate::proto::{self, Frame};
+use crate::scram::{self, Binding, Secret, ServerExchange};
 use crate::session::{ClientAction, CommitTxid, ServerAction, SessionState};
+use crate::startup::{self, Opening, Policy, Refusal};
+use crate::tls::{self, HandshakeError, Stream, TlsClient, TlsServer};
 use serde::Serialize;
 use std::collections::HashMap;
 use std::io::{Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -79,8 +82,37 @@ pub struct ProxyConfig {
     /// it, this long (ms); `None` = block commits until the standby returns (strict 2-safe).
     pub async_fallback_ms: Option<u64>,
     /// How long a new connection may take to send its startup packet and each
-    /// authentication message (ms) before it is closed.
+    /// authentication message (ms) before it is closed; also the limit for a whole TLS
+    /// handshake.
     pub startup_timeout_ms: u64,
+    /// TLS towards the clients; None = SSLRequest answered `N`.
+    pub tls: Option<ListenTls>,
+    /// TLS towards the PostgreSQL servers (sessions, probes, failover); None = plaintext.
+    pub server_tls: Option<UpstreamTls>,
+}
+
+/// TLS towards the proxy's clients.
+#[derive(Clone, Debug)]
+pub struct ListenTls {
+    /// PEM certificate chain, the proxy's certificate first.
+    pub cert: PathBuf,
+    /// PEM private key (refused if group- or world-readable).
+    pub key: PathBuf,
+    /// Also serve clients that do not ask for TLS. Default false: with TLS configured a
+    /// plaintext startup packet is refused (28000), so no session runs unencrypted whatever
+    /// the client's sslmode.
+    pub allow_plaintext: bool,
+}
+
+/// TLS towards the PostgreSQL servers.
+#[derive(Clone, Debug)]
+pub struct UpstreamTls {
+    /// PEM CA certificate(s) the servers' certificates must chain to.
+    pub ca: PathBuf,
+    /// Name checked in the server certificate instead of the server's IP address.
+    pub server_name: Option<String>,
+    /// Answer a server's cleartext password request (over TLS only; default false).
+    pub allow_cleartext_password: bool,
 }
 
 /// Default of `startup_timeout_ms`.
@@ -124,6 +156,10 @@ pub struct Stats {
     /// CancelRequests naming no session of this proxy, or with a wrong key (dropped).
     pub cancels_unmatched: AtomicU64,
     pub cancels_failed: AtomicU64,
+    /// TLS handshakes with clients that failed (not TLS after SSLRequest, bad records, ...).
+    pub tls_handshake_failures: AtomicU64,
+    /// Plaintext startup packets refused because TLS is required.
+    pub plaintext_refused: AtomicU64,
 }
 
 /// Where a client's CancelRequest must go: the server backend currently serving it.
@@ -161,6 +197,8 @@ pub struct Shared {
     /// `max_sessions` like the sessions themselves.
     cancel: Mutex<HashMap<u32, CancelTarget>>,
     scram: Secret,
+    tls_in: Option<TlsServer>,
+    tls_out: Option<TlsClient>,
 }
 
 pub struct Proxy {
@@ -187,6 +225,16 @@ impl Proxy {
         salt[8..12].copy_from_slice(&random_u32().to_ne_bytes());
         salt[12..].copy_from_slice(&random_u32().to_ne_bytes());
         let secret = Secret::new(&cfg.password, &salt, scram::ITERATIONS);
+        let tls_in = cfg
+            .tls
+            .as_ref()
+            .map(|t| TlsServer::load(&t.cert, &t.key))
+            .transpose()?;
+        let tls_out = cfg
+            .server_tls
+            .as_ref()
+            .map(|t| TlsClient::load(&t.ca, t.server_name.as_deref()))
+            .transpose()?;
         let shared = Arc::new(Shared {
             primary: AtomicUsize::new(cfg.primary),
             cfg,
@@ -204,6 +252,8 @@ impl Proxy {
             reprotect_hold: AtomicBool::new(false),
             cancel: Mutex::new(HashMap::new()),
             scram: secret,
+            tls_in,
+            tls_out,
         });
         let s1 = shared.clone();
         let acc = std::thread::spawn(move || accept_loop(l, s1));
@@ -259,6 +309,13 @@ pub fn status_json(s: &Shared) -> serde_json::Value {
     .into();
     v["async_fallback_ms"] = s.cfg.async_fallback_ms.into();
     v["auth"] = format!("{:?}", s.cfg.auth).into();
+    v["tls"] = match &s.cfg.tls {
+        None => "off",
+        Some(t) if t.allow_plaintext => "on (plaintext clients allowed)",
+        Some(_) => "required",
+    }
+    .into();
+    v["server_tls"] = s.cfg.server_tls.is_some().into();
     v["epoch"] = s.epoch.load(SeqCst).into();
     v["last_error"] = s
         .last_error
@@ -306,9 +363,16 @@ fn accept_loop(l: TcpListener, sh: Arc<Shared>) {
     }
 }
 
-fn fatal(c: &mut TcpStream, code: &str, msg: &str) {
+fn fatal(c: &mut Stream, code: &str, msg: &str) {
     let _ = proto::write_frames(c, &[proto::error_response("FATAL", code, msg)]);
-    let _ = c.shutdown(Shutdown::Both);
+    c.shutdown();
+}
+
+/// Counts a refused connection in `counter` and closes it with a FATAL error.
+fn refuse(c: &mut Stream, counter: &AtomicU64, code: &str, msg: &str) -> Result<(), String> {
+    counter.fetch_add(1, SeqCst);
+    fatal(c, code, msg);
+    Ok(())
 }
 
 fn random_u32() -> u32 {
@@ -321,7 +385,7 @@ fn random_u32() -> u32 {
 
 /// Authenticated server connection with the session's startup parameters.
 struct Backend {
-    s: TcpStream,
+    s: Stream,
     epoch: u64,
     params: Vec<Frame>,
     addr: SocketAddr,
@@ -383,9 +447,20 @@ fn connect_backend(sh: &Shared, startup: &[(String, String)]) -> Result<Backend,
     let epoch = sh.ready_epoch.load(SeqCst);
     let addr = sh.cfg.nodes[sh.primary.load(SeqCst)];
     let t = Duration::from_millis(sh.cfg.probe_timeout_ms.max(200) * 5);
-    let mut s = TcpStream::connect_timeout(&addr, t).map_err(|e| format!("connect {addr}: {e}"))?;
+    let s = TcpStream::connect_timeout(&addr, t).map_err(|e| format!("connect {addr}: {e}"))?;
     let _ = s.set_nodelay(true);
     s.set_read_timeout(Some(t)).map_err(|e| e.to_string())?;
+    let mut s = match &sh.tls_out {
+        Some(tc) => match tls::connect(s, tc, addr.ip(), Instant::now() + t) {
+            Ok(s) => s,
+            // A certificate that does not verify will not verify on a retry either.
+            Err(e @ HandshakeError::Tls(_)) => {
+                return Err(refusal(&format!("pliant: TLS to the server {addr}: {e}")))
+            }
+            Err(e) => return Err(format!("TLS to {addr}: {e}").into()),
+        },
+        None => Stream::Plain(s),
+    };
     s.write_all(&proto::startup_message(startup))
         .map_err(|e| e.to_string())?;
     let user = startup
@@ -393,7 +468,12 @@ fn connect_backend(sh: &Shared, startup: &[(String, String)]) -> Result<Backend,
         .find(|(k, _)| k == "user")
         .map(|(_, v)| v.as_str())
         .unwrap_or("");
-    let mut auth = Authenticator::new(user, &sh.cfg.password);
+    let allow_cleartext = sh
+        .cfg
+        .server_tls
+        .as_ref()
+        .is_some_and(|t| t.allow_cleartext_password);
+    let mut auth = Authenticator::new(user, &sh.cfg.password).over(&s, allow_cleartext);
     let mut params = Vec::new();
     let mut key = None;
     loop {
@@ -401,14 +481,17 @@ fn connect_backend(sh: &Shared, startup: &[(String, String)]) -> Result<Backend,
             .map_err(|e| e.to_string())?
             .ok_or("server closed during startup")?;
         match f.tag {
-            b'R' => {
-                if let Some(reply) = auth
-                    .answer(&f.body)
-                    .map_err(|e| format!("authentication at {addr}: {e}"))?
-                {
+            b'R' => match auth.answer(&f.body) {
+                Ok(Some(reply)) => {
                     proto::write_frames(&mut s, &[reply]).map_err(|e| e.to_string())?;
                 }
-            }
+                Ok(None) => {}
+                // A downgrade attempt or a policy refusal: final, the client is told why.
+                Err(e @ crate::client::ClientError::Refused(_)) => {
+                    return Err(refusal(&format!("pliant: login to the server {addr}: {e}")))
+                }
+                Err(e) => return Err(format!("authentication at {addr}: {e}").into()),
+            },
             b'E' => return Err(login_error(f)),
             b'S' => params.push(f),
             b'K' if f.body.len() == 8 => {
@@ -429,6 +512,11 @@ fn connect_backend(sh: &Shared, startup: &[(String, String)]) -> Result<Backend,
         addr,
         key,
     })
+}
+
+/// A final login failure of the proxy's own making (28000), passed to the client at once.
+fn refusal(msg: &str) -> ConnectError {
+    ConnectError::Refused(proto::error_response("FATAL", "28000", msg))
 }
 
 /// Sends frames and consumes answers up to `zs` ReadyForQuery; returns the last status and
@@ -454,40 +542,49 @@ fn run_quiet(b: &mut Backend, frames: &[Frame], zs: usize) -> Result<(u8, bool),
     Ok((st, err))
 }
 
-fn serve_client(mut c: TcpStream, sh: &Shared) -> Result<(), String> {
+fn serve_client(c: TcpStream, sh: &Shared) -> Result<(), String> {
     let _ = c.set_nodelay(true);
-    c.set_read_timeout(Some(Duration::from_millis(
-        sh.cfg.startup_timeout_ms.max(1),
-    )))
-    .map_err(|e| e.to_string())?;
-    // Startup: refuse TLS/GSS; a CancelRequest goes to the backend serving that session.
-    let params = loop {
-        match proto::read_startup(&mut c) {
-            Ok(Some(Startup::Ssl)) | Ok(Some(Startup::GssEnc)) => {
-                c.write_all(b"N").map_err(|e| e.to_string())?;
-            }
-            Ok(Some(Startup::Cancel { pid, key })) => {
-                // Like PostgreSQL: no answer either way, the connection just closes.
-                forward_cancel(sh, pid, key);
-                return Ok(());
-            }
-            Ok(None) => return Ok(()),
-            Ok(Some(Startup::Params(p))) => break p,
-            Err(e) if timed_out(&e) => {
-                sh.stats.startup_timeouts.fetch_add(1, SeqCst);
-                fatal(&mut c, "08006", "timeout waiting for startup packet");
-                return Ok(());
-            }
-            Err(e) => {
-                sh.stats.protocol_errors.fetch_add(1, SeqCst);
-                let code = if matches!(e, proto::ProtoError::Version(..)) {
-                    "0A000"
-                } else {
-                    "08P01"
-                };
-                fatal(&mut c, code, &format!("invalid startup packet: {e}"));
-                return Ok(());
-            }
+    let policy = Policy {
+        tls: sh.tls_in.as_ref(),
+        require_tls: sh.cfg.tls.as_ref().is_some_and(|t| !t.allow_plaintext),
+        timeout: Duration::from_millis(sh.cfg.startup_timeout_ms.max(1)),
+    };
+    // Encryption negotiation and the startup packet; a CancelRequest goes to the backend
+    // serving that session.
+    let (mut c, params) = match startup::open(c, &policy) {
+        Ok((c, Opening::Params(p))) => (c, p),
+        Ok((_, Opening::Cancel { pid, key })) => {
+            // Like PostgreSQL: no answer either way, the connection just closes.
+            forward_cancel(sh, pid, key);
+            return Ok(());
+        }
+        Ok((_, Opening::Closed)) => return Ok(()),
+        Err(Refusal::Timeout(mut c)) => {
+            return refuse(
+                &mut c,
+                &sh.stats.startup_timeouts,
+                "08006",
+                "timeout waiting for startup packet",
+            )
+        }
+        Err(Refusal::Handshake(HandshakeError::Timeout)) => {
+            sh.stats.startup_timeouts.fetch_add(1, SeqCst);
+            return Ok(());
+        }
+        Err(Refusal::Handshake(_)) => {
+            sh.stats.tls_handshake_failures.fetch_add(1, SeqCst);
+            return Ok(());
+        }
+        Err(Refusal::Invalid(mut c, code, msg)) => {
+            return refuse(&mut c, &sh.stats.protocol_errors, code, &msg)
+        }
+        Err(Refusal::PlaintextRefused(mut c)) => {
+            return refuse(
+                &mut c,
+                &sh.stats.plaintext_refused,
+                "28000",
+                "pliant: TLS is required (connect with sslmode=require or verify-full)",
+            )
         }
     };
     let user = params
@@ -506,22 +603,20 @@ fn serve_client(mut c: TcpStream, sh: &Shared) -> Result<(), String> {
     match authenticate(&mut c, sh, &user) {
         Auth::Ok => {}
         Auth::Failed => {
-            sh.stats.auth_failures.fetch_add(1, SeqCst);
-            fatal(
+            return refuse(
                 &mut c,
+                &sh.stats.auth_failures,
                 "28P01",
                 &format!("password authentication failed for user \"{user}\""),
-            );
-            return Ok(());
+            )
         }
         Auth::TimedOut => {
-            sh.stats.startup_timeouts.fetch_add(1, SeqCst);
-            fatal(
+            return refuse(
                 &mut c,
+                &sh.stats.startup_timeouts,
                 "08006",
                 "timeout waiting for the authentication response",
-            );
-            return Ok(());
+            )
         }
         Auth::Protocol(what) => {
             sh.stats.protocol_errors.fetch_add(1, SeqCst);
@@ -536,7 +631,7 @@ fn serve_client(mut c: TcpStream, sh: &Shared) -> Result<(), String> {
         Err(ConnectError::Refused(f)) => {
             sh.stats.logins_refused_by_server.fetch_add(1, SeqCst);
             let _ = proto::write_frames(&mut c, &[f]);
-            let _ = c.shutdown(Shutdown::Both);
+            c.shutdown();
             return Ok(());
         }
         Err(e) => {
@@ -571,14 +666,9 @@ enum Auth {
     Gone,
 }
 
-/// A read gave up because the client sent nothing within the socket's read timeout.
-fn timed_out(e: &proto::ProtoError) -> bool {
-    matches!(e, proto::ProtoError::Io(io) if matches!(io.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut))
-}
-
 /// Reads the client's next message, which must be a password/SASL response ('p');
 /// `Err(None)`: it did not arrive in time.
-fn read_password_message(c: &mut TcpStream) -> Result<Option<Vec<u8>>, Option<String>> {
+fn read_password_message(c: &mut Stream) -> Result<Option<Vec<u8>>, Option<String>> {
     match proto::read_frame(c) {
         Ok(Some(f)) if f.tag == b'p' => Ok(Some(f.body)),
         Ok(Some(f)) => Err(Some(format!(
@@ -586,15 +676,15 @@ fn read_password_message(c: &mut TcpStream) -> Result<Option<Vec<u8>>, Option<St
             f.tag
         ))),
         Ok(None) => Ok(None),
-        Err(e) if timed_out(&e) => Err(None),
+        Err(e) if startup::timed_out(&e) => Err(None),
         Err(e) => Err(Some(format!("invalid password response: {e}"))),
     }
 }
 
 /// Authenticates the client against the proxy's user (md5 or SCRAM-SHA-256). A wrong user
 /// fails exactly like a wrong password (no user enumeration).
-fn authenticate(c: &mut TcpStream, sh: &Shared, user: &str) -> Auth {
-    let send = |c: &mut TcpStream, f: Frame| proto::write_frames(c, &[f]).is_ok();
+fn authenticate(c: &mut Stream, sh: &Shared, user: &str) -> Auth {
+    let send = |c: &mut Stream, f: Frame| proto::write_frames(c, &[f]).is_ok();
     match sh.cfg.auth {
         AuthMethod::Md5 => {
             let salt = random_u32().to_be_bytes();
@@ -615,7 +705,17 @@ fn authenticate(c: &mut TcpStream, sh: &Shared, user: &str) -> Auth {
             }
         }
         AuthMethod::ScramSha256 => {
+            // Over TLS (with a certificate whose hash is defined) SCRAM-SHA-256-PLUS first,
+            // as PostgreSQL lists them.
+            let end_point = sh
+                .tls_in
+                .as_ref()
+                .filter(|_| c.is_tls())
+                .and_then(|t| t.end_point.clone());
             let mut mechs = Vec::new();
+            if end_point.is_some() {
+                proto::put_cstr(&mut mechs, scram::MECHANISM_PLUS);
+            }
             proto::put_cstr(&mut mechs, scram::MECHANISM);
             mechs.push(0);
             if !send(c, proto::auth(10, &mechs)) {
@@ -630,14 +730,20 @@ fn authenticate(c: &mut TcpStream, sh: &Shared, user: &str) -> Auth {
                 Ok(x) => x,
                 Err(e) => return Auth::Protocol(format!("invalid SASL response: {e}")),
             };
-            if mech != scram::MECHANISM {
-                return Auth::Protocol(format!(
-                    "client selected an invalid SASL authentication mechanism {mech:?}"
-                ));
-            }
+            let binding = match (mech, end_point) {
+                (scram::MECHANISM_PLUS, Some(d)) => Binding::Plus(d),
+                (scram::MECHANISM, Some(_)) => Binding::Declined,
+                (scram::MECHANISM, None) => Binding::NotOffered,
+                _ => {
+                    return Auth::Protocol(format!(
+                        "client selected an invalid SASL authentication mechanism {mech:?}"
+                    ))
+                }
+            };
             let first = String::from_utf8_lossy(data);
             let (ex, server_first) =
-                match ServerExchange::start(&sh.scram, &first, &scram::new_nonce()) {
+                match ServerExchange::start_bound(&sh.scram, &first, &scram::new_nonce(), &binding)
+                {
                     Ok(x) => x,
                     Err(e) => return Auth::Protocol(e.to_string()),
                 };
@@ -770,7 +876,7 @@ enum Lost {
 }
 
 fn pump(
-    mut c: TcpStream,
+    mut c: Stream,
     be: &mut Backend,
     st: &mut SessionState,
     sh: &Shared,
@@ -802,11 +908,21 @@ fn pump(
                 revents: 0,
             },
         ];
+        // TLS: decrypted bytes already buffered do not make the socket readable.
+        let (c_buf, b_buf) = (c.buffered(), be.s.buffered());
+        let wait = if c_buf || b_buf { 0 } else { 50 };
         // SAFETY: fds is a valid array of two pollfd for the duration of the call.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, 50) };
+        let mut n = unsafe { libc::poll(fds.as_mut_ptr(), 2, wait) };
+        if c_buf || b_buf {
+            n = 1;
+            fds[0].revents |= if c_buf { libc::POLLIN } else { 0 };
+            fds[1].revents |= if b_buf { libc::POLLIN } else { 0 };
+        }
         let mut lost = sh.epoch.load(SeqCst) != be.epoch;
         if n > 0 && !lost && fds[1].revents != 0 {
-            match be.s.read(&mut tmp) {
+            match be.s.read_some(&mut tmp) {
+                // Part of a TLS record: the rest comes with the next readiness.
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
                 Ok(0) | Err(_) => lost = true,
                 Ok(k) => {
                     bbuf.extend_from_slice(&tmp[..k]);
@@ -878,7 +994,8 @@ fn pump(
             }
         }
         if n > 0 && fds[0].revents != 0 {
-            match c.read(&mut tmp) {
+            match c.read_some(&mut tmp) {
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
                 Ok(0) | Err(_) => {
                     let _ = proto::write_frames(&mut be.s, &[Frame::new(b'X', vec![])]);
                     return Ok(());
@@ -979,7 +1096,7 @@ fn pump(
             }
             if !out.is_empty() && be.s.write_all(&out).is_err() {
                 // Noticed on the next poll through the epoch or the read side.
-                let _ = be.s.shutdown(Shutdown::Both);
+                be.s.shutdown();
             }
         }
     }
@@ -1009,7 +1126,7 @@ fn wait_for_epoch_change(sh: &Shared, old_epoch: u64) -> bool {
 }
 
 /// The server connection died or its server was fenced: move the session or close it.
-fn backend_lost(c: &mut TcpStream, st: &mut SessionState, sh: &Shared, old_epoch: u64) -> Lost {
+fn backend_lost(c: &mut Stream, st: &mut SessionState, sh: &Shared, old_epoch: u64) -> Lost {
     if !wait_for_epoch_change(sh, old_epoch) {
         dbg("session dropped: no failover");
         sh.stats.sessions_dropped_other.fetch_add(1, SeqCst);
@@ -1043,7 +1160,7 @@ fn backend_lost(c: &mut TcpStream, st: &mut SessionState, sh: &Shared, old_epoch
             sh.stats.sessions_dropped_other.fetch_add(1, SeqCst);
             sh.stats.logins_refused_by_server.fetch_add(1, SeqCst);
             let _ = proto::write_frames(c, &[f]);
-            let _ = c.shutdown(Shutdown::Both);
+            c.shutdown();
             return Lost::Closed;
         }
         Err(e) => {
@@ -1259,10 +1376,10 @@ fn controller(sh: Arc<Shared>) {
     while !sh.shutdown.load(SeqCst) {
         let p = sh.primary.load(SeqCst);
         let addr = sh.cfg.nodes[p];
-        let ok = probe_once(&mut probe, addr, &sh.cfg, to) || {
+        let ok = probe_once(&mut probe, addr, &sh, to) || {
             // One immediate retry on a fresh connection before declaring the primary dead.
             probe = None;
-            probe_once(&mut probe, addr, &sh.cfg, to)
+            probe_once(&mut probe, addr, &sh, to)
         };
         if !ok {
             dbg("probe failed twice");
@@ -1311,7 +1428,7 @@ fn watch_standby(sh: &Arc<Shared>, w: &mut StandbyWatch, probe: &mut Option<Clie
     let sb = 1 - p;
     if sh.protected.load(SeqCst) && !sh.degraded.load(SeqCst) {
         let to = Duration::from_millis(sh.cfg.probe_timeout_ms);
-        let reachable = probe_once(&mut w.probe, sh.cfg.nodes[sb], &sh.cfg, to);
+        let reachable = probe_once(&mut w.probe, sh.cfg.nodes[sb], sh, to);
         if reachable {
             w.unreachable_since = None;
         } else {
@@ -1388,15 +1505,8 @@ fn watch_standby(sh: &Arc<Shared>, w: &mut StandbyWatch, probe: &mut Option<Clie
 /// by the reload. Stale WAL senders of the lost standby are ended so that a returning
 /// standby is not shadowed by a half-dead connection that still looks "streaming".
 fn degrade(sh: &Shared, p: usize) -> Result<(), String> {
-    let mut c = Client::connect_with(
-        sh.cfg.nodes[p],
-        &sh.cfg.user,
-        &sh.cfg.password,
-        "postgres",
-        CONNECT_TIMEOUT * 5,
-        Duration::from_secs(10),
-    )
-    .map_err(|e| format!("primary: {e}"))?;
+    let mut c = server_client(sh, p, CONNECT_TIMEOUT * 5, Duration::from_secs(10))
+        .map_err(|e| format!("primary: {e}"))?;
     c.query("ALTER SYSTEM SET synchronous_standby_names = ''")
         .map_err(|e| e.to_string())?;
     c.query("SELECT pg_reload_conf()")
@@ -1420,21 +1530,36 @@ fn set_err(sh: &Shared, e: &str) {
     }
 }
 
-fn probe_once(
-    probe: &mut Option<Client>,
+/// The controller's own connection to node `i` (over TLS when configured).
+fn server_client(
+    sh: &Shared,
+    i: usize,
+    connect_timeout: Duration,
+    timeout: Duration,
+) -> Result<Client, crate::client::ClientError> {
+    connect_server(sh, sh.cfg.nodes[i], connect_timeout, timeout)
+}
+
+fn connect_server(
+    sh: &Shared,
     addr: SocketAddr,
-    cfg: &ProxyConfig,
-    to: Duration,
-) -> bool {
+    connect_timeout: Duration,
+    timeout: Duration,
+) -> Result<Client, crate::client::ClientError> {
+    Client::dial(&crate::client::Dial {
+        addr,
+        user: &sh.cfg.user,
+        password: &sh.cfg.password,
+        database: "postgres",
+        connect_timeout,
+        timeout,
+        tls: sh.tls_out.as_ref(),
+    })
+}
+
+fn probe_once(probe: &mut Option<Client>, addr: SocketAddr, sh: &Shared, to: Duration) -> bool {
     if probe.is_none() {
-        match Client::connect_with(
-            addr,
-            &cfg.user,
-            &cfg.password,
-            "postgres",
-            CONNECT_TIMEOUT,
-            to,
-        ) {
+        match connect_server(sh, addr, CONNECT_TIMEOUT, to) {
             Ok(c) => *probe = Some(c),
             Err(_) => return false,
         }
@@ -1472,14 +1597,7 @@ fn failover(sh: &Arc<Shared>, old: usize, t0: Instant) -> Result<(), String> {
     // Sessions leave the old primary now.
     sh.epoch.fetch_add(1, SeqCst);
     let to = Duration::from_secs(10);
-    let mut c = Client::connect(
-        sh.cfg.nodes[new],
-        &sh.cfg.user,
-        &sh.cfg.password,
-        "postgres",
-        to,
-    )
-    .map_err(|e| format!("standby: {e}"))?;
+    let mut c = server_client(sh, new, to, to).map_err(|e| format!("standby: {e}"))?;
     // pg_promote(wait => true) polls only every 100 ms; poll faster ourselves.
     c.query("SELECT pg_promote(false)")
         .map_err(|e| format!("pg_promote: {e}"))?;

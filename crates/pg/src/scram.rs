@@ -3,10 +3,13 @@
 //! the proxy (and the controller's probes) into servers that store SCRAM secrets.
 //!
 //! PostgreSQL specifics: the user name inside the SCRAM messages is ignored (the startup
-//! packet's user counts; libpq sends `n=`), and channel binding is never offered because the
-//! proxy does not speak TLS (a client may still send the `y` flag: "I could bind, you did
-//! not offer it"). SASLprep is not applied: for the ASCII passwords the proxy is configured
-//! with it is the identity (PostgreSQL itself falls back to the raw bytes when SASLprep fails).
+//! packet's user counts; libpq sends `n=`). Channel binding (SCRAM-SHA-256-PLUS,
+//! `tls-server-end-point` only, as PostgreSQL) when the connection is TLS: the client-final
+//! message must carry the GS2 header and the hash of the server certificate ([`Binding`]);
+//! a client that says "I could bind but you did not offer it" (`y`) while PLUS was offered is
+//! refused (a downgrade). SASLprep is not applied: for the ASCII passwords the proxy is
+//! configured with it is the identity (PostgreSQL itself falls back to the raw bytes when
+//! SASLprep fails).
 
 use base64::engine::general_purpose::STANDARD as B64;
 use base64::Engine;
@@ -14,6 +17,10 @@ use hmac::{Hmac, Mac};
 use sha2::{Digest, Sha256};
 
 pub const MECHANISM: &str = "SCRAM-SHA-256";
+/// The channel-binding variant (offered over TLS only).
+pub const MECHANISM_PLUS: &str = "SCRAM-SHA-256-PLUS";
+/// The only channel binding type PostgreSQL (and the proxy) supports.
+pub const CB_TYPE: &str = "tls-server-end-point";
 /// PostgreSQL's default `scram_iterations`.
 pub const ITERATIONS: u32 = 4096;
 /// Upper bound on iterations a server may ask of our client (CPU the server can make us burn).
@@ -26,6 +33,12 @@ pub enum ScramError {
     Malformed(&'static str),
     #[error("channel binding requested but not offered")]
     ChannelBinding,
+    #[error("SCRAM channel binding negotiation error: the client supports channel binding but thinks the server does not; this server does")]
+    Downgrade,
+    #[error("SCRAM-SHA-256-PLUS selected without channel binding data, or an unsupported channel binding type (only tls-server-end-point)")]
+    BindingType,
+    #[error("SCRAM channel binding check failed")]
+    BindingMismatch,
     #[error("SCRAM nonce mismatch")]
     Nonce,
     #[error("SCRAM proof does not match (wrong password)")]
@@ -89,12 +102,24 @@ fn valid_nonce(n: &str) -> bool {
     !n.is_empty() && n.bytes().all(|b| (0x21..=0x7e).contains(&b) && b != b',')
 }
 
+/// Channel binding as far as the server's offer and the client's choice of mechanism go.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Binding {
+    /// No TLS: only SCRAM-SHA-256 was offered.
+    NotOffered,
+    /// SCRAM-SHA-256-PLUS was offered, the client picked SCRAM-SHA-256.
+    Declined,
+    /// The client picked SCRAM-SHA-256-PLUS: the `tls-server-end-point` data it must bind.
+    Plus(Vec<u8>),
+}
+
 /// Server side of one exchange, between the client-first and the client-final message.
 #[derive(Debug)]
 pub struct ServerExchange {
     stored_key: [u8; 32],
     server_key: [u8; 32],
-    gs2_header: String,
+    /// GS2 header followed by the channel binding data: what `c=` must encode.
+    cbind_input: Vec<u8>,
     nonce: String,
     client_first_bare: String,
     server_first: String,
@@ -108,17 +133,31 @@ impl ServerExchange {
         client_first: &str,
         server_nonce: &str,
     ) -> Result<(ServerExchange, String), ScramError> {
+        Self::start_bound(secret, client_first, server_nonce, &Binding::NotOffered)
+    }
+
+    /// Like `start`, given what was offered and picked (see [`Binding`]).
+    pub fn start_bound(
+        secret: &Secret,
+        client_first: &str,
+        server_nonce: &str,
+        binding: &Binding,
+    ) -> Result<(ServerExchange, String), ScramError> {
         let mut it = client_first.splitn(3, ',');
         let flag = it.next().ok_or(ScramError::Malformed("gs2 header"))?;
         let authzid = it.next().ok_or(ScramError::Malformed("gs2 header"))?;
         let bare = it
             .next()
             .ok_or(ScramError::Malformed("client-first-message"))?;
-        match flag {
-            "n" | "y" => {}
-            f if f.starts_with("p=") => return Err(ScramError::ChannelBinding),
+        let cb_data: &[u8] = match (flag, binding) {
+            ("n", Binding::NotOffered | Binding::Declined) | ("y", Binding::NotOffered) => &[],
+            ("y", Binding::Declined) => return Err(ScramError::Downgrade),
+            (f, Binding::Plus(data)) if f.strip_prefix("p=") == Some(CB_TYPE) => data,
+            ("n" | "y", Binding::Plus(_)) => return Err(ScramError::BindingType),
+            (f, Binding::Plus(_)) if f.starts_with("p=") => return Err(ScramError::BindingType),
+            (f, _) if f.starts_with("p=") => return Err(ScramError::ChannelBinding),
             _ => return Err(ScramError::Malformed("channel binding flag")),
-        }
+        };
         if !authzid.is_empty() && attr(authzid, 'a').is_none() {
             return Err(ScramError::Malformed("authzid"));
         }
@@ -145,7 +184,7 @@ impl ServerExchange {
             ServerExchange {
                 stored_key: secret.stored_key,
                 server_key: secret.server_key,
-                gs2_header: format!("{flag},{authzid},"),
+                cbind_input: [format!("{flag},{authzid},").as_bytes(), cb_data].concat(),
                 nonce,
                 client_first_bare: bare.to_string(),
                 server_first: server_first.clone(),
@@ -164,8 +203,8 @@ impl ServerExchange {
             .next()
             .and_then(|p| attr(p, 'c'))
             .ok_or(ScramError::Malformed("channel binding attribute"))?;
-        if cbind != B64.encode(self.gs2_header.as_bytes()) {
-            return Err(ScramError::ChannelBinding);
+        if !ct_eq(cbind.as_bytes(), B64.encode(&self.cbind_input).as_bytes()) {
+            return Err(ScramError::BindingMismatch);
         }
         let nonce = parts
             .next()
@@ -195,11 +234,33 @@ impl ServerExchange {
     }
 }
 
+/// What a client does about channel binding.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ClientBinding {
+    /// Cannot bind (no TLS): `n`.
+    None,
+    /// Could bind, but the server did not offer SCRAM-SHA-256-PLUS: `y`.
+    NotOffered,
+    /// Binds to this `tls-server-end-point` data: SCRAM-SHA-256-PLUS.
+    Plus(Vec<u8>),
+}
+
+impl ClientBinding {
+    pub fn mechanism(&self) -> &'static str {
+        match self {
+            ClientBinding::Plus(_) => MECHANISM_PLUS,
+            _ => MECHANISM,
+        }
+    }
+}
+
 /// Client side of one exchange.
 #[derive(Debug)]
 pub struct ClientExchange {
     password: String,
     client_first_bare: String,
+    /// GS2 header and channel binding data (`c=` of the client-final message).
+    cbind_input: Vec<u8>,
     client_nonce: String,
     expected_server_sig: Option<[u8; 32]>,
 }
@@ -207,12 +268,28 @@ pub struct ClientExchange {
 impl ClientExchange {
     /// Starts an exchange; returns it and the client-first-message (`n,,n=,r=<nonce>`).
     pub fn new(password: &str, client_nonce: &str) -> (ClientExchange, String) {
+        Self::new_bound(password, client_nonce, &ClientBinding::None)
+    }
+
+    /// Starts an exchange with channel binding as given (the mechanism to name in the
+    /// SASLInitialResponse is [`ClientBinding::mechanism`]).
+    pub fn new_bound(
+        password: &str,
+        client_nonce: &str,
+        cb: &ClientBinding,
+    ) -> (ClientExchange, String) {
+        let (gs2, data): (String, &[u8]) = match cb {
+            ClientBinding::None => ("n,,".into(), &[]),
+            ClientBinding::NotOffered => ("y,,".into(), &[]),
+            ClientBinding::Plus(d) => (format!("p={CB_TYPE},,"), d),
+        };
         let bare = format!("n=,r={client_nonce}");
-        let first = format!("n,,{bare}");
+        let first = format!("{gs2}{bare}");
         (
             ClientExchange {
                 password: password.to_string(),
                 client_first_bare: bare,
+                cbind_input: [gs2.as_bytes(), data].concat(),
                 client_nonce: client_nonce.to_string(),
                 expected_server_sig: None,
             },
@@ -244,8 +321,8 @@ impl ClientExchange {
         let sp = salted_password(&self.password, &salt, iterations);
         let client_key = hmac(&sp, b"Client Key");
         let stored: [u8; 32] = Sha256::digest(client_key).into();
-        // "biws" = base64("n,,"): no channel binding.
-        let without_proof = format!("c=biws,r={nonce}");
+        // "biws" = base64("n,,") without channel binding.
+        let without_proof = format!("c={},r={nonce}", B64.encode(&self.cbind_input));
         let auth_message = format!("{},{server_first},{without_proof}", self.client_first_bare);
         let client_sig = hmac(&stored, auth_message.as_bytes());
         let proof: Vec<u8> = client_key
@@ -339,6 +416,68 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// One exchange: the client binds as `cb`, the server checks against `sb`.
+    fn bound(cb: &ClientBinding, sb: &Binding) -> Result<(), ScramError> {
+        let secret = Secret::new("pw", b"0123456789abcdef", ITERATIONS);
+        let (mut c, first) = ClientExchange::new_bound("pw", &new_nonce(), cb);
+        let (s, sf) = ServerExchange::start_bound(&secret, &first, &new_nonce(), sb)?;
+        let v = s.finish(&c.respond(&sf)?)?;
+        c.verify(&v)
+    }
+
+    #[test]
+    fn channel_binding_is_checked_against_the_certificate_hash() {
+        let cert = vec![7u8; 32];
+        let plus = |d: &[u8]| ClientBinding::Plus(d.to_vec());
+        // PLUS with the server's own certificate hash: accepted.
+        assert_eq!(bound(&plus(&cert), &Binding::Plus(cert.clone())), Ok(()));
+        // A different hash (a man in the middle terminating TLS with another certificate).
+        let mut other = cert.clone();
+        other[31] ^= 1;
+        assert_eq!(
+            bound(&plus(&other), &Binding::Plus(cert.clone())),
+            Err(ScramError::BindingMismatch)
+        );
+        // "y" while PLUS was offered: downgrade; fine where it was not offered.
+        assert_eq!(
+            bound(&ClientBinding::NotOffered, &Binding::Declined),
+            Err(ScramError::Downgrade)
+        );
+        assert_eq!(
+            bound(&ClientBinding::NotOffered, &Binding::NotOffered),
+            Ok(())
+        );
+        // "n" is fine unless the client picked the PLUS mechanism.
+        assert_eq!(bound(&ClientBinding::None, &Binding::Declined), Ok(()));
+        assert_eq!(
+            bound(&ClientBinding::None, &Binding::Plus(cert.clone())),
+            Err(ScramError::BindingType)
+        );
+        // Binding data where none was offered.
+        assert_eq!(
+            bound(&plus(&cert), &Binding::NotOffered),
+            Err(ScramError::ChannelBinding)
+        );
+        let s = Secret::new("pw", b"salt", ITERATIONS);
+        assert_eq!(
+            ServerExchange::start_bound(&s, "p=tls-unique,,n=,r=abc", SNONCE, &Binding::Plus(cert))
+                .unwrap_err(),
+            ScramError::BindingType
+        );
+    }
+
+    #[test]
+    fn client_final_message_encodes_the_gs2_header_and_binding_data() {
+        let (mut c, first) =
+            ClientExchange::new_bound("pencil", CNONCE, &ClientBinding::Plus(vec![1, 2, 3]));
+        assert_eq!(first, format!("p=tls-server-end-point,,n=,r={CNONCE}"));
+        let fin = c
+            .respond(&format!("r={CNONCE}{SNONCE},s={SALT_B64},i=4096"))
+            .unwrap();
+        let want = B64.encode(b"p=tls-server-end-point,,\x01\x02\x03");
+        assert!(fin.starts_with(&format!("c={want},")), "{fin}");
     }
 
     #[test]
