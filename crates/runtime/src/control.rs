@@ -85,6 +85,10 @@ pub enum Cmd {
     FtmbActivate {
         primary: String,
     },
+    /// FTMB (logger host): hold arriving packets now, for `primary`'s activation to come.
+    FtmbHold {
+        primary: String,
+    },
 }
 
 fn u64_field(v: &Value, name: &str) -> Result<u64, String> {
@@ -186,6 +190,9 @@ impl Cmd {
             "ftmb_activate" => Cmd::FtmbActivate {
                 primary: str_field(&v, "primary")?,
             },
+            "ftmb_hold" => Cmd::FtmbHold {
+                primary: str_field(&v, "primary")?,
+            },
             "shared_merge" => Cmd::SharedMerge {
                 bytes: from_hex(&str_field(&v, "bytes")?).ok_or("\"bytes\" is not hex")?,
             },
@@ -197,7 +204,7 @@ impl Cmd {
                 return Err(format!(
                     "unknown cmd {shown:?} (known: stats, metrics, query, flows, shutdown, migrate_in, \
                      migrate_out, set_port_blocks, shared_export, shared_merge, protect, ha_status, \
-                     activate, drop_standby, ftmb_protect, ftmb_status, ftmb_activate)"
+                     activate, drop_standby, ftmb_protect, ftmb_status, ftmb_activate, ftmb_hold)"
                 ));
             }
         })

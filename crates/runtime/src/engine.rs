@@ -1008,9 +1008,10 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             Cmd::HaStatus => self.ha_status_any(),
             Cmd::Activate { primary, token } => self.activate(&primary, token, now),
             Cmd::DropStandby { primary } => self.drop_standby(&primary),
-            Cmd::FtmbProtect { .. } | Cmd::FtmbStatus | Cmd::FtmbActivate { .. } => {
-                self.ftmb_answer(cmd)
-            }
+            Cmd::FtmbProtect { .. }
+            | Cmd::FtmbStatus
+            | Cmd::FtmbActivate { .. }
+            | Cmd::FtmbHold { .. } => self.ftmb_answer(cmd),
             Cmd::Shutdown => {
                 self.stop_requested = true;
                 json!({"ok": true, "shutting_down": true})

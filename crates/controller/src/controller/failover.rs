@@ -22,9 +22,9 @@
 //! FTMB mode (`[ha] mode = "ftmb"`) differs in steps 3-5: every live replica is a
 //! primary whose FTMB logger runs in its ring successor (the next live replica by index;
 //! `protect` sends `ftmb_protect` with that replica's logger socket and remembers the host).
-//! On A's death, right after the fence, A's port blocks are re-homed to the host H that ran
-//! A's logger (return traffic of A's flows then reaches H, which holds it while it recovers
-//! instead of the fence dropping it); `ftmb_activate {primary: A}` goes to H alone (H replays
+//! On A's death, right after the fence, H (the host that ran A's logger) is told to hold
+//! (`ftmb_hold`) and A's port blocks are re-homed to it (return traffic of A's flows then
+//! reaches H, which holds it while it recovers instead of the fence dropping it); `ftmb_activate {primary: A}` goes to H alone (H replays
 //! A's logged input from its last snapshot and imports the flows) and its answer is steered
 //! exactly like a Pico activation; exceptions still naming A afterwards belong to flows that
 //! ended on A and are removed at once (the exception GC would find them too, a round later);
@@ -744,6 +744,14 @@ impl Controller {
         // flows it is recovering (bounded, counted by the runtime) instead of the fence
         // dropping it, so the flows need no retransmission timeout. The blocks stay A's in
         // the port pool (quarantined) until A is retired.
+        // H holds first (one short round trip), so what the re-homing sends there waits for
+        // the activation instead of finding no flow (`nat_no_mapping` at H, lost for UDP,
+        // retransmitted for TCP). Not fatal: without it H starts holding at the activation.
+        let hold = rc::call(
+            &sock,
+            &json!({"cmd": "ftmb_hold", "primary": format!("r{a}")}),
+            timeout,
+        );
         let t_rehome = Instant::now();
         let blocks = lock(&self.state)
             .ports
@@ -770,6 +778,7 @@ impl Controller {
             Err(e) => json!({"error": e.to_string()}),
         };
         detail["logger_host"] = json!(h);
+        detail["held_before_rehome"] = json!(hold.as_ref().is_ok_and(|v| v["ok"] == true));
         detail["port_blocks_rehomed"] = json!(blocks.len());
         detail["rehome_ms"] = json!(rehome_ms);
         (vec![(h, ans)], detail)

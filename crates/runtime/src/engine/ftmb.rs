@@ -63,6 +63,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             Cmd::FtmbProtect { logger } => FtmbCmd::Protect { logger },
             Cmd::FtmbStatus => FtmbCmd::Status,
             Cmd::FtmbActivate { primary } => FtmbCmd::Activate { primary },
+            Cmd::FtmbHold { primary } => FtmbCmd::Hold { primary },
             // The engine's own table is empty in ftmb mode: the workers hold the flows.
             Cmd::Flows if self.ftmb.is_some() => FtmbCmd::Flows {
                 max: self.opts.max_listed_flows,

@@ -869,3 +869,87 @@ fn flows_a_host_recovered_survive_its_own_recovery_after_a_new_logger() {
     sports.sort_unstable();
     assert_eq!(sports, (5000..5010).collect::<Vec<_>>());
 }
+
+/// `ftmb_hold` (sent by the controller before it re-homes the primary's traffic here) holds
+/// packets until the activation of that primary, which takes the hold over; a hold whose
+/// activation never comes ends after `hold_limit`. Either way nothing is lost or reordered.
+#[test]
+fn a_hold_before_the_activation_keeps_packets_until_it_ends() {
+    let dir = TempDir::new("prehold");
+    let mut opts = hosting("r2", &dir.sock("b.ftmb.sock"), 10_000);
+    opts.hold_limit = Duration::from_millis(50);
+    let mut b = engine("r2", opts);
+    let numbered = |i: u8| {
+        build::udp(
+            CLIENT_MAC,
+            IN_MAC,
+            CLIENT.into(),
+            5100,
+            SERVER.into(),
+            53,
+            &[i],
+        )
+    };
+    let order = |out: &[Vec<u8>]| -> Vec<u8> {
+        out.iter()
+            .map(|f| f[usize::from(parsed(f).payload_off)])
+            .collect()
+    };
+    // 1. Hold, packets arrive, the activation (of a primary with no logs here: it fails)
+    //    takes the hold over and its end releases them.
+    let v = answer(
+        &mut b,
+        Cmd::FtmbHold {
+            primary: "r7".into(),
+        },
+    );
+    assert_eq!(v["ok"], true, "{v}");
+    for i in 0..5u8 {
+        b.port_mut(Side::Inside).inject(&numbered(i));
+    }
+    b.poll_once(Instant::now());
+    let st = answer(&mut b, Cmd::FtmbStatus);
+    assert_eq!(st["dispatch"]["held_now"], 5, "{st}");
+    assert_eq!(st["dispatch"]["recovering"], 1, "{st}");
+    let v = answer(
+        &mut b,
+        Cmd::FtmbActivate {
+            primary: "r7".into(),
+        },
+    );
+    assert_eq!(v["ok"], false, "{v}");
+    let mut out = Vec::new();
+    pump(&mut [&mut b], |es| {
+        tx(es[0], Side::Outside, &mut out);
+        out.len() >= 5
+    });
+    assert_eq!(order(&out), (0..5).collect::<Vec<u8>>());
+    let st = answer(&mut b, Cmd::FtmbStatus);
+    assert_eq!(
+        st["dispatch"]["recovering"], 0,
+        "the activation took the hold: {st}"
+    );
+    assert_eq!(st["dispatch"]["holds"], 1, "{st}");
+    assert_eq!(st["dispatch"]["holds_expired"], 0, "{st}");
+    // 2. A hold whose activation never comes ends by itself.
+    let v = answer(
+        &mut b,
+        Cmd::FtmbHold {
+            primary: "r8".into(),
+        },
+    );
+    assert_eq!(v["ok"], true, "{v}");
+    for i in 5..10u8 {
+        b.port_mut(Side::Inside).inject(&numbered(i));
+    }
+    let mut out = Vec::new();
+    pump(&mut [&mut b], |es| {
+        tx(es[0], Side::Outside, &mut out);
+        out.len() >= 5
+    });
+    assert_eq!(order(&out), (5..10).collect::<Vec<u8>>());
+    let st = answer(&mut b, Cmd::FtmbStatus);
+    assert_eq!(st["dispatch"]["holds_expired"], 1, "{st}");
+    assert_eq!(st["dispatch"]["recovering"], 0, "{st}");
+    assert_eq!(st["dispatch"]["held"], 10, "{st}");
+}

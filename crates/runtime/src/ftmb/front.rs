@@ -21,7 +21,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Released payloads taken per round at most (the rest next round, which starts at once).
 const RELEASE_PER_ROUND: usize = 4096;
@@ -48,6 +48,9 @@ pub struct FtmbOptions {
     pub net: NetOptions,
     /// A replaying worker waits this long for its logged turn on a variable at most.
     pub replay_limit: Duration,
+    /// An `ftmb_hold` not followed by the `ftmb_activate` of the same primary ends after this
+    /// (a controller that died in between must not freeze the replica).
+    pub hold_limit: Duration,
 }
 
 impl FtmbOptions {
@@ -63,6 +66,7 @@ impl FtmbOptions {
             batch_packets: 32,
             net: NetOptions::default(),
             replay_limit: Duration::from_secs(2),
+            hold_limit: Duration::from_secs(2),
         }
     }
 }
@@ -78,6 +82,9 @@ struct FrontStats {
     held_dispatched: u64,
     released: u64,
     undecodable: u64,
+    /// `ftmb_hold` requests, and those that ended unused after `hold_limit`.
+    holds: u64,
+    holds_expired: u64,
 }
 
 struct Front<F: FtmbNf> {
@@ -90,6 +97,10 @@ struct Front<F: FtmbNf> {
     recovering: Arc<AtomicUsize>,
     held: VecDeque<Packet>,
     max_held: usize,
+    /// Holds taken by `ftmb_hold` for a primary whose `ftmb_activate` has not come yet (each
+    /// counts once in `recovering`; the activation takes it over).
+    holds: Vec<(String, Instant)>,
+    hold_limit: Duration,
     stats: FrontStats,
     /// Drops not yet reported to the engine (packets that never came back to it).
     unreported: Vec<(&'static str, u64)>,
@@ -225,6 +236,8 @@ pub fn start<F: FtmbNf>(nf: F, opts: FtmbOptions) -> Result<Box<dyn FtmbMode>, S
         recovering,
         held: VecDeque::new(),
         max_held: opts.max_held,
+        holds: Vec::new(),
+        hold_limit: opts.hold_limit,
         stats: FrontStats::default(),
         unreported: Vec::new(),
         status,
@@ -253,6 +266,20 @@ impl<F: FtmbNf> Front<F> {
                 Some((p, "ftmb_worker_gone"))
             }
             Err(_) => None,
+        }
+    }
+
+    /// Ends the holds whose activation never came within `hold_limit`.
+    fn expire_holds(&mut self) {
+        let limit = self.hold_limit;
+        let before = self.holds.len();
+        self.holds.retain(|(_, at)| at.elapsed() < limit);
+        let gone = before - self.holds.len();
+        if gone > 0 {
+            self.stats.holds_expired += gone as u64;
+            self.recovering.fetch_sub(gone, Ordering::AcqRel);
+            // The held packets go out with the next round.
+            self.wake.notify();
         }
     }
 
@@ -306,6 +333,8 @@ impl<F: FtmbNf> Front<F> {
                 "hold_full": self.stats.hold_full,
                 "held_dispatched": self.stats.held_dispatched,
                 "recovering": self.recovering.load(Ordering::Acquire),
+                "holds": self.stats.holds,
+                "holds_expired": self.stats.holds_expired,
             },
             "release": {
                 "released": self.stats.released,
@@ -360,6 +389,7 @@ impl<F: FtmbNf> FtmbMode for Front<F> {
     fn poll(&mut self, out: &mut Vec<Output>, drop: &mut dyn FnMut(&'static str, u64)) {
         // Disarm before draining: a payload pushed after the drain writes a new wake-up.
         self.wake.disarm();
+        self.expire_holds();
         if !self.held.is_empty() && self.recovering.load(Ordering::Acquire) == 0 {
             self.release_held();
         }
@@ -412,13 +442,32 @@ impl<F: FtmbNf> FtmbMode for Front<F> {
             }
             FtmbCmd::Protect { logger } => Op::Protect { logger, reply },
             FtmbCmd::Flows { max } => Op::Flows { max, reply },
+            FtmbCmd::Hold { primary } => {
+                // Before the controller points the primary's traffic here (its port blocks),
+                // so that traffic waits for the activation instead of finding no flow.
+                if !self.holds.iter().any(|(p, _)| *p == primary) {
+                    self.recovering.fetch_add(1, Ordering::AcqRel);
+                    self.holds.push((primary, Instant::now()));
+                    self.stats.holds += 1;
+                }
+                let _ = reply.try_send(json!({"ok": true, "holding": true}));
+                return;
+            }
             FtmbCmd::Activate { primary } => {
                 // Hold from now on: the fabric may already deliver the primary's flows here.
-                self.recovering.fetch_add(1, Ordering::AcqRel);
+                // An `ftmb_hold` for this primary already counts: the activation takes it.
+                match self.holds.iter().position(|(p, _)| *p == primary) {
+                    Some(i) => {
+                        self.holds.swap_remove(i);
+                    }
+                    None => {
+                        self.recovering.fetch_add(1, Ordering::AcqRel);
+                    }
+                }
                 Op::Activate {
                     primary,
                     reply,
-                    asked: std::time::Instant::now(),
+                    asked: Instant::now(),
                 }
             }
         };

@@ -67,6 +67,11 @@ pub enum FtmbCmd {
         logger: String,
     },
     Status,
+    /// Start holding packets for the recovery of `primary` (its `Activate` follows; see
+    /// `FtmbOptions::hold_limit`).
+    Hold {
+        primary: String,
+    },
     /// Recover the primary `primary` whose logger this replica hosts, and import its flows.
     Activate {
         primary: String,
