@@ -1568,3 +1568,147 @@ fn pg_tls_clients_channel_binding_and_failover() {
     );
     eprintln!("TLS test body took {:?}", t0.elapsed());
 }
+
+/// What psycopg2 users do, in threads: explicit transactions (two inserts, sometimes idle in
+/// the block for a few ms, then `conn.commit()`, which does not look at the command tag) and
+/// autocommit inserts; on an error, `rollback()` (or a new connection) and go on. Prints READY,
+/// runs until a line on stdin, then prints one JSON line: every `(tid, seq)` whose commit (or
+/// autocommit insert) returned normally, and the errors by SQLSTATE.
+const PSYCOPG_LOAD_PY: &str = r#"
+import json, random, sys, threading, time
+import psycopg2
+host, port, user, pw, n = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
+stop = threading.Event()
+lock = threading.Lock()
+acked, codes = [], {}
+def connect():
+    return psycopg2.connect(host=host, port=port, user=user, password=pw, dbname="postgres",
+                            connect_timeout=10)
+def run(tid):
+    rnd = random.Random(tid)
+    c, seq = None, 0
+    while not stop.is_set():
+        try:
+            if c is None or c.closed:
+                c = connect()
+            seq += 1
+            if seq % 4 == 0:
+                c.autocommit = True
+                with c.cursor() as cur:
+                    cur.execute("INSERT INTO ledger VALUES (%s, %s)", (tid, seq))
+                c.autocommit = False
+            else:
+                with c.cursor() as cur:
+                    cur.execute("INSERT INTO ledger VALUES (%s, %s)", (tid, seq))
+                    if rnd.random() < 0.5:
+                        time.sleep(rnd.random() * 0.01)
+                    cur.execute("INSERT INTO ledger VALUES (%s, %s)", (tid, -seq))
+                c.commit()
+            with lock:
+                acked.append([tid, seq])
+        except psycopg2.Error as e:
+            with lock:
+                k = e.pgcode or type(e).__name__
+                codes[k] = codes.get(k, 0) + 1
+            try:
+                c.rollback()
+                c.autocommit = False
+            except Exception:
+                c = None
+ts = [threading.Thread(target=run, args=(t,)) for t in range(n)]
+for t in ts:
+    t.start()
+print("READY", flush=True)
+sys.stdin.readline()
+stop.set()
+for t in ts:
+    t.join()
+print(json.dumps({"acked": acked, "codes": codes}), flush=True)
+"#;
+
+/// psycopg2 across three failovers (each after re-protection), under explicit transactions
+/// and autocommit inserts from 4 threads: every `commit()` that returned normally is in the
+/// database afterwards with both of its rows, and no transaction is half there. psycopg2
+/// ignores command tags, so a COMMIT answered `ROLLBACK` without an error would be a lost
+/// acknowledged commit here.
+#[test]
+fn pg_psycopg_commits_that_returned_survive_failovers() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !usable() {
+        return;
+    }
+    let lab = Lab::up();
+    lab.client()
+        .query("CREATE TABLE ledger(tid int, seq int, PRIMARY KEY (tid, seq))")
+        .expect("table");
+    let a = lab.proxy().addr;
+    let (user, pw) = (lab.cl.cfg.user.clone(), lab.cl.cfg.password.clone());
+    let mut py = Coproc::spawn(
+        Command::new("/usr/bin/python3").args([
+            "-c",
+            PSYCOPG_LOAD_PY,
+            &a.ip().to_string(),
+            &a.port().to_string(),
+            &user,
+            &pw,
+            "4",
+        ]),
+        Duration::from_secs(60),
+    );
+    assert_eq!(py.next(), "READY");
+    for _ in 0..3 {
+        std::thread::sleep(Duration::from_millis(1500));
+        lab.kill_primary();
+        lab.wait_protected();
+    }
+    std::thread::sleep(Duration::from_millis(1000));
+    py.send("stop");
+    let line = py.next();
+    let v: serde_json::Value =
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("psycopg load: {e}: {line}"));
+    let acked: Vec<(i64, i64)> = v["acked"]
+        .as_array()
+        .expect("acked")
+        .iter()
+        .map(|p| (p[0].as_i64().unwrap(), p[1].as_i64().unwrap()))
+        .collect();
+    // Directly on the primary the proxy now uses, not through the proxy.
+    let np = lab.proxy().shared.primary.load(SeqCst);
+    let mut dc = lab.cl.client(np, Duration::from_secs(10)).expect("primary");
+    let (rows, _) = dc.query("SELECT tid, seq FROM ledger").expect("ledger");
+    let present: std::collections::BTreeSet<(i64, i64)> = rows
+        .iter()
+        .map(|r| {
+            let f = |i: usize| r[i].as_deref().unwrap_or("0").parse::<i64>().unwrap();
+            (f(0), f(1))
+        })
+        .collect();
+    let lost: Vec<&(i64, i64)> = acked
+        .iter()
+        .filter(|&&(t, s)| {
+            !present.contains(&(t, s)) || (s % 4 != 0 && !present.contains(&(t, -s)))
+        })
+        .collect();
+    let half: Vec<&(i64, i64)> = present
+        .iter()
+        .filter(|&&(t, s)| s % 4 != 0 && !present.contains(&(t, -s)))
+        .collect();
+    eprintln!(
+        "psycopg2: {} commits returned normally, {} rows, errors by SQLSTATE {}, proxy {}",
+        acked.len(),
+        present.len(),
+        v["codes"],
+        lab.proxy().stats_json()
+    );
+    assert!(acked.len() > 100, "too little load: {}", acked.len());
+    assert!(
+        lost.is_empty(),
+        "commits that returned normally are missing: {lost:?}"
+    );
+    assert!(half.is_empty(), "transactions half there: {half:?}");
+    assert!(
+        lab.proxy().shared.stats.failovers.load(SeqCst) >= 3,
+        "{}",
+        lab.proxy().stats_json()
+    );
+}
