@@ -1020,6 +1020,12 @@ public class JdbcCheck {
         p.setProperty("password", a[3]);
         p.setProperty("ApplicationName", "jdbc-test");
         p.setProperty("prepareThreshold", "1");
+        if (a.length > 4) {
+            // TLS as a pgJDBC user sets it: ssl=true, the server verified against a CA file.
+            p.setProperty("ssl", "true");
+            p.setProperty("sslmode", "verify-full");
+            p.setProperty("sslrootcert", a[4]);
+        }
         Connection c = DriverManager.getConnection("jdbc:postgresql://" + a[0] + ":" + a[1] + "/postgres", p);
         try (Statement st = c.createStatement()) { st.execute("SET search_path TO public, pg_catalog"); }
         PreparedStatement ps = c.prepareStatement("SELECT ?::int + 1, current_setting('application_name'), current_setting('search_path')");
@@ -1470,8 +1476,39 @@ fn pg_tls_clients_channel_binding_and_failover() {
         "tls-py True True",
         "psycopg2 before the failover"
     );
-    // Both sessions move at a failover and stay encrypted on both sides.
+    // pgJDBC with ssl=true (verify-full against the demo CA), named prepared statements.
+    let java_src = std::env::temp_dir().join(format!("JdbcCheck-tls-{}.java", std::process::id()));
+    std::fs::write(&java_src, JDBC_JAVA).expect("write java");
+    let mut jv = Coproc::spawn(
+        Command::new("java")
+            .args(["-cp", "/usr/share/java/postgresql.jar"])
+            .arg(&java_src)
+            .args([
+                &a.ip().to_string(),
+                &a.port().to_string(),
+                &lab.cl.cfg.user,
+                &lab.cl.cfg.password,
+                &ca,
+            ]),
+        Duration::from_secs(60),
+    );
+    assert_eq!(jv.next(), "READY", "pgJDBC over TLS did not connect");
+    jv.send("go");
+    assert_eq!(
+        jv.next(),
+        "OK 44 jdbc-test public,pg_catalog",
+        "pgJDBC over TLS before the failover"
+    );
+    // The sessions move at a failover and stay encrypted on both sides.
     lab.kill_primary();
+    jv.send("go");
+    assert_eq!(
+        jv.next(),
+        "OK 44 jdbc-test public,pg_catalog",
+        "pgJDBC over TLS after the failover"
+    );
+    jv.close();
+    let _ = std::fs::remove_file(&java_src);
     assert_eq!(
         psql.ask("SELECT current_setting('application_name') || ' ' || ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid();"),
         "tls-psql true",
