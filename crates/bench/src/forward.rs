@@ -244,7 +244,7 @@ fn measure_system(opts: &ForwardOpts, mode: ReplicaMode) -> SystemReport {
     r
 }
 
-fn lab_err(e: pliant_lab::LabError) -> BenchError {
+pub(crate) fn lab_err(e: pliant_lab::LabError) -> BenchError {
     BenchError::Lab(e.to_string())
 }
 

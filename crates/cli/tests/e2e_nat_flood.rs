@@ -1,0 +1,62 @@
+//! End-to-end: a SYN flood from one inside host through the NAT while a second inside host keeps
+//! fetching over HTTP, against the kernel NAT (nftables masquerade) and the pliant NAT in the
+//! same run, one lab each (the flood code is `pliant_bench::flood`, also used by
+//! `pliant bench forward`).
+//!
+//! Asserts for pliant: at least 95% of the other host's fetches during the flood succeed, the
+//! other host fetches again after the flood, and the replica's peak RSS stays below a fixed cap.
+//! Recovery time and the kernel NAT's numbers are printed, not asserted (timing). Needs root.
+
+use pliant_bench::flood::{measure_flood, FloodOpts, FloodReport};
+use pliant_lab::{Lab, LabSpec, PliantNf, ReplicaMode};
+use std::path::PathBuf;
+
+/// Peak RSS cap of the pliant replica, MiB: the flood asks for 100k mappings; the flow table
+/// is bounded, an unbounded one keeping every SYN's mapping (and its queue entries) would not
+/// stay under this.
+const RSS_CAP_MB: f64 = 256.0;
+
+fn flood(mode: ReplicaMode) -> FloodReport {
+    let mut spec = LabSpec::new(mode);
+    spec.pliant_bin = Some(PathBuf::from(env!("CARGO_BIN_EXE_pliant")));
+    spec.progress = false;
+    let lab = Lab::up(spec).unwrap_or_else(|e| panic!("lab up: {e}"));
+    let r = measure_flood(&lab, &FloodOpts::default());
+    if let Err(e) = lab.down() {
+        eprintln!("teardown: {e}");
+    }
+    r
+}
+
+#[test]
+fn other_host_keeps_fetching_through_a_syn_flood() {
+    if !pliant_testkit::require_root()
+        || !pliant_testkit::require_tool("trafgen", "netsniff-ng")
+        || !pliant_testkit::require_tool("curl", "curl")
+        || !pliant_testkit::require_tool("nginx", "nginx-light")
+    {
+        return;
+    }
+    let kernel = flood(ReplicaMode::KernelNat);
+    let pliant = flood(ReplicaMode::Pliant {
+        config: PliantNf::nat(),
+    });
+    for (name, r) in [("kernel_nat", &kernel), ("pliant_nat", &pliant)] {
+        eprintln!("flood {name}: {}", serde_json::to_string(r).expect("json"));
+    }
+    assert_eq!(pliant.error, None, "pliant flood run failed");
+    let ok = pliant.other_host_fetch_ok_pct.expect("fetch ok pct");
+    assert!(
+        ok >= 95.0,
+        "only {ok:.1}% of the other host's fetches succeeded: {pliant:?}"
+    );
+    assert!(
+        pliant.recovery_ms.is_some(),
+        "no fetch after the flood: {pliant:?}"
+    );
+    let rss = pliant.rss_mb_max.expect("replica peak RSS");
+    assert!(
+        rss < RSS_CAP_MB,
+        "replica peak RSS {rss:.0} MiB: {pliant:?}"
+    );
+}
