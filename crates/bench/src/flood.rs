@@ -12,10 +12,12 @@
 //! (`VmHWM`). Used by `bench forward` and by the `e2e_nat_flood` test (one implementation).
 
 use crate::forward::lab_err;
+use crate::migrate::ask;
 use crate::BenchError;
 use pliant_lab::topology::{CLIENT_IF, CLIENT_MAC, IN_PORT_MAC, PREFIX_LEN, SERVER_IF};
 use pliant_lab::{Lab, ReplicaMode, Role, CLIENT_IP, SERVER_IP};
 use serde::Serialize;
+use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
 /// The second inside host: an extra address on the client interface.
@@ -63,6 +65,11 @@ pub struct FloodReport {
     pub syns_sent: Option<u64>,
     pub flood_s: f64,
     pub rate_pps: u32,
+    /// pliant only: resident set before the flood (VmRSS), MiB.
+    pub rss_mb_before: Option<f64>,
+    /// pliant only, after the flood: the replica's drop counters, the inside port's kernel
+    /// ring drops and the NAT's `abuse` query section.
+    pub replica_counters: Option<Value>,
 }
 
 /// trafgen packet description: TCP SYNs from the flooder, source port incremented per frame.
@@ -117,10 +124,20 @@ pub fn peak_rss_mb(pid: i32) -> Option<f64> {
     parse_vm_hwm_kb(&s).map(|kb| kb as f64 / 1024.0)
 }
 
+/// Current RSS (VmRSS) of a process, MiB.
+pub fn rss_mb(pid: i32) -> Option<f64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status_kb(&s, "VmRSS:").map(|kb| kb as f64 / 1024.0)
+}
+
 fn parse_vm_hwm_kb(status: &str) -> Option<u64> {
+    status_kb(status, "VmHWM:")
+}
+
+fn status_kb(status: &str, field: &str) -> Option<u64> {
     status
         .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .find_map(|l| l.strip_prefix(field))
         .and_then(|v| v.split_whitespace().next())
         .and_then(|n| n.parse().ok())
 }
@@ -165,6 +182,10 @@ fn run(lab: &Lab, opts: &FloodOpts, r: &mut FloodReport) -> Result<(), BenchErro
                 reason: "the other host cannot fetch even before the flood".into(),
             });
         }
+    }
+    let pliant = matches!(lab.mode(), ReplicaMode::Pliant { .. });
+    if pliant {
+        r.rss_mb_before = lab.replica_pid(1).and_then(rss_mb);
     }
     let cfg = dir.join("flood.cfg");
     std::fs::write(&cfg, syn_trafgen_config()).map_err(|e| BenchError::Io(cfg.clone(), e))?;
@@ -218,10 +239,26 @@ fn run(lab: &Lab, opts: &FloodOpts, r: &mut FloodReport) -> Result<(), BenchErro
             break;
         }
     }
-    if matches!(lab.mode(), ReplicaMode::Pliant { .. }) {
+    if pliant {
         r.rss_mb_max = lab.replica_pid(1).and_then(peak_rss_mb);
+        r.replica_counters = replica_counters(lab).ok();
     }
     Ok(())
+}
+
+fn replica_counters(lab: &Lab) -> Result<Value, BenchError> {
+    let sock = lab
+        .replica_socket(1)
+        .ok_or_else(|| BenchError::Lab("no replica control socket".into()))?
+        .display()
+        .to_string();
+    let stats = ask(&sock, &json!({"cmd": "stats"}))?;
+    let query = ask(&sock, &json!({"cmd": "query"}))?;
+    Ok(json!({
+        "drops": stats["drops"],
+        "inside_rx_kernel_drops": stats["ports"]["inside"]["rx_kernel_drops"],
+        "abuse": query["query"]["abuse"],
+    }))
 }
 
 #[cfg(test)]

@@ -38,9 +38,14 @@ fn other_host_keeps_fetching_through_a_syn_flood() {
         return;
     }
     let kernel = flood(ReplicaMode::KernelNat);
-    let pliant = flood(ReplicaMode::Pliant {
-        config: PliantNf::nat(),
-    });
+    // A 10000-port pool: the replica gets through ~8-9k new mappings/s on a 2-core machine
+    // (the rest of the 25k SYN/s overflow its RX ring), so the default 40000-port pool would
+    // not run dry within the flood and the eviction path would go untested.
+    let mut nf = PliantNf::nat();
+    let nat = nf.sections["nat"].as_table_mut().expect("[nat]");
+    nat.insert("port_min".into(), 20000.into());
+    nat.insert("port_max".into(), 29999.into());
+    let pliant = flood(ReplicaMode::Pliant { config: nf });
     for (name, r) in [("kernel_nat", &kernel), ("pliant_nat", &pliant)] {
         eprintln!("flood {name}: {}", serde_json::to_string(r).expect("json"));
     }
@@ -54,6 +59,11 @@ fn other_host_keeps_fetching_through_a_syn_flood() {
         pliant.recovery_ms.is_some(),
         "no fetch after the flood: {pliant:?}"
     );
+    let evicted = pliant.replica_counters.as_ref().expect("replica counters")["abuse"]
+        ["evicted_embryonic"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(evicted > 0, "the pool never ran dry: {pliant:?}");
     let rss = pliant.rss_mb_max.expect("replica peak RSS");
     assert!(
         rss < RSS_CAP_MB,
