@@ -9,6 +9,7 @@
 //!   the server sends nothing back), read before and after a window that starts after warm-up.
 //! - RTT: `ping -i 0.002 -c N` (ICMP echo through the replica), per-reply times.
 
+use crate::flood::{measure_flood, FloodOpts, FloodReport};
 use crate::parse::{parse_iperf3_gbps, parse_nft_counter_packets, parse_ping_rtts_us, percentile};
 use crate::BenchError;
 use pliant_lab::topology::{CLIENT_IF, CLIENT_MAC, IN_PORT_MAC, SERVER_IF};
@@ -72,6 +73,16 @@ pub struct SystemReport {
     pub rtt_samples: Option<usize>,
     /// Per-measurement failures (measurement name -> reason); the others still ran.
     pub errors: BTreeMap<String, String>,
+    /// NAT systems: the SYN flood run (reported under the top-level `flood`).
+    #[serde(skip)]
+    pub flood: Option<FloodReport>,
+}
+
+/// The SYN flood (`crate::flood`) against both NATs, each in its own lab of this run.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct FloodPair {
+    pub pliant_nat: Option<FloodReport>,
+    pub kernel_nat: Option<FloodReport>,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -91,6 +102,7 @@ pub struct ForwardReport {
     /// pliant NAT minus kernel NAT, microseconds.
     pub added_rtt_us_p50: Option<f64>,
     pub added_rtt_us_p99: Option<f64>,
+    pub flood: FloodPair,
     pub total_s: f64,
 }
 
@@ -127,6 +139,10 @@ impl ForwardReport {
             ),
             added_rtt_us_p50: diff(pliant_nat.rtt_us_p50, kernel_nat.rtt_us_p50),
             added_rtt_us_p99: diff(pliant_nat.rtt_us_p99, kernel_nat.rtt_us_p99),
+            flood: FloodPair {
+                pliant_nat: pliant_nat.flood.clone(),
+                kernel_nat: kernel_nat.flood.clone(),
+            },
             kernel_forward,
             kernel_nat,
             pliant_nat,
@@ -180,6 +196,7 @@ pub fn run_forward(opts: &ForwardOpts) -> ForwardReport {
 }
 
 fn measure_system(opts: &ForwardOpts, mode: ReplicaMode) -> SystemReport {
+    let nat = !matches!(mode, ReplicaMode::KernelForward);
     let mut r = SystemReport {
         mode: mode.label(),
         ..Default::default()
@@ -234,6 +251,14 @@ fn measure_system(opts: &ForwardOpts, mode: ReplicaMode) -> SystemReport {
         }
         Err(e) => note("pps_64b", e),
     }
+    if nat && !stop() {
+        progress("  SYN flood from one inside host, HTTP fetches from another");
+        let f = measure_flood(&lab, &FloodOpts::default());
+        if let Some(e) = &f.error {
+            progress(&format!("  flood failed: {e}"));
+        }
+        r.flood = Some(f);
+    }
     if stop() {
         r.errors
             .insert("interrupted".into(), "stopped by a signal".into());
@@ -244,7 +269,7 @@ fn measure_system(opts: &ForwardOpts, mode: ReplicaMode) -> SystemReport {
     r
 }
 
-fn lab_err(e: pliant_lab::LabError) -> BenchError {
+pub(crate) fn lab_err(e: pliant_lab::LabError) -> BenchError {
     BenchError::Lab(e.to_string())
 }
 
@@ -481,6 +506,7 @@ mod tests {
             "ratio_pps_vs_kernel_nat",
             "ratio_gbps_vs_kernel_nat",
             "added_rtt_us_p50",
+            "flood",
         ] {
             assert!(v.get(k).is_some(), "missing {k}");
         }
@@ -497,6 +523,36 @@ mod tests {
                 "{k} must be present and null"
             );
         }
+    }
+
+    #[test]
+    fn flood_is_reported_per_nat_system_at_top_level() {
+        let f = |pct| FloodReport {
+            other_host_fetch_ok_pct: Some(pct),
+            recovery_ms: Some(20.0),
+            ..Default::default()
+        };
+        let kn = SystemReport {
+            flood: Some(f(100.0)),
+            ..Default::default()
+        };
+        let pl = SystemReport {
+            flood: Some(f(97.5)),
+            ..Default::default()
+        };
+        let r = ForwardReport::new(
+            &ForwardOpts::default(),
+            [SystemReport::default(), kn, pl],
+            1.0,
+        );
+        let v = serde_json::to_value(&r).expect("json");
+        assert_eq!(v["flood"]["pliant_nat"]["other_host_fetch_ok_pct"], 97.5);
+        assert_eq!(v["flood"]["kernel_nat"]["other_host_fetch_ok_pct"], 100.0);
+        assert!(v["flood"]["kernel_nat"]["rss_mb_max"].is_null());
+        assert!(
+            v["pliant_nat"].get("flood").is_none(),
+            "reported once, at the top"
+        );
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! topology in the same run, and report ratios (these machines are too noisy for absolutes).
 
 pub mod chart;
+pub mod flood;
 pub mod flowgen;
 pub mod forward;
 pub mod ha;

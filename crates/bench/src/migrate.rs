@@ -250,7 +250,7 @@ fn request(sock: &str, req: &Value) -> Result<Value, String> {
     serde_json::from_str(answer.trim()).map_err(|e| format!("{sock}: bad answer: {e}"))
 }
 
-fn ask(sock: &str, req: &Value) -> Result<Value, BenchError> {
+pub(crate) fn ask(sock: &str, req: &Value) -> Result<Value, BenchError> {
     let v = request(sock, req).map_err(|e| BenchError::Tool {
         tool: "replica control",
         reason: e,

@@ -25,6 +25,7 @@ pub mod icmp_error;
 mod ipv4;
 mod ipv6;
 mod l4;
+pub mod reasm;
 pub mod rewrite;
 #[doc(hidden)]
 pub mod selfcheck;

@@ -23,7 +23,8 @@
 //!
 //! Not handled (dropped and counted): IPv6 (`nat_ipv6_unsupported`), protocols other than
 //! TCP/UDP/ICMP (`nat_unsupported_proto`), other ICMP types (`nat_icmp_unsupported`),
-//! non-first fragments (`nat_fragment`).
+//! non-first fragments (`nat_fragment`; the runtime reassembles IPv4 fragments before the NF,
+//! so these only come from embedders that feed fragments directly).
 
 pub mod ftmb;
 mod guard;

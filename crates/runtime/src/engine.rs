@@ -47,6 +47,8 @@ pub struct EngineOptions {
     /// this many a second with this burst (RFC 1812 §4.3.2.8; the kernel's global default).
     pub icmp_errors_per_s: u32,
     pub icmp_errors_burst: u32,
+    /// IPv4 reassembly before the NF (datagrams, bytes, time).
+    pub reasm: pliant_net::reasm::ReasmLimits,
 }
 
 impl Default for EngineOptions {
@@ -61,6 +63,7 @@ impl Default for EngineOptions {
             max_held_packets: crate::migrate::MAX_HELD_PACKETS,
             icmp_errors_per_s: 1000,
             icmp_errors_burst: 50,
+            reasm: pliant_net::reasm::ReasmLimits::default(),
         }
     }
 }
@@ -127,6 +130,8 @@ pub struct Engine<N: NetworkFunction, P: FramePort> {
     sleep_pollfds: Vec<libc::pollfd>,
     /// Rate limit of the router's own ICMP errors.
     icmp_limit: crate::ratelimit::TokenBucket,
+    /// IPv4 fragments waiting for the rest of their datagram.
+    reasm: pliant_net::reasm::Reassembler,
 }
 
 impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
@@ -148,6 +153,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             crate::ratelimit::TokenBucket::new(opts.icmp_errors_per_s, opts.icmp_errors_burst);
         Engine {
             icmp_limit,
+            reasm: pliant_net::reasm::Reassembler::new(opts.reasm),
             name: name.to_string(),
             nf,
             ctx,
@@ -455,8 +461,12 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             self.ctx.count_drop(reason, 1);
             return self.ctx.recycle(f.buf);
         }
-        let mut buf = f.buf;
-        let mut offload = f.offload;
+        // IPv4 fragments are reassembled before anything else looks at them: the NF needs the
+        // ports of the whole datagram (output fragments it again to the port's MTU).
+        let Some((mut buf, parsed, mut offload)) = self.reassemble(f.buf, parsed, f.offload, now)
+        else {
+            return;
+        };
         offload.csum_valid = false;
         let l4_partial_ok = matches!(parsed.proto, proto::TCP | proto::UDP) && !parsed.fragment;
         if offload.csum_partial.is_some() && l4_partial_ok {
@@ -530,6 +540,46 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             ha.touch(pkt.meta.key);
         }
         self.nf.process(&mut self.ctx, pkt);
+    }
+
+    /// Feeds an IPv4 fragment to the reassembler: `None` while its datagram is incomplete (or
+    /// when it was dropped, counted), else the frame to process — the whole datagram when this
+    /// was its last missing piece (a fresh frame: no offload metadata, checksums complete).
+    fn reassemble(
+        &mut self,
+        buf: Vec<u8>,
+        parsed: pliant_net::Parsed,
+        offload: Offload,
+        now: Instant,
+    ) -> Option<(Vec<u8>, pliant_net::Parsed, Offload)> {
+        use pliant_net::reasm::Outcome;
+        if !parsed.src.is_ipv4() {
+            return Some((buf, parsed, offload));
+        }
+        let evicted = self.reasm.stats.evicted;
+        let out = self.reasm.push(&buf, usize::from(parsed.l3_off), now);
+        let evicted = self.reasm.stats.evicted - evicted;
+        if evicted > 0 {
+            self.ctx.count_drop("frag_evicted", evicted);
+        }
+        let whole = match out {
+            Outcome::NotFragment => return Some((buf, parsed, offload)),
+            Outcome::Held | Outcome::Dropped("frag_evicted") => None,
+            Outcome::Dropped(reason) => {
+                self.ctx.count_drop(reason, 1);
+                None
+            }
+            Outcome::Complete(whole) => Some(whole),
+        };
+        self.ctx.recycle(buf);
+        let whole = whole?;
+        match pliant_net::parse(&whole) {
+            Ok(Frame::Ip(p)) => Some((whole, p, Offload::default())),
+            _ => {
+                self.ctx.count_drop("frag_invalid", 1);
+                None
+            }
+        }
     }
 
     /// Header checks of a received IP frame: the destination MAC is ours (broadcast and
@@ -894,6 +944,10 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
 
     fn housekeeping(&mut self, now: Instant) {
         self.last_housekeeping = now;
+        let timed_out = self.reasm.expire(now);
+        if timed_out > 0 {
+            self.ctx.count_drop("frag_timeout", timed_out);
+        }
         for s in SIDES {
             let i = idx(s);
             self.neigh[i].age(now);
@@ -1066,6 +1120,17 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             "table": self.ctx.flows.stats(),
             "migration": self.migration_json(),
             "neighbours": {"inside": neigh(Side::Inside), "outside": neigh(Side::Outside)},
+            "reassembly": self.reasm_json(),
+        })
+    }
+
+    fn reasm_json(&self) -> Value {
+        let s = &self.reasm.stats;
+        let (datagrams, bytes) = self.reasm.pending();
+        json!({
+            "fragments": s.fragments, "reassembled": s.reassembled, "timed_out": s.timed_out,
+            "evicted": s.evicted, "too_big": s.too_big, "invalid": s.invalid,
+            "pending_datagrams": datagrams, "pending_bytes": bytes,
         })
     }
 

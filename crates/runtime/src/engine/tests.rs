@@ -729,12 +729,7 @@ fn router_checks_run_before_the_nf_and_are_counted() {
     assert_eq!(d.get("l2_foreign_dst"), 1);
     assert_eq!(d.get("bad_src_addr"), 1);
     assert_eq!(d.get("ttl_exceeded"), 1);
-    let back: Vec<Vec<u8>> = e
-        .port_mut(Side::Inside)
-        .take_tx()
-        .into_iter()
-        .map(|r| r.frame)
-        .collect();
+    let back: Vec<Vec<u8>> = tx_frames(&mut e, Side::Inside);
     assert_eq!(back.len(), 1);
     let p = parsed(&back[0]);
     assert_eq!((p.proto, p.icmp_type, p.icmp_code), (proto::ICMP, 11, 0));
@@ -831,12 +826,7 @@ fn oversized_packets_get_frag_needed_with_df_and_are_fragmented_without() {
     let l4 = usize::from(p.l4_off);
     assert_eq!(&back[0].frame[l4 + 6..l4 + 8], &1280u16.to_be_bytes());
     // The one without DF left as three fragments that fit, the small one whole.
-    let out: Vec<Vec<u8>> = e
-        .port_mut(Side::Outside)
-        .take_tx()
-        .into_iter()
-        .map(|r| r.frame)
-        .collect();
+    let out: Vec<Vec<u8>> = tx_frames(&mut e, Side::Outside);
     assert_eq!(out.len(), 4);
     for f in &out {
         let q = parsed(f);
@@ -846,4 +836,67 @@ fn oversized_packets_get_frag_needed_with_df_and_are_fragmented_without() {
     }
     assert_eq!(e.stats().outside.fragmented, 1);
     assert_eq!(e.stats().outside.fragments_sent, 3);
+}
+
+/// The fragments (MTU 1280) of a client datagram with `len` payload bytes, no DF.
+fn client_fragments(len: usize) -> Vec<Vec<u8>> {
+    let f = big_udp(len, false);
+    pliant_net::frag::fragment_v4(&f, &parsed(&f), 1280).expect("fragments")
+}
+
+#[test]
+fn fragments_reach_the_nf_as_one_datagram_and_leave_fragmented_again() {
+    let (mut e, t0) = engine_of(Seen::default(), EngineOptions::default());
+    e.port_mut(Side::Outside).inject(&server_arp_reply());
+    e.poll_once(t0);
+    let frags = client_fragments(2900);
+    assert_eq!(frags.len(), 3);
+    // Out of order: the NF sees nothing until the last piece arrives.
+    for i in [2, 0] {
+        e.port_mut(Side::Inside).inject(&frags[i]);
+        e.poll_once(t0);
+        assert_eq!(e.nf().n, 0);
+    }
+    e.port_mut(Side::Inside).inject(&frags[1]);
+    e.poll_once(t0);
+    assert_eq!(e.nf().n, 1, "one whole datagram");
+    let out: Vec<Vec<u8>> = tx_frames(&mut e, Side::Outside);
+    assert!(
+        out.len() >= 2,
+        "a 2928-byte packet leaves a 1500-byte port in pieces"
+    );
+    let mut r = pliant_net::reasm::Reassembler::new(Default::default());
+    let whole = out
+        .iter()
+        .find_map(|f| match r.push(f, usize::from(parsed(f).l3_off), t0) {
+            pliant_net::reasm::Outcome::Complete(w) => Some(w),
+            _ => None,
+        })
+        .expect("the output fragments reassemble");
+    let p = parsed(&whole);
+    assert_eq!((p.sport, p.dport, p.payload_len), (1000, 53, 2900));
+    assert!(pliant_net::ipv4_header_ok(&whole, &p) && pliant_net::l4_checksum_ok(&whole, &p));
+    assert_eq!(e.stats_json(t0)["reassembly"]["reassembled"], 1);
+}
+
+#[test]
+fn an_incomplete_datagram_is_dropped_after_the_timeout() {
+    let (mut e, t0) = engine_of(Seen::default(), EngineOptions::default());
+    let frags = client_fragments(2900);
+    e.port_mut(Side::Inside).inject(&frags[0]);
+    e.poll_once(t0);
+    assert_eq!(e.stats_json(t0)["reassembly"]["pending_datagrams"], 1);
+    e.poll_once(t0 + Duration::from_secs(31));
+    assert_eq!(e.ctx.drops().get("frag_timeout"), 1);
+    assert_eq!(e.nf().n, 0);
+    assert_eq!(e.stats_json(t0)["reassembly"]["pending_bytes"], 0);
+}
+
+/// The frames a port sent since the last look.
+fn tx_frames<N: NetworkFunction>(e: &mut Engine<N, MemPort>, side: Side) -> Vec<Vec<u8>> {
+    e.port_mut(side)
+        .take_tx()
+        .into_iter()
+        .map(|r| r.frame)
+        .collect()
 }
