@@ -1,5 +1,6 @@
 //! Runs `pliant_pg::bench::run` directly (what `pliant bench pg` calls), with optional
-//! environment overrides: PG_SCALE, PG_SECS, PG_TRIALS, PG_CLIENTS, PG_PATRONI_TRIALS.
+//! environment overrides: PG_SCALE, PG_SECS, PG_TRIALS, PG_CLIENTS, PG_PATRONI_TRIALS,
+//! PG_ROUNDS.
 //! With PG_ONLY_PATRONI=1 only the Patroni peer runs.
 fn env(k: &str, d: u32) -> u32 {
     std::env::var(k)
@@ -16,6 +17,7 @@ fn main() {
         clients: env("PG_CLIENTS", 8),
         fsync: true,
         patroni_trials: env("PG_PATRONI_TRIALS", 3),
+        rounds: env("PG_ROUNDS", 2),
     };
     let r = if std::env::var_os("PG_ONLY_PATRONI").is_some() {
         pliant_pg::patroni::run(&pliant_pg::patroni::PatroniOpts {

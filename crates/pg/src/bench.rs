@@ -27,6 +27,10 @@ pub struct BenchOpts {
     pub fsync: bool,
     /// Leader kills of the Patroni peer (0 = do not run it).
     pub patroni_trials: u32,
+    /// Rounds of the protected measurements: each round runs syncrep directly, the pliant
+    /// proxy and pgbouncer back to back (TPC-B, then select-only), so that the neighbours'
+    /// load drifts over all three alike; the TPS figures are means over the rounds.
+    pub rounds: u32,
 }
 
 impl Default for BenchOpts {
@@ -38,6 +42,7 @@ impl Default for BenchOpts {
             trials: 5,
             fsync: true,
             patroni_trials: 3,
+            rounds: 2,
         }
     }
 }
@@ -216,6 +221,33 @@ pub fn require_tls(pc: &mut ProxyConfig, pki: &DemoPki) {
     });
 }
 
+/// `pgbench -i -s scale` on the first server (direct, before the proxy exists).
+pub fn pgbench_init(cl: &Cluster, scale: u32) -> Result<(), String> {
+    let (u, pw) = (&cl.cfg.user, &cl.cfg.password);
+    let out = Command::new(PGBENCH)
+        .env("PGPASSWORD", pw)
+        .args([
+            "-h",
+            &cl.nodes[0].ip.to_string(),
+            "-U",
+            u,
+            "-i",
+            "-q",
+            "-s",
+            &scale.to_string(),
+            "postgres",
+        ])
+        .output()
+        .map_err(|e| format!("pgbench -i: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "pgbench -i: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    Ok(())
+}
+
 /// The whole benchmark; returns the JSON object (progress on stderr).
 pub fn run(o: BenchOpts) -> Result<Value, String> {
     let cl = Arc::new(Cluster::create(ClusterConfig {
@@ -227,82 +259,118 @@ pub fn run(o: BenchOpts) -> Result<Value, String> {
     let (u, pw) = (cl.cfg.user.clone(), cl.cfg.password.clone());
     cl.init_primary()?;
     progress(&format!("pgbench -i -s {}", o.scale));
-    let out = Command::new(PGBENCH)
-        .env("PGPASSWORD", &pw)
-        .args([
-            "-h",
-            &cl.nodes[0].ip.to_string(),
-            "-U",
-            &u,
-            "-i",
-            "-q",
-            "-s",
-            &o.scale.to_string(),
-            "postgres",
-        ])
-        .output()
-        .map_err(|e| format!("pgbench -i: {e}"))?;
-    if !out.status.success() {
-        return Err(format!(
-            "pgbench -i: {}",
-            String::from_utf8_lossy(&out.stderr)
-        ));
-    }
+    pgbench_init(&cl, o.scale)?;
     let direct = cl.nodes[0].addr();
-    let mut res = serde_json::Map::new();
-    let mut runs = serde_json::Map::new();
-    let mut measure = |name: &str, addr: SocketAddr| -> Result<(Run, Run), String> {
-        let t = pgbench(addr, &u, &pw, &o, false, &cl.dir)?;
+    let measure = |name: &str, addr: SocketAddr, select_only: bool| -> Result<Run, String> {
+        let r = pgbench(addr, &u, &pw, &o, select_only, &cl.dir)?;
         progress(&format!(
-            "{name} tpcb: {:.0} tps p50 {:.2} ms p99 {:.2} ms",
-            t.tps, t.p50_ms, t.p99_ms
+            "{name} {}: {:.0} tps p50 {:.2} ms p99 {:.2} ms",
+            if select_only { "select-only" } else { "tpcb" },
+            r.tps,
+            r.p50_ms,
+            r.p99_ms
         ));
-        let s = pgbench(addr, &u, &pw, &o, true, &cl.dir)?;
-        progress(&format!(
-            "{name} select-only: {:.0} tps p50 {:.2} ms p99 {:.2} ms",
-            s.tps, s.p50_ms, s.p99_ms
-        ));
-        runs.insert(
-            name.to_string(),
-            json!({"tpcb": {"tps": t.tps, "p50_ms": t.p50_ms, "p99_ms": t.p99_ms},
-                   "select_only": {"tps": s.tps, "p50_ms": s.p50_ms, "p99_ms": s.p99_ms}}),
-        );
-        Ok((t, s))
+        Ok(r)
     };
-    let (un, un_s) = measure("unprotected", direct)?;
+    let un = [measure("unprotected", direct, false)?];
+    let un_s = [measure("unprotected", direct, true)?];
     cl.add_standby(1, 0)?;
     cl.protect(0, 1)?;
-    let (sy, sy_s) = measure("syncrep", direct)?;
     let ops: Arc<dyn ClusterOps> = cl.clone();
     let proxy = Proxy::start(proxy_config(&cl, 0), true, Some(ops))?;
-    let (pl, pl_s) = measure("pliant", proxy.addr)?;
-    res.insert("tps_unprotected".into(), un.tps.into());
-    res.insert("tps_syncrep".into(), sy.tps.into());
-    res.insert("tps_pliant".into(), pl.tps.into());
+    let mut bouncer = Pgbouncer::start(&cl, direct);
+    let failovers_before = proxy.shared.stats.failovers.load(SeqCst);
+    // Per mode: TPC-B runs, select-only runs (one per round).
+    let (mut sy, mut pl, mut pb) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut sy_s, mut pl_s, mut pb_s) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..o.rounds.max(1) {
+        for sel in [false, true] {
+            // After a (spurious) failover: measure the new primary once it is protected again,
+            // with pgbouncer pointed at it (counted in `failovers_during_tps`).
+            wait_protected(&proxy);
+            let direct = cl.nodes[proxy.shared.primary.load(SeqCst)].addr();
+            if bouncer.as_ref().is_ok_and(|b| b.primary != direct) {
+                drop(bouncer);
+                bouncer = Pgbouncer::start(&cl, direct);
+            }
+            let (a, b, c) = if sel {
+                (&mut sy_s, &mut pl_s, &mut pb_s)
+            } else {
+                (&mut sy, &mut pl, &mut pb)
+            };
+            a.push(measure("syncrep", direct, sel)?);
+            b.push(measure("pliant", proxy.addr, sel)?);
+            if let Ok(pgb) = &bouncer {
+                c.push(measure("pgbouncer", pgb.addr, sel)?);
+            }
+        }
+    }
+    let failovers_during_tps = proxy.shared.stats.failovers.load(SeqCst) - failovers_before;
+    let mut res = serde_json::Map::new();
+    let mean = |v: &[Run], f: fn(&Run) -> f64| -> f64 {
+        v.iter().map(f).sum::<f64>() / (v.len().max(1) as f64)
+    };
+    let tps = |v: &[Run]| mean(v, |r| r.tps);
+    let ratio = |a: &[Run], b: &[Run]| tps(a) / tps(b).max(1e-9);
+    // Same-round ratios, to show the spread.
+    let per_round = |a: &[Run], b: &[Run]| -> Value {
+        json!(a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| x.tps / y.tps.max(1e-9))
+            .collect::<Vec<_>>())
+    };
+    let mode = |t: &[Run], s: &[Run]| -> Value {
+        json!({"tpcb": {"tps": tps(t), "p50_ms": mean(t, |r| r.p50_ms), "p99_ms": mean(t, |r| r.p99_ms),
+                        "tps_rounds": t.iter().map(|r| r.tps).collect::<Vec<_>>()},
+               "select_only": {"tps": tps(s), "p50_ms": mean(s, |r| r.p50_ms), "p99_ms": mean(s, |r| r.p99_ms),
+                               "tps_rounds": s.iter().map(|r| r.tps).collect::<Vec<_>>()}})
+    };
+    res.insert("tps_unprotected".into(), tps(&un).into());
+    res.insert("tps_syncrep".into(), tps(&sy).into());
+    res.insert("tps_pliant".into(), tps(&pl).into());
+    res.insert("ratio_vs_unprotected".into(), ratio(&pl, &un).into());
+    res.insert("ratio_vs_syncrep".into(), ratio(&pl, &sy).into());
+    res.insert("ratio_vs_syncrep_rounds".into(), per_round(&pl, &sy));
+    res.insert("ratio_select_vs_syncrep".into(), ratio(&pl_s, &sy_s).into());
     res.insert(
-        "ratio_vs_unprotected".into(),
-        (pl.tps / un.tps.max(1e-9)).into(),
+        "ratio_select_vs_syncrep_rounds".into(),
+        per_round(&pl_s, &sy_s),
     );
-    res.insert(
-        "ratio_vs_syncrep".into(),
-        (pl.tps / sy.tps.max(1e-9)).into(),
-    );
+    res.insert("rounds".into(), o.rounds.max(1).into());
+    res.insert("failovers_during_tps".into(), failovers_during_tps.into());
     res.insert(
         "latency_ms_p50".into(),
-        json!({"unprotected": un.p50_ms, "syncrep": sy.p50_ms, "pliant": pl.p50_ms}),
+        json!({"unprotected": un[0].p50_ms, "syncrep": mean(&sy, |r| r.p50_ms), "pliant": mean(&pl, |r| r.p50_ms)}),
     );
     res.insert(
         "latency_ms_p99".into(),
-        json!({"unprotected": un.p99_ms, "syncrep": sy.p99_ms, "pliant": pl.p99_ms}),
+        json!({"unprotected": un[0].p99_ms, "syncrep": mean(&sy, |r| r.p99_ms), "pliant": mean(&pl, |r| r.p99_ms)}),
     );
     res.insert(
         "select_only".into(),
-        json!({"tps_unprotected": un_s.tps, "tps_syncrep": sy_s.tps, "tps_pliant": pl_s.tps,
-               "ratio_vs_syncrep": pl_s.tps / sy_s.tps.max(1e-9),
-               "latency_ms_p50": {"unprotected": un_s.p50_ms, "syncrep": sy_s.p50_ms, "pliant": pl_s.p50_ms},
-               "latency_ms_p99": {"unprotected": un_s.p99_ms, "syncrep": sy_s.p99_ms, "pliant": pl_s.p99_ms}}),
+        json!({"tps_unprotected": tps(&un_s), "tps_syncrep": tps(&sy_s), "tps_pliant": tps(&pl_s),
+               "ratio_vs_syncrep": ratio(&pl_s, &sy_s),
+               "latency_ms_p50": {"unprotected": un_s[0].p50_ms, "syncrep": mean(&sy_s, |r| r.p50_ms), "pliant": mean(&pl_s, |r| r.p50_ms)},
+               "latency_ms_p99": {"unprotected": un_s[0].p99_ms, "syncrep": mean(&sy_s, |r| r.p99_ms), "pliant": mean(&pl_s, |r| r.p99_ms)}}),
     );
-    res.insert("runs".into(), Value::Object(runs));
+    let pgbouncer = match &bouncer {
+        Ok(b) => {
+            json!({"version": b.version, "pool_mode": POOL_MODE, "default_pool_size": PGBOUNCER_POOL_SIZE,
+                   "tps": tps(&pb), "select_only_tps": tps(&pb_s),
+                   "ratio_vs_syncrep": ratio(&pb, &sy), "ratio_select_vs_syncrep": ratio(&pb_s, &sy_s),
+                   "pliant_ratio_vs_pgbouncer": ratio(&pl, &pb),
+                   "pliant_ratio_select_vs_pgbouncer": ratio(&pl_s, &pb_s),
+                   "runs": mode(&pb, &pb_s)})
+        }
+        Err(e) => json!({ "error": e }),
+    };
+    drop(bouncer);
+    res.insert("pgbouncer".into(), pgbouncer);
+    res.insert(
+        "runs".into(),
+        json!({"unprotected": mode(&un, &un_s), "syncrep": mode(&sy, &sy_s), "pliant": mode(&pl, &pl_s)}),
+    );
 
     // Failover with pgbench sessions and idle psql-like sessions through the proxy.
     progress("failover under pgbench");
@@ -360,13 +428,110 @@ pub fn run(o: BenchOpts) -> Result<Value, String> {
     Ok(Value::Object(res))
 }
 
+/// pgbouncer's pooling mode in the bench: what a user putting it in front of PostgreSQL for
+/// pgbench-like clients (simple protocol, no session state) would pick.
+pub const POOL_MODE: &str = "transaction";
+
+/// Debian's pgbouncer in front of the primary (host namespace, as the proxy), run as
+/// `postgres` in the foreground; stopped on drop.
+struct Pgbouncer {
+    child: std::process::Child,
+    addr: SocketAddr,
+    primary: SocketAddr,
+    version: String,
+}
+
+const PGBOUNCER: &str = "/usr/sbin/pgbouncer";
+/// Server connections per pool: more than the bench's clients, so none waits for one.
+const PGBOUNCER_POOL_SIZE: u32 = 100;
+
+impl Pgbouncer {
+    fn start(cl: &Cluster, primary: SocketAddr) -> Result<Pgbouncer, String> {
+        if !Path::new(PGBOUNCER).exists() {
+            return Err("not run: pgbouncer is not installed (apt-get install pgbouncer)".into());
+        }
+        let version = Command::new(PGBOUNCER)
+            .arg("--version")
+            .output()
+            .map(|o| {
+                String::from_utf8_lossy(&o.stdout)
+                    .lines()
+                    .next()
+                    .unwrap_or("")
+                    .to_string()
+            })
+            .unwrap_or_default();
+        let dir = cl.dir.join("pgbouncer");
+        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+        let addr = SocketAddr::new(cl.host_ip.into(), 6433);
+        let (u, pw) = (&cl.cfg.user, &cl.cfg.password);
+        std::fs::write(dir.join("userlist.txt"), format!("\"{u}\" \"{pw}\"\n"))
+            .map_err(|e| e.to_string())?;
+        let ini = format!(
+            "[databases]\npostgres = host={} port={} dbname=postgres\n\n[pgbouncer]\n\
+             listen_addr = {}\nlisten_port = {}\nunix_socket_dir =\n\
+             auth_type = md5\nauth_file = {}\npool_mode = {POOL_MODE}\n\
+             default_pool_size = {PGBOUNCER_POOL_SIZE}\nmax_client_conn = 1000\n",
+            primary.ip(),
+            primary.port(),
+            addr.ip(),
+            addr.port(),
+            dir.join("userlist.txt").display()
+        );
+        std::fs::write(dir.join("pgbouncer.ini"), ini).map_err(|e| e.to_string())?;
+        let child = Command::new("setpriv")
+            .args(["--reuid=postgres", "--regid=postgres", "--init-groups"])
+            .arg(PGBOUNCER)
+            .arg(dir.join("pgbouncer.ini"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(
+                std::fs::File::create(dir.join("pgbouncer.log")).map_err(|e| e.to_string())?,
+            ))
+            .spawn()
+            .map_err(|e| format!("pgbouncer: {e}"))?;
+        let b = Pgbouncer {
+            child,
+            addr,
+            primary,
+            version,
+        };
+        let t0 = Instant::now();
+        loop {
+            if Client::connect(addr, u, pw, "postgres", Duration::from_secs(2))
+                .and_then(|mut c| c.query("SELECT 1").map(|_| ()))
+                .is_ok()
+            {
+                return Ok(b);
+            }
+            if t0.elapsed() > Duration::from_secs(10) {
+                let log = std::fs::read_to_string(dir.join("pgbouncer.log")).unwrap_or_default();
+                return Err(format!("pgbouncer did not come up: {log}"));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for Pgbouncer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// pgbench (TPC-B, `clients` sessions) plus 4 idle sessions through the proxy; the primary is
 /// SIGKILLed mid-run. Counts sessions that stayed connected.
-fn failover_with_pgbench(cl: &Arc<Cluster>, proxy: &Proxy, o: &BenchOpts) -> Result<Value, String> {
+/// Waits (up to 60 s) until the proxy's primary has a synchronous standby.
+fn wait_protected(proxy: &Proxy) {
     let t0 = Instant::now();
     while !proxy.shared.protected.load(SeqCst) && t0.elapsed() < Duration::from_secs(60) {
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+fn failover_with_pgbench(cl: &Arc<Cluster>, proxy: &Proxy, o: &BenchOpts) -> Result<Value, String> {
+    wait_protected(proxy);
     let (u, pw) = (cl.cfg.user.clone(), cl.cfg.password.clone());
     let mut idle: Vec<Client> = (0..4)
         .map(|_| Client::connect(proxy.addr, &u, &pw, "postgres", Duration::from_secs(5)))

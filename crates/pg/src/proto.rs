@@ -78,6 +78,15 @@ pub fn read_frame(r: &mut impl Read) -> Result<Option<Frame>, ProtoError> {
 /// Incremental frame parser over a byte buffer (for non-blocking pumps).
 /// Returns the frame and the number of bytes it used, or `Ok(None)` if incomplete.
 pub fn parse_frame(buf: &[u8]) -> Result<Option<(Frame, usize)>, ProtoError> {
+    Ok(parse_frame_ref(buf)?.map(|(tag, body, used)| (Frame::new(tag, body.to_vec()), used)))
+}
+
+/// A frame where it lies in a buffer: (tag, body, bytes used); the whole frame is
+/// `buf[..used]`.
+pub type FrameRef<'a> = (u8, &'a [u8], usize);
+
+/// `parse_frame` without copying, so a forwarded frame can be copied out as it came.
+pub fn parse_frame_ref(buf: &[u8]) -> Result<Option<FrameRef<'_>>, ProtoError> {
     if buf.len() < 5 {
         return Ok(None);
     }
@@ -89,7 +98,7 @@ pub fn parse_frame(buf: &[u8]) -> Result<Option<(Frame, usize)>, ProtoError> {
     if buf.len() < total {
         return Ok(None);
     }
-    Ok(Some((Frame::new(buf[0], buf[5..total].to_vec()), total)))
+    Ok(Some((buf[0], &buf[5..total], total)))
 }
 
 /// The untyped first packet of a connection.

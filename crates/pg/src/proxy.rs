@@ -885,6 +885,9 @@ fn pump(
     let mut cbuf: Vec<u8> = Vec::with_capacity(8192);
     let mut bbuf: Vec<u8> = Vec::with_capacity(8192);
     let mut tmp = vec![0u8; 65536];
+    // Bytes for the client / the server, reused across reads.
+    let mut out: Vec<u8> = Vec::with_capacity(8192);
+    let mut reply: Vec<u8> = Vec::with_capacity(1024);
     // Set after an error was sent for an extended cycle: drop messages until Sync.
     let mut skip_until_sync = false;
     // Client frames held back until the txid of the transaction being committed is known:
@@ -925,26 +928,35 @@ fn pump(
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
                 Ok(0) | Err(_) => lost = true,
                 Ok(k) => {
-                    bbuf.extend_from_slice(&tmp[..k]);
-                    let mut out = Vec::new();
+                    // Frames are inspected where they lie and forwarded as they came (one
+                    // copy into `out`); only a partial frame is kept in `bbuf`.
+                    let data: &[u8] = if bbuf.is_empty() {
+                        &tmp[..k]
+                    } else {
+                        bbuf.extend_from_slice(&tmp[..k]);
+                        &bbuf
+                    };
+                    out.clear();
                     let mut used = 0;
                     loop {
-                        match proto::parse_frame(&bbuf[used..]) {
-                            Ok(Some((f, u))) => {
-                                used += u;
-                                if f.tag == b'E' && is_fatal(&f) {
+                        match proto::parse_frame_ref(&data[used..]) {
+                            Ok(Some((tag, body, u))) => {
+                                if tag == b'E' && is_fatal(body) {
                                     // The server ends this session (e.g. "terminating connection
                                     // due to unexpected postmaster exit"): the session may still
                                     // be moved, so the client does not see this yet.
-                                    fatal_frame = Some(f);
+                                    fatal_frame = Some(Frame::new(tag, body.to_vec()));
                                     lost = true;
                                     break;
                                 }
-                                match st.on_server(&f) {
-                                    ServerAction::Forward => f.encode_into(&mut out),
+                                match st.on_server_raw(tag, body) {
+                                    ServerAction::Forward => {
+                                        out.extend_from_slice(&data[used..used + u])
+                                    }
                                     ServerAction::Replace(g) => g.encode_into(&mut out),
                                     ServerAction::Swallow => {}
                                 }
+                                used += u;
                             }
                             Ok(None) => break,
                             Err(_) => {
@@ -953,7 +965,11 @@ fn pump(
                             }
                         }
                     }
-                    bbuf.drain(..used);
+                    if bbuf.is_empty() {
+                        bbuf.extend_from_slice(&tmp[used..k]);
+                    } else {
+                        bbuf.drain(..used);
+                    }
                     if !out.is_empty() && c.write_all(&out).is_err() {
                         return Ok(());
                     }
@@ -1002,8 +1018,8 @@ fn pump(
                 }
                 Ok(k) => cbuf.extend_from_slice(&tmp[..k]),
             }
-            let mut out = Vec::new();
-            let mut reply = Vec::new();
+            out.clear();
+            reply.clear();
             let mut used = 0;
             loop {
                 let f = match proto::parse_frame(&cbuf[used..]) {
@@ -1102,10 +1118,10 @@ fn pump(
     }
 }
 
-fn is_fatal(f: &Frame) -> bool {
+fn is_fatal(body: &[u8]) -> bool {
     matches!(
-        proto::error_field(&f.body, b'V')
-            .or_else(|| proto::error_field(&f.body, b'S'))
+        proto::error_field(body, b'V')
+            .or_else(|| proto::error_field(body, b'S'))
             .as_deref(),
         Some("FATAL" | "PANIC")
     )
@@ -1559,14 +1575,22 @@ fn connect_server(
 
 fn probe_once(probe: &mut Option<Client>, addr: SocketAddr, sh: &Shared, to: Duration) -> bool {
     if probe.is_none() {
+        let t = Instant::now();
         match connect_server(sh, addr, CONNECT_TIMEOUT, to) {
             Ok(c) => *probe = Some(c),
-            Err(_) => return false,
+            Err(e) => {
+                dbg(&format!("probe login failed after {:?}: {e}", t.elapsed()));
+                return false;
+            }
         }
     }
+    let t = Instant::now();
     match probe.as_mut().map(|c| c.query("SELECT 1")) {
         Some(Ok(_)) => true,
-        _ => {
+        r => {
+            if let Some(Err(e)) = r {
+                dbg(&format!("probe query failed after {:?}: {e}", t.elapsed()));
+            }
             *probe = None;
             false
         }

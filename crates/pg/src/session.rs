@@ -992,10 +992,15 @@ impl SessionState {
 
     /// Handles a server frame: whether (and as what) it goes to the client.
     pub fn on_server(&mut self, f: &Frame) -> ServerAction {
+        self.on_server_raw(f.tag, &f.body)
+    }
+
+    /// `on_server` on a frame's tag and body as they lie in the receive buffer.
+    pub fn on_server_raw(&mut self, tag: u8, body: &[u8]) -> ServerAction {
         if self.expect.front() == Some(&true) {
-            match f.tag {
+            match tag {
                 b'D' => {
-                    if let Some(cols) = proto::data_row_columns(&f.body) {
+                    if let Some(cols) = proto::data_row_columns(body) {
                         let v = cols.into_iter().next().flatten();
                         let t = match v.and_then(|s| s.parse::<u64>().ok()) {
                             Some(x) => CommitTxid::Some(x),
@@ -1016,7 +1021,7 @@ impl SessionState {
             }
             return ServerAction::Swallow;
         }
-        match f.tag {
+        match tag {
             b'Z' => {
                 self.expect.pop_front();
                 // Statements skipped after an error, then the cycle's end.
@@ -1024,7 +1029,7 @@ impl SessionState {
                     self.slots.pop_front();
                 }
                 self.slots.pop_front();
-                self.status = f.body.first().copied().unwrap_or(b'I');
+                self.status = body.first().copied().unwrap_or(b'I');
                 if self.status == b'I' {
                     self.txid = None;
                     self.txid_fresh = false;
@@ -1056,7 +1061,7 @@ impl SessionState {
             }
             b'C' => {
                 self.forwarded_in_cycle = true;
-                let tag = proto::cstr(&f.body).map(|(s, _)| s).unwrap_or("");
+                let tag = proto::cstr(body).map(|(s, _)| s).unwrap_or("");
                 let slot = match self.slots.front() {
                     Some(Slot::Stmt(_) | Slot::LostCommit(_)) => self.slots.pop_front(),
                     _ => None,
