@@ -3,8 +3,8 @@
 //! CancelRequests to the backend that currently serves the session, and moves sessions at
 //! failover.
 //!
-//! One thread per client session (blocking sockets + poll), one controller thread that
-//! probes the primary and runs the failover. Sessions learn of a failover through `epoch`
+//! One thread per client session (blocking sockets, a per-session epoll set), one controller
+//! thread that probes the primary and runs the failover. Sessions learn of a failover through `epoch`
 //! (bumped once the old primary is fenced) and wait for `ready_epoch` (the new primary is
 //! promoted and its xid horizon recorded) before they reconnect.
 //!
@@ -895,34 +895,21 @@ fn pump(
     // to have aborted the transaction (one extra round trip per commit).
     let mut held: Vec<u8> = Vec::new();
     let mut fatal_frame: Option<Frame> = None;
+    // One epoll set per session, registered once (poll(2) re-arms both wait queues per call).
+    let mut poller = Poller::new().map_err(|e| format!("epoll: {e}"))?;
+    poller.set(0, None, c.as_raw_fd())?;
+    poller.set(1, None, be.s.as_raw_fd())?;
     loop {
         if sh.shutdown.load(SeqCst) {
             return Ok(());
         }
-        let mut fds = [
-            libc::pollfd {
-                fd: c.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-            libc::pollfd {
-                fd: be.s.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-        ];
         // TLS: decrypted bytes already buffered do not make the socket readable.
         let (c_buf, b_buf) = (c.buffered(), be.s.buffered());
         let wait = if c_buf || b_buf { 0 } else { 50 };
-        // SAFETY: fds is a valid array of two pollfd for the duration of the call.
-        let mut n = unsafe { libc::poll(fds.as_mut_ptr(), 2, wait) };
-        if c_buf || b_buf {
-            n = 1;
-            fds[0].revents |= if c_buf { libc::POLLIN } else { 0 };
-            fds[1].revents |= if b_buf { libc::POLLIN } else { 0 };
-        }
+        let [c_ready, b_ready] = poller.wait(wait);
+        let ready = [c_ready || c_buf, b_ready || b_buf];
         let mut lost = sh.epoch.load(SeqCst) != be.epoch;
-        if n > 0 && !lost && fds[1].revents != 0 {
+        if !lost && ready[1] {
             match be.s.read_some(&mut tmp) {
                 // Part of a TLS record: the rest comes with the next readiness.
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
@@ -998,6 +985,7 @@ fn pump(
             }
             match backend_lost(&mut c, st, sh, be.epoch) {
                 Lost::Moved(nb) => {
+                    poller.set(1, Some(be.s.as_raw_fd()), nb.s.as_raw_fd())?;
                     *be = nb;
                     set_cancel_target(sh, id, None, be);
                     if st.ext_open {
@@ -1009,7 +997,7 @@ fn pump(
                 Lost::Closed => return Ok(()),
             }
         }
-        if n > 0 && fds[0].revents != 0 {
+        if ready[0] {
             match c.read_some(&mut tmp) {
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
                 Ok(0) | Err(_) => {
@@ -1115,6 +1103,58 @@ fn pump(
                 be.s.shutdown();
             }
         }
+    }
+}
+
+/// A session's epoll set over its client (slot 0) and server (slot 1) sockets.
+struct Poller {
+    ep: std::os::fd::OwnedFd,
+}
+
+impl Poller {
+    fn new() -> std::io::Result<Poller> {
+        // SAFETY: plain syscall; a non-negative result is a new fd we own.
+        let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: fd was just returned by epoll_create1 and is owned by nobody else.
+        Ok(Poller {
+            ep: unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) },
+        })
+    }
+
+    /// Watches `fd` for input in `slot`, after removing `old` (still open) if given.
+    fn set(&mut self, slot: u64, old: Option<i32>, fd: i32) -> Result<(), String> {
+        let ep = std::os::fd::AsRawFd::as_raw_fd(&self.ep);
+        if let Some(o) = old {
+            // SAFETY: ep is our epoll fd; a null event is allowed for EPOLL_CTL_DEL.
+            unsafe { libc::epoll_ctl(ep, libc::EPOLL_CTL_DEL, o, std::ptr::null_mut()) };
+        }
+        let mut ev = libc::epoll_event {
+            events: libc::EPOLLIN as u32,
+            u64: slot,
+        };
+        // SAFETY: ep is our epoll fd, ev a valid epoll_event for the call.
+        if unsafe { libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, fd, &mut ev) } < 0 {
+            return Err(format!("epoll_ctl: {}", std::io::Error::last_os_error()));
+        }
+        Ok(())
+    }
+
+    /// Waits up to `ms` for input (or hang-up/error) on either slot.
+    fn wait(&mut self, ms: i32) -> [bool; 2] {
+        let mut evs = [libc::epoll_event { events: 0, u64: 0 }; 2];
+        let ep = std::os::fd::AsRawFd::as_raw_fd(&self.ep);
+        // SAFETY: evs holds 2 events, as passed.
+        let n = unsafe { libc::epoll_wait(ep, evs.as_mut_ptr(), 2, ms) };
+        let mut ready = [false; 2];
+        for e in evs.iter().take(n.max(0) as usize) {
+            if let Some(r) = ready.get_mut(e.u64 as usize) {
+                *r = true;
+            }
+        }
+        ready
     }
 }
 
