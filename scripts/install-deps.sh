@@ -21,9 +21,10 @@ set -euo pipefail
 #   conntrackd, keepalived   the kernel NAT HA peer (conntrack state sync + VRRP) in `pliant bench ha`
 #   patroni, etcd-server, etcd-client  the PostgreSQL HA peer measured by `pliant bench pg`
 #   default-jdk-headless, libpostgresql-jdbc-java  a JDBC client (pgJDBC) through the pg proxy in the e2e test
+#   pgbouncer                the pooler a user would put in front of PostgreSQL instead, in `pliant bench pg`
 pkgs=(iproute2 nftables iperf3 nginx-light netsniff-ng curl iputils-ping traceroute cbindgen clang llvm ethtool
       conntrackd keepalived patroni etcd-server etcd-client default-jdk-headless libpostgresql-jdbc-java
-      tcpdump fonts-dejavu-core gcc g++ make pkg-config postgresql-15 postgresql-client-15)
+      tcpdump fonts-dejavu-core gcc g++ make pkg-config postgresql-15 postgresql-client-15 pgbouncer)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -43,6 +44,10 @@ elif ((${#missing[@]})); then
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
   # Debian's nginx package may start a system nginx; pliant runs its own per lab.
   if [ -f /run/nginx.pid ]; then kill "$(cat /run/nginx.pid)" 2>/dev/null || true; fi
+  # Likewise a system pgbouncer (the bench starts its own, per run, in the lab's namespace).
+  if [ -f /run/postgresql/pgbouncer.pid ]; then
+    kill "$(cat /run/postgresql/pgbouncer.pid)" 2>/dev/null || true
+  fi
   # Likewise Debian's default PostgreSQL cluster: pliant runs its own servers in namespaces, and
   # nothing should listen on the host that the configuration did not ask for.
   if command -v pg_ctlcluster >/dev/null; then pg_ctlcluster 15 main stop 2>/dev/null || true; fi
