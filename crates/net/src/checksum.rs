@@ -56,6 +56,13 @@ pub fn checksum(data: &[u8]) -> u16 {
 
 /// Sum of an IP address's bytes as 16-bit words.
 #[inline]
+/// Writes the header checksum of the IPv4 header `h` (exactly its IHL bytes) into `h[10..12]`.
+pub fn set_ipv4_header_checksum(h: &mut [u8]) {
+    h[10..12].fill(0);
+    let c = checksum(h);
+    h[10..12].copy_from_slice(&c.to_be_bytes());
+}
+
 pub fn addr_sum(a: IpAddr) -> u32 {
     match a {
         IpAddr::V4(v4) => sum(&v4.octets(), 0),

@@ -1,7 +1,7 @@
 //! IPv4 fragmentation by a router (RFC 791 §3.2, RFC 1812 §5.2.6) and the "don't fragment"
 //! facts the path-MTU logic needs (RFC 1191).
 
-use crate::checksum::checksum;
+use crate::checksum::set_ipv4_header_checksum;
 use crate::Parsed;
 
 /// IPv4 DF flag of the frame's IP header (false for IPv6 or a short frame).
@@ -68,9 +68,7 @@ pub fn fragment_v4(frame: &[u8], p: &Parsed, mtu: usize) -> Result<Vec<Vec<u8>>,
         let flags = if !last || more { 0x2000 } else { 0 };
         let word = flags | (((base + off) / 8) as u16 & 0x1fff);
         h[6..8].copy_from_slice(&word.to_be_bytes());
-        h[10..12].fill(0);
-        let c = checksum(h);
-        h[10..12].copy_from_slice(&c.to_be_bytes());
+        set_ipv4_header_checksum(h);
         out.push(f);
         off += n;
     }
@@ -87,9 +85,7 @@ mod tests {
         let p = parsed(f);
         let l3 = usize::from(p.l3_off);
         f[l3 + 6] &= !0x40;
-        f[l3 + 10..l3 + 12].fill(0);
-        let c = checksum(&f[l3..l3 + 20]);
-        f[l3 + 10..l3 + 12].copy_from_slice(&c.to_be_bytes());
+        set_ipv4_header_checksum(&mut f[l3..l3 + 20]);
     }
 
     #[test]

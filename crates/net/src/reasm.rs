@@ -11,7 +11,7 @@
 //! Overlaps are accepted, the later bytes win (IPv4 allows overlap; the datagram stays
 //! consistent because the result is one buffer).
 
-use crate::checksum::checksum;
+use crate::checksum::set_ipv4_header_checksum;
 use std::collections::HashMap;
 use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
@@ -262,9 +262,7 @@ fn assemble(p: Partial) -> Vec<u8> {
     // Keep DF, clear MF and the offset.
     h[6] &= 0x40;
     h[7] = 0;
-    h[10..12].fill(0);
-    let c = checksum(h);
-    h[10..12].copy_from_slice(&c.to_be_bytes());
+    set_ipv4_header_checksum(h);
     f
 }
 
@@ -289,9 +287,7 @@ mod tests {
         let l3 = 14;
         f[l3 + 4..l3 + 6].copy_from_slice(&id.to_be_bytes());
         f[l3 + 6] &= !0x40;
-        f[l3 + 10..l3 + 12].fill(0);
-        let c = checksum(&f[l3..l3 + 20]);
-        f[l3 + 10..l3 + 12].copy_from_slice(&c.to_be_bytes());
+        set_ipv4_header_checksum(&mut f[l3..l3 + 20]);
         f
     }
 
