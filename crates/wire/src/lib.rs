@@ -1,0 +1,24 @@
+//! pliant-wire: how pliant processes talk to each other, on one host or across hosts.
+//!
+//! - [`frame`]: the one framing codec (length, protocol version, message kind).
+//! - [`endpoint`]: unix path or TCP `host:port`, the streams and listeners behind them.
+//! - [`identity`]: per-node keys and CA-signed certificates (name + roles).
+//! - [`session`]: the mutual-authentication handshake and the per-direction sealing of frames
+//!   (sequence-numbered AES-256-GCM, encrypted or authenticated only).
+//! - [`conn`]: a connection after its handshake, typed send/receive, split into halves.
+//! - [`server`]: bind, accept loop, bounded connection threads.
+//! - [`keyfile`]: private files checked for mode and owner on the opened file.
+
+pub mod conn;
+pub mod endpoint;
+pub mod frame;
+pub mod identity;
+pub mod keyfile;
+pub mod server;
+pub mod session;
+
+pub use conn::{Conn, ConnError, ConnReader, ConnWriter};
+pub use endpoint::{BindError, Endpoint, Listener, Stream, TcpTuning};
+pub use frame::{FrameError, FIRST_CHANNEL_KIND, PROTOCOL_VERSION};
+pub use identity::{role, Ca, Identity, IdentityError, NodeCert};
+pub use session::{Expect, Peer, Session, SessionError, SessionOptions};
