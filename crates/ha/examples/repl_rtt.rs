@@ -1,5 +1,6 @@
-//! Checkpoint -> ack round trip over the replication channel (unix socket, both ends in this
-//! process, each on its own threads as in the runtime). This is the latency every held packet
+//! Checkpoint -> ack round trip over the replication channel (unix socket, or loopback TCP
+//! with `tcp` as second argument; both ends in this process, each on its own threads as in
+//! the runtime; frames authenticated, and encrypted over TCP). This is the latency every held packet
 //! of a protected group pays at least once (output commit), so it must stay far below the
 //! checkpoint period at 10 kHz (100 us).
 //!
@@ -7,13 +8,13 @@
 //! encodes an XOR+RLE delta against the last shipped record (as the runtime does), then times
 //! `send` -> ack seen through the wake fd + `poll`, the way the packet thread sees it.
 //!
-//! Run: `cargo run --release -p pliant-ha --example repl_rtt [iterations]`
+//! Run: `cargo run --release -p pliant-ha --example repl_rtt [iterations] [unix|tcp]`
 //! Prints one JSON object per checkpoint size.
 
 use pliant_ha::delta;
 use pliant_ha::{
-    Ack, Checkpoint, FlowUpdate, LinkState, ReplSender, ReplServer, Secret, SenderOptions,
-    StandbyStore, UpdateBody,
+    Ack, Checkpoint, FlowUpdate, LinkState, ReplSender, ReplServer, SenderOptions, StandbyStore,
+    UpdateBody,
 };
 use pliant_state::{FlowKey, FlowTable, TableConfig};
 use serde::{Deserialize, Serialize};
@@ -166,16 +167,27 @@ fn main() {
         std::process::exit(1);
     }
     let code = (|| -> Result<(), String> {
-        let secret = Secret::generate(&dir.join("repl.secret")).map_err(|e| e.to_string())?;
+        let ca = pliant_wire::Ca::generate(None).map_err(|e| e.to_string())?;
+        let id = |n: &str| -> Result<pliant_wire::Security, String> {
+            let i = ca
+                .issue(n, pliant_wire::role::REPLICA, 3600)
+                .map_err(|e| e.to_string())?;
+            Ok(pliant_wire::Security::new(i))
+        };
         let store = Arc::new(Mutex::new(StandbyStore::new(1 << 20)));
-        let path = dir.join("backup.repl.sock");
-        let _server = ReplServer::start(&path, secret.clone(), store).map_err(|e| e.to_string())?;
+        let ep = if std::env::args().nth(2).as_deref() == Some("tcp") {
+            "127.0.0.1:0".parse().map_err(|e| format!("{e}"))?
+        } else {
+            pliant_wire::Endpoint::Unix(dir.join("backup.repl.sock"))
+        };
+        let server = ReplServer::start(&ep, id("b")?, store).map_err(|e| e.to_string())?;
+        let path = server.endpoint().clone();
         let opts = SenderOptions {
             // Generous, so a descheduled thread on a busy machine is measured, not fatal.
             dead_after: Duration::from_secs(1),
             ..SenderOptions::default()
         };
-        let sender = ReplSender::start(&path, secret, "r1", 1, opts);
+        let sender = ReplSender::start(&path, id("r1")?, "b", "r1", 1, opts);
         for (group, flows) in [(1u32, 1u16), (2, 100)] {
             println!("{}", run(&sender, group, flows, iters)?);
         }

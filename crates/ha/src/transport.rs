@@ -1,8 +1,14 @@
 //! The replication channel: [`ReplServer`] on the backup, one [`ReplSender`] per backup
 //! destination on the primary.
 //!
-//! Unix stream sockets (mode 0600, peer uid checked with SO_PEERCRED on both ends) plus the
-//! HMAC handshake of [`crate::auth`], then [`crate::wire`] frames. All socket I/O happens on
+//! Any endpoint of pliant-wire: a unix socket (mode 0600, peer uid also checked with
+//! SO_PEERCRED on both ends) or TCP between hosts. Every connection starts with the mutual
+//! handshake of `pliant_wire::session` (both ends prove a CA-signed replica identity; the
+//! sender also checks that it reached the backup it was told about), then carries
+//! [`crate::wire::ReplMsg`]s in sealed frames of kind `pliant_wire::kinds::REPL`: each frame
+//! authenticated (encrypted over TCP by default) with an implicit sequence number, so a frame
+//! injected, replayed or reordered on the link closes it. `Hello` must name the certified
+//! identity: a replica checkpoints only as itself. All socket I/O happens on
 //! threads owned here, never on the packet thread, which talks to them only through a bounded
 //! channel ([`ReplSender::send`]), a non-blocking [`ReplSender::poll`] and a wake-up fd
 //! ([`ReplSender::wake_fd`], an eventfd) it can add to poll(2).
@@ -32,17 +38,18 @@
 //! remaining cost is thread wake-ups (packet thread -> sender thread -> backup thread ->
 //! sender's reader thread -> packet thread), measured by `examples/repl_rtt.rs`.
 
-use crate::auth::{client_handshake, AuthError, Secret};
 use crate::standby::StandbyStore;
-use crate::unix::{self as crate_unix, euid, peer_uid, AdmitCounters};
-use crate::wire::{self, Ack, Checkpoint, GroupId, ReplMsg, WireError};
+use crate::wire::{Ack, Checkpoint, GroupId, ReplMsg, MAX_FRAME};
+use pliant_wire::endpoint::{euid, Endpoint, Listener, Stream};
+use pliant_wire::server::{self as wire_server, ConnThreads, ServerSocket, SpawnRefused};
+use pliant_wire::session::{self, Expect, Opener, Sealer, SessionError};
+use pliant_wire::{kinds, role, FrameError, Security};
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap};
 use std::io::{self, BufReader, Read};
 use std::ops::ControlFlow;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::{Path, PathBuf};
+use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -53,8 +60,8 @@ use thiserror::Error;
 /// Bound on concurrent connections (each has a thread) a server accepts; more are closed at
 /// once and counted in `over_bound`.
 pub const MAX_CONNECTIONS: usize = 64;
-/// Time a new connection gets for the handshake and `Hello` on the server.
-pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Time a new connection gets for `Hello` after the handshake on the server.
+pub const HELLO_TIMEOUT: Duration = Duration::from_secs(2);
 /// A server closes a connection that sent nothing for this long (a live sender heartbeats
 /// every few ms; this only reclaims threads of peers that vanished without EOF).
 pub const SERVER_IDLE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -65,14 +72,10 @@ const READ_BUF: usize = 64 << 10;
 
 #[derive(Debug, Error)]
 pub enum TransportError {
-    #[error("replication socket {path}: {source}")]
-    Io { path: PathBuf, source: io::Error },
-    #[error("replication socket {path} is in use by a live server")]
-    InUse { path: PathBuf },
-    #[error("replication socket {path} exists and is not a socket")]
-    NotASocket { path: PathBuf },
-    #[error("cannot start a replication thread: {0}")]
-    Spawn(io::Error),
+    #[error("replication listener: {0}")]
+    Bind(#[from] pliant_wire::BindError),
+    #[error("replication listener: {0}")]
+    Start(String),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Error)]
@@ -121,6 +124,22 @@ impl Default for SenderOptions {
     }
 }
 
+impl SenderOptions {
+    /// Defaults for a link over `ep`. A unix socket is on this host: a dead backup process is
+    /// an EOF at once and a live one answers in microseconds, so 60 ms of silence is death.
+    /// Over TCP one lost segment costs a retransmission timeout (200 ms minimum on Linux)
+    /// before the answer arrives: the link must survive that, so silence means death only
+    /// after 600 ms (a killed backup process still shows as a reset at once).
+    pub fn for_endpoint(ep: &Endpoint) -> SenderOptions {
+        let mut o = SenderOptions::default();
+        if ep.is_tcp() {
+            o.dead_after = Duration::from_millis(600);
+            o.heartbeat = Duration::from_millis(50);
+        }
+        o
+    }
+}
+
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct SenderStats {
     pub bytes_sent: u64,
@@ -144,8 +163,10 @@ pub struct ServerStats {
     pub connections: u64,
     /// Connections open now.
     pub active: u64,
-    /// Handshakes that failed the HMAC check.
+    /// Handshakes refused: certificate not the CA's, expired, no replica role, bad signature.
     pub auth_failures: u64,
+    /// `Hello` naming another replica than the certified identity (refused).
+    pub identity_mismatch: u64,
     /// Peers that closed or stalled during the handshake.
     pub handshake_aborted: u64,
     /// Peers refused by the SO_PEERCRED uid check.
@@ -171,6 +192,7 @@ struct ServerCounters {
     connections: AtomicU64,
     active: AtomicU64,
     auth_failures: AtomicU64,
+    identity_mismatch: AtomicU64,
     handshake_aborted: AtomicU64,
     peer_refused: AtomicU64,
     over_bound: AtomicU64,
@@ -184,57 +206,55 @@ struct ServerCounters {
 }
 
 struct ServerShared {
-    secret: Secret,
+    sec: Security,
     store: Arc<Mutex<StandbyStore>>,
     stop: AtomicBool,
     c: ServerCounters,
-    conns: crate_unix::ConnThreads,
+    conns: ConnThreads,
 }
 
 /// The backup's replication listener. Drop stops the accept thread, closes every connection,
-/// joins the threads and unlinks the socket (if it is still the one this server bound).
+/// joins the threads and unlinks a unix socket (if it is still the one this server bound).
 pub struct ReplServer {
-    socket: crate_unix::ServerSocket,
+    socket: ServerSocket,
     shared: Arc<ServerShared>,
 }
 
 impl ReplServer {
-    /// Listens at `path` (mode 0600; a stale socket file left by a dead process is replaced, a
-    /// live one is `InUse`). Every authenticated connection gets a reader thread (at most
-    /// [`MAX_CONNECTIONS`]) that applies checkpoints to `store` and answers `Ack` only after
-    /// `apply` returned Ok (the checkpoint is in the backup's memory, as in Remus). Refusals
-    /// answer `Refused` and close the connection.
+    /// Listens at `ep` (a unix socket is mode 0600; a stale socket file left by a dead
+    /// process is replaced; a live server's socket or port is `Bind(InUse)`). Every
+    /// authenticated connection gets a reader thread (at most [`MAX_CONNECTIONS`]) that
+    /// applies checkpoints to `store` and answers `Ack` only after `apply` returned Ok (the
+    /// checkpoint is in the backup's memory, as in Remus). Refusals answer `Refused` and close
+    /// the connection.
     pub fn start(
-        path: &Path,
-        secret: Secret,
+        ep: &Endpoint,
+        sec: Security,
         store: Arc<Mutex<StandbyStore>>,
     ) -> Result<ReplServer, TransportError> {
         let shared = Arc::new(ServerShared {
-            secret,
+            sec,
             store,
             stop: AtomicBool::new(false),
             c: ServerCounters::default(),
-            conns: crate_unix::ConnThreads::default(),
+            conns: ConnThreads::default(),
         });
         let sh = shared.clone();
-        let p = || path.to_path_buf();
-        let socket = crate_unix::ServerSocket::start(path, "ha-repl-accept", move |l, stop| {
+        let tcp = shared.sec.tcp;
+        let socket = ServerSocket::start(ep, &tcp, "ha-repl-accept", move |l, stop| {
             accept_loop(l, stop, sh)
         })
-        .map_err(|e| {
-            e.map(
-                || TransportError::InUse { path: p() },
-                || TransportError::NotASocket { path: p() },
-                |source| TransportError::Io { path: p(), source },
-                TransportError::Spawn,
-            )
+        .map_err(|e| match e {
+            wire_server::StartError::Bind(b) => TransportError::Bind(b),
+            e => TransportError::Start(e.to_string()),
         })?;
-        tracing::info!(path = %path.display(), "replication server listening");
+        tracing::info!(endpoint = %socket.endpoint(), "replication server listening");
         Ok(ReplServer { socket, shared })
     }
 
-    pub fn path(&self) -> &Path {
-        self.socket.path()
+    /// Where the server listens (a TCP port 0 resolved).
+    pub fn endpoint(&self) -> &Endpoint {
+        self.socket.endpoint()
     }
 
     pub fn stats(&self) -> ServerStats {
@@ -244,6 +264,7 @@ impl ReplServer {
             connections: l(&c.connections),
             active: l(&c.active),
             auth_failures: l(&c.auth_failures),
+            identity_mismatch: l(&c.identity_mismatch),
             handshake_aborted: l(&c.handshake_aborted),
             peer_refused: l(&c.peer_refused),
             over_bound: l(&c.over_bound),
@@ -263,12 +284,11 @@ impl Drop for ReplServer {
         self.shared.stop.store(true, Ordering::SeqCst);
         self.socket.stop_accepting();
         self.shared.conns.shutdown_and_join();
-        self.socket.unlink();
     }
 }
 
-fn accept_loop(listener: UnixListener, stop_r: UnixStream, sh: Arc<ServerShared>) {
-    crate_unix::accept_until_stopped(&listener, &stop_r, &sh.stop, "replication", |stream| {
+fn accept_loop(listener: Listener, stop_r: UnixStream, sh: Arc<ServerShared>) {
+    wire_server::accept_until_stopped(&listener, &stop_r, &sh.stop, "replication", |stream| {
         sh.c.connections.fetch_add(1, Ordering::Relaxed);
         let s2 = sh.clone();
         let spawned = sh
@@ -280,7 +300,7 @@ fn accept_loop(listener: UnixListener, stop_r: UnixStream, sh: Arc<ServerShared>
             });
         match spawned {
             Ok(()) => {}
-            Err(crate_unix::SpawnRefused::OverBound(_closed_after_counting)) => {
+            Err(SpawnRefused::OverBound(_closed_after_counting)) => {
                 sh.c.over_bound.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(
                     max = MAX_CONNECTIONS,
@@ -312,20 +332,46 @@ enum ConnEnd {
     Error,
 }
 
-fn serve_conn(mut stream: UnixStream, sh: &ServerShared) {
+/// Counts a refused handshake where it belongs: a peer that could not prove a replica
+/// identity (auth) or one that went away or stalled (aborted).
+fn count_handshake_failure(c: &ServerCounters, e: &SessionError, server: &str) {
+    match e {
+        SessionError::Cert(_)
+        | SessionError::BadSignature
+        | SessionError::Role { .. }
+        | SessionError::PeerName { .. } => {
+            c.auth_failures.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(error = %e, "{server} handshake refused");
+        }
+        _ => {
+            c.handshake_aborted.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(error = %e, "{server} handshake aborted");
+        }
+    }
+}
+
+fn serve_conn(stream: Stream, sh: &ServerShared) {
     let c = &sh.c;
-    let counters = AdmitCounters {
-        peer_refused: &c.peer_refused,
-        auth_failures: &c.auth_failures,
-        handshake_aborted: &c.handshake_aborted,
+    // On a unix socket the kernel also vouches for the peer's uid: kept as a second fence.
+    match stream.peer_uid() {
+        None => {}
+        Some(Ok(uid)) if uid == euid() => {}
+        Some(r) => {
+            c.peer_refused.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(uid = ?r.ok(), "replication peer refused: other uid");
+            return;
+        }
+    }
+    let expect = Expect {
+        name: None,
+        roles: role::REPLICA,
     };
-    if !crate_unix::admit_peer(
-        &mut stream,
-        &sh.secret,
-        HANDSHAKE_TIMEOUT,
-        &counters,
-        "replication",
-    ) {
+    let o = sh.sec.options_for(!stream.is_unix(), expect, MAX_FRAME);
+    let sess = match session::server(&stream, &sh.sec.identity, &o) {
+        Ok(s) => s,
+        Err(e) => return count_handshake_failure(c, &e, "replication"),
+    };
+    if stream.set_read_timeout(Some(HELLO_TIMEOUT)).is_err() {
         return;
     }
     let Ok(clone) = stream.try_clone() else {
@@ -335,33 +381,61 @@ fn serve_conn(mut stream: UnixStream, sh: &ServerShared) {
         inner: BufReader::with_capacity(READ_BUF, clone),
         n: 0,
     };
-    let end = serve_frames(&stream, &mut rd, sh);
+    let mut link = ServerLink {
+        stream: &stream,
+        tx: sess.tx,
+        rx: sess.rx,
+        out: Vec::new(),
+        buf: Vec::new(),
+    };
+    let end = serve_frames(&mut link, &mut rd, &sess.peer.name, sh);
     if let ConnEnd::Error = end {
         tracing::debug!("replication connection closed after an error");
     }
 }
 
-fn serve_frames<R: Read>(stream: &UnixStream, rd: &mut Counting<R>, sh: &ServerShared) -> ConnEnd {
-    let c = &sh.c;
-    let send = |m: &ReplMsg| -> bool {
-        match wire::encode_frame(m) {
-            Ok(f) => send_all(stream, &f).is_ok(),
-            Err(_) => false,
+/// The server's end of one authenticated connection.
+struct ServerLink<'a> {
+    stream: &'a Stream,
+    tx: Sealer,
+    rx: Opener,
+    out: Vec<u8>,
+    buf: Vec<u8>,
+}
+
+impl ServerLink<'_> {
+    fn send(&mut self, m: &ReplMsg) -> bool {
+        self.out.clear();
+        self.tx.seal_msg(kinds::REPL, m, &mut self.out).is_ok()
+            && self.stream.send_all(&self.out).is_ok()
+    }
+
+    fn read<R: Read>(&mut self, rd: &mut Counting<R>) -> Result<ReplMsg, FrameError> {
+        let (kind, body) = self.rx.read(rd, &mut self.buf)?;
+        if kind != kinds::REPL {
+            return Err(FrameError::UnexpectedKind(kind));
         }
-    };
-    let read = |rd: &mut Counting<R>| -> Result<ReplMsg, ConnEnd> {
+        pliant_wire::frame::decode_body(&self.buf[body])
+    }
+}
+
+fn serve_frames<R: Read>(
+    link: &mut ServerLink<'_>,
+    rd: &mut Counting<R>,
+    certified: &str,
+    sh: &ServerShared,
+) -> ConnEnd {
+    let c = &sh.c;
+    let read = |link: &mut ServerLink<'_>, rd: &mut Counting<R>| -> Result<ReplMsg, ConnEnd> {
         let before = rd.n;
-        let r = wire::read_frame(rd);
+        let r = link.read(rd);
         c.bytes_in.fetch_add(rd.n - before, Ordering::Relaxed);
         match r {
             Ok(m) => {
                 c.frames.fetch_add(1, Ordering::Relaxed);
                 Ok(m)
             }
-            Err(WireError::Io(e)) if e.kind() == io::ErrorKind::UnexpectedEof => {
-                Err(ConnEnd::Closed)
-            }
-            Err(WireError::Io(_)) => Err(ConnEnd::Closed),
+            Err(FrameError::Closed) | Err(FrameError::Io(_)) => Err(ConnEnd::Closed),
             Err(e) => {
                 c.decode_errors.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(error = %e, "replication frame refused");
@@ -369,8 +443,22 @@ fn serve_frames<R: Read>(stream: &UnixStream, rd: &mut Counting<R>, sh: &ServerS
             }
         }
     };
-    let (primary, token) = match read(rd) {
+    let (primary, token) = match read(link, rd) {
         Ok(ReplMsg::Hello { primary, token }) if primary.len() <= MAX_PRIMARY_NAME => {
+            if primary != certified {
+                // Checkpoints are filed under the Hello's name: only the replica itself may
+                // write its backup state, whatever else its certificate allows.
+                c.identity_mismatch.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    primary,
+                    certified,
+                    "replication hello names another replica"
+                );
+                link.send(&ReplMsg::Refused {
+                    reason: format!("hello names {primary:?} but the certificate is {certified:?}"),
+                });
+                return ConnEnd::Error;
+            }
             (primary, token)
         }
         Ok(_) => {
@@ -396,22 +484,26 @@ fn serve_frames<R: Read>(stream: &UnixStream, rd: &mut Counting<R>, sh: &ServerS
         Err(e) => {
             c.refused.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(primary, token, error = %e, "replication refused at hello");
-            send(&ReplMsg::Refused {
+            link.send(&ReplMsg::Refused {
                 reason: e.to_string(),
             });
             return ConnEnd::Error;
         }
     };
-    if !send(&ReplMsg::Welcome { held }) {
+    if !link.send(&ReplMsg::Welcome { held }) {
         return ConnEnd::Closed;
     }
     tracing::info!(primary, token, "replication connection up");
-    if stream.set_read_timeout(Some(SERVER_IDLE_TIMEOUT)).is_err() {
+    if link
+        .stream
+        .set_read_timeout(Some(SERVER_IDLE_TIMEOUT))
+        .is_err()
+    {
         return ConnEnd::Error;
     }
     let mut last = Ack { group: 0, seq: 0 };
     loop {
-        let reply = match read(rd) {
+        let reply = match read(link, rd) {
             Ok(ReplMsg::Checkpoint(cp)) => {
                 let r = lock(&sh.store).apply(&primary, token, &cp);
                 match r {
@@ -427,7 +519,7 @@ fn serve_frames<R: Read>(stream: &UnixStream, rd: &mut Counting<R>, sh: &ServerS
                         c.refused.fetch_add(1, Ordering::Relaxed);
                         tracing::warn!(primary, group = cp.group, seq = cp.seq, error = %e,
                             "checkpoint refused");
-                        send(&ReplMsg::Refused {
+                        link.send(&ReplMsg::Refused {
                             reason: e.to_string(),
                         });
                         return ConnEnd::Error;
@@ -441,7 +533,7 @@ fn serve_frames<R: Read>(stream: &UnixStream, rd: &mut Counting<R>, sh: &ServerS
             }
             Err(e) => return e,
         };
-        if !send(&reply) {
+        if !link.send(&reply) {
             return ConnEnd::Closed;
         }
         c.acks_sent.fetch_add(1, Ordering::Relaxed);
@@ -546,7 +638,7 @@ struct SenderShared {
     wake: Wake,
     c: SenderCounters,
     /// The live connection, so Drop can shut it down and unblock both threads.
-    conn: Mutex<Option<UnixStream>>,
+    conn: Mutex<Option<Stream>>,
 }
 
 impl SenderShared {
@@ -618,14 +710,16 @@ pub struct ReplSender {
 }
 
 impl ReplSender {
-    /// Starts a sender thread that connects (retrying every `retry` until `dead_after` has
-    /// passed without a live connection), authenticates, sends Hello{primary, token}, then
+    /// Starts a sender thread that connects to `ep` (retrying every `retry` until
+    /// `dead_after` has passed without a live connection), runs the handshake (the peer must
+    /// prove it is the replica `backup`), sends Hello{primary, token}, then
     /// ships queued checkpoints in order and sends a Heartbeat every `heartbeat` when idle.
     /// Never fails: a link that cannot be set up (even a thread that cannot start) is `Dead`
     /// with the reason.
     pub fn start(
-        path: &Path,
-        secret: Secret,
+        ep: &Endpoint,
+        sec: Security,
+        backup: &str,
         primary: &str,
         token: u64,
         opts: SenderOptions,
@@ -667,11 +761,16 @@ impl ReplSender {
             };
         }
         let sh = shared.clone();
-        let path = path.to_path_buf();
-        let primary = primary.to_string();
+        let target = Target {
+            ep: ep.clone(),
+            sec,
+            backup: backup.to_string(),
+            primary: primary.to_string(),
+            token,
+        };
         let thread = std::thread::Builder::new()
             .name("ha-repl-send".into())
-            .spawn(move || run_link(&path, &secret, &primary, token, &opts, rx, &sh));
+            .spawn(move || run_link(&target, &opts, rx, &sh));
         let thread = match thread {
             Ok(t) => Some(t),
             Err(e) => {
@@ -769,17 +868,32 @@ enum Setup {
     Fatal(String),
 }
 
-/// Connects, checks the peer, authenticates, says Hello and reads Welcome, within `deadline`.
-fn connect_and_greet(
-    path: &Path,
-    secret: &Secret,
-    primary: &str,
+/// Where and as whom a sender connects.
+struct Target {
+    ep: Endpoint,
+    sec: Security,
+    backup: String,
+    primary: String,
     token: u64,
-    deadline: Instant,
-    sh: &SenderShared,
-) -> Result<(UnixStream, Vec<(GroupId, u64)>), Setup> {
-    let mut s = UnixStream::connect(path)
-        .map_err(|e| Setup::Retry(format!("connect {}: {e}", path.display())))?;
+}
+
+/// A greeted connection: the stream, the backup's held seqs, and the session's two halves.
+struct Greeted {
+    stream: Stream,
+    welcome: Vec<(GroupId, u64)>,
+    tx: Sealer,
+    rx: Opener,
+}
+
+/// Connects, checks the peer, authenticates, says Hello and reads Welcome, within `deadline`.
+fn connect_and_greet(t: &Target, deadline: Instant, sh: &SenderShared) -> Result<Greeted, Setup> {
+    let left = || {
+        deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(1))
+    };
+    let s = pliant_wire::endpoint::connect(&t.ep, left(), &t.sec.tcp)
+        .map_err(|e| Setup::Retry(format!("connect {}: {e}", t.ep)))?;
     // Registered at once, so a Drop during the handshake can shut it down instead of waiting
     // for the handshake timeout.
     let registered = s
@@ -789,55 +903,76 @@ fn connect_and_greet(
     if sh.stop.load(Ordering::SeqCst) {
         return Err(Setup::Fatal("stopped".into()));
     }
-    match peer_uid(&s) {
-        Ok(uid) if uid == euid() => {}
-        Ok(uid) => return Err(Setup::Fatal(format!("backup socket is owned by uid {uid}"))),
-        Err(e) => return Err(Setup::Fatal(format!("no peer credentials: {e}"))),
+    match s.peer_uid() {
+        None => {}
+        Some(Ok(uid)) if uid == euid() => {}
+        Some(Ok(uid)) => return Err(Setup::Fatal(format!("backup socket is owned by uid {uid}"))),
+        Some(Err(e)) => return Err(Setup::Fatal(format!("no peer credentials: {e}"))),
     }
-    let left = deadline
-        .saturating_duration_since(Instant::now())
-        .max(Duration::from_millis(1));
-    s.set_read_timeout(Some(left))
-        .and_then(|()| s.set_write_timeout(Some(left)))
-        .map_err(|e| Setup::Fatal(format!("socket options: {e}")))?;
-    client_handshake(&mut s, secret).map_err(|e| match e {
-        AuthError::BadMac | AuthError::Closed => Setup::Fatal(format!(
-            "authentication with the backup failed: {e} (or the backup is over its \
-             connection bound)"
-        )),
-        e => Setup::Fatal(format!("handshake: {e}")),
+    let expect = Expect {
+        name: Some(t.backup.clone()),
+        roles: role::REPLICA,
+    };
+    let mut o = t.sec.options(&t.ep, expect, MAX_FRAME);
+    o.handshake_timeout = o.handshake_timeout.min(left());
+    let sess = session::client(&s, &t.sec.identity, &o).map_err(|e| {
+        Setup::Fatal(format!(
+            "handshake with backup {} at {}: {e} (or the backup is over its connection bound)",
+            t.backup, t.ep
+        ))
     })?;
-    let hello = wire::encode_frame(&ReplMsg::Hello {
-        primary: primary.to_string(),
-        token,
-    })
+    let (mut tx, mut rx) = (sess.tx, sess.rx);
+    s.set_read_timeout(Some(left()))
+        .and_then(|()| s.set_write_timeout(Some(left())))
+        .map_err(|e| Setup::Fatal(format!("socket options: {e}")))?;
+    let mut out = Vec::new();
+    tx.seal_msg(
+        kinds::REPL,
+        &ReplMsg::Hello {
+            primary: t.primary.clone(),
+            token: t.token,
+        },
+        &mut out,
+    )
     .map_err(|e| Setup::Fatal(e.to_string()))?;
-    send_all(&s, &hello).map_err(|e| Setup::Fatal(format!("sending hello: {e}")))?;
-    match wire::read_frame(&mut s) {
-        Ok(ReplMsg::Welcome { held }) => Ok((s, held)),
+    s.send_all(&out)
+        .map_err(|e| Setup::Fatal(format!("sending hello: {e}")))?;
+    let mut buf = Vec::new();
+    match read_msg(&mut rx, &mut &s, &mut buf) {
+        Ok(ReplMsg::Welcome { held }) => Ok(Greeted {
+            stream: s,
+            welcome: held,
+            tx,
+            rx,
+        }),
         Ok(ReplMsg::Refused { reason }) => Err(Setup::Fatal(format!("backup refused: {reason}"))),
         Ok(m) => Err(Setup::Fatal(format!("backup answered hello with {m:?}"))),
         Err(e) => Err(Setup::Fatal(format!("waiting for welcome: {e}"))),
     }
 }
 
-fn run_link(
-    path: &Path,
-    secret: &Secret,
-    primary: &str,
-    token: u64,
-    opts: &SenderOptions,
-    rx: Receiver<Checkpoint>,
-    sh: &Arc<SenderShared>,
-) {
+/// Reads and opens one replication frame.
+fn read_msg<R: Read + ?Sized>(
+    rx: &mut Opener,
+    r: &mut R,
+    buf: &mut Vec<u8>,
+) -> Result<ReplMsg, FrameError> {
+    let (kind, body) = rx.read(r, buf)?;
+    if kind != kinds::REPL {
+        return Err(FrameError::UnexpectedKind(kind));
+    }
+    pliant_wire::frame::decode_body(&buf[body])
+}
+
+fn run_link(t: &Target, opts: &SenderOptions, rx: Receiver<Checkpoint>, sh: &Arc<SenderShared>) {
     let start = Instant::now();
     let deadline = start + opts.dead_after;
-    let (stream, welcome) = loop {
+    let g = loop {
         if sh.stop.load(Ordering::SeqCst) {
             return;
         }
         sh.c.connect_attempts.fetch_add(1, Ordering::Relaxed);
-        match connect_and_greet(path, secret, primary, token, deadline, sh) {
+        match connect_and_greet(t, deadline, sh) {
             Ok(ok) => break ok,
             Err(Setup::Retry(e)) if Instant::now() + opts.retry < deadline => {
                 tracing::debug!(error = %e, "replication connect: retrying");
@@ -853,6 +988,7 @@ fn run_link(
             }
         }
     };
+    let stream = g.stream;
     // Writes may block only while the backup's receive buffer is full; past `dead_after` that
     // is a dead backup.
     let prepared = stream
@@ -867,9 +1003,10 @@ fn run_link(
         }
     };
     let sh_rd = sh.clone();
+    let opener = g.rx;
     let reader = std::thread::Builder::new()
         .name("ha-repl-acks".into())
-        .spawn(move || read_answers(rd, &sh_rd));
+        .spawn(move || read_answers(rd, opener, &sh_rd));
     let reader = match reader {
         Ok(r) => r,
         Err(e) => {
@@ -877,20 +1014,22 @@ fn run_link(
             return;
         }
     };
-    sh.set_state(LinkState::Up { welcome });
-    ship_loop(&stream, opts, &rx, sh, start);
+    sh.set_state(LinkState::Up { welcome: g.welcome });
+    ship_loop(&stream, g.tx, opts, &rx, sh, start);
     let _ = stream.shutdown(std::net::Shutdown::Both);
     let _ = reader.join();
 }
 
 fn ship_loop(
-    stream: &UnixStream,
+    stream: &Stream,
+    mut tx: Sealer,
     opts: &SenderOptions,
     rx: &Receiver<Checkpoint>,
     sh: &SenderShared,
     start: Instant,
 ) {
     let mut last_tx = Instant::now();
+    let mut frame = Vec::new();
     loop {
         if sh.stop.load(Ordering::SeqCst) || sh.dead.load(Ordering::SeqCst) {
             return;
@@ -920,8 +1059,16 @@ fn ship_loop(
             }
             Err(RecvTimeoutError::Disconnected) => return,
         };
-        let frame = match wire::encode_frame(&msg) {
-            Ok(f) => f,
+        frame.clear();
+        match tx.seal_msg(kinds::REPL, &msg, &mut frame) {
+            Ok(()) if frame.len() <= MAX_FRAME => {}
+            Ok(()) => {
+                sh.set_dead(format!(
+                    "cannot ship {cp_id:?}: frame of {} bytes is over the {MAX_FRAME}-byte bound",
+                    frame.len()
+                ));
+                return;
+            }
             Err(e) => {
                 // A checkpoint over MAX_FRAME cannot be shipped; the groups must go unprotected
                 // rather than wait forever for its ack.
@@ -941,7 +1088,7 @@ fn ship_loop(
                 l.last_cp = Some((g, seq, now));
             }
         }
-        if let Err(e) = send_all(stream, &frame) {
+        if let Err(e) = stream.send_all(&frame) {
             sh.set_dead(format!("writing to the backup: {e}"));
             return;
         }
@@ -957,10 +1104,11 @@ fn ship_loop(
     }
 }
 
-fn read_answers(rd: UnixStream, sh: &SenderShared) {
+fn read_answers(rd: Stream, mut rx: Opener, sh: &SenderShared) {
     let mut rd = BufReader::with_capacity(4096, rd);
+    let mut buf = Vec::new();
     loop {
-        let reason = match wire::read_frame(&mut rd) {
+        let reason = match read_msg(&mut rx, &mut rd, &mut buf) {
             Ok(ReplMsg::Ack(a)) => {
                 sh.on_answer(a);
                 if sh.dead.load(Ordering::SeqCst) {
@@ -970,9 +1118,7 @@ fn read_answers(rd: UnixStream, sh: &SenderShared) {
             }
             Ok(ReplMsg::Refused { reason }) => format!("backup refused: {reason}"),
             Ok(m) => format!("unexpected message from the backup: {m:?}"),
-            Err(WireError::Io(e)) if e.kind() == io::ErrorKind::UnexpectedEof => {
-                "backup closed the connection".to_string()
-            }
+            Err(FrameError::Closed) => "backup closed the connection".to_string(),
             Err(e) => format!("reading from the backup: {e}"),
         };
         if !sh.stop.load(Ordering::SeqCst) {
@@ -980,37 +1126,6 @@ fn read_answers(rd: UnixStream, sh: &SenderShared) {
         }
         return;
     }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Helpers
-
-/// One `send(2)` per call in the common case; `MSG_NOSIGNAL` so a closed peer is an error, not
-/// SIGPIPE (the process may not ignore it). Honors SO_SNDTIMEO (then `WouldBlock`).
-fn send_all(s: &UnixStream, mut buf: &[u8]) -> io::Result<()> {
-    while !buf.is_empty() {
-        // SAFETY: pointer and length describe `buf`, a valid readable slice.
-        let n = unsafe {
-            libc::send(
-                s.as_raw_fd(),
-                buf.as_ptr().cast(),
-                buf.len(),
-                libc::MSG_NOSIGNAL,
-            )
-        };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        if n == 0 {
-            return Err(io::ErrorKind::WriteZero.into());
-        }
-        buf = &buf[n as usize..];
-    }
-    Ok(())
 }
 
 /// Locks a mutex, also after another thread panicked while holding it (the data are counters
@@ -1023,17 +1138,35 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 mod tests {
     use super::*;
     use crate::auth::tests::TempDir;
-    use crate::auth::{server_handshake, MAC_LEN, NONCE_LEN};
     use crate::wire::{FlowUpdate, UpdateBody};
     use pliant_state::FlowKey;
+    use pliant_wire::{Ca, Conn};
     use std::io::Write;
+    use std::path::PathBuf;
+    use std::sync::OnceLock;
 
     /// Every wait in these tests is bounded by this, far above what any step needs, so a slow
     /// machine cannot fail them while a hang still fails instead of blocking the suite.
     const PATIENCE: Duration = Duration::from_secs(20);
 
-    fn secret(b: u8) -> Secret {
-        Secret::from_bytes(&[b; 32]).unwrap()
+    /// The deployment's CA of these tests, and a stranger's.
+    fn ca() -> &'static Ca {
+        static CA: OnceLock<Ca> = OnceLock::new();
+        CA.get_or_init(|| Ca::generate(None).unwrap())
+    }
+
+    /// A replica identity `name` certified by the tests' CA.
+    fn sec(name: &str) -> Security {
+        Security::new(ca().issue(name, role::REPLICA, 3600).unwrap())
+    }
+
+    fn uds(p: PathBuf) -> Endpoint {
+        Endpoint::Unix(p)
+    }
+
+    /// A sender of replica `r1` to the backup `b` of [`server`].
+    fn sender(ep: &Endpoint, primary: &str, token: u64, o: SenderOptions) -> ReplSender {
+        ReplSender::start(ep, sec(primary), "b", primary, token, o)
     }
 
     fn opts(dead_after_ms: u64) -> SenderOptions {
@@ -1045,11 +1178,18 @@ mod tests {
         }
     }
 
-    fn server(d: &TempDir) -> (ReplServer, Arc<Mutex<StandbyStore>>, PathBuf) {
-        let path = d.0.join("b.repl.sock");
+    fn server(d: &TempDir) -> (ReplServer, Arc<Mutex<StandbyStore>>, Endpoint) {
         let store = Arc::new(Mutex::new(StandbyStore::new(10_000)));
-        let s = ReplServer::start(&path, secret(1), store.clone()).unwrap();
-        (s, store, path)
+        let s = ReplServer::start(&uds(d.0.join("b.repl.sock")), sec("b"), store.clone()).unwrap();
+        let ep = s.endpoint().clone();
+        (s, store, ep)
+    }
+
+    fn path_of(ep: &Endpoint) -> PathBuf {
+        match ep {
+            Endpoint::Unix(p) => p.clone(),
+            Endpoint::Tcp(_) => panic!("not a unix endpoint"),
+        }
     }
 
     fn key(i: u16) -> FlowKey {
@@ -1147,9 +1287,26 @@ mod tests {
     fn checkpoints_are_applied_and_acked_in_order() {
         let d = TempDir::new();
         let (srv, store, path) = server(&d);
-        let mode = std::os::unix::fs::MetadataExt::mode(&std::fs::metadata(&path).unwrap()) & 0o777;
+        let mode =
+            std::os::unix::fs::MetadataExt::mode(&std::fs::metadata(path_of(&path)).unwrap())
+                & 0o777;
         assert_eq!(mode, 0o600);
-        let s = ReplSender::start(&path, secret(1), "r1", 1, opts(5_000));
+        checkpoints_flow(&srv, &store, &path);
+    }
+
+    /// The same over TCP, where the frames are also encrypted.
+    #[test]
+    fn checkpoints_are_applied_and_acked_in_order_over_tcp() {
+        let store = Arc::new(Mutex::new(StandbyStore::new(10_000)));
+        let srv =
+            ReplServer::start(&"127.0.0.1:0".parse().unwrap(), sec("b"), store.clone()).unwrap();
+        let ep = srv.endpoint().clone();
+        assert!(ep.is_tcp());
+        checkpoints_flow(&srv, &store, &ep);
+    }
+
+    fn checkpoints_flow(srv: &ReplServer, store: &Arc<Mutex<StandbyStore>>, path: &Endpoint) {
+        let s = sender(path, "r1", 1, opts(5_000));
         assert_eq!(wait_up(&s), vec![]);
         s.send(cp(1, 1, true, 3)).unwrap();
         s.send(cp(2, 1, true, 1)).unwrap();
@@ -1167,8 +1324,8 @@ mod tests {
             .map(|a| a.seq)
             .collect();
         assert!(g1.windows(2).all(|w| w[0] < w[1]), "{g1:?}");
-        assert_eq!(lock(&store).held("r1"), vec![(1, 50), (2, 1)]);
-        assert_eq!(lock(&store).stats().flows, 4);
+        assert_eq!(lock(store).held("r1"), vec![(1, 50), (2, 1)]);
+        assert_eq!(lock(store).stats().flows, 4);
         let ss = s.stats();
         assert_eq!(ss.checkpoints, 51);
         assert!(ss.bytes_sent > 51 * 40);
@@ -1182,12 +1339,18 @@ mod tests {
     }
 
     #[test]
-    fn wrong_secret_is_refused_and_counted() {
+    fn a_stranger_is_refused_and_counted() {
         let d = TempDir::new();
         let (srv, store, path) = server(&d);
-        let s = ReplSender::start(&path, secret(2), "r1", 1, opts(5_000));
+        // Certified by another CA, but trusting ours (so it gets to present its certificate).
+        let mut stranger = Ca::generate(None)
+            .unwrap()
+            .issue("r1", role::REPLICA, 60)
+            .unwrap();
+        stranger.ca_pub = ca().public();
+        let s = ReplSender::start(&path, Security::new(stranger), "b", "r1", 1, opts(5_000));
         let reason = wait_dead(&s);
-        assert!(reason.contains("authentication"), "{reason}");
+        assert!(reason.contains("handshake"), "{reason}");
         assert_eq!(s.send(cp(1, 1, true, 1)), Err(SendError::Dead));
         let st = until_server(&srv, |st| st.auth_failures == 1);
         assert_eq!(st.auth_failures, 1);
@@ -1201,20 +1364,14 @@ mod tests {
         let (srv, _store, path) = server(&d);
         // The answer timer outlasts PATIENCE: if the link dies within it, the closed
         // connection told the sender, not the silence.
-        let s = ReplSender::start(
-            &path,
-            secret(1),
-            "r1",
-            1,
-            opts(3 * PATIENCE.as_millis() as u64),
-        );
+        let s = sender(&path, "r1", 1, opts(3 * PATIENCE.as_millis() as u64));
         wait_up(&s);
         s.send(cp(1, 1, true, 1)).unwrap();
         let mut acks = Vec::new();
         wait_for(&s, &mut acks, |_, a| acked(a, 1) == 1);
         assert_eq!(acked(&acks, 1), 1);
         drop(srv);
-        assert!(!path.exists(), "the server unlinks its socket");
+        assert!(!path_of(&path).exists(), "the server unlinks its socket");
         let reason = wait_dead(&s);
         assert!(!reason.contains("no answer"), "{reason}");
         assert_eq!(s.send(cp(1, 2, false, 1)), Err(SendError::Dead));
@@ -1225,20 +1382,25 @@ mod tests {
     #[test]
     fn a_silent_backup_is_reported_dead() {
         let d = TempDir::new();
-        let path = d.0.join("silent.sock");
-        let l = UnixListener::bind(&path).unwrap();
+        let ep = uds(d.0.join("silent.sock"));
+        let l = Listener::bind(&ep, &Default::default()).unwrap();
         let t = std::thread::spawn(move || {
-            let (mut c, _) = l.accept().unwrap();
-            server_handshake(&mut c, &secret(1)).unwrap();
-            let hello = wire::read_frame(&mut c).unwrap();
+            let s = l.accept().unwrap();
+            let mut c = Conn::server(s, &sec("b").identity, &Default::default()).unwrap();
+            let (_, hello): (u16, ReplMsg) = c.recv().unwrap();
             assert!(matches!(hello, ReplMsg::Hello { .. }));
-            let w = wire::encode_frame(&ReplMsg::Welcome { held: vec![] }).unwrap();
-            c.write_all(&w).unwrap();
+            c.send(kinds::REPL, &ReplMsg::Welcome { held: vec![] })
+                .unwrap();
             // Hold the connection open, read nothing, until the sender gives up.
             let mut sink = Vec::new();
-            let _ = c.read_to_end(&mut sink);
+            let _ = c
+                .reader
+                .stream()
+                .try_clone()
+                .unwrap()
+                .read_to_end(&mut sink);
         });
-        let s = ReplSender::start(&path, secret(1), "r1", 1, opts(100));
+        let s = sender(&ep, "r1", 1, opts(100));
         wait_up(&s);
         let reason = wait_dead(&s);
         assert!(reason.contains("no answer"), "{reason}");
@@ -1249,24 +1411,35 @@ mod tests {
     #[test]
     fn no_backup_at_all_is_dead_after_retries() {
         let d = TempDir::new();
-        let s = ReplSender::start(&d.0.join("nobody.sock"), secret(1), "r1", 1, opts(50));
+        let s = sender(&uds(d.0.join("nobody.sock")), "r1", 1, opts(50));
         let reason = wait_dead(&s);
         assert!(reason.contains("no connection"), "{reason}");
         assert!(s.stats().connect_attempts >= 2, "{:?}", s.stats());
     }
 
-    fn raw_client(path: &Path, sec: &Secret) -> UnixStream {
-        let mut c = UnixStream::connect(path).unwrap();
-        c.set_read_timeout(Some(PATIENCE)).unwrap();
-        client_handshake(&mut c, sec).unwrap();
-        c
+    /// The sender was told which replica its backup is: another one answering is refused.
+    #[test]
+    fn the_sender_refuses_a_backup_that_is_not_the_one_named() {
+        let d = TempDir::new();
+        let (_srv, _store, path) = server(&d);
+        let s = ReplSender::start(&path, sec("r1"), "b2", "r1", 1, opts(5_000));
+        let reason = wait_dead(&s);
+        assert!(reason.contains("expected \"b2\""), "{reason}");
+    }
+
+    /// An authenticated client as replica `name` (for hand-written frames).
+    fn raw_client(path: &Endpoint, name: &str) -> Conn {
+        let s = pliant_wire::endpoint::connect(path, PATIENCE, &Default::default()).unwrap();
+        s.set_read_timeout(Some(PATIENCE)).unwrap();
+        Conn::client(s, &sec(name).identity, &Default::default()).unwrap()
     }
 
     /// True once the server closed `c` (EOF), false if it stayed open for PATIENCE.
-    fn closed_by_server(c: &mut UnixStream) -> bool {
+    fn closed_by_server(c: &Conn) -> bool {
         let mut b = [0u8; 64];
+        let mut s = c.reader.stream().try_clone().unwrap();
         loop {
-            match c.read(&mut b) {
+            match s.read(&mut b) {
                 Ok(0) => return true,
                 Ok(_) => continue,
                 Err(e) => return e.kind() == io::ErrorKind::ConnectionReset,
@@ -1278,60 +1451,67 @@ mod tests {
     fn malformed_frames_are_counted_and_do_not_crash_the_server() {
         let d = TempDir::new();
         let (srv, store, path) = server(&d);
-        // Garbage instead of a handshake answer.
-        let mut c = UnixStream::connect(&path).unwrap();
-        c.set_read_timeout(Some(PATIENCE)).unwrap();
-        let mut nonce = [0u8; NONCE_LEN];
-        c.read_exact(&mut nonce).unwrap();
-        c.write_all(&[0xa5; MAC_LEN + NONCE_LEN]).unwrap();
-        assert!(closed_by_server(&mut c));
+        // Garbage instead of a handshake.
+        let mut g = UnixStream::connect(path_of(&path)).unwrap();
+        g.set_read_timeout(Some(PATIENCE)).unwrap();
+        g.write_all(&[0xa5; 64]).unwrap();
+        let mut sink = Vec::new();
+        let _ = g.read_to_end(&mut sink);
         // Authenticated, then an undecodable body.
-        let mut c = raw_client(&path, &secret(1));
-        c.write_all(&[3, 0, 0, 0, 0xff, 0xff, 0xff]).unwrap();
-        assert!(closed_by_server(&mut c));
+        let mut c = raw_client(&path, "r1");
+        c.writer
+            .send_bytes(kinds::REPL, &[0xff, 0xff, 0xff])
+            .unwrap();
+        assert!(closed_by_server(&c));
         // A length over MAX_FRAME.
-        let mut c = raw_client(&path, &secret(1));
-        c.write_all(&u32::MAX.to_le_bytes()).unwrap();
-        assert!(closed_by_server(&mut c));
-        // Garbage after a good Hello.
-        let mut c = raw_client(&path, &secret(1));
+        let c = raw_client(&path, "r1");
+        let huge = pliant_wire::frame::Header {
+            len: u32::MAX,
+            version: pliant_wire::PROTOCOL_VERSION,
+            kind: kinds::REPL,
+        };
+        c.writer.stream().send_all(&huge.encode()).unwrap();
+        assert!(closed_by_server(&c));
+        // A frame of another channel's kind after a good Hello.
+        let mut c = raw_client(&path, "r1");
         let hello = ReplMsg::Hello {
-            primary: "rx".into(),
+            primary: "r1".into(),
             token: 1,
         };
-        c.write_all(&wire::encode_frame(&hello).unwrap()).unwrap();
+        c.send(kinds::REPL, &hello).unwrap();
         assert!(matches!(
-            wire::read_frame(&mut c).unwrap(),
+            c.recv::<ReplMsg>().unwrap().1,
             ReplMsg::Welcome { .. }
         ));
-        c.write_all(&[2, 0, 0, 0, 0x09, 0x09]).unwrap();
-        assert!(closed_by_server(&mut c));
-        // A checkpoint before Hello; a backup-side message from a primary.
-        let mut c = raw_client(&path, &secret(1));
-        c.write_all(&wire::encode_frame(&ReplMsg::Checkpoint(cp(1, 1, true, 1))).unwrap())
+        c.send(kinds::FTMB, &ReplMsg::Heartbeat { at_us: 1 })
             .unwrap();
-        assert!(closed_by_server(&mut c));
-        let mut c = raw_client(&path, &secret(1));
-        c.write_all(&wire::encode_frame(&hello).unwrap()).unwrap();
+        assert!(closed_by_server(&c));
+        // A checkpoint before Hello; a backup-side message from a primary.
+        let mut c = raw_client(&path, "r1");
+        c.send(kinds::REPL, &ReplMsg::Checkpoint(cp(1, 1, true, 1)))
+            .unwrap();
+        assert!(closed_by_server(&c));
+        let mut c = raw_client(&path, "r1");
+        c.send(kinds::REPL, &hello).unwrap();
         assert!(matches!(
-            wire::read_frame(&mut c).unwrap(),
+            c.recv::<ReplMsg>().unwrap().1,
             ReplMsg::Welcome { .. }
         ));
-        let ack = ReplMsg::Ack(Ack { group: 1, seq: 9 });
-        c.write_all(&wire::encode_frame(&ack).unwrap()).unwrap();
-        assert!(closed_by_server(&mut c));
+        c.send(kinds::REPL, &ReplMsg::Ack(Ack { group: 1, seq: 9 }))
+            .unwrap();
+        assert!(closed_by_server(&c));
         // Connect and leave.
-        drop(UnixStream::connect(&path).unwrap());
+        drop(UnixStream::connect(path_of(&path)).unwrap());
 
-        let st = until_server(&srv, |st| st.handshake_aborted >= 1 && st.active == 0);
-        assert_eq!(st.auth_failures, 1, "{st:?}");
+        let st = until_server(&srv, |st| st.handshake_aborted >= 2 && st.active == 0);
+        assert_eq!(st.auth_failures, 0, "{st:?}");
         assert_eq!(st.decode_errors, 3, "{st:?}");
         assert_eq!(st.protocol_errors, 2, "{st:?}");
-        assert_eq!(st.handshake_aborted, 1, "{st:?}");
+        assert_eq!(st.handshake_aborted, 2, "{st:?}");
         assert_eq!(st.checkpoints, 0);
         assert!(lock(&store).held("r1").is_empty());
         // The server still serves a real sender.
-        let s = ReplSender::start(&path, secret(1), "r1", 1, opts(5_000));
+        let s = sender(&path, "r1", 1, opts(5_000));
         wait_up(&s);
         s.send(cp(1, 1, true, 1)).unwrap();
         let mut acks = Vec::new();
@@ -1339,15 +1519,70 @@ mod tests {
         assert_eq!(acked(&acks, 1), 1);
     }
 
+    fn hello_r1() -> ReplMsg {
+        ReplMsg::Hello {
+            primary: "r1".into(),
+            token: 1,
+        }
+    }
+
+    /// A replica can only checkpoint as itself: r2's certificate with a Hello for r1 is
+    /// refused, and an Ack injected into r1's established link (bytes not sealed with its
+    /// session key) closes it.
+    #[test]
+    fn hello_for_another_replica_and_injected_frames_are_refused() {
+        let d = TempDir::new();
+        let (srv, store, path) = server(&d);
+        let mut c = raw_client(&path, "r2");
+        c.send(kinds::REPL, &hello_r1()).unwrap();
+        match c.recv::<ReplMsg>().unwrap().1 {
+            ReplMsg::Refused { reason } => assert!(reason.contains("certificate"), "{reason}"),
+            m => panic!("{m:?}"),
+        }
+        assert!(closed_by_server(&c));
+        assert_eq!(
+            until_server(&srv, |st| st.identity_mismatch == 1).identity_mismatch,
+            1
+        );
+        // Injection: another session's sealed frame spliced into r1's stream.
+        let mut c = raw_client(&path, "r1");
+        c.send(kinds::REPL, &hello_r1()).unwrap();
+        assert!(matches!(
+            c.recv::<ReplMsg>().unwrap().1,
+            ReplMsg::Welcome { .. }
+        ));
+        let mut forged = Vec::new();
+        {
+            let (c2, s2) = UnixStream::pair().unwrap();
+            let srv2 = std::thread::spawn(move || {
+                session::server(&Stream::Unix(s2), &sec("x").identity, &Default::default())
+            });
+            let mut sess =
+                session::client(&Stream::Unix(c2), &sec("r1").identity, &Default::default())
+                    .unwrap();
+            drop(srv2.join().unwrap());
+            sess.tx
+                .seal_msg(
+                    kinds::REPL,
+                    &ReplMsg::Checkpoint(cp(1, 1, true, 1)),
+                    &mut forged,
+                )
+                .unwrap();
+        }
+        c.writer.stream().send_all(&forged).unwrap();
+        assert!(closed_by_server(&c));
+        let st = until_server(&srv, |st| st.decode_errors >= 1);
+        assert_eq!(st.decode_errors, 1, "{st:?}");
+        assert_eq!(st.checkpoints, 0);
+        assert!(lock(&store).held("r1").is_empty());
+    }
+
     #[test]
     fn heartbeats_are_answered_with_the_latest_ack() {
         let d = TempDir::new();
         let (_srv, _store, path) = server(&d);
-        let mut c = raw_client(&path, &secret(1));
-        let mut say = |m: ReplMsg| {
-            c.write_all(&wire::encode_frame(&m).unwrap()).unwrap();
-            wire::read_frame(&mut c).unwrap()
-        };
+        let mut c = raw_client(&path, "r1");
+        let mut say = |m: ReplMsg| c.call::<ReplMsg, ReplMsg>(kinds::REPL, &m).unwrap().1;
         let hello = ReplMsg::Hello {
             primary: "r1".into(),
             token: 1,
@@ -1366,7 +1601,7 @@ mod tests {
     fn a_reconnecting_sender_gets_welcome_with_held_seqs() {
         let d = TempDir::new();
         let (_srv, _store, path) = server(&d);
-        let s = ReplSender::start(&path, secret(1), "r1", 1, opts(5_000));
+        let s = sender(&path, "r1", 1, opts(5_000));
         wait_up(&s);
         for seq in 1..=3 {
             s.send(cp(1, seq, seq == 1, 2)).unwrap();
@@ -1375,7 +1610,7 @@ mod tests {
         let mut acks = Vec::new();
         wait_for(&s, &mut acks, |_, a| acked(a, 1) == 3 && acked(a, 7) == 1);
         drop(s);
-        let s = ReplSender::start(&path, secret(1), "r1", 1, opts(5_000));
+        let s = sender(&path, "r1", 1, opts(5_000));
         assert_eq!(wait_up(&s), vec![(1, 3), (7, 1)]);
         // It continues with deltas-by-seq where the backup is.
         s.send(cp(1, 4, false, 1)).unwrap();
@@ -1383,7 +1618,7 @@ mod tests {
         wait_for(&s, &mut acks, |_, a| acked(a, 1) == 4);
         assert_eq!(acked(&acks, 1), 4);
         // Another primary name starts from nothing.
-        let o = ReplSender::start(&path, secret(1), "r2", 1, opts(5_000));
+        let o = sender(&path, "r2", 1, opts(5_000));
         assert_eq!(wait_up(&o), vec![]);
     }
 
@@ -1391,7 +1626,7 @@ mod tests {
     fn fenced_and_refused_checkpoints_kill_the_link() {
         let d = TempDir::new();
         let (srv, store, path) = server(&d);
-        let s = ReplSender::start(&path, secret(1), "r1", 1, opts(5_000));
+        let s = sender(&path, "r1", 1, opts(5_000));
         wait_up(&s);
         s.send(cp(1, 1, true, 1)).unwrap();
         let mut acks = Vec::new();
@@ -1403,12 +1638,12 @@ mod tests {
         // After activation under token 2, the old primary (token 1) is refused at Hello.
         let a = lock(&store).activate("r1", 2).unwrap();
         assert_eq!(a.records.len(), 1);
-        let old = ReplSender::start(&path, secret(1), "r1", 1, opts(5_000));
+        let old = sender(&path, "r1", 1, opts(5_000));
         let reason = wait_dead(&old);
         assert!(reason.contains("fenced"), "{reason}");
         let st = until_server(&srv, |st| st.refused == 2);
         assert_eq!(st.refused, 2);
-        let new = ReplSender::start(&path, secret(1), "r1", 2, opts(5_000));
+        let new = sender(&path, "r1", 2, opts(5_000));
         wait_up(&new);
     }
 
@@ -1418,7 +1653,7 @@ mod tests {
         // Nobody listens: the sender thread keeps retrying and drains nothing.
         let mut o = opts(60_000);
         o.max_queued = 2;
-        let s = ReplSender::start(&d.0.join("later.sock"), secret(1), "r1", 1, o);
+        let s = sender(&uds(d.0.join("later.sock")), "r1", 1, o);
         s.send(cp(1, 1, true, 1)).unwrap();
         s.send(cp(1, 2, false, 1)).unwrap();
         assert_eq!(s.send(cp(1, 3, false, 1)), Err(SendError::Full));
@@ -1427,7 +1662,7 @@ mod tests {
         // When the backup appears, the queued checkpoints go out.
         let path = d.0.join("later.sock");
         let store = Arc::new(Mutex::new(StandbyStore::new(100)));
-        let _srv = ReplServer::start(&path, secret(1), store.clone()).unwrap();
+        let _srv = ReplServer::start(&uds(path), sec("b"), store.clone()).unwrap();
         let mut acks = Vec::new();
         wait_for(&s, &mut acks, |_, a| acked(a, 1) == 2);
         assert_eq!(acked(&acks, 1), 2);
@@ -1437,7 +1672,7 @@ mod tests {
     fn an_idle_link_heartbeats_and_stays_up() {
         let d = TempDir::new();
         let (srv, _store, path) = server(&d);
-        let s = ReplSender::start(&path, secret(1), "r1", 1, opts(10_000));
+        let s = sender(&path, "r1", 1, opts(10_000));
         wait_up(&s);
         let end = Instant::now() + PATIENCE;
         // Counters move after send(2) returns, possibly after the answer came back: wait for
@@ -1456,24 +1691,30 @@ mod tests {
     }
 
     #[test]
-    fn a_live_socket_is_not_stolen_and_a_stale_one_is_replaced() {
+    fn a_live_socket_or_port_is_not_stolen_and_a_stale_one_is_replaced() {
         let d = TempDir::new();
         let (_srv, _store, path) = server(&d);
         let store = Arc::new(Mutex::new(StandbyStore::new(1)));
         assert!(matches!(
-            ReplServer::start(&path, secret(1), store.clone()),
-            Err(TransportError::InUse { .. })
+            ReplServer::start(&path, sec("b"), store.clone()),
+            Err(TransportError::Bind(pliant_wire::BindError::InUse(_)))
+        ));
+        let tcp =
+            ReplServer::start(&"127.0.0.1:0".parse().unwrap(), sec("b"), store.clone()).unwrap();
+        assert!(matches!(
+            ReplServer::start(tcp.endpoint(), sec("b"), store.clone()),
+            Err(TransportError::Bind(pliant_wire::BindError::InUse(_)))
         ));
         let stale = d.0.join("stale.sock");
-        drop(UnixListener::bind(&stale).unwrap());
+        drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
         assert!(stale.exists());
-        let s = ReplServer::start(&stale, secret(1), store.clone()).unwrap();
-        assert_eq!(s.path(), stale);
+        let s = ReplServer::start(&uds(stale.clone()), sec("b"), store.clone()).unwrap();
+        assert_eq!(s.endpoint(), &uds(stale));
         let file = d.0.join("file");
         std::fs::write(&file, b"x").unwrap();
         assert!(matches!(
-            ReplServer::start(&file, secret(1), store),
-            Err(TransportError::NotASocket { .. })
+            ReplServer::start(&uds(file), sec("b"), store),
+            Err(TransportError::Bind(pliant_wire::BindError::NotASocket(_)))
         ));
     }
 }

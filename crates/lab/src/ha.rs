@@ -1,4 +1,5 @@
-//! High availability in the lab: the shared replication secret, the `[ha]` section
+//! High availability in the lab: the deployment's CA and each replica's identity (the
+//! `[security]` section), the shared secret of the channels not yet on identities, the `[ha]` section
 //! every replica config carries, replica PIDs (the e2e tests SIGKILL a primary by the PID the
 //! lab started) and the fencing fallback for labs whose fabric is the tc mirred patch panel.
 //!
@@ -90,6 +91,64 @@ impl LabHaMode {
     }
 }
 
+/// The lab's certificate authority: `<run_dir>/ca` (`ca.key` 0600, `ca.pub`). Only the lab
+/// reads the CA key; replicas get their own identity directory.
+pub fn ca_dir(run_dir: &Path) -> PathBuf {
+    run_dir.join("ca")
+}
+
+/// Node `name`'s identity directory: `<run_dir>/id/<name>` (`node.key` 0600, `node.cert`,
+/// `ca.pub`).
+pub fn identity_dir(run_dir: &Path, name: &str) -> PathBuf {
+    run_dir.join("id").join(name)
+}
+
+/// Creates the lab's CA (fails if one exists: a deployment's CA is never silently replaced).
+pub fn provision_ca(run_dir: &Path) -> Result<()> {
+    let d = ca_dir(run_dir);
+    private_dir(&d)?;
+    private_dir(&run_dir.join("id"))?;
+    pliant_wire::Ca::generate(Some(&d))
+        .map(|_| ())
+        .map_err(|e| LabError::Config(format!("lab CA in {}: {e}", d.display())))
+}
+
+fn private_dir(d: &Path) -> Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    match std::fs::DirBuilder::new().mode(0o700).create(d) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(LabError::Config(format!("{}: {e}", d.display()))),
+    }
+}
+
+/// How long lab certificates are valid: far beyond any lab's life.
+const LAB_CERT_SECS: u64 = 30 * 24 * 3600;
+
+/// Issues node `name` an identity with `roles` under the lab's CA (kept if it exists and
+/// loads), and returns its directory.
+pub fn issue_identity(run_dir: &Path, name: &str, roles: u32) -> Result<PathBuf> {
+    let dir = identity_dir(run_dir, name);
+    if dir.join("node.key").exists() {
+        pliant_wire::Identity::load(&dir)
+            .map_err(|e| LabError::Config(format!("identity {}: {e}", dir.display())))?;
+        return Ok(dir);
+    }
+    let ca = pliant_wire::Ca::load(&ca_dir(run_dir))
+        .map_err(|e| LabError::Config(format!("lab CA: {e}")))?;
+    ca.issue_to(&dir, name, roles, LAB_CERT_SECS)
+        .map_err(|e| LabError::Config(format!("identity {}: {e}", dir.display())))?;
+    Ok(dir)
+}
+
+/// The `[security]` table of replica `n` (its identity, issued if needed).
+pub fn security_section(run_dir: &Path, n: u8) -> Result<toml::Table> {
+    let dir = issue_identity(run_dir, &format!("r{n}"), pliant_wire::role::REPLICA)?;
+    let mut t = toml::Table::new();
+    t.insert("identity".into(), dir.display().to_string().into());
+    Ok(t)
+}
+
 /// `<run_dir>/repl.secret`.
 pub fn secret_path(run_dir: &Path) -> PathBuf {
     run_dir.join(SECRET_FILE)
@@ -160,6 +219,20 @@ pub fn retarget_ha(table: &mut toml::Table, run_dir: &Path, n: u8) -> bool {
     }
 }
 
+/// Points a `[security]` section already in a serialised replica config at replica `n`'s own
+/// identity (issued now if needed): a new replica never runs under another's name. Returns
+/// whether the config has a `[security]` section.
+pub fn retarget_security(table: &mut toml::Table, run_dir: &Path, n: u8) -> Result<bool> {
+    if !table.contains_key("security") {
+        return Ok(false);
+    }
+    table.insert(
+        "security".into(),
+        toml::Value::Table(security_section(run_dir, n)?),
+    );
+    Ok(true)
+}
+
 /// PID of replica `n`'s process as the lab recorded it (the `pliant replica` process itself:
 /// `ip netns exec` execs it), if it is still ours.
 pub fn replica_pid(st: &LabState, n: u8) -> Option<i32> {
@@ -208,6 +281,46 @@ pub fn fence_by_name(run_root: &Path, lab: &str, n: u8, fenced: bool) -> Result<
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_lab_ca_issues_each_replica_its_own_identity() {
+        let d = std::env::temp_dir().join(format!("pliant-lab-id-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        provision_ca(&d).expect("ca");
+        assert!(
+            provision_ca(&d).is_err(),
+            "an existing CA is never replaced"
+        );
+        let t = security_section(&d, 2).expect("issue");
+        let dir = identity_dir(&d, "r2");
+        assert_eq!(t["identity"].as_str(), Some(dir.to_str().unwrap()));
+        let id = pliant_wire::Identity::load(&dir).expect("loads");
+        assert_eq!(id.name(), "r2");
+        // Issued once: asking again keeps the same key.
+        security_section(&d, 2).expect("again");
+        assert_eq!(
+            pliant_wire::Identity::load(&dir).unwrap().cert.key,
+            id.cert.key
+        );
+        // A scaled-out replica's config copied from r2 is pointed at its own identity.
+        let mut whole = toml::Table::new();
+        whole.insert("security".into(), toml::Value::Table(t));
+        assert!(retarget_security(&mut whole, &d, 5).unwrap());
+        assert_eq!(
+            whole["security"]["identity"].as_str(),
+            Some(identity_dir(&d, "r5").to_str().unwrap())
+        );
+        assert_eq!(
+            pliant_wire::Identity::load(&identity_dir(&d, "r5"))
+                .unwrap()
+                .name(),
+            "r5"
+        );
+        let mut none = toml::Table::new();
+        assert!(!retarget_security(&mut none, &d, 5).unwrap());
+        let _ = std::fs::remove_dir_all(&d);
+    }
     use std::os::unix::fs::PermissionsExt;
 
     #[test]

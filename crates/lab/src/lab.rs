@@ -615,6 +615,7 @@ impl Lab {
                 ));
             }
             crate::ha::write_secret(&self.repl_secret())?;
+            crate::ha::provision_ca(&self.state.run_dir)?;
         }
         self.start_servers(spec)?;
         for n in 1..=replicas {
@@ -660,6 +661,10 @@ impl Lab {
                             n,
                             spec.ha_mode,
                         )),
+                    );
+                    cfg.nf_sections.insert(
+                        "security".into(),
+                        toml::Value::Table(crate::ha::security_section(&self.state.run_dir, n)?),
                     );
                     // FTMB NAT pools are fixed by the config: pin this replica's block
                     // (`[ha]` and `[nat]` both sit in the flattened NF sections).

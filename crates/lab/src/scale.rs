@@ -303,6 +303,7 @@ fn build(
     // replica's own replication socket whichever way the config type carries it.
     let mut table = toml::Table::try_from(&cfg).map_err(|e| LabError::Config(e.to_string()))?;
     crate::ha::retarget_ha(&mut table, &st.run_dir, n);
+    crate::ha::retarget_security(&mut table, &st.run_dir, n)?;
     // FTMB NAT replicas own a pinned port block (the template's is another replica's).
     crate::ha::pin_ftmb_ports(&mut table, n)?;
     let text = toml::to_string(&table).map_err(|e| LabError::Config(e.to_string()))?;

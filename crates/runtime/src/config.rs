@@ -35,6 +35,10 @@
 //! # ftmb_snapshot_ms = 50    # 5..=10000
 //! # ftmb_socket = "/run/pliant/lab-x/r1.ftmb.sock"  # hosted logger; default .sock -> .ftmb.sock
 //!
+//! # [security]                 # this replica's identity on every channel (required by [ha])
+//! # identity = "/run/pliant/lab-x/id/r1"   # node.key (0600), node.cert, ca.pub
+//! # encrypt = "auto"           # auto (TCP encrypted, unix authenticated only) | always | never
+//!
 //! # [shared]                   # optional: shared state coherent across replicas (`pliant hub`)
 //! # hub = "/run/pliant/lab-x/hub.sock"
 //! # secret = "/run/pliant/lab-x/hub.secret"
@@ -146,10 +150,42 @@ pub struct SharedSection {
     pub secret: String,
 }
 
+/// `[security]`: the replica's identity directory (see `pliant_wire::identity`) and when its
+/// channels encrypt. Every frame is authenticated either way.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct SecuritySection {
+    pub identity: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub encrypt: Option<pliant_wire::Encrypt>,
+}
+
+impl SecuritySection {
+    /// Loads the identity (key mode and owner checked, certificate verified).
+    pub fn load(&self) -> Result<pliant_wire::Security, String> {
+        pliant_wire::Security::load(
+            std::path::Path::new(&self.identity),
+            self.encrypt.unwrap_or_default(),
+        )
+        .map_err(|e| format!("[security] identity {}: {e}", self.identity))
+    }
+}
+
 /// NF kinds the CLI knows how to build (`nf.kind`).
 /// `c` is a network function written in C against `pliant.h`: the C program opens the replica
 /// itself (`pliant_open`), so the `pliant replica` command does not run it.
 pub const NF_KINDS: &[&str] = &["nat", "firewall", "ids", "mbserv", "forward", "c"];
+
+/// A socket field that takes an endpoint: a TCP `host:port` or an absolute unix path.
+fn check_endpoint(what: &str, s: &str) -> Result<(), String> {
+    match s.parse::<pliant_wire::Endpoint>() {
+        Ok(pliant_wire::Endpoint::Unix(p)) if !p.is_absolute() => Err(format!(
+            "{what} = {s:?}: a unix socket path must be absolute"
+        )),
+        Ok(_) => Ok(()),
+        Err(e) => Err(format!("{what}: {e}")),
+    }
+}
 
 /// A refused configuration: which file, where in it, and why.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -402,8 +438,11 @@ impl ReplicaConfig {
             let parsed: HaSection = h.clone().try_into().map_err(|e: toml::de::Error| {
                 (Some("[ha".into()), format!("[ha]: {}", e.message().trim()))
             })?;
+            if let Some(ep) = &parsed.repl_socket {
+                check_endpoint("[ha] repl_socket", ep)
+                    .map_err(|e| (Some("repl_socket".into()), e))?;
+            }
             for (k, v) in [
-                ("repl_socket", &parsed.repl_socket),
                 ("repl_secret", &parsed.repl_secret),
                 ("ftmb_socket", &parsed.ftmb_socket),
             ] {
@@ -429,11 +468,26 @@ impl ReplicaConfig {
                 }
             }
         }
+        if let Some(s) = self.nf_sections.get("security") {
+            let parsed: SecuritySection = s.clone().try_into().map_err(|e: toml::de::Error| {
+                (
+                    Some("[security".into()),
+                    format!("[security]: {}", e.message().trim()),
+                )
+            })?;
+            if !parsed.identity.starts_with('/') {
+                return Err((
+                    Some("identity".into()),
+                    "[security] identity must be an absolute path (a directory)".into(),
+                ));
+            }
+        }
         for name in self.nf_sections.keys() {
             if !NF_KINDS.contains(&name.as_str())
                 && name != "migration"
                 && name != "ha"
                 && name != "shared"
+                && name != "security"
             {
                 return Err((
                     Some(format!("[{name}")),
@@ -556,6 +610,13 @@ impl ReplicaConfig {
         self.nf_sections
             .get("ha")
             .and_then(|h| h.clone().try_into().ok())
+    }
+
+    /// The `[security]` section, if any (validated by `parse`).
+    pub fn security(&self) -> Option<SecuritySection> {
+        self.nf_sections
+            .get("security")
+            .and_then(|s| s.clone().try_into().ok())
     }
 
     /// The `[shared]` section (coherence hub), if any.

@@ -1537,21 +1537,33 @@ impl ReplLink for SenderLink {
     }
 }
 
-/// Opens [`SenderLink`]s with the deployment's secret.
+/// Opens [`SenderLink`]s as this replica's identity.
 pub struct SenderFactory {
-    pub secret: pliant_ha::auth::Secret,
-    pub opts: pliant_ha::transport::SenderOptions,
+    pub sec: pliant_wire::Security,
+    /// `None`: the defaults for the backup's endpoint (`SenderOptions::for_endpoint`).
+    pub opts: Option<pliant_ha::transport::SenderOptions>,
 }
 
 impl LinkFactory for SenderFactory {
     fn connect(&mut self, backup: &BackupTarget, primary: &str, token: u64) -> Box<dyn ReplLink> {
+        // A socket string that is no endpoint is tried as a path: the link then dies with the
+        // connect error, which names it.
+        let ep = backup
+            .socket
+            .parse::<pliant_wire::Endpoint>()
+            .unwrap_or_else(|_| pliant_wire::Endpoint::Unix(backup.socket.clone().into()));
+        let opts = self
+            .opts
+            .clone()
+            .unwrap_or_else(|| pliant_ha::transport::SenderOptions::for_endpoint(&ep));
         Box::new(SenderLink {
             s: pliant_ha::transport::ReplSender::start(
-                std::path::Path::new(&backup.socket),
-                self.secret.clone(),
+                &ep,
+                self.sec.clone(),
+                &backup.name,
                 primary,
                 token,
-                self.opts.clone(),
+                opts,
             ),
         })
     }

@@ -212,35 +212,27 @@ fn run_with<N: NetworkFunction>(
         engine.ctx.shared = pliant_state::LocalCoherence::new(pliant_state::HubConfig::default())
             .store(id, pliant_state::SharedConfig::default());
     }
-    // HA: a replica with [ha] repl_secret listens for checkpoints (backup role) and may be
-    // asked to protect its own flows (primary role).
-    let repl_path = cfg.repl_socket();
+    // HA: a replica with [ha] (and the [security] identity it requires) listens for
+    // checkpoints (backup role) and may be asked to protect its own flows (primary role).
+    // In ftmb mode the FTMB logger streams are its HA channel instead (`setup`).
+    let repl_ep = cfg.repl_socket();
     let mut repl_server = None;
-    // In ftmb mode the secret authenticates the FTMB logger streams instead (`setup`).
-    let pico_secret = cfg
-        .ha()
-        .and_then(|h| h.repl_secret)
-        .filter(|_| cfg.ftmb().is_none());
-    if let Some(secret_path) = pico_secret {
-        let secret = pliant_ha::auth::Secret::load(std::path::Path::new(&secret_path))
-            .map_err(|e| format!("[ha] repl_secret {secret_path}: {e}"))?;
+    let pico = cfg.ha().is_some() && cfg.ftmb().is_none();
+    if let (true, Some(sec)) = (pico, cfg.security()) {
+        let sec = sec.load()?;
+        let ep: pliant_wire::Endpoint = repl_ep
+            .parse()
+            .map_err(|e| format!("[ha] repl_socket: {e}"))?;
         let store = std::sync::Arc::new(std::sync::Mutex::new(
             pliant_ha::standby::StandbyStore::new(STANDBY_MAX_FLOWS),
         ));
         let server = std::sync::Arc::new(
-            pliant_ha::transport::ReplServer::start(
-                std::path::Path::new(&repl_path),
-                secret.clone(),
-                store.clone(),
-            )
-            .map_err(|e| e.to_string())?,
+            pliant_ha::transport::ReplServer::start(&ep, sec.clone(), store.clone())
+                .map_err(|e| e.to_string())?,
         );
         let stats_of = server.clone();
         engine.set_ha_backend(crate::engine::HaBackend {
-            factory: Box::new(crate::ha::SenderFactory {
-                secret,
-                opts: pliant_ha::transport::SenderOptions::default(),
-            }),
+            factory: Box::new(crate::ha::SenderFactory { sec, opts: None }),
             store: Some(store),
             server_stats: Some(Box::new(move || {
                 serde_json::to_value(stats_of.stats()).unwrap_or(serde_json::Value::Null)
@@ -256,7 +248,7 @@ fn run_with<N: NetworkFunction>(
         outside = %cfg.outside.ifname,
         socket = %cfg.replica.control_socket,
         peer_socket = %peer_path,
-        repl_socket = %repl_server.as_ref().map_or("none", |_| repl_path.as_str()),
+        repl_socket = %repl_server.as_ref().map_or("none", |_| repl_ep.as_str()),
         "replica running"
     );
     let spin = spin_budget();

@@ -146,7 +146,8 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
         }
         let Some(backend) = self.ha_side.backend.as_mut() else {
             return json!({"ok": false, "error":
-                "no [ha] section in this replica's config (repl_secret): cannot replicate"});
+                "no [ha] and [security] sections in this replica's config (no replication \
+                 listener, no identity): cannot replicate"});
         };
         self.ha_side.token = token;
         if self.ha_side.next_wire_id == 0 {

@@ -873,16 +873,24 @@ fn real_transport_releases_on_ack_and_survives_backup_death() {
     );
     std::fs::create_dir_all(&dir.0).unwrap();
     std::fs::set_permissions(&dir.0, std::fs::Permissions::from_mode(0o700)).unwrap();
-    let secret = pliant_ha::auth::Secret::generate(&dir.0.join("repl.secret")).unwrap();
+    let ca = pliant_wire::Ca::generate(None).unwrap();
+    let id = |n: &str| {
+        pliant_wire::Security::new(ca.issue(n, pliant_wire::role::REPLICA, 3600).unwrap())
+    };
     let sock = dir.0.join("b.repl.sock");
     let store = Arc::new(Mutex::new(StandbyStore::new(1 << 16)));
-    let server =
-        pliant_ha::transport::ReplServer::start(&sock, secret.clone(), store.clone()).unwrap();
+    let server = pliant_ha::transport::ReplServer::start(
+        &pliant_wire::Endpoint::Unix(sock.clone()),
+        id("b"),
+        store.clone(),
+    )
+    .unwrap();
     let (mut e, _, t0) = engine();
     e.ha_side.backend = Some(HaBackend {
         factory: Box::new(crate::ha::SenderFactory {
-            secret,
-            opts: pliant_ha::transport::SenderOptions::default(),
+            // The engine of these tests is replica "p": its checkpoints go out as "p".
+            sec: id("p"),
+            opts: Some(pliant_ha::transport::SenderOptions::default()),
         }),
         store: None,
         server_stats: None,
