@@ -615,6 +615,9 @@ impl Lab {
                 ));
             }
             crate::ha::write_secret(&self.repl_secret())?;
+        }
+        if matches!(spec.mode, ReplicaMode::Pliant { .. }) {
+            // Every pliant replica proves who it is on every channel (migration included).
             crate::ha::provision_ca(&self.state.run_dir)?;
         }
         self.start_servers(spec)?;
@@ -653,6 +656,10 @@ impl Lab {
                 let sock = self.state.run_dir.join(format!("r{n}.sock"));
                 let mut cfg = replica_config(n, &sock, config);
                 cfg.replica.realtime_priority = spec.realtime_priority;
+                cfg.nf_sections.insert(
+                    "security".into(),
+                    toml::Value::Table(crate::ha::security_section(&self.state.run_dir, n)?),
+                );
                 if spec.ha {
                     cfg.nf_sections.insert(
                         "ha".into(),
@@ -661,10 +668,6 @@ impl Lab {
                             n,
                             spec.ha_mode,
                         )),
-                    );
-                    cfg.nf_sections.insert(
-                        "security".into(),
-                        toml::Value::Table(crate::ha::security_section(&self.state.run_dir, n)?),
                     );
                     // FTMB NAT pools are fixed by the config: pin this replica's block
                     // (`[ha]` and `[nat]` both sit in the flattened NF sections).

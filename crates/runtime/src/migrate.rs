@@ -141,45 +141,21 @@ pub enum PeerMsg {
     },
 }
 
-/// Why a peer frame could not be read or written.
+/// Why a peer message body could not be decoded.
 #[derive(Debug, thiserror::Error)]
 pub enum FrameError {
-    #[error("peer I/O: {0}")]
-    Io(#[from] std::io::Error),
-    #[error("peer frame of {0} bytes exceeds the bound of {MAX_FRAME_BYTES}")]
-    TooLarge(usize),
-    #[error("undecodable peer frame: {0}")]
+    #[error("undecodable peer message: {0}")]
     Decode(String),
 }
 
-/// Encodes `msg` as one frame: u32 little-endian body length, then the postcard body.
-pub fn encode_frame(msg: &PeerMsg) -> Result<Vec<u8>, FrameError> {
-    let body = postcard::to_allocvec(msg).map_err(|e| FrameError::Decode(e.to_string()))?;
-    if body.len() > MAX_FRAME_BYTES {
-        return Err(FrameError::TooLarge(body.len()));
-    }
-    let mut out = Vec::with_capacity(4 + body.len());
-    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
-    out.extend_from_slice(&body);
-    Ok(out)
+/// Postcard encoding of a message body (the peer channel seals it into a pliant-wire frame).
+pub fn encode_body(msg: &PeerMsg) -> Result<Vec<u8>, FrameError> {
+    postcard::to_allocvec(msg).map_err(|e| FrameError::Decode(e.to_string()))
 }
 
-/// Decodes one frame body (without the length prefix).
+/// Decodes one message body.
 pub fn decode_body(body: &[u8]) -> Result<PeerMsg, FrameError> {
     postcard::from_bytes(body).map_err(|e| FrameError::Decode(e.to_string()))
-}
-
-/// Reads one frame; refuses (before allocating) a length over the bound.
-pub fn read_frame(r: &mut impl std::io::Read) -> Result<PeerMsg, FrameError> {
-    let mut len = [0u8; 4];
-    r.read_exact(&mut len)?;
-    let len = u32::from_le_bytes(len) as usize;
-    if len > MAX_FRAME_BYTES {
-        return Err(FrameError::TooLarge(len));
-    }
-    let mut body = vec![0u8; len];
-    r.read_exact(&mut body)?;
-    decode_body(&body)
 }
 
 /// What the engine hands to the peer transport.
@@ -434,7 +410,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn frames_round_trip_and_bad_frames_are_refused() {
+    fn bodies_round_trip_and_bad_bodies_are_refused() {
         let (k, _) = FlowKey::v4(6, [10, 0, 0, 1].into(), 1, [10, 0, 0, 2].into(), 2);
         let msgs = [
             PeerMsg::Batch {
@@ -453,23 +429,13 @@ mod tests {
                 kept: vec![],
             },
         ];
-        let mut wire = Vec::new();
         for m in &msgs {
-            wire.extend(encode_frame(m).unwrap());
+            assert_eq!(&decode_body(&encode_body(m).unwrap()).unwrap(), m);
         }
-        let mut r = &wire[..];
-        for m in &msgs {
-            assert_eq!(&read_frame(&mut r).unwrap(), m);
+        // Garbage is a decode error, never a panic.
+        for junk in [&[][..], &[0xff, 0xff, 0xff], &[3, 0, 0, 0, 9]] {
+            assert!(matches!(decode_body(junk), Err(FrameError::Decode(_))));
         }
-        assert!(matches!(read_frame(&mut r), Err(FrameError::Io(_))));
-        // A huge length is refused before allocating; garbage is a decode error.
-        let mut huge = &(u32::MAX).to_le_bytes()[..];
-        assert!(matches!(
-            read_frame(&mut huge),
-            Err(FrameError::TooLarge(_))
-        ));
-        let mut junk: &[u8] = &[3, 0, 0, 0, 0xff, 0xff, 0xff];
-        assert!(matches!(read_frame(&mut junk), Err(FrameError::Decode(_))));
     }
 
     #[test]

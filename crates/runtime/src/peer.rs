@@ -1,5 +1,16 @@
-//! The replica-to-replica peer channel: a unix stream socket per replica (mode 0600, peer uid
-//! checked with SO_PEERCRED), carrying length-prefixed [`PeerMsg`] frames.
+//! The replica-to-replica peer channel: one listener per replica on a pliant-wire endpoint
+//! (a unix socket, mode 0600 and peer uid checked with SO_PEERCRED, or TCP between hosts),
+//! carrying [`PeerMsg`]s in sealed frames of kind `pliant_wire::kinds::PEER`. Every connection
+//! is mutually authenticated first (both ends prove a CA-signed replica identity): the channel
+//! imports flow state and injects packets, so it takes them only from replicas, and a `Batch`
+//! or `Done` must name the certified sender (a replica migrates flows only as itself). Frames
+//! carry implicit sequence numbers: one injected, replayed or reordered closes the connection.
+//!
+//! The handshake is blocking and takes round trips, so it runs on a short-lived thread per new
+//! connection ([`MAX_HANDSHAKES`] at once at most), which hands the authenticated stream and its
+//! session keys to the packet thread through a channel and an eventfd in the epoll set.
+//! Messages sent to a destination whose connection is still being set up wait, in order,
+//! within the same byte bound as unsent data.
 //!
 //! The packet thread does the socket I/O itself, non-blocking, from [`PeerLink::pump`] (once
 //! per round, at most every [`PUMP_EVERY`] while traffic keeps it busy and a migration is
@@ -20,13 +31,17 @@
 //! [`PeerEvent::SendFailed`]; the `Done` of a batch that failed is not sent on a fresh
 //! connection (it would release holds without the state).
 
-use crate::migrate::{decode_body, encode_frame, Outbound, PeerEvent, PeerMsg, MAX_FRAME_BYTES};
+use crate::migrate::{decode_body, Outbound, PeerEvent, PeerMsg, MAX_FRAME_BYTES};
+use pliant_wire::endpoint::{euid, Endpoint, Listener, Stream};
+use pliant_wire::session::{self, Expect, Opener, Sealer, SessionError};
+use pliant_wire::{kinds, role, FrameError, Security};
 use std::collections::VecDeque;
 use std::io::{ErrorKind, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
-use std::os::unix::net::{UnixListener, UnixStream};
-use std::sync::mpsc::{self, Receiver, SyncSender};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender, SyncSender};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Events waiting for the engine at most (incoming connections are not read beyond it).
@@ -47,6 +62,14 @@ pub const PUMP_EVERY: Duration = Duration::from_micros(20);
 pub const PUMP_IDLE_EVERY: Duration = Duration::from_micros(200);
 /// Bytes read per read(2) at most.
 const READ_CHUNK: usize = 256 << 10;
+/// Handshakes in progress at most (incoming and outgoing together); more incoming
+/// connections are closed at once.
+pub const MAX_HANDSHAKES: usize = 16;
+/// How long an outgoing TCP connect may take (a unix connect is immediate).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// Bound on a body: a frame adds its header and tag.
+const MAX_WIRE_FRAME: usize =
+    MAX_FRAME_BYTES + pliant_wire::frame::HEADER_LEN + pliant_wire::frame::TAG_LEN;
 
 /// Where the Ack to a `Done` goes.
 #[derive(Debug)]
@@ -158,37 +181,36 @@ impl PeerLink {
     }
 }
 
-/// Removes the socket file on drop.
+/// The peer listener's handle: where it listens (a TCP port 0 resolved). The listener itself
+/// lives in the link (its unix socket file goes with it).
 pub struct PeerServer {
-    path: String,
+    endpoint: Endpoint,
 }
 
-impl Drop for PeerServer {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
+impl PeerServer {
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.endpoint
     }
 }
 
-/// Binds the peer socket at `path`; the returned link does the I/O on the caller's thread.
-pub fn start(path: &str) -> Result<(PeerServer, PeerLink), String> {
-    if let Ok(md) = std::fs::symlink_metadata(path) {
-        if md.file_type().is_socket() {
-            let _ = std::fs::remove_file(path);
-        } else {
-            return Err(format!("peer socket {path}: exists and is not a socket"));
+/// Binds the peer endpoint `ep` (a unix path or `host:port`) as the identity in `sec`; the
+/// returned link does the I/O on the caller's thread. A live server's socket or port is never
+/// taken over.
+pub fn start(ep: &str, sec: Security) -> Result<(PeerServer, PeerLink), String> {
+    let ep: Endpoint = ep.parse().map_err(|e| format!("peer socket: {e}"))?;
+    if let Endpoint::Unix(path) = &ep {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| format!("peer socket dir {}: {e}", dir.display()))?;
         }
     }
-    if let Some(dir) = std::path::Path::new(path).parent() {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| format!("peer socket dir {}: {e}", dir.display()))?;
-    }
-    let listener =
-        UnixListener::bind(path).map_err(|e| format!("peer socket {path}: bind: {e}"))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
-        .map_err(|e| format!("peer socket {path}: chmod 0600: {e}"))?;
+    let listener = Listener::bind(&ep, &sec.tcp).map_err(|e| format!("peer socket: {e}"))?;
+    let endpoint = listener
+        .local_endpoint()
+        .map_err(|e| format!("peer socket {ep}: {e}"))?;
     listener
         .set_nonblocking(true)
-        .map_err(|e| format!("peer socket {path}: {e}"))?;
+        .map_err(|e| format!("peer socket {ep}: {e}"))?;
     // SAFETY: epoll_create1 has no preconditions; the fd is owned below.
     let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
     if fd < 0 {
@@ -199,11 +221,24 @@ pub fn start(path: &str) -> Result<(PeerServer, PeerLink), String> {
     }
     // SAFETY: `fd` is a fresh descriptor nobody else owns.
     let epoll = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: plain syscall; the result is checked before use.
+    let efd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+    if efd < 0 {
+        return Err(format!("eventfd: {}", std::io::Error::last_os_error()));
+    }
+    // SAFETY: `efd` is a fresh descriptor nobody else owns.
+    let wake = Arc::new(unsafe { OwnedFd::from_raw_fd(efd) });
+    let (done_tx, done_rx) = mpsc::channel();
     let s = Sockets {
         epoll,
         listener,
-        // SAFETY: geteuid has no preconditions.
-        me: unsafe { libc::geteuid() },
+        sec,
+        hs: Handshakes {
+            tx: done_tx,
+            rx: done_rx,
+            wake,
+            running: Arc::new(AtomicUsize::new(0)),
+        },
         inbound: (0..MAX_CONNECTIONS).map(|_| None).collect(),
         outbound: (0..MAX_OUT_CONNECTIONS).map(|_| None).collect(),
         next_gen: 0,
@@ -211,6 +246,7 @@ pub fn start(path: &str) -> Result<(PeerServer, PeerLink), String> {
         events: VecDeque::new(),
         scratch: vec![0u8; READ_CHUNK],
         last_pump: None,
+        refused: 0,
     };
     s.ctl(
         libc::EPOLL_CTL_ADD,
@@ -219,17 +255,116 @@ pub fn start(path: &str) -> Result<(PeerServer, PeerLink), String> {
         false,
     )
     .map_err(|e| format!("epoll add listener: {e}"))?;
+    s.ctl(
+        libc::EPOLL_CTL_ADD,
+        s.hs.wake.as_raw_fd(),
+        TOKEN_HANDSHAKE,
+        false,
+    )
+    .map_err(|e| format!("epoll add eventfd: {e}"))?;
     Ok((
-        PeerServer {
-            path: path.to_string(),
-        },
+        PeerServer { endpoint },
         PeerLink {
             inner: Inner::Sockets(Box::new(s)),
         },
     ))
 }
 
+/// A finished handshake, handed from its thread to the packet thread.
+enum Handshaken {
+    In(Result<Ready, String>),
+    Out {
+        slot: usize,
+        gen: u64,
+        r: Result<Ready, String>,
+    },
+}
+
+/// An authenticated connection: the (non-blocking) stream and its session.
+struct Ready {
+    s: Stream,
+    tx: Sealer,
+    rx: Opener,
+    peer: String,
+}
+
+struct Handshakes {
+    tx: Sender<Handshaken>,
+    rx: Receiver<Handshaken>,
+    /// An eventfd in the epoll set, written when a handshake finishes.
+    wake: Arc<OwnedFd>,
+    running: Arc<AtomicUsize>,
+}
+
+impl Handshakes {
+    /// Runs `f` on a new thread unless [`MAX_HANDSHAKES`] are running; its result goes to
+    /// the packet thread. False when refused.
+    fn spawn(&self, f: impl FnOnce() -> Handshaken + Send + 'static) -> bool {
+        if self.running.fetch_add(1, Ordering::SeqCst) >= MAX_HANDSHAKES {
+            self.running.fetch_sub(1, Ordering::SeqCst);
+            return false;
+        }
+        let (tx, wake, running) = (self.tx.clone(), self.wake.clone(), self.running.clone());
+        let spawned = std::thread::Builder::new()
+            .name("peer-handshake".into())
+            .spawn(move || {
+                let _ = tx.send(f());
+                running.fetch_sub(1, Ordering::SeqCst);
+                let one: u64 = 1;
+                // SAFETY: writes 8 bytes from a valid u64 to our eventfd.
+                let _ = unsafe { libc::write(wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
+            });
+        if spawned.is_err() {
+            self.running.fetch_sub(1, Ordering::SeqCst);
+            return false;
+        }
+        true
+    }
+
+    fn drain_wake(&self) {
+        let mut v: u64 = 0;
+        // SAFETY: reads 8 bytes into a valid u64; EAGAIN is fine.
+        let _ = unsafe { libc::read(self.wake.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+    }
+}
+
+fn ready(s: Stream, sess: session::Session) -> Result<Ready, String> {
+    s.set_nonblocking(true)
+        .map_err(|e| format!("non-blocking: {e}"))?;
+    Ok(Ready {
+        s,
+        tx: sess.tx,
+        rx: sess.rx,
+        peer: sess.peer.name,
+    })
+}
+
+/// The session options of the peer channel: replicas only, bodies up to the frame bound.
+fn options(sec: &Security, tcp: bool) -> session::SessionOptions {
+    let expect = Expect {
+        name: None,
+        roles: role::REPLICA,
+    };
+    sec.options_for(tcp, expect, MAX_FRAME_BYTES)
+}
+
+/// Seals `msg` as one peer frame appended to `out`.
+fn seal(tx: &mut Sealer, msg: &PeerMsg, out: &mut Vec<u8>) -> Result<(), String> {
+    let start = out.len();
+    tx.seal_msg(kinds::PEER, msg, out)
+        .map_err(|e| e.to_string())?;
+    let n = out.len() - start;
+    if n > MAX_WIRE_FRAME {
+        out.truncate(start);
+        return Err(format!(
+            "peer frame of {n} bytes exceeds the bound of {MAX_FRAME_BYTES}"
+        ));
+    }
+    Ok(())
+}
+
 const TOKEN_LISTENER: u64 = u64::MAX;
+const TOKEN_HANDSHAKE: u64 = u64::MAX - 1;
 const OUT_TOKEN_BASE: u64 = 1 << 32;
 
 /// A byte stream with frames in it, read or written incrementally.
@@ -255,34 +390,33 @@ impl Buf {
         }
     }
 
-    /// The next complete frame: `Ok(None)` when more bytes are needed.
-    fn take_frame(&mut self) -> Result<Option<PeerMsg>, String> {
-        let p = &self.data[self.pos..];
-        if p.len() < 4 {
-            return Ok(None);
+    /// The next complete frame, opened with `rx`: `Ok(None)` when more bytes are needed.
+    fn take_frame(&mut self, rx: &mut Opener) -> Result<Option<PeerMsg>, String> {
+        let p = &mut self.data[self.pos..];
+        let (kind, body, used) = match rx.open_front(p) {
+            Ok(Some(f)) => f,
+            Ok(None) => return Ok(None),
+            Err(e) => return Err(e.to_string()),
+        };
+        if kind != kinds::PEER {
+            return Err(FrameError::UnexpectedKind(kind).to_string());
         }
-        let len = u32::from_le_bytes([p[0], p[1], p[2], p[3]]) as usize;
-        if len > MAX_FRAME_BYTES {
-            return Err(format!("frame of {len} bytes exceeds {MAX_FRAME_BYTES}"));
-        }
-        if p.len() < 4 + len {
-            return Ok(None);
-        }
-        let msg = decode_body(&p[4..4 + len]).map_err(|e| e.to_string());
-        self.consume(4 + len);
+        let msg = decode_body(&p[body]).map_err(|e| e.to_string());
+        self.consume(used);
         msg.map(Some)
     }
 
+    /// A whole frame (or a header already over the bound) is buffered.
     fn has_frame(&self) -> bool {
         let p = &self.data[self.pos..];
-        p.len() >= 4 && {
-            let len = u32::from_le_bytes([p[0], p[1], p[2], p[3]]) as usize;
-            len > MAX_FRAME_BYTES || p.len() >= 4 + len
-        }
+        !matches!(
+            pliant_wire::frame::split_frame(p, MAX_FRAME_BYTES + pliant_wire::frame::TAG_LEN),
+            Ok(None)
+        )
     }
 
     /// Writes as much as the socket takes; the number of bytes written.
-    fn flush(&mut self, s: &mut UnixStream) -> std::io::Result<usize> {
+    fn flush(&mut self, s: &mut Stream) -> std::io::Result<usize> {
         let mut wrote = 0;
         while self.pending() > 0 {
             match s.write(&self.data[self.pos..]) {
@@ -301,7 +435,12 @@ impl Buf {
 }
 
 struct InConn {
-    s: UnixStream,
+    s: Stream,
+    /// Session keys: Acks out, frames in.
+    tx: Sealer,
+    rx: Opener,
+    /// The certified replica at the other end.
+    peer: String,
     gen: u64,
     rbuf: Buf,
     /// Acks not yet taken by the socket.
@@ -325,7 +464,13 @@ struct Unsent {
 
 struct OutConn {
     to: String,
-    s: UnixStream,
+    gen: u64,
+    /// `None` while the handshake runs; messages then wait in `waiting`.
+    s: Option<Stream>,
+    tx: Option<Sealer>,
+    rx: Option<Opener>,
+    /// Messages sent before the session existed, in order, with their encoded size.
+    waiting: VecDeque<(PeerMsg, usize)>,
     wbuf: Buf,
     /// Bytes written to the socket so far.
     written: u64,
@@ -340,8 +485,11 @@ struct OutConn {
 
 struct Sockets {
     epoll: OwnedFd,
-    listener: UnixListener,
-    me: libc::uid_t,
+    listener: Listener,
+    sec: Security,
+    hs: Handshakes,
+    /// Incoming connections refused (uid, bound, handshake, identity).
+    refused: u64,
     inbound: Vec<Option<InConn>>,
     outbound: Vec<Option<OutConn>>,
     next_gen: u64,
@@ -371,7 +519,7 @@ fn kind(m: &PeerMsg) -> &'static str {
 /// Reads what `s` has into `buf` (at most `READ_CHUNK` per call, until it would block or
 /// `limit` bytes are pending). Ok(false) on end of stream.
 fn read_into(
-    s: &mut UnixStream,
+    s: &mut Stream,
     buf: &mut Buf,
     scratch: &mut [u8],
     limit: usize,
@@ -462,6 +610,11 @@ impl Sockets {
             let token = ev.u64;
             if token == TOKEN_LISTENER {
                 self.accept();
+            } else if token == TOKEN_HANDSHAKE {
+                self.hs.drain_wake();
+                while let Ok(h) = self.hs.rx.try_recv() {
+                    self.handshaken(h);
+                }
             } else if token >= OUT_TOKEN_BASE {
                 self.service_out((token - OUT_TOKEN_BASE) as usize);
             } else {
@@ -481,40 +634,128 @@ impl Sockets {
     fn accept(&mut self) {
         loop {
             let s = match self.listener.accept() {
-                Ok((s, _)) => s,
+                Ok(s) => s,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(_) => return,
             };
-            // Only our own uid may move flows into this replica: a flow record is trusted state.
-            if pliant_ha::unix::peer_uid(&s).ok() != Some(self.me) {
-                tracing::warn!("peer connection refused: uid differs from the replica's");
-                continue;
+            // On a unix socket the kernel also vouches for the uid: a second fence.
+            if let Some(uid) = s.peer_uid() {
+                if uid.ok() != Some(euid()) {
+                    self.refused += 1;
+                    tracing::warn!("peer connection refused: uid differs from the replica's");
+                    continue;
+                }
             }
-            let Some(slot) = self.inbound.iter().position(Option::is_none) else {
+            if self.inbound.iter().all(Option::is_some) {
+                self.refused += 1;
                 tracing::warn!("peer connection refused: {MAX_CONNECTIONS} connections open");
                 continue;
-            };
-            if s.set_nonblocking(true).is_err()
-                || self
-                    .ctl(libc::EPOLL_CTL_ADD, s.as_raw_fd(), slot as u64, false)
-                    .is_err()
-            {
-                continue;
             }
-            self.next_gen += 1;
-            self.inbound[slot] = Some(InConn {
-                s,
-                gen: self.next_gen,
-                rbuf: Buf::default(),
-                wbuf: Buf::default(),
-                want_out: false,
+            let o = options(&self.sec, !s.is_unix());
+            let id = self.sec.identity.clone();
+            let started = self.hs.spawn(move || {
+                let r = session::server(&s, &id, &o)
+                    .map_err(|e| e.to_string())
+                    .and_then(|sess| ready(s, sess));
+                Handshaken::In(r)
             });
+            if !started {
+                self.refused += 1;
+                tracing::warn!("peer connection refused: {MAX_HANDSHAKES} handshakes running");
+            }
+        }
+    }
+
+    /// A handshake finished: an incoming connection gets a slot, an outgoing one its session
+    /// (and what waited for it is sealed and written).
+    fn handshaken(&mut self, h: Handshaken) {
+        match h {
+            Handshaken::In(Err(e)) => {
+                self.refused += 1;
+                tracing::warn!(error = %e, "peer connection refused at the handshake");
+            }
+            Handshaken::In(Ok(r)) => {
+                let Some(slot) = self.inbound.iter().position(Option::is_none) else {
+                    self.refused += 1;
+                    return;
+                };
+                if self
+                    .ctl(libc::EPOLL_CTL_ADD, r.s.as_raw_fd(), slot as u64, false)
+                    .is_err()
+                {
+                    return;
+                }
+                self.next_gen += 1;
+                self.inbound[slot] = Some(InConn {
+                    s: r.s,
+                    tx: r.tx,
+                    rx: r.rx,
+                    peer: r.peer,
+                    gen: self.next_gen,
+                    rbuf: Buf::default(),
+                    wbuf: Buf::default(),
+                    want_out: false,
+                });
+                // Frames may have arrived with the handshake's last bytes.
+                self.service_in(slot);
+            }
+            Handshaken::Out { slot, gen, r } => {
+                let Some(c) = self.outbound.get_mut(slot).and_then(Option::as_mut) else {
+                    return;
+                };
+                if c.gen != gen {
+                    return; // the slot was closed and reused meanwhile
+                }
+                let r = match r {
+                    Ok(r) => r,
+                    Err(e) => {
+                        let to = c.to.clone();
+                        return self.close_out(slot, Some(format!("{to}: {e}")));
+                    }
+                };
+                if let Err(e) = self.ctl(
+                    libc::EPOLL_CTL_ADD,
+                    r.s.as_raw_fd(),
+                    OUT_TOKEN_BASE + slot as u64,
+                    false,
+                ) {
+                    return self.close_out(slot, Some(format!("epoll add: {e}")));
+                }
+                let Some(c) = self.outbound[slot].as_mut() else {
+                    return;
+                };
+                c.s = Some(r.s);
+                let mut tx = r.tx;
+                c.rx = Some(r.rx);
+                while let Some((msg, _)) = c.waiting.pop_front() {
+                    let at = c.wbuf.data.len();
+                    if let Err(e) = seal(&mut tx, &msg, &mut c.wbuf.data) {
+                        let to = c.to.clone();
+                        c.tx = Some(tx);
+                        return self.close_out(slot, Some(format!("{to}: {e}")));
+                    }
+                    c.queued += (c.wbuf.data.len() - at) as u64;
+                    c.unsent.push_back(Unsent {
+                        end: c.queued,
+                        id: migration_id(&msg),
+                        what: kind(&msg),
+                    });
+                    if kind(&msg) == "done" {
+                        c.awaiting_ack.push_back(migration_id(&msg));
+                    }
+                }
+                c.tx = Some(tx);
+                self.flush_out(slot);
+            }
         }
     }
 
     fn close_in(&mut self, slot: usize, why: Option<String>) {
         if let Some(c) = self.inbound.get_mut(slot).and_then(Option::take) {
             self.unregister(c.s.as_raw_fd());
+            if why.is_some() {
+                self.refused += 1;
+            }
             if let Some(why) = why {
                 tracing::warn!(error = %why, "peer connection closed");
             }
@@ -531,7 +772,7 @@ impl Sockets {
             }
         }
         let limit = if self.events.len() < INBOUND_BOUND {
-            MAX_FRAME_BYTES + 4
+            MAX_WIRE_FRAME
         } else {
             0 // back-pressure: leave it in the kernel
         };
@@ -554,8 +795,22 @@ impl Sockets {
                 return;
             };
             let gen = c.gen;
-            match c.rbuf.take_frame() {
+            match c.rbuf.take_frame(&mut c.rx) {
                 Ok(Some(msg)) => {
+                    // State and hold releases are filed under `from`: only that replica
+                    // itself may send them.
+                    let claimed = match &msg {
+                        PeerMsg::Batch { from, .. } | PeerMsg::Done { from, .. } => Some(from),
+                        _ => None,
+                    };
+                    if let Some(from) = claimed.filter(|f| **f != c.peer) {
+                        let why = format!(
+                            "{} names {from:?} but the certificate is {:?}",
+                            kind(&msg),
+                            c.peer
+                        );
+                        return self.close_in(slot, Some(why));
+                    }
                     let reply =
                         matches!(msg, PeerMsg::Done { .. }).then_some(Reply::Conn { slot, gen });
                     self.events.push_back(PeerEvent::Msg { msg, reply });
@@ -582,16 +837,16 @@ impl Sockets {
     }
 
     fn reply(&mut self, slot: usize, gen: u64, ack: &PeerMsg) -> bool {
-        let Ok(bytes) = encode_frame(ack) else {
-            return false;
-        };
         let Some(c) = self.inbound.get_mut(slot).and_then(Option::as_mut) else {
             return false;
         };
         if c.gen != gen {
             return false;
         }
-        c.wbuf.data.extend_from_slice(&bytes);
+        if let Err(e) = seal(&mut c.tx, ack, &mut c.wbuf.data) {
+            tracing::warn!(error = %e, "peer Ack not sent");
+            return false;
+        }
         if let Err(e) = c.wbuf.flush(&mut c.s) {
             self.close_in(slot, Some(format!("writing an Ack: {e}")));
             return false;
@@ -607,13 +862,6 @@ impl Sockets {
         if what == "done" && self.failed_batches.contains(&id) {
             return true; // its batch failed: reported already
         }
-        let bytes = match encode_frame(&msg) {
-            Ok(b) => b,
-            Err(e) => {
-                self.report_failed(id, what, &to, e.to_string());
-                return true;
-            }
-        };
         let slot = match self.out_slot(&to) {
             Ok(s) => s,
             Err(e) => {
@@ -624,11 +872,33 @@ impl Sockets {
         let Some(c) = self.outbound[slot].as_mut() else {
             return false;
         };
-        if c.wbuf.pending() + bytes.len() > OUT_BUF_MAX {
+        let Some(tx) = c.tx.as_mut() else {
+            // The handshake is running: the message waits, bounded like unsent bytes.
+            let size = postcard::experimental::serialized_size(&msg).unwrap_or(usize::MAX);
+            let waiting: usize = c.waiting.iter().map(|(_, n)| n).sum();
+            if waiting.saturating_add(size) > OUT_BUF_MAX {
+                return false;
+            }
+            c.waiting.push_back((msg, size));
+            return true;
+        };
+        let at = c.wbuf.data.len();
+        if let Err(e) = seal(tx, &msg, &mut c.wbuf.data) {
+            self.report_failed(id, what, &to, e);
+            return true;
+        }
+        let n = c.wbuf.data.len() - at;
+        if c.wbuf.pending() > OUT_BUF_MAX {
+            // Over the bound: take it back. The sealer's sequence already moved, so the
+            // connection cannot continue in order; close it, reporting what it held.
+            c.wbuf.data.truncate(at);
+            self.close_out(
+                slot,
+                Some(format!("{to}: more than {OUT_BUF_MAX} bytes unsent")),
+            );
             return false;
         }
-        c.queued += bytes.len() as u64;
-        c.wbuf.data.extend_from_slice(&bytes);
+        c.queued += n as u64;
         c.unsent.push_back(Unsent {
             end: c.queued,
             id,
@@ -681,17 +951,48 @@ impl Sockets {
                 idle
             }
         };
-        let s = connect_nonblocking(to).map_err(|e| format!("connect {to}: {e}"))?;
-        self.ctl(
-            libc::EPOLL_CTL_ADD,
-            s.as_raw_fd(),
-            OUT_TOKEN_BASE + slot as u64,
-            false,
-        )
-        .map_err(|e| format!("epoll add: {e}"))?;
+        let ep: Endpoint = to.parse().map_err(|e| format!("{to}: {e}"))?;
+        // A unix connect is immediate and non-blocking (a destination that is gone or hung
+        // fails here, at once); TCP connects on the handshake thread.
+        let early = match &ep {
+            Endpoint::Unix(p) => Some(Stream::Unix(
+                connect_nonblocking(&p.to_string_lossy())
+                    .map_err(|e| format!("connect {to}: {e}"))?,
+            )),
+            Endpoint::Tcp(_) => None,
+        };
+        self.next_gen += 1;
+        let gen = self.next_gen;
+        let (id, tcp, o) = (
+            self.sec.identity.clone(),
+            self.sec.tcp,
+            options(&self.sec, ep.is_tcp()),
+        );
+        let started = self.hs.spawn(move || {
+            let r = (|| {
+                let s = match early {
+                    Some(s) => {
+                        s.set_nonblocking(false).map_err(|e| e.to_string())?;
+                        s
+                    }
+                    None => pliant_wire::endpoint::connect(&ep, CONNECT_TIMEOUT, &tcp)
+                        .map_err(|e| format!("connect: {e}"))?,
+                };
+                let sess = session::client(&s, &id, &o).map_err(|e: SessionError| e.to_string())?;
+                ready(s, sess)
+            })();
+            Handshaken::Out { slot, gen, r }
+        });
+        if !started {
+            return Err(format!("{MAX_HANDSHAKES} peer handshakes running"));
+        }
         self.outbound[slot] = Some(OutConn {
             to: to.to_string(),
-            s,
+            gen,
+            s: None,
+            tx: None,
+            rx: None,
+            waiting: VecDeque::new(),
             wbuf: Buf::default(),
             written: 0,
             queued: 0,
@@ -709,16 +1010,24 @@ impl Sockets {
         let Some(c) = self.outbound.get_mut(slot).and_then(Option::take) else {
             return;
         };
-        self.unregister(c.s.as_raw_fd());
+        if let Some(s) = &c.s {
+            self.unregister(s.as_raw_fd());
+        }
         let Some(error) = error else { return };
         let mut failed: Vec<(u64, &'static str)> =
             c.unsent.iter().map(|u| (u.id, u.what)).collect();
+        failed.extend(c.waiting.iter().map(|(m, _)| (migration_id(m), kind(m))));
         for id in &c.awaiting_ack {
             if !failed.contains(&(*id, "done")) {
                 failed.push((*id, "done"));
             }
         }
         for (id, what) in failed {
+            // A Done whose batch failed on this very connection is swallowed (as `send`
+            // does): releasing holds without the state would be wrong.
+            if what == "done" && self.failed_batches.contains(&id) {
+                continue;
+            }
             self.report_failed(id, what, &c.to, error.clone());
         }
     }
@@ -727,7 +1036,10 @@ impl Sockets {
         let Some(c) = self.outbound.get_mut(slot).and_then(Option::as_mut) else {
             return;
         };
-        match c.wbuf.flush(&mut c.s) {
+        let Some(s) = c.s.as_mut() else {
+            return; // still handshaking
+        };
+        match c.wbuf.flush(s) {
             Ok(n) => {
                 c.written += n as u64;
                 while c.unsent.front().is_some_and(|u| u.end <= c.written) {
@@ -741,7 +1053,9 @@ impl Sockets {
         }
         let want = c.wbuf.pending() > 0;
         if want != c.want_out {
-            let fd = c.s.as_raw_fd();
+            let Some(fd) = c.s.as_ref().map(AsRawFd::as_raw_fd) else {
+                return;
+            };
             if self
                 .ctl(libc::EPOLL_CTL_MOD, fd, OUT_TOKEN_BASE + slot as u64, want)
                 .is_ok()
@@ -758,12 +1072,10 @@ impl Sockets {
         let Some(c) = self.outbound.get_mut(slot).and_then(Option::as_mut) else {
             return;
         };
-        let open = match read_into(
-            &mut c.s,
-            &mut c.rbuf,
-            &mut self.scratch,
-            MAX_FRAME_BYTES + 4,
-        ) {
+        let Some(s) = c.s.as_mut() else {
+            return;
+        };
+        let open = match read_into(s, &mut c.rbuf, &mut self.scratch, MAX_WIRE_FRAME) {
             Ok(open) => open,
             Err(e) => {
                 let to = c.to.clone();
@@ -774,7 +1086,10 @@ impl Sockets {
             let Some(c) = self.outbound.get_mut(slot).and_then(Option::as_mut) else {
                 return;
             };
-            match c.rbuf.take_frame() {
+            let Some(rx) = c.rx.as_mut() else {
+                return;
+            };
+            match c.rbuf.take_frame(rx) {
                 Ok(Some(ack @ PeerMsg::Ack { .. })) => {
                     let id = migration_id(&ack);
                     c.awaiting_ack.retain(|a| *a != id);
@@ -804,11 +1119,24 @@ impl Sockets {
     }
 }
 
+/// A replica identity `name` under one CA shared by the tests of this crate.
+#[cfg(test)]
+pub(crate) fn test_security(name: &str) -> Security {
+    static CA: std::sync::OnceLock<pliant_wire::Ca> = std::sync::OnceLock::new();
+    let ca = CA.get_or_init(|| pliant_wire::Ca::generate(None).expect("CA"));
+    Security::new(ca.issue(name, role::REPLICA, 3600).expect("identity"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::migrate::{PauseInfo, WirePacket};
     use pliant_state::FlowKey;
+    use pliant_wire::Conn;
+
+    fn sec(name: &str) -> Security {
+        test_security(name)
+    }
 
     fn dir(tag: &str) -> std::path::PathBuf {
         std::env::temp_dir().join(format!("pliant-peer-{}-{tag}", std::process::id()))
@@ -869,8 +1197,8 @@ mod tests {
     fn frames_arrive_in_order_and_the_ack_returns_on_the_same_connection() {
         let d = dir("order");
         let (pa, pb) = (d.join("a.sock"), d.join("b.sock"));
-        let (_sa, mut a) = start(pa.to_str().unwrap()).unwrap();
-        let (_sb, mut b) = start(pb.to_str().unwrap()).unwrap();
+        let (_sa, mut a) = start(pa.to_str().unwrap(), sec("a")).unwrap();
+        let (_sb, mut b) = start(pb.to_str().unwrap(), sec("b")).unwrap();
         let to = pb.to_str().unwrap();
         let batch = PeerMsg::Batch {
             id: 7,
@@ -923,7 +1251,7 @@ mod tests {
     #[test]
     fn an_unreachable_destination_fails_the_batch_and_swallows_its_done() {
         let d = dir("unreach");
-        let (_sa, mut a) = start(d.join("a.sock").to_str().unwrap()).unwrap();
+        let (_sa, mut a) = start(d.join("a.sock").to_str().unwrap(), sec("a")).unwrap();
         let nowhere = d.join("nobody.sock");
         let nowhere = nowhere.to_str().unwrap();
         let batch = PeerMsg::Batch {
@@ -959,8 +1287,8 @@ mod tests {
     fn a_destination_that_dies_before_acking_fails_the_done() {
         let d = dir("dies");
         let (pa, pb) = (d.join("a.sock"), d.join("b.sock"));
-        let (_sa, mut a) = start(pa.to_str().unwrap()).unwrap();
-        let (sb, mut b) = start(pb.to_str().unwrap()).unwrap();
+        let (_sa, mut a) = start(pa.to_str().unwrap(), sec("a")).unwrap();
+        let (sb, mut b) = start(pb.to_str().unwrap(), sec("b")).unwrap();
         let to = pb.to_str().unwrap();
         let done = PeerMsg::Done {
             id: 9,
@@ -995,19 +1323,67 @@ mod tests {
         let _ = std::fs::remove_dir_all(d);
     }
 
+    /// True once the replica closed `s` (EOF or reset) within a bounded wait.
+    fn closed(s: &mut impl Read) -> bool {
+        let mut buf = [0u8; 256];
+        loop {
+            match s.read(&mut buf) {
+                Ok(0) => return true,
+                Ok(_) => continue,
+                Err(e) => return e.kind() == ErrorKind::ConnectionReset,
+            }
+        }
+    }
+
+    /// An authenticated connection to `to` as replica `name`, for hand-made frames.
+    fn raw_peer(to: &std::path::Path, name: &str) -> Conn {
+        let s = Stream::Unix(UnixStream::connect(to).unwrap());
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let b = std::thread::spawn({
+            let name = name.to_string();
+            move || Conn::client(s, &sec(&name).identity, &Default::default())
+        });
+        b.join().unwrap().unwrap()
+    }
+
+    /// Drives `b` (the destination) while `f` runs on another thread.
+    fn pumping<T: Send + 'static>(b: &mut PeerLink, f: impl FnOnce() -> T + Send + 'static) -> T {
+        let h = std::thread::spawn(f);
+        while !h.is_finished() {
+            b.pump(Instant::now(), true, PUMP_EVERY);
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        h.join().unwrap()
+    }
+
     #[test]
     fn a_bad_frame_closes_only_its_connection() {
         let d = dir("bad");
         let (pa, pb) = (d.join("a.sock"), d.join("b.sock"));
-        let (_sa, mut a) = start(pa.to_str().unwrap()).unwrap();
-        let (_sb, mut b) = start(pb.to_str().unwrap()).unwrap();
+        let (_sa, mut a) = start(pa.to_str().unwrap(), sec("a")).unwrap();
+        let (_sb, mut b) = start(pb.to_str().unwrap(), sec("b")).unwrap();
+        // Garbage instead of a handshake (a length over any bound): refused, closed.
         let mut raw = UnixStream::connect(&pb).unwrap();
-        // A length over the bound, then garbage: refused before allocating.
         raw.write_all(&u32::MAX.to_le_bytes()).unwrap();
         raw.write_all(&[0xff; 32]).unwrap();
-        let mut undecodable = UnixStream::connect(&pb).unwrap();
-        undecodable.write_all(&4u32.to_le_bytes()).unwrap();
-        undecodable.write_all(&[0xff; 4]).unwrap();
+        raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        // Authenticated, then an undecodable body; then a declared huge frame.
+        let pb2 = pb.clone();
+        let (mut undecodable, mut huge) = pumping(&mut b, move || {
+            let mut u = raw_peer(&pb2, "c");
+            u.writer.send_bytes(kinds::PEER, &[0xff; 4]).unwrap();
+            let h = raw_peer(&pb2, "c");
+            let hdr = pliant_wire::frame::Header {
+                len: u32::MAX,
+                version: pliant_wire::PROTOCOL_VERSION,
+                kind: kinds::PEER,
+            };
+            h.writer.stream().send_all(&hdr.encode()).unwrap();
+            (
+                u.reader.stream().try_clone().unwrap(),
+                h.reader.stream().try_clone().unwrap(),
+            )
+        });
         assert!(a.send(out(pb.to_str().unwrap(), fwd(5))));
         let mut got = Vec::new();
         pump_until(&mut a, &mut b, &mut got, |g| !g.is_empty());
@@ -1017,32 +1393,124 @@ mod tests {
         }
         assert_eq!(got.len(), 1, "{got:?}");
         assert!(matches!(&got[0], PeerEvent::Msg { msg, .. } if *msg == fwd(5)));
-        // Both bad connections were closed by the replica.
-        let mut buf = [0u8; 1];
-        raw.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
-        assert_eq!(raw.read(&mut buf).unwrap_or(0), 0);
-        undecodable
-            .set_read_timeout(Some(Duration::from_secs(2)))
-            .unwrap();
-        assert_eq!(undecodable.read(&mut buf).unwrap_or(0), 0);
+        // The three bad connections were closed by the replica.
+        assert!(pumping(&mut b, move || closed(&mut raw)));
+        assert!(pumping(&mut b, move || closed(&mut undecodable)));
+        assert!(pumping(&mut b, move || closed(&mut huge)));
         let _ = std::fs::remove_dir_all(d);
+    }
+
+    /// Flow state is filed under the Batch's `from`: a replica certified as "c" claiming to
+    /// be "a" is cut off before the engine sees anything, and a stranger (another CA) never
+    /// gets past the handshake.
+    #[test]
+    fn a_batch_naming_another_replica_and_strangers_are_refused() {
+        let d = dir("impostor");
+        let pb = d.join("b.sock");
+        let (_sb, mut b) = start(pb.to_str().unwrap(), sec("b")).unwrap();
+        let pb2 = pb.clone();
+        let mut c = pumping(&mut b, move || raw_peer(&pb2, "c"));
+        let forged = PeerMsg::Batch {
+            id: 1,
+            from: "a".into(),
+            records: vec![vec![9; 8]],
+        };
+        c.send(kinds::PEER, &forged).unwrap();
+        let mut s = c.reader.stream().try_clone().unwrap();
+        assert!(pumping(&mut b, move || closed(&mut s)));
+        assert!(
+            b.next_event().is_none(),
+            "the forged batch reached the engine"
+        );
+        let pb3 = pb.clone();
+        let stranger = pumping(&mut b, move || {
+            let mut id = pliant_wire::Ca::generate(None)
+                .unwrap()
+                .issue("a", role::REPLICA, 60)
+                .unwrap();
+            id.ca_pub = sec("x").identity.ca_pub;
+            let s = Stream::Unix(UnixStream::connect(&pb3).unwrap());
+            Conn::client(s, &id, &Default::default()).err()
+        });
+        assert!(
+            stranger.is_some(),
+            "a certificate of another CA was accepted"
+        );
+        // The server's side of that handshake reports on the next pumps.
+        let refused = |b: &PeerLink| match &b.inner {
+            Inner::Sockets(sk) => sk.refused,
+            Inner::Channels { .. } => 0,
+        };
+        for _ in 0..5000 {
+            if refused(&b) >= 2 {
+                break;
+            }
+            b.pump(Instant::now(), true, PUMP_EVERY);
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(refused(&b), 2);
+        let _ = std::fs::remove_dir_all(d);
+    }
+
+    /// The same channel between hosts: TCP endpoints, encrypted frames.
+    #[test]
+    fn frames_and_acks_cross_tcp() {
+        let (sa, mut a) = start("127.0.0.1:0", sec("a")).unwrap();
+        let (sb, mut b) = start("127.0.0.1:0", sec("b")).unwrap();
+        assert!(sa.endpoint().is_tcp());
+        let to = match sb.endpoint() {
+            Endpoint::Tcp(a) => a.clone(),
+            e => panic!("{e}"),
+        };
+        let done = PeerMsg::Done {
+            id: 4,
+            from: "a".into(),
+            release: vec![key(1)],
+            kept: vec![],
+        };
+        for p in 0..10 {
+            assert!(a.send(out(&to, fwd(p))));
+        }
+        assert!(a.send(out(&to, done.clone())));
+        let mut got = Vec::new();
+        pump_until(&mut a, &mut b, &mut got, |g| g.len() == 11);
+        let Some(PeerEvent::Msg {
+            msg,
+            reply: Some(reply),
+        }) = got.pop()
+        else {
+            panic!("{got:?}");
+        };
+        assert_eq!(msg, done);
+        assert!(b.reply(reply, ack(4)));
+        let mut acks = Vec::new();
+        pump_until(&mut b, &mut a, &mut acks, |g| !g.is_empty());
+        assert!(
+            matches!(&acks[0], PeerEvent::Ack(PeerMsg::Ack { id: 4, .. })),
+            "{acks:?}"
+        );
     }
 
     #[test]
     fn a_slow_engine_back_pressures_the_sender_without_losing_messages() {
         let d = dir("bp");
         let (pa, pb) = (d.join("a.sock"), d.join("b.sock"));
-        let (_sa, mut a) = start(pa.to_str().unwrap()).unwrap();
-        let (_sb, mut b) = start(pb.to_str().unwrap()).unwrap();
+        let (_sa, mut a) = start(pa.to_str().unwrap(), sec("a")).unwrap();
+        let (_sb, mut b) = start(pb.to_str().unwrap(), sec("b")).unwrap();
         let to = pb.to_str().unwrap();
         let n = INBOUND_BOUND + 3000;
         for p in 0..n {
             assert!(a.send(out(to, fwd(p as u16))));
         }
-        // The destination reads only up to its bound while nobody takes events.
-        for _ in 0..50 {
+        // The destination reads only up to its bound while nobody takes events (the
+        // connection first needs its handshake, on other threads).
+        for _ in 0..5000 {
             a.pump(Instant::now(), true, PUMP_EVERY);
             b.pump(Instant::now(), true, PUMP_EVERY);
+            if b.has_pending() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
         }
         assert!(b.has_pending());
         let mut got = Vec::new();

@@ -191,9 +191,19 @@ fn run_with<N: NetworkFunction>(
         Instant::now(),
     );
     engine.set_control(handle);
+    // The replica's identity: every channel to another pliant process authenticates with it.
+    // Without [security] the replica runs alone: no peer channel (migrations are refused)
+    // and no replication listener.
+    let security = cfg.security().map(|s| s.load()).transpose()?;
     let peer_path = cfg.peer_socket();
-    let (peer_server, peer_link) = crate::peer::start(&peer_path)?;
-    engine.set_peer(peer_link);
+    let mut peer_server = None;
+    if let Some(sec) = &security {
+        let (server, link) = crate::peer::start(&peer_path, sec.clone())?;
+        engine.set_peer(link);
+        peer_server = Some(server);
+    } else {
+        tracing::warn!("no [security] identity: the peer channel (migration) is off");
+    }
     // Coherent shared state across replicas: with [shared], the store's transport and lock
     // service is the hub (`pliant hub`); without it the store stays local to this replica.
     if let Some(sh) = cfg.shared() {
@@ -218,8 +228,7 @@ fn run_with<N: NetworkFunction>(
     let repl_ep = cfg.repl_socket();
     let mut repl_server = None;
     let pico = cfg.ha().is_some() && cfg.ftmb().is_none();
-    if let (true, Some(sec)) = (pico, cfg.security()) {
-        let sec = sec.load()?;
+    if let (true, Some(sec)) = (pico, security.clone()) {
         let ep: pliant_wire::Endpoint = repl_ep
             .parse()
             .map_err(|e| format!("[ha] repl_socket: {e}"))?;
@@ -247,7 +256,7 @@ fn run_with<N: NetworkFunction>(
         inside = %cfg.inside.ifname,
         outside = %cfg.outside.ifname,
         socket = %cfg.replica.control_socket,
-        peer_socket = %peer_path,
+        peer_socket = %peer_server.as_ref().map_or("none", |_| peer_path.as_str()),
         repl_socket = %repl_server.as_ref().map_or("none", |_| repl_ep.as_str()),
         "replica running"
     );

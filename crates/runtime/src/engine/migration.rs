@@ -115,7 +115,11 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             let _ = reply.try_send(json!({"ok": false, "error": msg}));
         };
         if self.peer.is_none() {
-            return refuse("no peer channel: set [replica] peer_socket".into());
+            return refuse(
+                "no peer channel: this replica's config has no [security] identity (the peer \
+                 channel is authenticated)"
+                    .into(),
+            );
         }
         if self.mig.out.len() >= MAX_OUT_MIGRATIONS {
             return refuse(format!(

@@ -282,7 +282,8 @@ fn an_idle_engine_sleeps_and_a_control_request_wakes_it() {
     let (mut e, _) = engine();
     let (_server, handle) = crate::control::start(ctl.to_str().unwrap(), None).unwrap();
     e.set_control(handle);
-    let (_ps, link) = crate::peer::start(peer.to_str().unwrap()).unwrap();
+    let (_ps, link) =
+        crate::peer::start(peer.to_str().unwrap(), crate::peer::test_security("r")).unwrap();
     e.set_peer(link);
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let flag = stop.clone();

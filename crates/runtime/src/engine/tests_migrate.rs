@@ -4,7 +4,7 @@
 
 use super::*;
 use crate::config::Cidr;
-use crate::migrate::{decode_body, encode_frame, PeerEvent, PeerMsg, MAX_HELD_PACKETS};
+use crate::migrate::{decode_body, encode_body, PeerEvent, PeerMsg, MAX_HELD_PACKETS};
 use crate::peer::{PeerEnd, PeerLink};
 use pliant_io::MemPort;
 use pliant_net::build;
@@ -188,8 +188,8 @@ impl Pair {
         }
         self.acks = still;
         while let Ok(o) = self.ends[i].outbound.try_recv() {
-            let bytes = encode_frame(&o.msg).expect("encodes");
-            let msg = decode_body(&bytes[4..]).expect("decodes");
+            let bytes = encode_body(&o.msg).expect("encodes");
+            let msg = decode_body(&bytes).expect("decodes");
             assert_eq!(msg, o.msg);
             let dst = PATHS.iter().position(|p| *p == o.to).expect("known peer");
             if self.fail_next_batch && matches!(msg, PeerMsg::Batch { .. }) {
@@ -688,8 +688,10 @@ fn flows_move_over_real_peer_sockets() {
     let t0 = Instant::now();
     let (mut a, _) = engine("a", t0, MAX_HELD_PACKETS);
     let (mut b, _) = engine("b", t0, MAX_HELD_PACKETS);
-    let (_sa, la) = crate::peer::start(&pa).expect("peer socket a");
-    let (_sb, lb) = crate::peer::start(&pb).expect("peer socket b");
+    let (_sa, la) =
+        crate::peer::start(&pa, crate::peer::test_security("a")).expect("peer socket a");
+    let (_sb, lb) =
+        crate::peer::start(&pb, crate::peer::test_security("b")).expect("peer socket b");
     use std::os::unix::fs::PermissionsExt;
     assert_eq!(
         std::fs::metadata(&pb).unwrap().permissions().mode() & 0o777,
