@@ -812,25 +812,37 @@ impl Controller {
             .filter(|(_, (_, h))| h.alive)
             .map(|(i, _)| *i)
             .collect();
+        // Each replica is asked for the key itself (one index lookup there), not for its
+        // listing: a listing stops at `max_listed_flows`, so a flow past it was never found.
+        let mut unanswered: Vec<String> = Vec::new();
         for i in candidates {
-            let Ok((_, list)) = self.list_flows(i) else {
+            // Died since the candidates were taken: nothing can be moved off it anyway.
+            let Ok(r) = self.alive_target(i) else {
                 continue;
             };
-            let hit = list.into_iter().find(|f| {
-                std::iter::once(&f.key)
-                    .chain(f.aliases.iter())
-                    .any(|s| s.parse::<FlowKey>().is_ok_and(|k| k == want))
-            });
-            if let Some(f) = hit {
-                if i == to {
-                    return Ok(
-                        json!({"ok": true, "moved": 0, "note": format!("already on r{to}")}),
-                    );
+            let sock = r.socket;
+            match rc::flow(&sock, &want, self.settings.rpc_timeout) {
+                Ok(Some(f)) => {
+                    if i == to {
+                        return Ok(
+                            json!({"ok": true, "moved": 0, "note": format!("already on r{to}")}),
+                        );
+                    }
+                    return self.move_flows(i, to, &[f]);
                 }
-                return self.move_flows(i, to, &[f]);
+                Ok(None) => {}
+                Err(e) => unanswered.push(format!("r{i}: {e}")),
             }
         }
-        Err(ControllerError::NoSuchFlow(key.chars().take(120).collect()))
+        let shown: String = key.chars().take(120).collect();
+        if unanswered.is_empty() {
+            return Err(ControllerError::NoSuchFlow(shown));
+        }
+        // "Not found" would be a guess: the flow may live on a replica that did not answer.
+        Err(ControllerError::Refused(format!(
+            "flow {shown} is on none of the replicas that answered; no answer from {}",
+            unanswered.join("; ")
+        )))
     }
 
     fn execute_moves(&self, moves: &[Move]) -> Result<Vec<Value>> {

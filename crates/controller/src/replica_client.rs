@@ -119,6 +119,37 @@ pub fn flows(path: &Path, timeout: Duration) -> Result<(u64, Vec<FlowEntry>), Re
     call(path, &serde_json::json!({"cmd": "flows"}), timeout).map(|v| parse_flows(&v))
 }
 
+/// Asks the replica whether its flow table holds `key` (a primary key or an alias): `Some`
+/// with the flow's primary key and aliases if so. One index lookup on the replica, so unlike
+/// scanning [`flows`] (bounded at `max_listed_flows`) it finds any flow at any table size.
+pub fn flow(
+    path: &Path,
+    key: &pliant_state::FlowKey,
+    timeout: Duration,
+) -> Result<Option<FlowEntry>, ReplicaError> {
+    let v = call(
+        path,
+        &serde_json::json!({"cmd": "flow", "key": key.to_string()}),
+        timeout,
+    )?;
+    parse_flow(&v).map_err(|reason| ReplicaError::Io {
+        path: path.display().to_string(),
+        reason,
+    })
+}
+
+/// Parses a `flow` answer (`{"ok":true,"found":false}` or `{"ok":true,"found":true,"key":…,
+/// "aliases":[…]}`); a missing `found` or a found flow without a key is a malformed answer.
+pub fn parse_flow(v: &Value) -> Result<Option<FlowEntry>, String> {
+    match v.get("found").and_then(Value::as_bool) {
+        Some(false) => Ok(None),
+        Some(true) => serde_json::from_value::<FlowEntry>(v.clone())
+            .map(Some)
+            .map_err(|e| format!("bad flow answer: {e}")),
+        None => Err("bad flow answer: missing boolean field \"found\"".into()),
+    }
+}
+
 /// Waits until the replica answers `stats`, returning how long that took.
 pub fn wait_serving(path: &Path, limit: Duration) -> Result<Duration, ReplicaError> {
     let start = Instant::now();
@@ -165,6 +196,23 @@ mod tests {
                 aliases: vec!["x".into()]
             }]
         );
+    }
+
+    #[test]
+    fn flow_answers_parse_and_malformed_ones_are_errors() {
+        assert_eq!(parse_flow(&json!({"ok": true, "found": false})), Ok(None));
+        assert_eq!(
+            parse_flow(
+                &json!({"ok": true, "found": true, "key": "k", "aliases": ["a"],
+                "version": 3})
+            ),
+            Ok(Some(FlowEntry {
+                key: "k".into(),
+                aliases: vec!["a".into()]
+            }))
+        );
+        assert!(parse_flow(&json!({"ok": true, "found": true})).is_err());
+        assert!(parse_flow(&json!({"ok": true})).is_err());
     }
 
     #[test]

@@ -4,6 +4,13 @@
 //! into a [`Request`] on a bounded channel, poke the packet thread awake through a socket pair
 //! it polls, and wait (bounded) for the answer. No locks on the hot path.
 //!
+//! Each control connection is served on its own thread (at most [`MAX_CONNECTIONS`] at once;
+//! beyond that a connection gets one error line and is closed, counted in
+//! `control_conns_refused`): a `migrate_out` or `ftmb_activate` may take seconds to answer,
+//! and the controller's `stats` heartbeat on another connection must not wait behind it. The
+//! packet thread never waits for those either: it answers them later on the request's reply
+//! channel.
+//!
 //! Protocol: a unix stream socket, mode 0600, and the peer's uid (SO_PEERCRED) must be ours.
 //! One JSON object per line, `{"cmd":"stats"|"metrics"|"query"|"flows"|"shutdown"|...}` (the
 //! migration commands are listed in the crate README), answered
@@ -16,7 +23,7 @@ use std::net::TcpListener;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,6 +33,10 @@ pub const MAX_REQUEST_BYTES: usize = 2 << 20;
 /// Requests queued for the packet thread at most (beyond: refused at once and counted in
 /// `control_errors`; requests whose client gave up waiting stay queued until served).
 pub(crate) const CHANNEL_BOUND: usize = 16;
+/// Control connections served at once. Each holds a thread while it waits for its answer or its
+/// next line (a silent client at most [`IO_TIMEOUT`]); the controller needs a handful (heartbeat,
+/// one operation, HA polls), so this leaves room for CLI use without unbounded threads.
+pub const MAX_CONNECTIONS: usize = 16;
 /// How long a client may take to send a line, and we wait for the packet thread.
 const IO_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long `ftmb_protect`/`ftmb_activate` may take (connects, barriers, replay: each bounded
@@ -38,6 +49,13 @@ pub enum Cmd {
     Metrics,
     Query,
     Flows,
+    /// Whether this replica's flow table holds `key` (as a primary key or an alias), and if so
+    /// its primary key, aliases and version: one index lookup, so the controller can find a
+    /// flow's owner however many flows the replicas hold (`flows` lists at most
+    /// `max_listed_flows`).
+    Flow {
+        key: pliant_state::FlowKey,
+    },
     Shutdown,
     /// Destination side: hold packets of `keys` until their state arrives.
     MigrateIn {
@@ -131,6 +149,11 @@ impl Cmd {
             "metrics" => Cmd::Metrics,
             "query" => Cmd::Query,
             "flows" => Cmd::Flows,
+            "flow" => Cmd::Flow {
+                key: str_field(&v, "key")?
+                    .parse()
+                    .map_err(|e: pliant_state::ParseFlowKeyError| e.to_string())?,
+            },
             "shutdown" => Cmd::Shutdown,
             "migrate_in" => Cmd::MigrateIn {
                 from: str_field(&v, "from")?,
@@ -202,7 +225,7 @@ impl Cmd {
                     shown.push('…');
                 }
                 return Err(format!(
-                    "unknown cmd {shown:?} (known: stats, metrics, query, flows, shutdown, migrate_in, \
+                    "unknown cmd {shown:?} (known: stats, metrics, query, flows, flow, shutdown, migrate_in, \
                      migrate_out, set_port_blocks, shared_export, shared_merge, protect, ha_status, \
                      activate, drop_standby, ftmb_protect, ftmb_status, ftmb_activate, ftmb_hold)"
                 ));
@@ -224,6 +247,8 @@ pub struct ControlHandle {
     wake_rx: UnixStream,
     /// Malformed/refused requests counted by the serving threads.
     pub errors: Arc<AtomicU64>,
+    /// Connections refused because [`MAX_CONNECTIONS`] were being served (also in `errors`).
+    pub conns_refused: Arc<AtomicU64>,
 }
 
 impl ControlHandle {
@@ -260,6 +285,30 @@ pub(crate) struct Shared {
     wake_tx: Arc<UnixStream>,
     errors: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
+    /// Connections being served now.
+    active: Arc<AtomicUsize>,
+    conns_refused: Arc<AtomicU64>,
+}
+
+/// One of the [`MAX_CONNECTIONS`] serving slots, given back when the connection's thread ends
+/// (however it ends).
+struct Slot(Arc<AtomicUsize>);
+
+impl Slot {
+    fn claim(active: &Arc<AtomicUsize>) -> Option<Slot> {
+        active
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < MAX_CONNECTIONS).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| Slot(Arc::clone(active)))
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl Shared {
@@ -372,16 +421,20 @@ pub(crate) fn channel() -> Result<(Shared, ControlHandle), String> {
         .set_nonblocking(true)
         .map_err(|e| format!("socketpair: {e}"))?;
     let errors = Arc::new(AtomicU64::new(0));
+    let conns_refused = Arc::new(AtomicU64::new(0));
     let shared = Shared {
         tx,
         wake_tx: Arc::new(wake_tx),
         errors: errors.clone(),
         stop: Arc::new(AtomicBool::new(false)),
+        active: Arc::new(AtomicUsize::new(0)),
+        conns_refused: conns_refused.clone(),
     };
     let handle = ControlHandle {
         requests: rx,
         wake_rx,
         errors,
+        conns_refused,
     };
     Ok((shared, handle))
 }
@@ -399,11 +452,28 @@ fn serve_unix(l: UnixListener, sh: Shared) {
             let _ = writeln!(s, "{e}");
             continue;
         }
-        // One client at a time: control traffic is rare, and a stuck client is cut off by the
-        // timeouts rather than holding a thread.
+        // A client silent for IO_TIMEOUT is cut off, so a stuck one holds its slot that long.
         let _ = s.set_read_timeout(Some(IO_TIMEOUT));
         let _ = s.set_write_timeout(Some(IO_TIMEOUT));
-        serve_conn(s, &sh);
+        let Some(slot) = Slot::claim(&sh.active) else {
+            sh.conns_refused.fetch_add(1, Ordering::Relaxed);
+            let e = sh.error(&format!(
+                "replica busy: {MAX_CONNECTIONS} control connections are being served; retry"
+            ));
+            let _ = writeln!(s, "{e}");
+            continue;
+        };
+        let conn_sh = sh.clone();
+        let spawned = std::thread::Builder::new()
+            .name("pliant-ctl-conn".into())
+            .spawn(move || {
+                let _slot = slot;
+                serve_conn(s, &conn_sh);
+            });
+        if let Err(e) = spawned {
+            // The connection (moved into the closure) is closed and its slot given back.
+            let _ = sh.error(&format!("spawn control connection thread: {e}"));
+        }
     }
 }
 
@@ -523,6 +593,14 @@ mod tests {
                 keys: vec![k.parse().unwrap()]
             })
         );
+        assert_eq!(
+            Cmd::parse(&format!(r#"{{"cmd":"flow","key":"{k}"}}"#)),
+            Ok(Cmd::Flow {
+                key: k.parse().unwrap()
+            })
+        );
+        assert!(Cmd::parse(r#"{"cmd":"flow"}"#).is_err());
+        assert!(Cmd::parse(r#"{"cmd":"flow","key":"tcp nowhere"}"#).is_err());
         assert!(Cmd::parse(r#"{"cmd":"migrate_in","keys":[]}"#).is_err());
         assert!(Cmd::parse(r#"{"cmd":"migrate_in","from":"a","keys":["x"]}"#).is_err());
         assert_eq!(
@@ -632,6 +710,146 @@ mod tests {
         assert_eq!(client_request(&path, "query").unwrap()["cmd"], "Query");
         let handle = t.join().unwrap();
         assert_eq!(handle.errors.load(Ordering::Relaxed), 2);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    fn test_socket(tag: u32) -> (std::path::PathBuf, String) {
+        let dir = std::env::temp_dir().join(format!("pliant-ctl-{}-{tag}", std::process::id()));
+        let path = dir.join("c.sock").to_str().unwrap().to_string();
+        (dir, path)
+    }
+
+    /// A fake packet thread that holds every `ftmb_activate` reply (as the engine does while a
+    /// replay runs elsewhere) and answers everything else at once. It reports each activation
+    /// taken on `taken`, answers the held ones when told on `release` (or after `fallback`, so
+    /// a server that serves connections one at a time fails the caller's assertions instead of
+    /// hanging), and ends 10 s after that (the serving threads keep the queue open).
+    fn holding_packet_thread(
+        handle: ControlHandle,
+        taken: mpsc::Sender<()>,
+        release: Receiver<()>,
+        fallback: Duration,
+    ) -> std::thread::JoinHandle<()> {
+        std::thread::spawn(move || {
+            let start = std::time::Instant::now();
+            let mut held: Vec<SyncSender<Value>> = Vec::new();
+            loop {
+                match handle.requests.recv_timeout(Duration::from_millis(5)) {
+                    Ok(r) => match r.cmd {
+                        Cmd::FtmbActivate { .. } => {
+                            held.push(r.reply);
+                            let _ = taken.send(());
+                        }
+                        other => {
+                            let _ = r
+                                .reply
+                                .send(json!({"ok": true, "cmd": format!("{other:?}")}));
+                        }
+                    },
+                    Err(mpsc::RecvTimeoutError::Timeout) => {}
+                    Err(mpsc::RecvTimeoutError::Disconnected) => return,
+                }
+                if start.elapsed() > fallback + Duration::from_secs(10) {
+                    return;
+                }
+                if release.try_recv().is_ok() || start.elapsed() > fallback {
+                    for h in held.drain(..) {
+                        let _ = h.send(json!({"ok": true, "activated": 1}));
+                    }
+                }
+            }
+        })
+    }
+
+    #[test]
+    fn stats_is_answered_while_a_slow_request_is_pending_on_another_connection() {
+        let (dir, path) = test_socket(line!());
+        let (server, handle) = start(&path, None).expect("start");
+        let (taken_tx, taken_rx) = mpsc::channel();
+        let (release_tx, release_rx) = mpsc::channel();
+        let fake = holding_packet_thread(handle, taken_tx, release_rx, Duration::from_secs(5));
+        let (done_tx, done_rx) = mpsc::channel();
+        let slow_path = path.clone();
+        let slow = std::thread::spawn(move || {
+            let v = client_request_json(
+                &slow_path,
+                &json!({"cmd": "ftmb_activate", "primary": "r1"}),
+            );
+            let _ = done_tx.send(v);
+        });
+        taken_rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the slow request reached the packet thread");
+        let stats = client_request(&path, "stats").expect("stats answered");
+        assert_eq!(stats["cmd"], "Stats", "{stats}");
+        assert!(
+            matches!(done_rx.try_recv(), Err(mpsc::TryRecvError::Empty)),
+            "stats was answered only after the slow request finished: connections are served \
+             one at a time"
+        );
+        release_tx.send(()).unwrap();
+        let v = done_rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the slow request answered once released")
+            .expect("slow request");
+        assert_eq!(v["activated"], 1, "{v}");
+        slow.join().unwrap();
+        drop(server);
+        drop(fake);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn connections_past_the_bound_are_refused_counted_and_served_again_later() {
+        let (dir, path) = test_socket(line!());
+        let (server, handle) = start(&path, None).expect("start");
+        let refused = handle.conns_refused.clone();
+        let errors = handle.errors.clone();
+        let (taken_tx, taken_rx) = mpsc::channel();
+        let (release_tx, release_rx) = mpsc::channel();
+        let fake = holding_packet_thread(handle, taken_tx, release_rx, Duration::from_secs(15));
+        // Every slot taken by a request in flight.
+        let clients: Vec<_> = (0..MAX_CONNECTIONS)
+            .map(|i| {
+                let p = path.clone();
+                std::thread::spawn(move || {
+                    client_request_json(
+                        &p,
+                        &json!({"cmd": "ftmb_activate", "primary": format!("r{i}")}),
+                    )
+                })
+            })
+            .collect();
+        for i in 0..MAX_CONNECTIONS {
+            taken_rx
+                .recv_timeout(Duration::from_secs(10))
+                .unwrap_or_else(|_| panic!("only {i} of {MAX_CONNECTIONS} requests in flight"));
+        }
+        let v = client_request(&path, "stats").expect("an answer, not a hang-up");
+        assert_eq!(v["ok"], false, "{v}");
+        assert!(
+            v["error"].as_str().unwrap().contains("control connections"),
+            "{v}"
+        );
+        assert_eq!(refused.load(Ordering::Relaxed), 1);
+        assert_eq!(errors.load(Ordering::Relaxed), 1);
+        release_tx.send(()).unwrap();
+        for c in clients {
+            assert_eq!(c.join().unwrap().expect("answered")["activated"], 1);
+        }
+        // The slots come back as the serving threads see their clients go.
+        let mut served = None;
+        for _ in 0..500 {
+            let v = client_request(&path, "stats").expect("answered");
+            if v["ok"] == true {
+                served = Some(v);
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(served.expect("served again")["cmd"], "Stats");
+        drop(server);
+        drop(fake);
         let _ = std::fs::remove_dir_all(dir);
     }
 }

@@ -1036,6 +1036,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
                     .collect();
                 json!({"ok": true, "total": keys.len(), "listed": listed.len(), "flows": listed})
             }
+            Cmd::Flow { key } => self.flow_json(&key),
             Cmd::MigrateIn { from, keys } => self.migrate_in(&from, &keys, now),
             Cmd::MigrateOut { .. } => {
                 json!({"ok": false, "error": "migrate_out is answered asynchronously: use submit"})
@@ -1073,10 +1074,38 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
         }
     }
 
+    /// The `flow` answer: an index lookup of `key` (a primary key or an alias), never a walk of
+    /// the table, so it costs the packet thread the same at any table size. `found: false` is an
+    /// answer, not an error: the controller asks every replica and most do not hold the flow.
+    fn flow_json(&self, key: &FlowKey) -> Value {
+        let Some(keys) = self.ctx.flows.keys_of(key) else {
+            return json!({"ok": true, "found": false});
+        };
+        let primary = keys[0];
+        let aliases: Vec<String> = keys[1..]
+            .iter()
+            .filter(|a| **a != primary)
+            .map(|a| a.to_string())
+            .collect();
+        json!({
+            "ok": true,
+            "found": true,
+            "key": primary.to_string(),
+            "aliases": aliases,
+            "version": self.ctx.flows.version(&primary),
+        })
+    }
+
     fn control_errors(&self) -> u64 {
         self.control
             .as_ref()
             .map_or(0, |c| c.errors.load(Ordering::Relaxed))
+    }
+
+    fn control_conns_refused(&self) -> u64 {
+        self.control
+            .as_ref()
+            .map_or(0, |c| c.conns_refused.load(Ordering::Relaxed))
     }
 
     pub fn stats_json(&self, now: Instant) -> Value {
@@ -1106,6 +1135,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
         };
         let mut engine = serde_json::to_value(&self.stats).unwrap_or(Value::Null);
         engine["control_errors"] = json!(self.stats.control_errors + self.control_errors());
+        engine["control_conns_refused"] = json!(self.control_conns_refused());
         // Called on the packet thread: the policy it actually runs under (`realtime_priority`).
         let (policy, priority) = crate::sched::current();
         engine["sched"] = json!({"policy": policy, "priority": priority});
@@ -1138,6 +1168,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
         let table = self.ctx.flows.stats();
         let mut engine = self.stats.clone();
         engine.control_errors += self.control_errors();
+        engine.control_conns_refused = self.control_conns_refused();
         let mut text = metrics::render(&Snapshot {
             replica: &self.name,
             nf: N::NAME,

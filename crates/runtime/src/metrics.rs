@@ -41,6 +41,9 @@ pub struct EngineStats {
     pub timers_fired: u64,
     pub control_requests: u64,
     pub control_errors: u64,
+    /// Control connections refused because the bound of those served at once was reached
+    /// (counted by the control socket's threads; filled in when reported).
+    pub control_conns_refused: u64,
 }
 
 /// Everything `metrics` renders, gathered by the packet thread.
@@ -213,7 +216,7 @@ pub fn render(s: &Snapshot<'_>) -> String {
         o.header(name, "gauge", help);
         o.sample(name, &[("nf", s.nf)], v);
     }
-    let counters: [(&str, &str, u64); 9] = [
+    let counters: [(&str, &str, u64); 10] = [
         (
             "pliant_flows_created_total",
             "Flows created",
@@ -258,6 +261,11 @@ pub fn render(s: &Snapshot<'_>) -> String {
             "pliant_control_errors_total",
             "Control requests refused",
             s.engine.control_errors,
+        ),
+        (
+            "pliant_control_connections_refused_total",
+            "Control connections refused: too many served at once",
+            s.engine.control_conns_refused,
         ),
     ];
     for (name, help, v) in counters {

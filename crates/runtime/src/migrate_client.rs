@@ -9,25 +9,44 @@ use std::collections::HashMap;
 /// Primary keys and aliases of the flows on a replica, from its `flows` answer (bounded by the
 /// replica's listing limit).
 pub fn flow_aliases(socket: &str) -> Result<HashMap<FlowKey, Vec<FlowKey>>, String> {
+    listed_aliases(socket).map(|(m, _)| m)
+}
+
+/// [`flow_aliases`], and whether the listing held every flow (`listed == total`).
+fn listed_aliases(socket: &str) -> Result<(HashMap<FlowKey, Vec<FlowKey>>, bool), String> {
     let v = client_request_json(socket, &json!({"cmd": "flows"}))?;
     if v["ok"] != true {
         return Err(format!("flows on {socket}: {}", v["error"]));
     }
     let mut out = HashMap::new();
-    for f in v["flows"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
+    let listed = v["flows"].as_array().map(Vec::as_slice).unwrap_or(&[]);
+    for f in listed {
         let Some(k) = f["key"].as_str().and_then(|s| s.parse::<FlowKey>().ok()) else {
             continue;
         };
-        let aliases = f["aliases"]
-            .as_array()
-            .map(Vec::as_slice)
-            .unwrap_or(&[])
-            .iter()
-            .filter_map(|a| a.as_str()?.parse().ok())
-            .collect();
-        out.insert(k, aliases);
+        out.insert(k, aliases_of(f));
     }
-    Ok(out)
+    let complete = v["total"]
+        .as_u64()
+        .is_some_and(|t| t <= listed.len() as u64);
+    Ok((out, complete))
+}
+
+fn aliases_of(f: &Value) -> Vec<FlowKey> {
+    f["aliases"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or(&[])
+        .iter()
+        .filter_map(|a| a.as_str()?.parse().ok())
+        .collect()
+}
+
+/// The aliases of flow `key` on the replica at `socket`, by the `flow` lookup (any table
+/// size); `None` if it does not hold the flow or did not answer.
+fn aliases_by_key(socket: &str, key: &FlowKey) -> Option<Vec<FlowKey>> {
+    let v = client_request_json(socket, &json!({"cmd": "flow", "key": key.to_string()})).ok()?;
+    (v["ok"] == true && v["found"] == true).then(|| aliases_of(&v))
 }
 
 /// Moves `keys` (primary keys) from the replica at `src_socket` to the one at `dst_socket`,
@@ -46,12 +65,18 @@ pub fn migrate(
     keys: &[FlowKey],
     steer_update: impl FnOnce(&[FlowKey]),
 ) -> Result<Value, String> {
-    let aliases = flow_aliases(src_socket).unwrap_or_default();
+    let (aliases, complete) = listed_aliases(src_socket).unwrap_or_default();
     let mut all: Vec<FlowKey> = Vec::with_capacity(keys.len() * 2);
     for k in keys {
         all.push(*k);
         if let Some(a) = aliases.get(k) {
             all.extend(a.iter().copied());
+        } else if !complete {
+            // Past the listing's bound: without its aliases the destination would not hold
+            // the packets arriving on them (a NAT's return traffic) until the state is there.
+            if let Some(a) = aliases_by_key(src_socket, k) {
+                all.extend(a);
+            }
         }
     }
     let strs = |ks: &[FlowKey]| ks.iter().map(|k| k.to_string()).collect::<Vec<_>>();

@@ -37,6 +37,9 @@ struct FakeState {
 
 type Shared = Arc<Mutex<FakeState>>;
 
+/// The runtime's default `max_listed_flows`.
+const FAKE_MAX_LISTED: usize = 1000;
+
 struct FakeReplica {
     path: PathBuf,
     state: Shared,
@@ -75,7 +78,27 @@ impl FakeReplica {
             let ans = match req["cmd"].as_str() {
                 Some("stats") => json!({"ok": true, "table": {"flows": g.flows.len()},
                     "ports": {"inside": {"rx_frames": 0}, "outside": {"rx_frames": 0}}}),
-                Some("flows") => json!({"ok": true, "total": g.flows.len(), "flows": g.flows}),
+                // Bounded as the runtime's listing is (`max_listed_flows`), so a test can put
+                // a flow out of the listing's reach.
+                Some("flows") => {
+                    let listed = &g.flows[..g.flows.len().min(FAKE_MAX_LISTED)];
+                    json!({"ok": true, "total": g.flows.len(), "listed": listed.len(),
+                        "flows": listed})
+                }
+                Some("flow") => {
+                    let want: Option<FlowKey> = req["key"].as_str().and_then(|k| k.parse().ok());
+                    let hit = g.flows.iter().find(|f| {
+                        std::iter::once(&f.key)
+                            .chain(f.aliases.iter())
+                            .any(|s| s.parse::<FlowKey>().ok() == want)
+                    });
+                    match (want, hit) {
+                        (None, _) => json!({"ok": false, "error": "bad key"}),
+                        (Some(_), None) => json!({"ok": true, "found": false}),
+                        (Some(_), Some(f)) => json!({"ok": true, "found": true, "key": f.key,
+                            "aliases": f.aliases, "version": 1}),
+                    }
+                }
                 Some("set_port_blocks") => {
                     g.port_blocks = Some(req["blocks"].clone());
                     json!({"ok": true})
@@ -468,6 +491,39 @@ fn migrate_moves_flows_and_steers_every_key_and_alias() {
         Err(ControllerError::BadRequest(_))
     ));
     assert_eq!(c.status()["epoch"], 2);
+}
+
+#[test]
+fn a_flow_beyond_the_listing_bound_is_found_and_moved_by_key() {
+    let (w, steer, c) = setup("migrate-deep", 2, manual());
+    w.fill(1, 0..1500);
+    let (total, listed) = c.list_flows(1).unwrap();
+    assert_eq!((total, listed.len()), (1500, FAKE_MAX_LISTED));
+    // Flow 1200 is not in r1's listing: only asking r1 for the key finds it.
+    let deep = flow(1200);
+    assert!(!listed.contains(&deep));
+    let r = c.migrate_key(&deep.key, 2).unwrap();
+    assert_eq!(r["moved"], 1, "{r}");
+    assert_eq!((w.flows(1), w.flows(2)), (1499, 1));
+    assert!(w.state(2).lock().unwrap().flows.contains(&deep));
+    let ex = steer.0.lock().unwrap().exceptions.clone();
+    for k in std::iter::once(&deep.key).chain(deep.aliases.iter()) {
+        assert_eq!(ex.get(&k.parse::<FlowKey>().unwrap()), Some(&2), "{k}");
+    }
+    // An alias past the bound finds its flow too; asking again where it is now is a no-op.
+    let alias = flow(1400).aliases[0].clone();
+    assert_eq!(c.migrate_key(&alias, 2).unwrap()["moved"], 1);
+    assert_eq!(c.migrate_key(&alias, 2).unwrap()["moved"], 0);
+    assert!(matches!(
+        c.migrate_key("udp 1.2.3.4:1 <-> 5.6.7.8:2", 2),
+        Err(ControllerError::NoSuchFlow(_))
+    ));
+    // A replica that does not answer may hold the flow: that is said, not "no such flow".
+    w.state(2).lock().unwrap().down = true;
+    match c.migrate_key("udp 1.2.3.4:1 <-> 5.6.7.8:2", 1) {
+        Err(ControllerError::Refused(m)) => assert!(m.contains("no answer from r2"), "{m}"),
+        other => panic!("expected a refusal naming r2, got {other:?}"),
+    }
 }
 
 #[test]

@@ -170,6 +170,9 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
 /// The requests that act on the engine's own flow table or Pico replication.
 fn refused_in_ftmb(cmd: &Cmd) -> Option<&'static str> {
     Some(match cmd {
+        // Looked up in the engine's own table, which is empty here; a flow is moved by key
+        // only through migration, which does not apply either.
+        Cmd::Flow { .. } => "flow",
         Cmd::MigrateIn { .. } => "migrate_in",
         Cmd::MigrateOut { .. } => "migrate_out",
         Cmd::SetPortBlocks { .. } => "set_port_blocks",

@@ -681,6 +681,62 @@ fn flows_listing_and_refusals() {
 }
 
 #[test]
+fn a_flow_past_the_listing_bound_is_found_by_key_and_moved() {
+    let mut p = Pair::new(MAX_HELD_PACKETS);
+    // A bound of 8 stands in for the default 1000: the lookup must not depend on it.
+    p.e[0].opts.max_listed_flows = 8;
+    let flows: Vec<u16> = (30000..30020).collect();
+    for f in &flows {
+        p.send(0, *f, 0);
+    }
+    p.round();
+    let listing = p.e[0].answer(Cmd::Flows, p.now);
+    assert_eq!(
+        (listing["total"].clone(), listing["listed"].clone()),
+        (json!(20), json!(8))
+    );
+    let listed: Vec<&str> = listing["flows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|f| f["key"].as_str())
+        .collect();
+    let deep = *flows
+        .iter()
+        .find(|f| !listed.contains(&key(**f).to_string().as_str()))
+        .expect("a flow the listing leaves out");
+    // Found by its key, and by an alias (answering with the primary key).
+    let alias = FlowKey::v4(pliant_net::proto::UDP, CLIENT, 1, SERVER, 2).0;
+    p.e[0].ctx.flows.add_alias(&key(deep), alias).unwrap();
+    for asked in [key(deep), alias] {
+        let v = p.e[0].answer(Cmd::Flow { key: asked }, p.now);
+        assert_eq!(v["found"], true, "{v}");
+        assert_eq!(v["key"], key(deep).to_string(), "{v}");
+        assert_eq!(v["aliases"], json!([alias.to_string()]), "{v}");
+        assert_eq!(v["version"], 1, "{v}");
+    }
+    let v = p.e[1].answer(Cmd::Flow { key: key(deep) }, p.now);
+    assert_eq!(v, json!({"ok": true, "found": false}));
+    // What the answer names is what a migration needs: move it by that key.
+    let keys = [key(deep), alias];
+    p.migrate_in(1, &keys);
+    let rx = p.migrate_out(0, 1, &keys);
+    let v = p.run_until(&rx, 50);
+    assert_eq!(
+        (v["ok"].clone(), v["moved"].clone()),
+        (json!(true), json!(1)),
+        "{v}"
+    );
+    assert_eq!(p.state(1, deep), Some(expected(1)));
+    assert_eq!(
+        p.e[0].answer(Cmd::Flow { key: alias }, p.now)["found"],
+        false
+    );
+    let v = p.e[1].answer(Cmd::Flow { key: alias }, p.now);
+    assert_eq!(v["key"], key(deep).to_string(), "{v}");
+}
+
+#[test]
 fn flows_move_over_real_peer_sockets() {
     let dir = std::env::temp_dir().join(format!("pliant-peer-{}-{}", std::process::id(), line!()));
     let pa = dir.join("a.peer.sock").to_str().unwrap().to_string();
@@ -763,4 +819,52 @@ fn flows_move_over_real_peer_sockets() {
     assert_eq!(b.ctx.flows.peek(&key(100)), Some(&expected(3)));
     assert_eq!(a.migrate_stats().forwarded_late, 1);
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// `migrate_client::migrate` gives the destination and the steering a flow's aliases even when
+/// the source's listing does not reach the flow (here it lists nothing at all): it asks `flow`.
+#[test]
+fn the_migration_client_finds_aliases_past_the_listing_bound() {
+    let dir = std::env::temp_dir().join(format!("pliant-peer-{}-{}", std::process::id(), line!()));
+    let path = |n: &str| dir.join(n).to_str().unwrap().to_string();
+    let (ca, cb, pb) = (path("a.sock"), path("b.sock"), path("b.peer.sock"));
+    let t0 = Instant::now();
+    let (mut a, _) = engine("a", t0, MAX_HELD_PACKETS);
+    let (mut b, _) = engine("b", t0, MAX_HELD_PACKETS);
+    a.opts.max_listed_flows = 0;
+    for s in 100..105 {
+        a.port_mut(Side::Inside).inject(&frame(s, 0));
+    }
+    a.poll_once(t0);
+    assert_eq!(a.ctx.flows.len(), 5);
+    let alias = FlowKey::v4(pliant_net::proto::UDP, CLIENT, 1, SERVER, 2).0;
+    a.ctx.flows.add_alias(&key(103), alias).unwrap();
+    let (_sa, ha) = crate::control::start(&ca, None).expect("control a");
+    let (_sb, hb) = crate::control::start(&cb, None).expect("control b");
+    let (_pa, la) = crate::peer::start(&path("a.peer.sock")).expect("peer a");
+    let (_pb, lb) = crate::peer::start(&pb).expect("peer b");
+    a.set_control(ha);
+    b.set_control(hb);
+    a.set_peer(la);
+    b.set_peer(lb);
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let run = |mut e: Eng| {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            e.run_paced(&stop, Duration::ZERO).expect("engine runs");
+            e
+        })
+    };
+    let (ta, tb) = (run(a), run(b));
+    let mut steered = Vec::new();
+    let res =
+        crate::migrate_client::migrate(&ca, &cb, &pb, &[key(103)], |all| steered = all.to_vec());
+    stop.store(true, Ordering::SeqCst);
+    let (a, b) = (ta.join().unwrap(), tb.join().unwrap());
+    let _ = std::fs::remove_dir_all(&dir);
+    let v = res.expect("migration");
+    assert_eq!(v["moved"], 1, "{v}");
+    assert_eq!(steered, vec![key(103), alias]);
+    assert_eq!(b.ctx.flows.keys_of(&alias), Some(vec![key(103), alias]));
+    assert!(!a.ctx.flows.contains(&key(103)));
 }
