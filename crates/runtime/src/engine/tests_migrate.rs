@@ -841,8 +841,9 @@ fn the_migration_client_finds_aliases_past_the_listing_bound() {
     a.ctx.flows.add_alias(&key(103), alias).unwrap();
     let (_sa, ha) = crate::control::start(&ca, None).expect("control a");
     let (_sb, hb) = crate::control::start(&cb, None).expect("control b");
-    let (_pa, la) = crate::peer::start(&path("a.peer.sock")).expect("peer a");
-    let (_pb, lb) = crate::peer::start(&pb).expect("peer b");
+    let (_pa, la) =
+        crate::peer::start(&path("a.peer.sock"), crate::peer::test_security("a")).expect("peer a");
+    let (_pb, lb) = crate::peer::start(&pb, crate::peer::test_security("b")).expect("peer b");
     a.set_control(ha);
     b.set_control(hb);
     a.set_peer(la);
