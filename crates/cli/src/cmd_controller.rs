@@ -157,11 +157,12 @@ pub fn run(a: ControllerArgs) -> Result<(), String> {
         println!("{}: ok", a.config.display());
         return Ok(());
     }
+    let peer_endpoint = cfg.controller.peer_endpoint.clone();
     drop(cfg);
     pliant_runtime::logging::init();
     pliant_controller::daemon::run(
         &a.config,
-        Box::new(pliant_controller::migrator::RuntimeMigrator),
+        Box::new(pliant_controller::migrator::RuntimeMigrator { peer_endpoint }),
     )
     .map_err(|e| e.to_string())
 }

@@ -53,6 +53,11 @@ pub struct ControllerSection {
     /// are (`[replica] realtime_priority`), and of failure detection.
     #[serde(default)]
     pub realtime_priority: Option<u8>,
+    /// Where each replica's migration peer channel is, told to sources: a template in which
+    /// `{name}` is the replica's control socket stem and `{index}` its number
+    /// (`"10.254.0.{index}:7401"`); absent, the unix socket beside the control socket.
+    #[serde(default)]
+    pub peer_endpoint: Option<String>,
 }
 
 /// Replicas as namespaces of a running lab (agent + steering in its fabric).

@@ -93,6 +93,15 @@ pub struct HaConfig {
     /// Least time between two re-protections of one replica answering `needs_backup`.
     #[serde(default = "d_reprotect_ms")]
     pub reprotect_min_ms: u64,
+    /// Where each replica's replication listener is, as told to primaries: a template in
+    /// which `{name}` is the replica's control socket stem (`r2`) and `{index}` its number
+    /// (`"10.254.0.{index}:7400"`; see [`endpoint_of`]). Absent: the unix socket beside the
+    /// control socket (`r2.repl.sock`), the runtime's default.
+    #[serde(default)]
+    pub repl_endpoint: Option<String>,
+    /// The same for each replica's hosted FTMB logger (absent: `r2.ftmb.sock`).
+    #[serde(default)]
+    pub ftmb_endpoint: Option<String>,
 }
 
 fn d_mode() -> HaMode {
@@ -139,6 +148,8 @@ impl Default for HaConfig {
             watch_ms: d_watch_ms(),
             rpc_timeout_ms: d_ha_rpc_ms(),
             reprotect_min_ms: d_reprotect_ms(),
+            repl_endpoint: None,
+            ftmb_endpoint: None,
         }
     }
 }
@@ -204,6 +215,29 @@ impl HaConfig {
     }
 }
 
+/// Replica `control_socket`'s channel endpoint: `template` with `{name}` replaced by the
+/// control socket's stem (`r2` for `/run/pliant/lab/r2.sock`) and `{index}` by the number
+/// that stem ends with (`2`): the replica's channels may be on TCP at another host
+/// (`"10.254.0.{index}:7400"`, `"{name}.example:7400"`). Without a template, the unix socket
+/// beside the control socket, `<stem>.<suffix>.sock` (the runtime's default).
+pub fn endpoint_of(template: Option<&str>, control_socket: &Path, suffix: &str) -> String {
+    let stem = control_socket
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "replica".into());
+    match template {
+        Some(t) => {
+            let digits = stem.len() - stem.trim_end_matches(|c: char| c.is_ascii_digit()).len();
+            t.replace("{name}", &stem)
+                .replace("{index}", &stem[stem.len() - digits..])
+        }
+        None => control_socket
+            .with_file_name(format!("{stem}.{suffix}.sock"))
+            .display()
+            .to_string(),
+    }
+}
+
 /// Replica `socket`'s replication socket: beside the control socket, `<stem>.repl.sock`
 /// (`/run/pliant/lab/r1.sock` -> `/run/pliant/lab/r1.repl.sock`), the runtime's default.
 pub fn repl_socket_of(control_socket: &Path) -> PathBuf {
@@ -240,8 +274,13 @@ pub fn ftmb_successor(primary: u32, live: &[(u32, PathBuf)]) -> Option<(u32, Pat
 
 /// The `ftmb_protect` request that points `primary`'s workers at the logger of `host`
 /// (whose control socket is `host_socket`).
-pub fn ftmb_protect_request(host_socket: &Path) -> Value {
-    json!({"cmd": "ftmb_protect", "logger": ftmb_socket_of(host_socket)})
+pub fn ftmb_protect_request(cfg: &HaConfig, host_socket: &Path) -> Value {
+    json!({"cmd": "ftmb_protect", "logger": ftmb_endpoint(cfg, host_socket)})
+}
+
+/// Where the FTMB logger hosted by the replica at `host_socket` listens.
+pub fn ftmb_endpoint(cfg: &HaConfig, host_socket: &Path) -> String {
+    endpoint_of(cfg.ftmb_endpoint.as_deref(), host_socket, "ftmb")
 }
 
 /// What the controller reads from an `ftmb_status` answer.
@@ -328,8 +367,9 @@ pub fn ftmb_activate_detail(v: &Value) -> Value {
         "replayed_packets": v.get("replayed_packets"), "suppressed": v.get("suppressed")})
 }
 
-fn target(index: u32, control_socket: &Path) -> Value {
-    json!({"name": format!("r{index}"), "socket": repl_socket_of(control_socket)})
+fn target(cfg: &HaConfig, index: u32, control_socket: &Path) -> Value {
+    let socket = endpoint_of(cfg.repl_endpoint.as_deref(), control_socket, "repl");
+    json!({"name": format!("r{index}"), "socket": socket})
 }
 
 /// The policy `primary` gets, over the other live replicas `live` (index, control socket; the
@@ -351,7 +391,7 @@ pub fn build_policy(cfg: &HaConfig, primary: u32, live: &[(u32, PathBuf)]) -> Va
         .chain(others[..start].iter())
         .copied()
         .collect();
-    let first = target(ring[0].0, &ring[0].1);
+    let first = target(cfg, ring[0].0, &ring[0].1);
     if cfg.mode == HaMode::Remus {
         return json!({"kind": "remus", "backup": first, "hz": cfg.remus_hz});
     }
@@ -359,7 +399,7 @@ pub fn build_policy(cfg: &HaConfig, primary: u32, live: &[(u32, PathBuf)]) -> Va
         PolicyKind::Single => json!({"kind": "single", "backup": first, "hz": cfg.hz}),
         PolicyKind::Chords => json!({
             "kind": "chords",
-            "backups": ring.iter().map(|(i, s)| target(*i, s)).collect::<Vec<_>>(),
+            "backups": ring.iter().map(|(i, s)| target(cfg, *i, s)).collect::<Vec<_>>(),
             "vnodes": cfg.vnodes,
             "hz": cfg.hz,
         }),
@@ -372,7 +412,7 @@ pub fn build_policy(cfg: &HaConfig, primary: u32, live: &[(u32, PathBuf)]) -> Va
                     "backup": first,
                     "hz": cfg.hz,
                 }],
-                "default": {"backup": target(low.0, &low.1), "hz": cfg.streams_default_hz},
+                "default": {"backup": target(cfg, low.0, &low.1), "hz": cfg.streams_default_hz},
             })
         }
     }
@@ -494,6 +534,33 @@ mod tests {
     }
 
     #[test]
+    fn endpoint_templates_name_each_replica_or_default_beside_its_socket() {
+        let c = Path::new("/run/pliant/lab/r12.sock");
+        assert_eq!(
+            endpoint_of(None, c, "repl"),
+            "/run/pliant/lab/r12.repl.sock"
+        );
+        assert_eq!(
+            endpoint_of(Some("10.254.0.{index}:7400"), c, "repl"),
+            "10.254.0.12:7400"
+        );
+        assert_eq!(
+            endpoint_of(Some("{name}.lab:7401"), c, "peer"),
+            "r12.lab:7401"
+        );
+        let mut cfg = HaConfig::default();
+        cfg.ftmb_endpoint = Some("10.254.0.{index}:7402".into());
+        assert_eq!(ftmb_endpoint(&cfg, c), "10.254.0.12:7402");
+        cfg.repl_endpoint = Some("10.254.0.{index}:7400".into());
+        let live = vec![
+            (1, PathBuf::from("/r/r1.sock")),
+            (2, PathBuf::from("/r/r2.sock")),
+        ];
+        let p = build_policy(&cfg, 1, &live);
+        assert_eq!(p["backups"][0]["socket"], "10.254.0.2:7400", "{p}");
+    }
+
+    #[test]
     fn repl_socket_sits_beside_the_control_socket() {
         assert_eq!(
             repl_socket_of(Path::new("/run/pliant/lab/r3.sock")),
@@ -521,7 +588,7 @@ mod tests {
             Some(5)
         );
         assert_eq!(
-            ftmb_protect_request(Path::new("/run/pliant/lab/r2.sock")),
+            ftmb_protect_request(&HaConfig::default(), Path::new("/run/pliant/lab/r2.sock")),
             json!({"cmd": "ftmb_protect", "logger": "/run/pliant/lab/r2.ftmb.sock"})
         );
         // FTMB replicas get no Pico policy.

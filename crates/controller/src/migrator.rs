@@ -68,7 +68,11 @@ pub fn default_peer_path(control: &Path) -> String {
 
 /// The real thing: `pliant_runtime::migrate_client::migrate` (migrate_in at the destination,
 /// steering switch, migrate_out at the source, which answers once the move is complete).
-pub struct RuntimeMigrator;
+pub struct RuntimeMigrator {
+    /// Where each replica's peer channel is: a template with `{name}` for the control socket's
+    /// stem (`[controller] peer_endpoint`); absent, the unix socket beside the control socket.
+    pub peer_endpoint: Option<String>,
+}
 
 impl Migrator for RuntimeMigrator {
     fn migrate(
@@ -79,7 +83,10 @@ impl Migrator for RuntimeMigrator {
         steer: &mut SteerUpdate<'_>,
     ) -> Result<Outcome, MigrateError> {
         let keys: Vec<FlowKey> = flows.iter().filter_map(|f| f.key.parse().ok()).collect();
-        let peer = default_peer_path(dst);
+        let peer = match &self.peer_endpoint {
+            Some(t) => crate::ha::endpoint_of(Some(t), dst, "peer"),
+            None => default_peer_path(dst),
+        };
         let mut steer_err: Option<String> = None;
         let r = pliant_runtime::migrate_client::migrate(
             &src.display().to_string(),

@@ -393,19 +393,20 @@ impl Controller {
     /// most once per `min_gap`. A replica still connecting (`protected: false` with the right
     /// logger) is left alone: re-sending would restart its full snapshot.
     fn ftmb_poll(&self, members: &[(u32, PathBuf)], timeout: Duration, min_gap: Duration) {
+        let cfg = self.ha_config();
         for (i, sock) in members {
             let fetched = Instant::now();
             let Ok(v) = rc::call(sock, &json!({"cmd": "ftmb_status"}), timeout) else {
                 continue;
             };
             let b = ha::parse_ftmb_status(&v);
-            let want = ha::ftmb_successor(*i, members).map(|(_, s)| ha::ftmb_socket_of(&s));
+            let want = ha::ftmb_successor(*i, members).map(|(_, s)| ha::ftmb_endpoint(&cfg, &s));
             let due = {
                 let mut st = lock(&self.state);
                 let unprotected = !st.ha.ftmb_logger.contains_key(i);
                 let elsewhere = want
                     .as_ref()
-                    .is_some_and(|w| b.logger.as_deref() != Some(&*w.to_string_lossy()));
+                    .is_some_and(|w| b.logger.as_deref() != Some(w.as_str()));
                 let recent = st
                     .ha
                     .last_reprotect
@@ -937,7 +938,7 @@ impl Controller {
             lock(&self.state).ha.ftmb_logger.remove(&i);
             return json!({"ok": true, "policy": "off", "backups": []});
         };
-        let req = ha::ftmb_protect_request(&hsock);
+        let req = ha::ftmb_protect_request(&self.ha_config(), &hsock);
         self.counters.ha.protects.fetch_add(1, Ordering::Relaxed);
         let (named, sent_unix_ms) = self.note_protect_sent(i, &[(h, hsock.clone())]);
         match rc::call(sock, &req, self.ha_rpc_timeout()) {
