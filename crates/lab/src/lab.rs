@@ -142,6 +142,10 @@ pub struct LabSpec {
     /// pliant modes: `[replica] realtime_priority` of every replica (SCHED_FIFO; `None`: the
     /// normal scheduler). Replicas added later copy it with the rest of the config.
     pub realtime_priority: Option<u8>,
+    /// How replicas reach each other: unix sockets under the lab's run directory (default),
+    /// or TCP over a management network between the replica namespaces, as between hosts
+    /// (see [`crate::mgmt`]).
+    pub transport: crate::mgmt::Transport,
 }
 
 impl LabSpec {
@@ -163,6 +167,7 @@ impl LabSpec {
             ha: false,
             ha_mode: crate::ha::LabHaMode::Pico,
             realtime_priority: None,
+            transport: crate::mgmt::Transport::Unix,
         }
     }
 
@@ -608,6 +613,9 @@ impl Lab {
             )?;
         }
         self.steer = fabric::install(&fab, replicas)?;
+        if spec.transport == crate::mgmt::Transport::Tcp {
+            crate::mgmt::install(&fab, &self.state.name, replicas)?;
+        }
         if spec.ha {
             if !matches!(spec.mode, ReplicaMode::Pliant { .. }) {
                 return Err(LabError::Config(
@@ -672,6 +680,9 @@ impl Lab {
                     // FTMB NAT pools are fixed by the config: pin this replica's block
                     // (`[ha]` and `[nat]` both sit in the flattened NF sections).
                     crate::ha::pin_ftmb_ports(&mut cfg.nf_sections, n)?;
+                }
+                if spec.transport == crate::mgmt::Transport::Tcp {
+                    crate::mgmt::tcp_endpoints(&mut cfg.nf_sections, n);
                 }
                 let text = toml::to_string(&cfg).map_err(|e| LabError::Config(e.to_string()))?;
                 let cfg_path = self.state.run_dir.join(format!("r{n}.toml"));

@@ -13,6 +13,7 @@ pub mod error;
 pub mod fabric;
 pub mod ha;
 mod lab;
+pub mod mgmt;
 pub mod scale;
 pub mod state;
 pub mod topology;

@@ -304,6 +304,17 @@ fn build(
     let mut table = toml::Table::try_from(&cfg).map_err(|e| LabError::Config(e.to_string()))?;
     crate::ha::retarget_ha(&mut table, &st.run_dir, n);
     crate::ha::retarget_security(&mut table, &st.run_dir, n)?;
+    // A TCP lab (the template's peer channel is on the management network): the new replica
+    // joins that network and listens on its own address.
+    let tcp_lab = table
+        .get("migration")
+        .and_then(|m| m.get("peer_socket"))
+        .and_then(|p| p.as_str())
+        .is_some_and(|p| !p.starts_with('/'));
+    if tcp_lab {
+        crate::mgmt::connect(&fab, &st.name, n)?;
+        crate::mgmt::tcp_endpoints(&mut table, n);
+    }
     // FTMB NAT replicas own a pinned port block (the template's is another replica's).
     crate::ha::pin_ftmb_ports(&mut table, n)?;
     let text = toml::to_string(&table).map_err(|e| LabError::Config(e.to_string()))?;

@@ -25,6 +25,7 @@
 //! external_ip = "10.77.2.1"
 //!
 //! # [migration]                # optional; default: control_socket with .sock -> .peer.sock
+//! #                            # (every socket field takes "/abs/path" or "host:port")
 //! # peer_socket = "/run/pliant/lab-x/r1.peer.sock"
 //!
 //! # [ha]                       # optional: Pico replication (backup listener + protect)
@@ -424,13 +425,16 @@ impl ReplicaConfig {
         if let Some(m) = self.nf_sections.get("migration") {
             let ok = m.as_table().is_some_and(|t| {
                 t.iter().all(|(k, v)| {
-                    k == "peer_socket" && v.as_str().is_some_and(|p| p.starts_with('/'))
+                    k == "peer_socket"
+                        && v.as_str()
+                            .is_some_and(|p| check_endpoint("[migration] peer_socket", p).is_ok())
                 })
             });
             if !ok {
                 return Err((
                     Some("[migration".into()),
-                    "[migration] takes only peer_socket = \"/absolute/path\"".into(),
+                    "[migration] takes only peer_socket = \"/absolute/path\" or \"host:port\""
+                        .into(),
                 ));
             }
         }

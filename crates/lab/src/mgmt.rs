@@ -1,0 +1,135 @@
+//! The lab's management network, for labs whose replicas talk over TCP as on separate hosts:
+//! a bridge `mgmt0` in the fabric namespace and a veth `mg0` into each replica namespace
+//! with address `10.254.0.<n>/24`. Only pliant's own channels use it (replication, the
+//! migration peer channel, FTMB loggers); data traffic stays on the fabric's veths, so the
+//! steering programs never see it. The controller, in the lab creator's namespace, still
+//! reaches replicas over their control sockets.
+
+use crate::cmd::{self, SETUP_TIMEOUT};
+use crate::error::Result;
+use crate::topology::Role;
+
+/// How the replicas of a lab reach each other.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Transport {
+    /// Unix sockets under the lab's run directory (one host).
+    #[default]
+    Unix,
+    /// TCP over the management network (as between hosts).
+    Tcp,
+}
+
+impl Transport {
+    pub fn parse(s: &str) -> Option<Transport> {
+        match s {
+            "unix" => Some(Transport::Unix),
+            "tcp" => Some(Transport::Tcp),
+            _ => None,
+        }
+    }
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Transport::Unix => "unix",
+            Transport::Tcp => "tcp",
+        }
+    }
+}
+
+/// The management bridge in the fabric namespace.
+pub const BRIDGE: &str = "mgmt0";
+/// Replica `n`'s management interface (in its namespace).
+pub const REPLICA_IF: &str = "mg0";
+/// Ports of each replica's channels on its management address.
+pub const REPL_PORT: u16 = 7400;
+pub const PEER_PORT: u16 = 7401;
+pub const FTMB_PORT: u16 = 7402;
+
+/// Replica `n`'s management address.
+pub fn addr(n: u8) -> String {
+    format!("10.254.0.{n}")
+}
+
+/// The controller's endpoint templates for this addressing plan (`{index}` is the replica
+/// number; see the controller's `endpoint_of`).
+pub const REPL_TEMPLATE: &str = "10.254.0.{index}:7400";
+pub const PEER_TEMPLATE: &str = "10.254.0.{index}:7401";
+pub const FTMB_TEMPLATE: &str = "10.254.0.{index}:7402";
+
+fn run(args: &[&str]) -> Result<()> {
+    let v: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+    cmd::run_ok(&v, SETUP_TIMEOUT).map(|_| ())
+}
+
+/// Creates the bridge in `fabric` and connects replicas `1..=replicas` of lab `lab`.
+pub fn install(fabric: &str, lab: &str, replicas: u8) -> Result<()> {
+    run(&["ip", "-n", fabric, "link", "add", BRIDGE, "type", "bridge"])?;
+    run(&["ip", "-n", fabric, "link", "set", BRIDGE, "up"])?;
+    for n in 1..=replicas {
+        connect(fabric, lab, n)?;
+    }
+    Ok(())
+}
+
+/// Connects replica `n` (also used by scale-out for a new replica).
+pub fn connect(fabric: &str, lab: &str, n: u8) -> Result<()> {
+    let ns = format!("{lab}-{}", Role::Replica(n).suffix());
+    let fab_if = format!("mg{n}");
+    run(&[
+        "ip", "-n", &ns, "link", "add", REPLICA_IF, "type", "veth", "peer", "name", &fab_if,
+        "netns", fabric,
+    ])?;
+    run(&["ip", "-n", fabric, "link", "set", &fab_if, "master", BRIDGE])?;
+    run(&["ip", "-n", fabric, "link", "set", &fab_if, "up"])?;
+    let cidr = format!("{}/24", addr(n));
+    run(&["ip", "-n", &ns, "addr", "add", &cidr, "dev", REPLICA_IF])?;
+    run(&["ip", "-n", &ns, "link", "set", REPLICA_IF, "up"])
+}
+
+/// Points replica `n`'s channels at its management address: `[migration] peer_socket`, and
+/// with `[ha]` the replication listener and the FTMB logger.
+pub fn tcp_endpoints(sections: &mut toml::Table, n: u8) {
+    let a = addr(n);
+    let mut mig = toml::Table::new();
+    mig.insert("peer_socket".into(), format!("{a}:{PEER_PORT}").into());
+    sections.insert("migration".into(), toml::Value::Table(mig));
+    if let Some(toml::Value::Table(ha)) = sections.get_mut("ha") {
+        ha.insert("repl_socket".into(), format!("{a}:{REPL_PORT}").into());
+        if ha.get("mode").and_then(|m| m.as_str()) == Some("ftmb") {
+            ha.insert("ftmb_socket".into(), format!("{a}:{FTMB_PORT}").into());
+        }
+    }
+}
+
+/// The lines a controller config needs for a TCP lab (`[controller]` and `[ha]` keys).
+pub fn controller_keys() -> (String, String) {
+    (
+        format!("peer_endpoint = \"{PEER_TEMPLATE}\"\n"),
+        format!("repl_endpoint = \"{REPL_TEMPLATE}\"\nftmb_endpoint = \"{FTMB_TEMPLATE}\"\n"),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tcp_endpoints_point_every_channel_at_the_management_address() {
+        let mut t = toml::Table::new();
+        let mut ha = toml::Table::new();
+        ha.insert("mode".into(), "ftmb".into());
+        t.insert("ha".into(), toml::Value::Table(ha));
+        tcp_endpoints(&mut t, 3);
+        assert_eq!(
+            t["migration"]["peer_socket"].as_str(),
+            Some("10.254.0.3:7401")
+        );
+        assert_eq!(t["ha"]["repl_socket"].as_str(), Some("10.254.0.3:7400"));
+        assert_eq!(t["ha"]["ftmb_socket"].as_str(), Some("10.254.0.3:7402"));
+        let mut plain = toml::Table::new();
+        tcp_endpoints(&mut plain, 1);
+        assert!(!plain.contains_key("ha"));
+        assert_eq!(Transport::parse("tcp"), Some(Transport::Tcp));
+        assert_eq!(Transport::parse("udp"), None);
+    }
+}
