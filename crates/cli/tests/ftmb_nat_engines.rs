@@ -38,6 +38,14 @@ impl Drop for TempDir {
     }
 }
 
+/// Replica `name`'s identity from the test's CA (the logger requires the replica role and
+/// that each master logs under its own certified name).
+fn sec(name: &str) -> pliant_wire::Security {
+    static CA: std::sync::OnceLock<pliant_wire::Ca> = std::sync::OnceLock::new();
+    let ca = CA.get_or_init(|| pliant_wire::Ca::generate(None).unwrap());
+    pliant_wire::Security::new(ca.issue(name, pliant_wire::role::REPLICA, 3600).unwrap())
+}
+
 fn engine(name: &str, ports: (u16, u16), host: &Path) -> E {
     let nets = [
         SideNet {
@@ -62,8 +70,8 @@ fn engine(name: &str, ports: (u16, u16), host: &Path) -> E {
     let mut cfg = pliant_nf_nat::Config::with_external_ip(EXT);
     cfg.port_blocks = vec![ports];
     let mut o = FtmbOptions::new(name, 2);
-    o.secret = Some(pliant_ha::auth::Secret::from_bytes(&[9u8; 32]).unwrap());
-    o.host_socket = Some(host.to_path_buf());
+    o.security = Some(sec(name));
+    o.host_socket = Some(pliant_wire::Endpoint::Unix(host.to_path_buf()));
     // Long: everything after the protect's full snapshot is recovered by replay.
     o.snapshot_every = Duration::from_secs(30);
     e.set_ftmb(ftmb::start(FtmbNat::new(cfg).unwrap(), o).unwrap());
@@ -147,6 +155,7 @@ fn ftmb_nat_recovers_on_the_logger_host_with_the_same_ports() {
         &mut a,
         Cmd::FtmbProtect {
             logger: sb.to_str().unwrap().into(),
+            host: Some("r2".into()),
         },
     );
     assert_eq!(v["ok"], true, "{v}");

@@ -22,8 +22,9 @@
 //!
 //! Between processes, [`net::NetTransport`] (one per worker queue) and [`net::SnapshotLink`]
 //! carry the same streams, plus each packet's input record ([`wire::LogMsg::Input`]) and the
-//! snapshots, over authenticated unix sockets to a [`server::LoggerServer`] hosted by another
-//! replica, which hands a standby a [`server::RecoveryBundle`] after a failure.
+//! snapshots, in sealed pliant-wire frames (unix socket or TCP, replica identities) to a
+//! [`server::LoggerServer`] hosted by another replica, which hands a standby a
+//! [`server::RecoveryBundle`] after a failure.
 
 mod commit;
 pub mod input;
@@ -42,7 +43,7 @@ pub use master::{
     Determinants, FtmbError, Master, MasterConfig, SharedVar, UnlockEvent, UnlockProbe, Worker,
     WorkerStats,
 };
-pub use net::{NetError, NetOptions, NetStats, NetTransport, SnapshotLink};
+pub use net::{LoggerAddr, NetError, NetOptions, NetStats, NetTransport, SnapshotLink};
 pub use server::{LoggerServer, RecoveryBundle, ReleaseFn, ServerOptions, ServerStats};
 pub use transport::{spawn_logger, ChannelTransport, LogTransport, LoggerHandle, TransportError};
 pub use wire::{

@@ -1,12 +1,25 @@
 //! Client side of the network logger (used by the primary's worker threads): one
 //! [`NetTransport`] per worker queue and one [`SnapshotLink`] per master session, each an
-//! authenticated unix stream to a [`crate::server::LoggerServer`] hosted by another replica.
+//! authenticated stream to a [`crate::server::LoggerServer`] hosted by another replica.
 //!
-//! Connection set-up, as Pico's replication channel does it (`pliant_ha::transport`): unix
-//! stream, peer uid checked with SO_PEERCRED, the `pliant_ha::auth` HMAC challenge/response,
-//! then [`NetMsg`] frames (4-byte LE length + postcard): `Hello { master, epoch, stream }` ->
-//! `Welcome` or `Refused`. Connect the [`SnapshotLink`] first: its hello opens the master's
-//! session at the server (worker count, generation), queue hellos join it.
+//! Connection set-up, as Pico's replication channel does it (`pliant_ha::transport`): any
+//! pliant-wire endpoint (a unix socket on this host, peer uid also checked with SO_PEERCRED;
+//! or TCP `host:port` across hosts), the mutual handshake of `pliant_wire::session` (both ends
+//! prove a CA-signed identity with the replica role; when the caller names the replica that
+//! hosts the logger, the server must prove it is that one), then [`NetMsg`] frames sealed with
+//! the session (kind `pliant_wire::kinds::FTMB`, see [`crate::wire::seal_frame`]):
+//! `Hello { master, epoch, stream }` -> `Welcome` or `Refused`. The logger refuses a hello
+//! whose `master` is not the certified name: a replica logs only as itself. Connect the
+//! [`SnapshotLink`] first: its hello opens the master's session at the server (worker count,
+//! generation), queue hellos join it.
+//!
+//! Why this and not the former shared secret (HMAC challenge/response, then plain
+//! length-prefixed frames): the handshake authenticated the connection but none of the frames
+//! after it, which only held on a unix socket of one host; over TCP anyone on the path could
+//! inject or replay log records into an established stream. And one secret shared by every
+//! replica let any holder log as any master. Now every frame carries a tag under a
+//! per-session key with an implicit sequence number (a frame injected, replayed or reordered
+//! fails and the stream is closed), and each replica proves its own certified name.
 //!
 //! Blocking: after the hello the socket is non-blocking. A send writes what the socket
 //! buffer takes and, when it is full, waits for room with poll(2) at most
@@ -17,15 +30,15 @@
 
 use crate::transport::{LogTransport, TransportError};
 use crate::wire::{
-    decode_frame, encode_frame, encode_frame_into, Feedback, LogBatch, NetMsg, QueueId,
-    SnapshotFrame, SnapshotMsg, StreamKind, WireError, MAX_FRAME,
+    open_front, read_msg, seal_frame, Feedback, LogBatch, NetMsg, QueueId, SnapshotFrame,
+    SnapshotMsg, StreamKind, FRAME_OVERHEAD, MAX_FRAME,
 };
-use pliant_ha::auth::{client_handshake, AuthError, Secret};
+use pliant_wire::endpoint::{self as wire_ep, euid, Endpoint, Stream};
+use pliant_wire::session::{self, Expect, Opener, Sealer, SessionError};
+use pliant_wire::{role, FrameError, Security};
 use std::collections::VecDeque;
-use std::io::{self, Read, Write};
+use std::io;
 use std::os::fd::AsRawFd;
-use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 /// Bound on a session-stream frame (a full snapshot of many flows is one frame).
@@ -83,24 +96,22 @@ pub struct NetStats {
 
 #[derive(Debug, thiserror::Error)]
 pub enum NetError {
-    #[error("logger socket {path}: {source}")]
-    Io { path: PathBuf, source: io::Error },
-    #[error("logger socket {path} is in use by a live server")]
-    InUse { path: PathBuf },
-    #[error("logger socket {path} exists and is not a socket")]
-    NotASocket { path: PathBuf },
+    #[error("logger endpoint {ep}: {source}")]
+    Io { ep: Endpoint, source: io::Error },
+    #[error("logger listener: {0}")]
+    Bind(#[from] pliant_wire::BindError),
     #[error("cannot start the logger thread: {0}")]
     Spawn(io::Error),
     #[error("logger peer runs as uid {uid}, this process as {me}: refused")]
     PeerUid { uid: u32, me: u32 },
-    #[error("logger handshake: {0}")]
-    Auth(#[from] AuthError),
+    #[error("logger handshake with {ep}: {source}")]
+    Handshake { ep: Endpoint, source: SessionError },
     #[error("the logger refused the connection: {reason}")]
     Refused { reason: String },
     #[error("logger protocol: {0}")]
     Protocol(String),
     #[error("logger frame: {0}")]
-    Wire(#[from] WireError),
+    Frame(#[from] FrameError),
     #[error("the logger took nothing for {waited_ms} ms (socket buffer full): link given up")]
     TimedOut { waited_ms: u64 },
     #[error("logger link broken: {0}")]
@@ -119,10 +130,14 @@ pub enum NetError {
     ServerGone,
 }
 
-/// One authenticated, non-blocking stream and its read buffer.
+/// One authenticated, non-blocking stream, its session's two directions and its read buffer.
 struct Conn {
-    stream: UnixStream,
+    stream: Stream,
+    tx: Sealer,
+    rx: Opener,
     rbuf: Vec<u8>,
+    /// Scratch for a frame's encoded body (see [`seal_frame`]).
+    body: Vec<u8>,
     max_in: usize,
     write_stall: Duration,
     /// Why the link is unusable, once it is.
@@ -130,12 +145,36 @@ struct Conn {
     stats: NetStats,
 }
 
-// SO_PEERCRED checks, shared with the replication channels.
-pub(crate) use pliant_ha::unix::{euid, peer_uid};
+/// Where a client dials and whom it expects there.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LoggerAddr {
+    pub endpoint: Endpoint,
+    /// The replica hosting the logger, when the caller knows it: the server must prove this
+    /// name in the handshake (otherwise any replica of the deployment is accepted).
+    pub host: Option<String>,
+}
+
+impl LoggerAddr {
+    pub fn new(endpoint: Endpoint, host: Option<&str>) -> LoggerAddr {
+        LoggerAddr {
+            endpoint,
+            host: host.map(str::to_string),
+        }
+    }
+}
+
+impl From<Endpoint> for LoggerAddr {
+    fn from(endpoint: Endpoint) -> Self {
+        LoggerAddr {
+            endpoint,
+            host: None,
+        }
+    }
+}
 
 /// One non-blocking recv(2) of up to `max` bytes appended to `buf` (no zeroed scratch buffer:
 /// this runs on every worker flush). `Ok(0)` is EOF.
-pub(crate) fn recv_into(s: &UnixStream, buf: &mut Vec<u8>, max: usize) -> io::Result<usize> {
+pub(crate) fn recv_into(s: &Stream, buf: &mut Vec<u8>, max: usize) -> io::Result<usize> {
     buf.reserve(max);
     let len = buf.len();
     let room = buf.capacity() - len;
@@ -159,31 +198,6 @@ pub(crate) fn recv_into(s: &UnixStream, buf: &mut Vec<u8>, max: usize) -> io::Re
         // SAFETY: recv initialised the first `n` bytes of the spare capacity.
         unsafe { buf.set_len(len + n as usize) };
         return Ok(n as usize);
-    }
-}
-
-/// Reads one whole frame, blocking (only during the hello, under a read timeout).
-fn read_frame_blocking(s: &mut UnixStream, max: usize) -> Result<NetMsg, NetError> {
-    let mut len = [0u8; 4];
-    let closed = |e: io::Error| {
-        if e.kind() == io::ErrorKind::UnexpectedEof {
-            NetError::Broken("the logger closed the connection during the hello".into())
-        } else {
-            NetError::Broken(format!("hello: {e}"))
-        }
-    };
-    s.read_exact(&mut len).map_err(closed)?;
-    let n = u32::from_le_bytes(len) as usize;
-    if n > max {
-        return Err(WireError::OverBound { len: n, max }.into());
-    }
-    let mut buf = Vec::with_capacity(4 + n);
-    buf.extend_from_slice(&len);
-    buf.resize(4 + n, 0);
-    s.read_exact(&mut buf[4..]).map_err(closed)?;
-    match decode_frame::<NetMsg>(&buf, max)? {
-        Some((m, _)) => Ok(m),
-        None => Err(NetError::Protocol("short hello answer".into())),
     }
 }
 
@@ -215,30 +229,60 @@ fn wait_writable(fd: i32, timeout: Duration) -> bool {
 
 impl Conn {
     fn open(
-        path: &Path,
-        secret: &Secret,
+        to: &LoggerAddr,
+        sec: &Security,
         hello: NetMsg,
         max_in: usize,
         opts: &NetOptions,
     ) -> Result<Conn, NetError> {
+        let ep = &to.endpoint;
         let io_err = |source| NetError::Io {
-            path: path.to_path_buf(),
+            ep: ep.clone(),
             source,
         };
-        let mut stream = UnixStream::connect(path).map_err(io_err)?;
-        let uid = peer_uid(&stream).map_err(io_err)?;
-        if uid != euid() {
-            return Err(NetError::PeerUid { uid, me: euid() });
+        let deadline = Instant::now() + opts.connect_timeout.max(Duration::from_millis(1));
+        let left = || {
+            deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1))
+        };
+        let stream = wire_ep::connect(ep, left(), &sec.tcp).map_err(io_err)?;
+        // On a unix socket the kernel also vouches for the peer's uid: a second fence.
+        if let Some(uid) = stream.peer_uid() {
+            let uid = uid.map_err(io_err)?;
+            if uid != euid() {
+                return Err(NetError::PeerUid { uid, me: euid() });
+            }
         }
-        let t = Some(opts.connect_timeout.max(Duration::from_millis(1)));
-        stream.set_read_timeout(t).map_err(io_err)?;
-        stream.set_write_timeout(t).map_err(io_err)?;
-        client_handshake(&mut stream, secret)?;
-        let f = encode_frame(&hello, MAX_FRAME)?;
+        let expect = Expect {
+            name: to.host.clone(),
+            roles: role::REPLICA,
+        };
+        let mut o = sec.options(ep, expect, max_in);
+        o.handshake_timeout = o.handshake_timeout.min(left());
+        let sess =
+            session::client(&stream, &sec.identity, &o).map_err(|source| NetError::Handshake {
+                ep: ep.clone(),
+                source,
+            })?;
+        let (mut tx, mut rx) = (sess.tx, sess.rx);
         stream
-            .write_all(&f)
+            .set_read_timeout(Some(left()))
+            .and_then(|()| stream.set_write_timeout(Some(left())))
+            .map_err(io_err)?;
+        let (mut body, mut f) = (Vec::new(), Vec::new());
+        seal_frame(&mut tx, &hello, MAX_FRAME, &mut body, &mut f)?;
+        stream
+            .send_all(&f)
             .map_err(|e| NetError::Broken(format!("hello: {e}")))?;
-        match read_frame_blocking(&mut stream, MAX_FRAME)? {
+        let mut buf = Vec::new();
+        let answer = read_msg(&mut rx, &mut &stream, &mut buf).map_err(|e| match e {
+            FrameError::Closed => {
+                NetError::Broken("the logger closed the connection during the hello".into())
+            }
+            e => NetError::Broken(format!("hello: {e}")),
+        })?;
+        match answer {
             NetMsg::Welcome => {}
             NetMsg::Refused { reason } => return Err(NetError::Refused { reason }),
             other => {
@@ -252,7 +296,10 @@ impl Conn {
         stream.set_nonblocking(true).map_err(io_err)?;
         Ok(Conn {
             stream,
+            tx,
+            rx,
             rbuf: Vec::new(),
+            body,
             max_in,
             write_stall: opts.write_stall,
             broken: None,
@@ -334,7 +381,7 @@ impl Conn {
                 }
                 Ok(n) => {
                     self.stats.bytes_received += n as u64;
-                    if self.rbuf.len() > self.max_in + 4 {
+                    if self.rbuf.len() > self.max_in + FRAME_OVERHEAD {
                         break; // decode (and refuse) before reading more
                     }
                 }
@@ -346,7 +393,7 @@ impl Conn {
         let mut out = Vec::new();
         let mut used = 0;
         loop {
-            match decode_frame::<NetMsg>(&self.rbuf[used..], self.max_in) {
+            match open_front(&mut self.rx, &mut self.rbuf[used..]) {
                 Ok(Some((m, n))) => {
                     used += n;
                     self.stats.frames_received += 1;
@@ -386,10 +433,11 @@ pub struct NetTransport {
 
 impl NetTransport {
     /// Connects queue `queue` of master `master` (generation `epoch`, the same as its
-    /// [`SnapshotLink`]'s, which must be connected first).
+    /// [`SnapshotLink`]'s, which must be connected first) as the identity of `sec`, which the
+    /// logger requires to be `master`'s.
     pub fn connect(
-        path: &Path,
-        secret: &Secret,
+        to: &LoggerAddr,
+        sec: &Security,
         master: &str,
         queue: QueueId,
         epoch: u64,
@@ -402,7 +450,7 @@ impl NetTransport {
             stream: StreamKind::Queue(queue),
         };
         Ok(NetTransport {
-            conn: Conn::open(path, secret, hello, MAX_FRAME, opts)?,
+            conn: Conn::open(to, sec, hello, MAX_FRAME, opts)?,
             queue,
             feedback: VecDeque::new(),
             max_feedback: opts.max_feedback.max(1),
@@ -453,21 +501,30 @@ impl NetTransport {
 fn to_transport(e: NetError) -> TransportError {
     match e {
         NetError::TimedOut { waited_ms } => TransportError::TimedOut { waited_ms },
-        NetError::Wire(WireError::OverBound { len, .. } | WireError::TooLarge(len)) => {
-            TransportError::TooLarge(len)
-        }
+        NetError::Frame(FrameError::TooLarge { len, .. }) => TransportError::TooLarge(len),
         other => TransportError::Broken(other.to_string()),
     }
 }
 
 impl LogTransport for NetTransport {
     fn send(&mut self, batch: LogBatch) -> Result<(), TransportError> {
-        encode_frame_into(&NetMsg::Batch(batch), MAX_FRAME, &mut self.wbuf)
-            .map_err(|e| to_transport(e.into()))?;
+        self.wbuf.clear();
+        let c = &mut self.conn;
+        seal_frame(
+            &mut c.tx,
+            &NetMsg::Batch(batch),
+            MAX_FRAME,
+            &mut c.body,
+            &mut self.wbuf,
+        )
+        .map_err(|e| to_transport(e.into()))?;
         let r = self.conn.write_frame(&self.wbuf).map_err(to_transport);
         // A large batch (a burst) must not pin its buffer for the life of the link.
         if self.wbuf.capacity() > WBUF_KEEP {
             self.wbuf = Vec::new();
+        }
+        if self.conn.body.capacity() > WBUF_KEEP {
+            self.conn.body = Vec::new();
         }
         r
     }
@@ -500,10 +557,10 @@ pub struct SnapshotLink {
 
 impl SnapshotLink {
     /// Opens (or replaces, for a higher or equal `epoch`) the session of `master` with
-    /// `workers` queues at the logger.
+    /// `workers` queues at the logger, as the identity of `sec` (which must be `master`'s).
     pub fn connect(
-        path: &Path,
-        secret: &Secret,
+        to: &LoggerAddr,
+        sec: &Security,
         master: &str,
         epoch: u64,
         workers: usize,
@@ -521,7 +578,7 @@ impl SnapshotLink {
             },
         };
         Ok(SnapshotLink {
-            conn: Conn::open(path, secret, hello, MAX_FRAME, opts)?,
+            conn: Conn::open(to, sec, hello, MAX_FRAME, opts)?,
             acked: None,
             workers,
         })
@@ -541,7 +598,18 @@ impl SnapshotLink {
                 snap.meta.input_next.len()
             )));
         }
-        let f = encode_frame(&SnapshotFrame(snap), MAX_SNAPSHOT_FRAME)?;
+        self.conn.check()?;
+        let c = &mut self.conn;
+        let mut f = Vec::new();
+        seal_frame(
+            &mut c.tx,
+            &SnapshotFrame(snap),
+            MAX_SNAPSHOT_FRAME,
+            &mut c.body,
+            &mut f,
+        )?;
+        // A full snapshot may be megabytes: its scratch copy is not kept for the next one.
+        c.body = Vec::new();
         self.conn.write_frame(&f)
     }
 

@@ -1,9 +1,16 @@
 //! Backup side of the network logger: [`LoggerServer`] hosts, inside another replica, the
 //! input logger, output logger and snapshot store of one or more FTMB primaries ("masters").
 //!
-//! Threads: an accept thread (peer uid by SO_PEERCRED, the `pliant_ha::auth` handshake and the
-//! `Hello`, each bounded by [`ServerOptions::handshake_timeout`]) hands authenticated streams to
-//! one I/O thread, which owns every log and serves every connection with poll(2). Control calls
+//! Listens on any pliant-wire endpoint (a unix socket, mode 0600, or TCP `host:port`).
+//! Threads: an accept thread (peer uid by SO_PEERCRED on a unix socket, the `pliant_wire`
+//! session handshake, which requires a CA-signed identity with the replica role, and the
+//! `Hello`, each bounded by [`ServerOptions::handshake_timeout`]) hands authenticated streams
+//! and their sessions to one I/O thread, which owns every log and serves every connection
+//! with poll(2). Every frame either way is sealed with the connection's session (kind
+//! `pliant_wire::kinds::FTMB`): a frame that fails its tag (injected, replayed, reordered)
+//! closes the connection. A hello must name the certified identity as its master (counted
+//! as `identity_mismatch` and refused otherwise): the logs are filed under that name, and a
+//! replica may only write, replace or fence its own. Control calls
 //! ([`LoggerServer::status`], [`LoggerServer::take_for_recovery`]) run as closures on that
 //! thread, ordered with the streams (so a recovery first drains what the dead master's sockets
 //! still hold).
@@ -34,18 +41,19 @@
 use crate::logger::{LoggerConfig, LoggerStats, OutputLogger, Recovery, Released};
 use crate::net::{recv_into, NetError, MAX_MASTER_NAME, MAX_SNAPSHOT_FRAME};
 use crate::wire::{
-    decode_frame, encode_frame, LogBatch, LogMsg, NetMsg, QueueId, Snapshot, SnapshotMsg,
-    StreamKind, MAX_FRAME, MAX_QUEUES,
+    open_front, read_msg, seal_frame, LogBatch, LogMsg, NetMsg, QueueId, Snapshot, SnapshotMsg,
+    StreamKind, FRAME_OVERHEAD, MAX_FRAME, MAX_QUEUES,
 };
-use pliant_ha::auth::Secret;
-use pliant_ha::unix as ha_unix;
+use pliant_wire::endpoint::{Endpoint, Listener, Stream};
+use pliant_wire::server::{self as wire_server, ServerSocket};
+use pliant_wire::session::{self, Expect, Opener, Sealer};
+use pliant_wire::{role, FrameError, Security};
 use serde_json::json;
 use std::collections::{BTreeMap, HashMap};
 use std::io::{self, Read, Write};
 use std::ops::ControlFlow;
 use std::os::fd::AsRawFd;
-use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::Path;
+use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
@@ -115,7 +123,11 @@ pub struct RecoveryBundle {
 pub struct ServerStats {
     pub connections: u64,
     pub active: u64,
+    /// Handshakes refused: certificate not the CA's, expired, no replica role, bad signature.
     pub auth_failures: u64,
+    /// Hellos naming another master than the certified identity (refused).
+    pub identity_mismatch: u64,
+    /// Peers that closed or stalled during the handshake or before their hello.
     pub handshake_aborted: u64,
     pub peer_refused: u64,
     pub over_bound: u64,
@@ -141,6 +153,7 @@ struct AcceptCounters {
     connections: AtomicU64,
     active: AtomicU64,
     auth_failures: AtomicU64,
+    identity_mismatch: AtomicU64,
     handshake_aborted: AtomicU64,
     peer_refused: AtomicU64,
     over_bound: AtomicU64,
@@ -148,7 +161,9 @@ struct AcceptCounters {
 }
 
 struct Incoming {
-    stream: UnixStream,
+    stream: Stream,
+    tx: Sealer,
+    rx: Opener,
     master: String,
     epoch: u64,
     kind: StreamKind,
@@ -171,26 +186,28 @@ struct Shared {
     waker: Waker,
 }
 
-/// The network logger. Drop stops both threads, closes every connection and unlinks the
+/// The network logger. Drop stops both threads, closes every connection and unlinks a unix
 /// socket if it is still the one this server bound.
 pub struct LoggerServer {
-    socket: ha_unix::ServerSocket,
+    socket: ServerSocket,
     shared: Arc<Shared>,
     ctl: Sender<Ctl>,
     io: Option<JoinHandle<()>>,
 }
 
 impl LoggerServer {
-    /// Listens at `path` (mode 0600; a stale socket left by a dead process is replaced, a live
-    /// one is refused) and starts the accept and I/O threads.
+    /// Listens at `ep` (a unix socket is mode 0600; a stale socket left by a dead process is
+    /// replaced, a live server's socket or port is refused) and starts the accept and I/O
+    /// threads. `sec` is this replica's identity: peers must prove one from the same CA with
+    /// the replica role.
     pub fn start(
-        path: &Path,
-        secret: Secret,
+        ep: &Endpoint,
+        sec: Security,
         opts: ServerOptions,
         release: ReleaseFn,
     ) -> Result<LoggerServer, NetError> {
         let io_err = |source| NetError::Io {
-            path: path.to_path_buf(),
+            ep: ep.clone(),
             source,
         };
         let (wake_r, wake_w) = UnixStream::pair().map_err(io_err)?;
@@ -212,14 +229,16 @@ impl LoggerServer {
             fenced: BTreeMap::new(),
             stats: ServerStats::default(),
             shared: shared.clone(),
+            body: Vec::new(),
         };
         let sh = shared.clone();
         let io = std::thread::Builder::new()
             .name("ftmb-logger-io".into())
             .spawn(move || io_loop(inner, wake_r, inc_rx, ctl_rx))
             .map_err(NetError::Spawn)?;
-        let socket = ha_unix::ServerSocket::start(path, "ftmb-logger-accept", move |l, stop| {
-            accept_loop(l, stop, sh, secret, opts, inc_tx)
+        let tcp = sec.tcp;
+        let socket = ServerSocket::start(ep, &tcp, "ftmb-logger-accept", move |l, stop| {
+            accept_loop(l, stop, sh, sec, opts, inc_tx)
         });
         let socket = match socket {
             Ok(s) => s,
@@ -227,16 +246,17 @@ impl LoggerServer {
                 shared.stop.store(true, Ordering::SeqCst);
                 shared.waker.wake();
                 let _ = io.join();
-                let p = || path.to_path_buf();
-                return Err(e.map(
-                    || NetError::InUse { path: p() },
-                    || NetError::NotASocket { path: p() },
-                    |source| NetError::Io { path: p(), source },
-                    NetError::Spawn,
-                ));
+                return Err(match e {
+                    wire_server::StartError::Bind(b) => NetError::Bind(b),
+                    wire_server::StartError::Io(source) => NetError::Io {
+                        ep: ep.clone(),
+                        source,
+                    },
+                    wire_server::StartError::Spawn(e) => NetError::Spawn(e),
+                });
             }
         };
-        tracing::info!(path = %path.display(), "ftmb logger listening");
+        tracing::info!(endpoint = %socket.endpoint(), "ftmb logger listening");
         Ok(LoggerServer {
             socket,
             shared,
@@ -245,8 +265,9 @@ impl LoggerServer {
         })
     }
 
-    pub fn path(&self) -> &Path {
-        self.socket.path()
+    /// Where the server listens (a TCP port 0 resolved).
+    pub fn endpoint(&self) -> &Endpoint {
+        self.socket.endpoint()
     }
 
     /// Runs `f` on the I/O thread, after everything it is doing now.
@@ -299,7 +320,6 @@ impl Drop for LoggerServer {
         if let Some(t) = self.io.take() {
             let _ = t.join();
         }
-        self.socket.unlink();
     }
 }
 
@@ -307,14 +327,14 @@ impl Drop for LoggerServer {
 // Accept thread
 
 fn accept_loop(
-    listener: UnixListener,
+    listener: Listener,
     stop_r: UnixStream,
     sh: Arc<Shared>,
-    secret: Secret,
+    sec: Security,
     opts: ServerOptions,
     inc: Sender<Incoming>,
 ) {
-    ha_unix::accept_until_stopped(&listener, &stop_r, &sh.stop, "ftmb logger", |stream| {
+    wire_server::accept_until_stopped(&listener, &stop_r, &sh.stop, "ftmb logger", |stream| {
         sh.c.connections.fetch_add(1, Ordering::Relaxed);
         if sh.c.active.load(Ordering::Relaxed) >= opts.max_connections as u64 {
             sh.c.over_bound.fetch_add(1, Ordering::Relaxed);
@@ -322,7 +342,7 @@ fn accept_loop(
         }
         // One handshake at a time: a peer that stalls delays the others by at most
         // `handshake_timeout` (they wait in the listen backlog).
-        if let Some(i) = admit(stream, &sh, &secret, opts.handshake_timeout) {
+        if let Some(i) = admit(stream, &sh, &sec, opts.handshake_timeout) {
             sh.c.active.fetch_add(1, Ordering::Relaxed);
             if inc.send(i).is_err() {
                 return ControlFlow::Break(());
@@ -333,72 +353,99 @@ fn accept_loop(
     });
 }
 
-/// Peer uid, handshake, hello. `None` (counted) if the peer is refused.
-fn admit(
-    mut stream: UnixStream,
-    sh: &Shared,
-    secret: &Secret,
-    timeout: Duration,
-) -> Option<Incoming> {
+/// Seals `m` and writes it on a blocking stream, best effort (the peer may be gone).
+fn send_now(stream: &Stream, tx: &mut Sealer, m: &NetMsg) {
+    let (mut body, mut f) = (Vec::new(), Vec::new());
+    if seal_frame(tx, m, MAX_FRAME, &mut body, &mut f).is_ok() {
+        let _ = stream.send_all(&f);
+    }
+}
+
+/// Peer uid, handshake, hello (whose master must be the certified name). `None` (counted) if
+/// the peer is refused.
+fn admit(stream: Stream, sh: &Shared, sec: &Security, timeout: Duration) -> Option<Incoming> {
     let c = &sh.c;
     // The listener is non-blocking; the accepted socket must not inherit that for the
     // handshake (Linux does not, but say it).
     stream.set_nonblocking(false).ok()?;
-    let counters = ha_unix::AdmitCounters {
-        peer_refused: &c.peer_refused,
-        auth_failures: &c.auth_failures,
-        handshake_aborted: &c.handshake_aborted,
+    if !wire_server::same_uid_peer(&stream, &c.peer_refused, "ftmb logger") {
+        return None;
+    }
+    let expect = Expect {
+        name: None,
+        roles: role::REPLICA,
     };
-    if !ha_unix::admit_peer(&mut stream, secret, timeout, &counters, "ftmb logger") {
-        return None;
-    }
-    let mut len = [0u8; 4];
-    if stream.read_exact(&mut len).is_err() {
-        c.handshake_aborted.fetch_add(1, Ordering::Relaxed);
-        return None;
-    }
-    let n = u32::from_le_bytes(len) as usize;
-    let mut buf = len.to_vec();
-    if n > MAX_HELLO {
-        c.protocol_errors.fetch_add(1, Ordering::Relaxed);
-        return None;
-    }
-    buf.resize(4 + n, 0);
-    if stream.read_exact(&mut buf[4..]).is_err() {
-        c.handshake_aborted.fetch_add(1, Ordering::Relaxed);
-        return None;
-    }
-    match decode_frame::<NetMsg>(&buf, MAX_HELLO) {
-        Ok(Some((
-            NetMsg::Hello {
-                master,
-                epoch,
-                stream: kind,
-            },
-            _,
-        ))) if master.len() <= MAX_MASTER_NAME => {
-            stream.set_nonblocking(true).ok()?;
-            stream.set_read_timeout(None).ok()?;
-            stream.set_write_timeout(None).ok()?;
-            Some(Incoming {
-                stream,
-                master,
-                epoch,
-                kind,
-            })
+    // The hello is small; the stream's own bound is set once its kind is known.
+    let mut o = sec.options_for(!stream.is_unix(), expect, MAX_HELLO);
+    o.handshake_timeout = o.handshake_timeout.min(timeout);
+    let sess = match session::server(&stream, &sec.identity, &o) {
+        Ok(s) => s,
+        Err(e) => {
+            // Counted as every channel's server counts it (auth vs aborted).
+            wire_server::count_handshake_failure(
+                &e,
+                &c.auth_failures,
+                &c.handshake_aborted,
+                "ftmb logger",
+            );
+            return None;
+        }
+    };
+    let (mut tx, mut rx) = (sess.tx, sess.rx);
+    stream.set_read_timeout(Some(timeout)).ok()?;
+    let mut buf = Vec::new();
+    let (master, epoch, kind) = match read_msg(&mut rx, &mut &stream, &mut buf) {
+        Ok(NetMsg::Hello {
+            master,
+            epoch,
+            stream: kind,
+        }) if master.len() <= MAX_MASTER_NAME => (master, epoch, kind),
+        Err(FrameError::Closed | FrameError::Io(_)) => {
+            c.handshake_aborted.fetch_add(1, Ordering::Relaxed);
+            return None;
         }
         _ => {
             c.protocol_errors.fetch_add(1, Ordering::Relaxed);
-            None
+            return None;
         }
+    };
+    let certified = &sess.peer.name;
+    if master != *certified {
+        // The logs are filed under the hello's name: only the replica itself may open,
+        // replace or feed them, whatever else its certificate allows.
+        c.identity_mismatch.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(master, certified, "ftmb logger hello names another master");
+        let reason = format!("hello names {master:?} but the certificate is {certified:?}");
+        send_now(&stream, &mut tx, &NetMsg::Refused { reason });
+        return None;
     }
+    rx.set_max_body(match kind {
+        StreamKind::Queue(_) => MAX_FRAME,
+        StreamKind::Session { .. } => MAX_SNAPSHOT_FRAME,
+    });
+    stream.set_nonblocking(true).ok()?;
+    stream.set_read_timeout(None).ok()?;
+    stream.set_write_timeout(None).ok()?;
+    Some(Incoming {
+        stream,
+        tx,
+        rx,
+        master,
+        epoch,
+        kind,
+    })
 }
 
 // ---------------------------------------------------------------------------------------------
 // I/O thread
 
 struct Conn {
-    stream: UnixStream,
+    stream: Stream,
+    /// The session's two directions: every frame out is sealed with `tx`, every frame in
+    /// opened with `rx` (whose bound is the stream kind's: `MAX_FRAME` or
+    /// `MAX_SNAPSHOT_FRAME`).
+    tx: Sealer,
+    rx: Opener,
     master: String,
     epoch: u64,
     kind: StreamKind,
@@ -409,15 +456,6 @@ struct Conn {
     rpos: usize,
     wbuf: Vec<u8>,
     eof: bool,
-}
-
-impl Conn {
-    fn max_in(&self) -> usize {
-        match self.kind {
-            StreamKind::Queue(_) => MAX_FRAME,
-            StreamKind::Session { .. } => MAX_SNAPSHOT_FRAME,
-        }
-    }
 }
 
 /// One queue's input log: seq -> frame, from the snapshot's `input_next` on.
@@ -486,6 +524,8 @@ struct Inner {
     fenced: BTreeMap<String, u64>,
     stats: ServerStats,
     shared: Arc<Shared>,
+    /// Scratch for an outbound frame's body (see `seal_frame`).
+    body: Vec<u8>,
 }
 
 fn io_loop(mut inner: Inner, wake_r: UnixStream, inc: Receiver<Incoming>, ctl: Receiver<Ctl>) {
@@ -566,6 +606,7 @@ impl Inner {
             connections: l(&c.connections),
             active: self.conns.len() as u64,
             auth_failures: l(&c.auth_failures),
+            identity_mismatch: l(&c.identity_mismatch),
             handshake_aborted: l(&c.handshake_aborted),
             peer_refused: l(&c.peer_refused),
             over_bound: l(&c.over_bound),
@@ -589,12 +630,11 @@ impl Inner {
         }
     }
 
-    fn refuse(&mut self, mut s: UnixStream, reason: String) {
+    fn refuse(&mut self, mut i: Incoming, reason: String) {
         tracing::warn!(reason, "ftmb logger: hello refused");
-        if let Ok(f) = encode_frame(&NetMsg::Refused { reason }, MAX_FRAME) {
-            // Best effort on a fresh socket (its buffer is empty); then close.
-            let _ = s.write(&f);
-        }
+        // Best effort on a fresh socket (its buffer is empty; it is non-blocking now, so a
+        // peer that does not read cannot hold the I/O thread); then close.
+        send_now(&i.stream, &mut i.tx, &NetMsg::Refused { reason });
         self.shared.c.active.fetch_sub(1, Ordering::Relaxed);
     }
 
@@ -606,7 +646,7 @@ impl Inner {
                     "master {:?} was recovered at generation {f}: generation {} is fenced",
                     i.master, i.epoch
                 );
-                return self.refuse(i.stream, r);
+                return self.refuse(i, r);
             }
         }
         let cur = self.masters.get(&i.master).map(|m| m.epoch);
@@ -618,17 +658,17 @@ impl Inner {
                         "master {:?}: generation {} is older than the current session's {e}",
                         i.master, i.epoch
                     );
-                    return self.refuse(i.stream, r);
+                    return self.refuse(i, r);
                 }
                 let workers = workers as usize;
                 if workers == 0 || workers > MAX_QUEUES {
                     self.stats.refused_other += 1;
-                    return self.refuse(i.stream, format!("{workers} workers: 1..={MAX_QUEUES}"));
+                    return self.refuse(i, format!("{workers} workers: 1..={MAX_QUEUES}"));
                 }
                 if cur.is_none() && self.masters.len() >= self.opts.max_masters {
                     self.stats.refused_other += 1;
                     let r = format!("already {} masters logged here", self.masters.len());
-                    return self.refuse(i.stream, r);
+                    return self.refuse(i, r);
                 }
                 let mut cfg = self.opts.logger.clone();
                 cfg.queues = workers;
@@ -636,7 +676,7 @@ impl Inner {
                     Ok(l) => l,
                     Err(e) => {
                         self.stats.refused_other += 1;
-                        return self.refuse(i.stream, e.to_string());
+                        return self.refuse(i, e.to_string());
                     }
                 };
                 if let Some(old) = self.masters.remove(&i.master) {
@@ -649,11 +689,12 @@ impl Inner {
                         self.close(id);
                     }
                 }
-                let id = self.add_conn(i.stream, &i.master, i.epoch, i.kind);
+                let (master, epoch) = (i.master.clone(), i.epoch);
+                let id = self.add_conn(i);
                 self.masters.insert(
-                    i.master.clone(),
+                    master.clone(),
                     MasterLog {
-                        epoch: i.epoch,
+                        epoch,
                         workers,
                         logger,
                         based: false,
@@ -667,12 +708,7 @@ impl Inner {
                     },
                 );
                 self.send(id, &NetMsg::Welcome);
-                tracing::info!(
-                    master = i.master,
-                    epoch = i.epoch,
-                    workers,
-                    "ftmb session up"
-                );
+                tracing::info!(master, epoch, workers, "ftmb session up");
             }
             StreamKind::Queue(q) => {
                 let Some(m) = self.masters.get(&i.master) else {
@@ -681,7 +717,7 @@ impl Inner {
                         "master {:?} has no session here: connect it first",
                         i.master
                     );
-                    return self.refuse(i.stream, r);
+                    return self.refuse(i, r);
                 };
                 if m.epoch != i.epoch {
                     let r = format!(
@@ -693,19 +729,20 @@ impl Inner {
                     } else {
                         self.stats.refused_other += 1;
                     }
-                    return self.refuse(i.stream, r);
+                    return self.refuse(i, r);
                 }
                 if q as usize >= m.workers {
                     self.stats.refused_other += 1;
                     let r = format!("queue {q}: the session declared {} workers", m.workers);
-                    return self.refuse(i.stream, r);
+                    return self.refuse(i, r);
                 }
                 let old = m.queues[q as usize];
                 if let Some(old) = old {
                     self.close(old);
                 }
-                let id = self.add_conn(i.stream, &i.master, i.epoch, i.kind);
-                if let Some(m) = self.masters.get_mut(&i.master) {
+                let master = i.master.clone();
+                let id = self.add_conn(i);
+                if let Some(m) = self.masters.get_mut(&master) {
                     m.queues[q as usize] = Some(id);
                 }
                 self.send(id, &NetMsg::Welcome);
@@ -713,16 +750,18 @@ impl Inner {
         }
     }
 
-    fn add_conn(&mut self, stream: UnixStream, master: &str, epoch: u64, kind: StreamKind) -> u64 {
+    fn add_conn(&mut self, i: Incoming) -> u64 {
         let id = self.next_id;
         self.next_id += 1;
         self.conns.insert(
             id,
             Conn {
-                stream,
-                master: master.to_string(),
-                epoch,
-                kind,
+                stream: i.stream,
+                tx: i.tx,
+                rx: i.rx,
+                master: i.master,
+                epoch: i.epoch,
+                kind: i.kind,
                 rbuf: Vec::new(),
                 rpos: 0,
                 wbuf: Vec::new(),
@@ -756,14 +795,23 @@ impl Inner {
         let Some(c) = self.conns.get_mut(&id) else {
             return false;
         };
-        let Ok(f) = encode_frame(m, MAX_FRAME) else {
-            return false;
+        // The outbound bound applies to the body before it is sealed: a frame sealed and then
+        // dropped would leave a hole in the sequence and the peer would close the stream.
+        let max = if c.wbuf.is_empty() {
+            MAX_FRAME
+        } else {
+            max_out
+                .saturating_sub(c.wbuf.len() + FRAME_OVERHEAD)
+                .min(MAX_FRAME)
         };
-        if !c.wbuf.is_empty() && c.wbuf.len() + f.len() > max_out {
-            self.stats.out_dropped += 1;
-            return false;
+        match seal_frame(&mut c.tx, m, max, &mut self.body, &mut c.wbuf) {
+            Ok(()) => {}
+            Err(FrameError::TooLarge { .. }) if !c.wbuf.is_empty() => {
+                self.stats.out_dropped += 1;
+                return false;
+            }
+            Err(_) => return false,
         }
-        c.wbuf.extend_from_slice(&f);
         self.flush(id);
         true
     }
@@ -859,15 +907,16 @@ impl Inner {
                 self.count_stall(id);
                 return;
             }
-            let max = c.max_in();
-            match decode_frame::<NetMsg>(&c.rbuf[c.rpos..], max) {
+            let eof = c.eof;
+            let Some(c) = self.conns.get_mut(&id) else {
+                return;
+            };
+            match open_front(&mut c.rx, &mut c.rbuf[c.rpos..]) {
                 Ok(Some((m, n))) => {
-                    if let Some(c) = self.conns.get_mut(&id) {
-                        c.rpos += n;
-                        if c.rpos >= c.rbuf.len() {
-                            c.rbuf.clear();
-                            c.rpos = 0;
-                        }
+                    c.rpos += n;
+                    if c.rpos >= c.rbuf.len() {
+                        c.rbuf.clear();
+                        c.rpos = 0;
                     }
                     self.stats.frames_in += 1;
                     if let Err(why) = self.on_frame(id, m) {
@@ -878,12 +927,14 @@ impl Inner {
                     }
                 }
                 Ok(None) => {
-                    if c.eof {
+                    if eof {
                         self.close(id);
                     }
                     return;
                 }
                 Err(e) => {
+                    // Bad tag (injected, replayed, reordered), other kind or version, over the
+                    // bound, undecodable: the stream cannot be trusted past this point.
                     self.stats.decode_errors += 1;
                     tracing::warn!(error = %e, "ftmb logger: bad frame, connection closed");
                     self.close(id);

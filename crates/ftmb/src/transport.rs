@@ -1,6 +1,6 @@
 //! How a worker's log stream reaches the output logger. [`LogTransport`] is the seam: here an
-//! in-process bounded channel to a logger thread ([`spawn_logger`]); later the same batches
-//! (framed by [`crate::wire::encode_batch`]) over the pliant-ha authenticated channel.
+//! in-process bounded channel to a logger thread ([`spawn_logger`]); between processes the
+//! same batches go over a pliant-wire session ([`crate::net::NetTransport`]).
 
 use crate::logger::{LoggerError, OutputLogger, Released};
 use crate::wire::{Feedback, LogBatch, QueueId};

@@ -1,8 +1,16 @@
 //! Records exchanged between the master, the loggers and the standby: ids, PALs, the per-queue
-//! log stream, the logger's feedback, snapshots. All serde so the stream can later run over
-//! the pliant-ha authenticated channel ([`encode_batch`]/[`decode_batch`] frame it the same way
-//! as `pliant_ha::wire`: 4-byte little-endian length + postcard, bounded by [`MAX_FRAME`]).
+//! log stream, the logger's feedback, snapshots. All serde (postcard bodies).
+//!
+//! Between processes every [`NetMsg`] is one pliant-wire frame of kind
+//! `pliant_wire::kinds::FTMB`, sealed with the connection's session ([`seal_frame`],
+//! [`open_front`], [`read_msg`]): the same framing, authentication and replay protection as
+//! every other channel between pliant processes, instead of a length prefix of our own. The
+//! bounds stay ours: [`MAX_FRAME`] for a queue stream's frames, `net::MAX_SNAPSHOT_FRAME` for
+//! the session stream's.
 
+use pliant_wire::frame::{self as wire_frame, FrameError, HEADER_LEN, TAG_LEN};
+use pliant_wire::kinds;
+use pliant_wire::session::{Opener, Sealer};
 use serde::{Deserialize, Serialize};
 
 /// A worker queue (one worker thread per queue; input queue q is processed by worker q and its
@@ -13,7 +21,7 @@ pub type VarId = u32;
 
 /// Bound on the number of queues (VORs carry one entry per queue).
 pub const MAX_QUEUES: usize = 256;
-/// Largest encoded batch accepted by [`decode_batch`].
+/// Largest frame body (an encoded [`NetMsg`]) on a queue stream, either way.
 pub const MAX_FRAME: usize = 1 << 20;
 
 /// An input packet: its queue and its per-queue input sequence number (assigned by the input
@@ -192,8 +200,8 @@ pub enum StreamKind {
     Session { workers: u16 },
 }
 
-/// Frames of the network logger protocol (`net`, `server`), after the `pliant_ha::auth`
-/// handshake. Framed by [`encode_frame`]/[`decode_frame`] (4-byte LE length + postcard).
+/// Frames of the network logger protocol (`net`, `server`), after the pliant-wire handshake.
+/// Each is one sealed frame of kind `kinds::FTMB` ([`seal_frame`], [`open_front`]).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum NetMsg {
     /// Client's first frame: the master (replica name), its session generation (fencing:
@@ -231,102 +239,68 @@ impl Serialize for SnapshotFrame<'_> {
 
 #[derive(Debug, thiserror::Error)]
 pub enum WireError {
-    #[error("frame of {0} bytes is over the {max} byte bound", max = MAX_FRAME)]
-    TooLarge(usize),
-    #[error("frame of {len} bytes is over the {max} byte bound of its stream")]
-    OverBound { len: usize, max: usize },
-    #[error("frame is shorter than its {0}-byte length prefix says")]
-    Truncated(usize),
-    #[error("undecodable frame: {0}")]
+    #[error("undecodable record: {0}")]
     Decode(String),
     #[error("could not encode: {0}")]
     Encode(String),
 }
 
-/// Length-prefixed postcard encoding of one batch.
-pub fn encode_batch(b: &LogBatch) -> Result<Vec<u8>, WireError> {
-    let body = postcard::to_allocvec(b).map_err(|e| WireError::Encode(e.to_string()))?;
-    if body.len() > MAX_FRAME {
-        return Err(WireError::TooLarge(body.len()));
-    }
-    let mut out = Vec::with_capacity(4 + body.len());
-    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
-    out.extend_from_slice(&body);
-    Ok(out)
-}
-
-/// Decodes one frame from the front of `buf`; returns the batch and the bytes consumed.
-pub fn decode_batch(buf: &[u8]) -> Result<(LogBatch, usize), WireError> {
-    let Some(len) = buf.get(..4) else {
-        return Err(WireError::Truncated(4));
-    };
-    let n = u32::from_le_bytes([len[0], len[1], len[2], len[3]]) as usize;
-    if n > MAX_FRAME {
-        return Err(WireError::TooLarge(n));
-    }
-    let Some(body) = buf.get(4..4 + n) else {
-        return Err(WireError::Truncated(n));
-    };
-    let b = postcard::from_bytes(body).map_err(|e| WireError::Decode(e.to_string()))?;
-    Ok((b, 4 + n))
-}
-
-/// Length-prefixed postcard encoding of any record, bounded by `max` bytes of body.
-pub fn encode_frame<T: Serialize>(m: &T, max: usize) -> Result<Vec<u8>, WireError> {
-    let mut out = vec![0u8; 4];
-    let mut out = postcard::to_extend(m, std::mem::take(&mut out))
-        .map_err(|e| WireError::Encode(e.to_string()))?;
-    let n = out.len() - 4;
-    if n > max {
-        return Err(WireError::OverBound { len: n, max });
-    }
-    out[..4].copy_from_slice(&(n as u32).to_le_bytes());
-    Ok(out)
-}
-
-/// [`encode_frame`] into `out` (cleared first), so a caller that sends frames in a loop
-/// reuses one allocation instead of growing a fresh `Vec` by doubling for every frame.
-pub fn encode_frame_into<T: Serialize>(
+/// Seals `m` as one frame of kind `kinds::FTMB` appended to `out`. The body is encoded into
+/// `body` (a scratch buffer the caller reuses) and checked against `max` *before* the sealer
+/// is used: every sealed frame takes the next sequence number of the direction, so a frame
+/// sealed and then not sent (over a bound, or dropped by a full queue) would make every later
+/// frame fail its tag at the peer. Refusing first keeps the link usable, as an oversized batch
+/// did before (the worker reports it and goes on). The price is one copy of the body.
+pub fn seal_frame<T: Serialize>(
+    tx: &mut Sealer,
     m: &T,
     max: usize,
+    body: &mut Vec<u8>,
     out: &mut Vec<u8>,
-) -> Result<(), WireError> {
-    let mut buf = std::mem::take(out);
-    buf.clear();
-    buf.extend_from_slice(&[0; 4]);
-    let mut buf = match postcard::to_extend(m, buf) {
-        Ok(b) => b,
-        Err(e) => return Err(WireError::Encode(e.to_string())),
-    };
-    let n = buf.len() - 4;
-    if n > max {
-        buf.clear();
-        *out = buf;
-        return Err(WireError::OverBound { len: n, max });
+) -> Result<(), FrameError> {
+    body.clear();
+    *body = wire_frame::encode_body(m, std::mem::take(body))?;
+    if body.len() > max {
+        return Err(FrameError::TooLarge {
+            len: body.len(),
+            max,
+        });
     }
-    buf[..4].copy_from_slice(&(n as u32).to_le_bytes());
-    *out = buf;
-    Ok(())
+    tx.seal_bytes(kinds::FTMB, body, out)
 }
 
-/// Decodes one frame from the front of `buf`: `Ok(None)` if it is not complete yet, else the
-/// record and the bytes consumed. A length over `max` is an error before anything is read.
-pub fn decode_frame<T: for<'de> Deserialize<'de>>(
-    buf: &[u8],
-    max: usize,
-) -> Result<Option<(T, usize)>, WireError> {
-    let Some(len) = buf.get(..4) else {
-        return Ok(None);
-    };
-    let n = u32::from_le_bytes([len[0], len[1], len[2], len[3]]) as usize;
-    if n > max {
-        return Err(WireError::OverBound { len: n, max });
+/// Bytes a sealed frame adds to its body (header and tag).
+pub const FRAME_OVERHEAD: usize = HEADER_LEN + TAG_LEN;
+
+fn decode_msg(kind: u16, body: &[u8]) -> Result<NetMsg, FrameError> {
+    // A frame of another channel's kind is refused: a message cannot be replayed into the
+    // wrong protocol even with a valid tag.
+    if kind != kinds::FTMB {
+        return Err(FrameError::UnexpectedKind(kind));
     }
-    let Some(body) = buf.get(4..4 + n) else {
+    wire_frame::decode_body(body)
+}
+
+/// Opens the first frame of `buf` if it is complete (`Ok(None)` if not): the message and the
+/// bytes consumed. For the non-blocking readers, which buffer what the socket had. The
+/// opener's bound (`Opener::set_max_body`) is checked on the header, before the body is
+/// waited for. Any error (bad tag: tampered, replayed, reordered or injected; other version,
+/// kind or an undecodable body) means the stream must be closed.
+pub fn open_front(rx: &mut Opener, buf: &mut [u8]) -> Result<Option<(NetMsg, usize)>, FrameError> {
+    let Some((kind, body, used)) = rx.open_front(buf)? else {
         return Ok(None);
     };
-    let m = postcard::from_bytes(body).map_err(|e| WireError::Decode(e.to_string()))?;
-    Ok(Some((m, 4 + n)))
+    Ok(Some((decode_msg(kind, &buf[body])?, used)))
+}
+
+/// Reads and opens one frame from a blocking reader (the hello and its answer).
+pub fn read_msg<R: std::io::Read + ?Sized>(
+    rx: &mut Opener,
+    r: &mut R,
+    buf: &mut Vec<u8>,
+) -> Result<NetMsg, FrameError> {
+    let (kind, body) = rx.read(r, buf)?;
+    decode_msg(kind, &buf[body])
 }
 
 impl Snapshot {
@@ -342,89 +316,6 @@ impl Snapshot {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn batches_round_trip_and_bounds_hold() {
-        let p = PacketId { queue: 1, seq: 7 };
-        let b = LogBatch {
-            queue: 1,
-            epoch: 2,
-            msgs: vec![
-                LogMsg::Pal {
-                    seq: 3,
-                    pal: Pal {
-                        packet: p,
-                        n: 1,
-                        kind: PalKind::Var { var: 2, access: 9 },
-                    },
-                },
-                LogMsg::Output {
-                    id: OutputId {
-                        packet: p,
-                        index: 0,
-                    },
-                    vor: vec![0, 3],
-                    payload: vec![1, 2, 3],
-                },
-            ],
-        };
-        let f = encode_batch(&b).unwrap();
-        let (back, used) = decode_batch(&f).unwrap();
-        assert_eq!(back, b);
-        assert_eq!(used, f.len());
-        assert!(matches!(
-            decode_batch(&f[..f.len() - 1]),
-            Err(WireError::Truncated(_))
-        ));
-        let mut big = (MAX_FRAME as u32 + 1).to_le_bytes().to_vec();
-        big.extend_from_slice(&[0; 8]);
-        assert!(matches!(decode_batch(&big), Err(WireError::TooLarge(_))));
-        assert!(matches!(
-            decode_batch(&[2, 0, 0, 0, 0xff, 0xff]),
-            Err(WireError::Decode(_))
-        ));
-    }
-
-    #[test]
-    fn net_frames_round_trip_wait_for_more_and_respect_their_bound() {
-        let m = NetMsg::Batch(LogBatch {
-            queue: 0,
-            epoch: 0,
-            msgs: vec![LogMsg::Input {
-                id: PacketId { queue: 0, seq: 4 },
-                frame: vec![9; 100],
-            }],
-        });
-        let f = encode_frame(&m, MAX_FRAME).unwrap();
-        let (back, used) = decode_frame::<NetMsg>(&f, MAX_FRAME).unwrap().unwrap();
-        assert_eq!((back, used), (m.clone(), f.len()));
-        // Incomplete: wait for more, at every cut.
-        for cut in 0..f.len() {
-            assert!(decode_frame::<NetMsg>(&f[..cut], MAX_FRAME)
-                .unwrap()
-                .is_none());
-        }
-        assert!(matches!(
-            encode_frame(&m, 50),
-            Err(WireError::OverBound { max: 50, .. })
-        ));
-        // The reusing encoder writes the same bytes over whatever the buffer held.
-        let mut reused = vec![0xAA; 7];
-        encode_frame_into(&m, MAX_FRAME, &mut reused).unwrap();
-        assert_eq!(reused, f);
-        assert!(matches!(
-            encode_frame_into(&m, 50, &mut reused),
-            Err(WireError::OverBound { max: 50, .. })
-        ));
-        assert!(matches!(
-            decode_frame::<NetMsg>(&f, 50),
-            Err(WireError::OverBound { max: 50, .. })
-        ));
-        assert!(matches!(
-            decode_frame::<NetMsg>(&[2, 0, 0, 0, 0xff, 0xff], MAX_FRAME),
-            Err(WireError::Decode(_))
-        ));
-    }
 
     #[test]
     fn byte_fields_keep_the_sequence_wire_image_both_ways() {
@@ -484,7 +375,82 @@ mod tests {
             },
             locals: vec![vec![(vec![1], None), (vec![2], Some(vec![3]))]],
         };
-        let owned = encode_frame(&NetMsg::Snapshot(s.clone()), MAX_FRAME).unwrap();
-        assert_eq!(encode_frame(&SnapshotFrame(&s), MAX_FRAME).unwrap(), owned);
+        let owned = postcard::to_allocvec(&NetMsg::Snapshot(s.clone())).unwrap();
+        assert_eq!(postcard::to_allocvec(&SnapshotFrame(&s)).unwrap(), owned);
+    }
+
+    /// A session pair over a socket pair (the handshake is pliant-wire's; tested there).
+    fn sessions() -> (pliant_wire::Session, pliant_wire::Session) {
+        use pliant_wire::{role, session, Ca, Stream};
+        let ca = Ca::generate(None).unwrap();
+        let a = ca.issue("r1", role::REPLICA, 3600).unwrap();
+        let b = ca.issue("r2", role::REPLICA, 3600).unwrap();
+        let (x, y) = std::os::unix::net::UnixStream::pair().unwrap();
+        let srv = std::thread::spawn(move || {
+            session::server(&Stream::Unix(y), &b, &Default::default()).unwrap()
+        });
+        let c = session::client(&Stream::Unix(x), &a, &Default::default()).unwrap();
+        (c, srv.join().unwrap())
+    }
+
+    #[test]
+    fn sealed_frames_round_trip_wait_for_more_and_keep_their_bounds() {
+        let (mut c, mut s) = sessions();
+        let m = NetMsg::Batch(LogBatch {
+            queue: 0,
+            epoch: 0,
+            msgs: vec![LogMsg::Input {
+                id: PacketId { queue: 0, seq: 4 },
+                frame: vec![9; 100],
+            }],
+        });
+        let (mut body, mut f) = (Vec::new(), Vec::new());
+        // Over the bound: refused before sealing, so the sequence is not spent and the next
+        // frame still opens at the peer (sealing first would break the link here).
+        assert!(matches!(
+            seal_frame(&mut c.tx, &m, 50, &mut body, &mut f),
+            Err(FrameError::TooLarge { max: 50, .. })
+        ));
+        assert!(f.is_empty());
+        seal_frame(&mut c.tx, &m, MAX_FRAME, &mut body, &mut f).unwrap();
+        assert_eq!(f.len(), body.len() + FRAME_OVERHEAD);
+        // Incomplete: wait for more, at every cut (nothing is consumed meanwhile).
+        for cut in 0..f.len() {
+            let mut part = f[..cut].to_vec();
+            assert!(open_front(&mut s.rx, &mut part).unwrap().is_none());
+        }
+        let mut whole = f.clone();
+        whole.extend_from_slice(&[0xAA; 3]);
+        let (back, used) = open_front(&mut s.rx, &mut whole).unwrap().unwrap();
+        assert_eq!((back, used), (m.clone(), f.len()));
+        // The same frame again is a replay: its tag fails under the next sequence number.
+        let mut again = f.clone();
+        assert!(matches!(
+            open_front(&mut s.rx, &mut again),
+            Err(FrameError::BadTag)
+        ));
+    }
+
+    #[test]
+    fn another_channels_kind_and_an_over_bound_header_are_refused() {
+        let (mut c, mut s) = sessions();
+        let mut f = Vec::new();
+        c.tx.seal_msg(pliant_wire::kinds::REPL, &NetMsg::Welcome, &mut f)
+            .unwrap();
+        assert!(matches!(
+            open_front(&mut s.rx, &mut f),
+            Err(FrameError::UnexpectedKind(k)) if k == pliant_wire::kinds::REPL
+        ));
+        // A header declaring more than the opener's bound is refused from the header alone.
+        s.rx.set_max_body(64);
+        let (mut body, mut f) = (Vec::new(), Vec::new());
+        let big = NetMsg::Refused {
+            reason: "x".repeat(200),
+        };
+        seal_frame(&mut c.tx, &big, MAX_FRAME, &mut body, &mut f).unwrap();
+        assert!(matches!(
+            open_front(&mut s.rx, &mut f[..HEADER_LEN]),
+            Err(FrameError::TooLarge { .. })
+        ));
     }
 }

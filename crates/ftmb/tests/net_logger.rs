@@ -1,12 +1,12 @@
-//! The network logger end to end over unix sockets in a private temp dir: workers with
-//! [`NetTransport`]s and a [`SnapshotLink`] -> [`LoggerServer`]; authentication, fencing,
-//! snapshot gating/truncation, and a kill-and-recover of a NAT-like NF from a
-//! [`RecoveryBundle`].
+//! The network logger end to end over unix sockets in a private temp dir (and over TCP on
+//! 127.0.0.1): workers with [`NetTransport`]s and a [`SnapshotLink`] -> [`LoggerServer`];
+//! authentication (pliant-wire identities), sealed frames, fencing, snapshot
+//! gating/truncation, and a kill-and-recover of a NAT-like NF from a [`RecoveryBundle`].
 
 use pliant_ftmb::net::NetOptions;
 use pliant_ftmb::server::RecoveryBundle;
 use pliant_ftmb::*;
-use pliant_ha::auth::{AuthError, Secret};
+use pliant_wire::{kinds, role, Ca, Endpoint, Security, SessionError};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -52,29 +52,60 @@ impl Drop for TempDir {
     }
 }
 
-fn secret(b: u8) -> Secret {
-    Secret::from_bytes(&[b; 32]).unwrap()
+/// The deployment's CA, one per test process.
+fn ca() -> &'static Ca {
+    static CA: std::sync::OnceLock<Ca> = std::sync::OnceLock::new();
+    CA.get_or_init(|| Ca::generate(None).unwrap())
 }
+
+/// Replica `name`'s identity, issued by [`ca`].
+fn sec(name: &str) -> Security {
+    Security::new(ca().issue(name, role::REPLICA, 3600).unwrap())
+}
+
+/// The replica that hosts the test loggers.
+const HOST: &str = "r9";
 
 type Sink = Arc<Mutex<Vec<Released>>>;
 
-fn server(d: &TempDir) -> (LoggerServer, Sink, PathBuf) {
+fn server(d: &TempDir) -> (LoggerServer, Sink, LoggerAddr) {
     server_with(d, ServerOptions::default())
 }
 
-fn server_with(d: &TempDir, mut opts: ServerOptions) -> (LoggerServer, Sink, PathBuf) {
-    let path = d.0.join("logger.ftmb.sock");
+fn server_with(d: &TempDir, opts: ServerOptions) -> (LoggerServer, Sink, LoggerAddr) {
+    server_at(Endpoint::Unix(d.0.join("logger.ftmb.sock")), opts)
+}
+
+/// A logger at `ep` hosted by [`HOST`]; the address names it, so clients check they reached it.
+fn server_at(ep: Endpoint, mut opts: ServerOptions) -> (LoggerServer, Sink, LoggerAddr) {
     let sink: Sink = Arc::new(Mutex::new(Vec::new()));
     let s2 = sink.clone();
     opts.logger.audit_capacity = 1 << 16;
     let srv = LoggerServer::start(
-        &path,
-        secret(1),
+        &ep,
+        sec(HOST),
         opts,
         Box::new(move |r| s2.lock().unwrap().push(r)),
     )
     .unwrap();
-    (srv, sink, path)
+    let addr = LoggerAddr::new(srv.endpoint().clone(), Some(HOST));
+    (srv, sink, addr)
+}
+
+/// The reason of a hello the logger refused (anything else fails the test).
+fn refusal<T>(r: Result<T, NetError>) -> String {
+    match r {
+        Err(NetError::Refused { reason }) => reason,
+        Err(e) => panic!("expected a refusal, got {e}"),
+        Ok(_) => panic!("expected a refusal, got a connection"),
+    }
+}
+
+fn path_of(a: &LoggerAddr) -> PathBuf {
+    match &a.endpoint {
+        Endpoint::Unix(p) => p.clone(),
+        Endpoint::Tcp(t) => panic!("{t} is not a unix socket"),
+    }
 }
 
 fn master_status(srv: &LoggerServer, m: &str) -> serde_json::Value {
@@ -304,18 +335,41 @@ impl LogTransport for Discard {
 fn two_workers_release_in_order_with_no_audit_violation() {
     let d = TempDir::new();
     let (srv, sink, path) = server(&d);
+    two_workers_release_in_order(&srv, &sink, &path);
+}
+
+/// The same traffic over TCP: the logger is reachable from another host (port 0 resolved by
+/// the listener; frames encrypted by the default policy, which a test in pliant-wire checks).
+#[test]
+fn the_logger_works_over_tcp() {
+    let (srv, sink, addr) = server_at(
+        Endpoint::Tcp("127.0.0.1:0".into()),
+        ServerOptions::default(),
+    );
+    assert!(
+        matches!(&addr.endpoint, Endpoint::Tcp(a) if !a.ends_with(":0")),
+        "{}",
+        addr.endpoint
+    );
+    two_workers_release_in_order(&srv, &sink, &addr);
+    // On TCP there is no SO_PEERCRED: the handshake was the only fence, and it held.
+    let st = srv.stats();
+    assert_eq!((st.auth_failures, st.peer_refused), (0, 0), "{st:?}");
+}
+
+fn two_workers_release_in_order(srv: &LoggerServer, sink: &Sink, path: &LoggerAddr) {
     let o = NetOptions::default();
     const W: usize = 2;
     const PER_QUEUE: u64 = 400;
     let m = Master::new(MasterConfig::new(W)).unwrap();
     let nat = Nat::declare(&m, &initial_image());
-    let mut link = SnapshotLink::connect(&path, &secret(1), "r1", 7, W, &o).unwrap();
+    let mut link = SnapshotLink::connect(path, &sec("r1"), "r1", 7, W, &o).unwrap();
     let meta = m.snapshot(nat.image(), vec![0; W]).unwrap();
     link.send(&snap_msg(1, true, meta, vec![Vec::new(); W]))
         .unwrap();
     let mut ws: Vec<Worker> = (0..W)
         .map(|q| {
-            let t = NetTransport::connect(&path, &secret(1), "r1", q as QueueId, 7, &o).unwrap();
+            let t = NetTransport::connect(path, &sec("r1"), "r1", q as QueueId, 7, &o).unwrap();
             m.worker(q as QueueId, Box::new(t)).unwrap()
         })
         .collect();
@@ -355,7 +409,7 @@ fn two_workers_release_in_order_with_no_audit_violation() {
     }
     let serials: HashSet<u64> = rel.iter().map(|r| decode_out(&r.payload).2).collect();
     assert_eq!(serials.len(), total);
-    let st = master_status(&srv, "r1");
+    let st = master_status(srv, "r1");
     assert_eq!(st["logger"]["audit_violations"], 0, "{st}");
     assert_eq!(st["logger"]["outputs_released"], total as u64, "{st}");
     assert_eq!(st["logger"]["audit_checked"], total as u64, "{st}");
@@ -399,13 +453,13 @@ fn early_release_scenario(fault: bool) -> EarlyRelease {
     cfg.batch_packets = u32::MAX;
     let m = Master::new(cfg).unwrap();
     let nat = Nat::declare(&m, &initial_image());
-    let mut link = SnapshotLink::connect(&path, &secret(1), "r1", 1, 2, &o).unwrap();
+    let mut link = SnapshotLink::connect(&path, &sec("r1"), "r1", 1, 2, &o).unwrap();
     let meta = m.snapshot(nat.image(), vec![0; 2]).unwrap();
     link.send(&snap_msg(1, true, meta, vec![Vec::new(); 2]))
         .unwrap();
     let mut ws: Vec<Worker> = (0..2)
         .map(|q| {
-            let t = NetTransport::connect(&path, &secret(1), "r1", q, 1, &o).unwrap();
+            let t = NetTransport::connect(&path, &sec("r1"), "r1", q, 1, &o).unwrap();
             m.worker(q, Box::new(t)).unwrap()
         })
         .collect();
@@ -473,37 +527,155 @@ fn without_the_fault_the_same_traffic_passes_the_output_commit_audit() {
 }
 
 #[test]
-fn a_wrong_secret_is_refused_and_counted() {
+fn a_stranger_a_non_replica_and_the_wrong_logger_are_refused_and_counted() {
     let d = TempDir::new();
     let (srv, _sink, path) = server(&d);
     let o = NetOptions::default();
-    let e = SnapshotLink::connect(&path, &secret(2), "r1", 1, 2, &o)
+    // Certified by another CA, but trusting ours (so it gets to present its certificate).
+    let mut stranger = Ca::generate(None)
+        .unwrap()
+        .issue("r1", role::REPLICA, 60)
+        .unwrap();
+    stranger.ca_pub = ca().public();
+    let stranger = Security::new(stranger);
+    let e = SnapshotLink::connect(&path, &stranger, "r1", 1, 2, &o)
+        .err()
+        .unwrap();
+    assert!(matches!(e, NetError::Handshake { .. }), "{e}");
+    // Our CA, but not a replica: a logger takes log streams from replicas only.
+    let admin = Security::new(ca().issue("r1", role::ADMIN, 60).unwrap());
+    let e = NetTransport::connect(&path, &admin, "r1", 0, 1, &o)
         .err()
         .unwrap();
     assert!(
-        matches!(e, NetError::Auth(AuthError::Closed | AuthError::BadMac)),
+        matches!(&e, NetError::Handshake { source: SessionError::Refused(r), .. } if r.contains("roles")),
         "{e}"
     );
-    let e = NetTransport::connect(&path, &secret(3), "r1", 0, 1, &o)
-        .err()
-        .unwrap();
-    assert!(matches!(e, NetError::Auth(_)), "{e}");
     let st = until("auth failures counted", || {
         let s = srv.stats();
         (s.auth_failures == 2).then_some(s)
     });
     assert_eq!(st.active, 0, "{st:?}");
     assert!(srv.masters().is_empty());
-    // A queue before its session is refused with a clear reason; the right secret works.
-    let e = NetTransport::connect(&path, &secret(1), "r1", 0, 1, &o)
+    // The client was told which replica hosts the logger: another one answering is refused.
+    let elsewhere = LoggerAddr::new(path.endpoint.clone(), Some("r8"));
+    let e = SnapshotLink::connect(&elsewhere, &sec("r1"), "r1", 1, 2, &o)
         .err()
         .unwrap();
     assert!(
-        matches!(&e, NetError::Refused { reason } if reason.contains("no session")),
+        matches!(&e, NetError::Handshake { source: SessionError::PeerName { got, .. }, .. } if got == HOST),
         "{e}"
     );
-    SnapshotLink::connect(&path, &secret(1), "r1", 1, 2, &o).unwrap();
+    assert!(srv.masters().is_empty());
+    // A queue before its session is refused with a clear reason; the right identity works.
+    let r = refusal(NetTransport::connect(&path, &sec("r1"), "r1", 0, 1, &o));
+    assert!(r.contains("no session"), "{r}");
+    SnapshotLink::connect(&path, &sec("r1"), "r1", 1, 2, &o).unwrap();
     assert_eq!(srv.masters(), vec!["r1".to_string()]);
+    assert_eq!(srv.stats().auth_failures, 2);
+}
+
+/// A replica logs only as itself: a master certified as r2 whose hello names r1 is refused
+/// and counted, whether it would open r1's session, replace it or join it with a queue.
+#[test]
+fn a_master_certified_as_another_replica_is_refused_and_counted() {
+    let d = TempDir::new();
+    let (srv, _sink, path) = server(&d);
+    let o = NetOptions::default();
+    let r = refusal(SnapshotLink::connect(&path, &sec("r2"), "r1", 1, 2, &o));
+    assert!(r.contains("certificate is \"r2\""), "{r}");
+    assert!(srv.masters().is_empty());
+    // r1's own session, then r2 trying to replace it (a higher generation would) or to feed it.
+    let _r1 = SnapshotLink::connect(&path, &sec("r1"), "r1", 1, 2, &o).unwrap();
+    refusal(SnapshotLink::connect(&path, &sec("r2"), "r1", 9, 2, &o));
+    refusal(NetTransport::connect(&path, &sec("r2"), "r1", 0, 1, &o));
+    let st = srv.stats();
+    assert_eq!(st.identity_mismatch, 3, "{st:?}");
+    assert_eq!(st.sessions_replaced, 0, "{st:?}");
+    assert_eq!(st.auth_failures, 0, "{st:?}");
+    assert_eq!(master_status(&srv, "r1")["epoch"], 1);
+    // r2 may of course log as itself.
+    SnapshotLink::connect(&path, &sec("r2"), "r2", 1, 1, &o).unwrap();
+    assert_eq!(srv.masters(), vec!["r1".to_string(), "r2".to_string()]);
+}
+
+/// True once the server closed `c` (EOF or reset), false if it stayed open for PATIENCE.
+fn closed_by_server(c: &pliant_wire::Conn) -> bool {
+    use std::io::Read;
+    let mut s = c.reader.stream().try_clone().unwrap();
+    s.set_read_timeout(Some(PATIENCE)).unwrap();
+    let mut b = [0u8; 256];
+    loop {
+        match s.read(&mut b) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) => return e.kind() == std::io::ErrorKind::ConnectionReset,
+        }
+    }
+}
+
+/// A frame sealed by another session (a valid frame of the protocol, from a peer holding a
+/// valid identity, but not this connection's key and sequence) spliced into an established
+/// session stream closes it; nothing of it is applied.
+#[test]
+fn a_frame_injected_from_another_session_closes_the_stream() {
+    let d = TempDir::new();
+    let (srv, _sink, path) = server(&d);
+    let hello = NetMsg::Hello {
+        master: "r1".into(),
+        epoch: 1,
+        stream: StreamKind::Session { workers: 1 },
+    };
+    let dial = |name: &str| {
+        pliant_wire::Conn::connect(
+            &path.endpoint,
+            &sec(name).identity,
+            &Default::default(),
+            PATIENCE,
+            &Default::default(),
+        )
+        .unwrap()
+    };
+    let mut c = dial("r1");
+    c.send(kinds::FTMB, &hello).unwrap();
+    assert_eq!(c.recv::<NetMsg>().unwrap(), (kinds::FTMB, NetMsg::Welcome));
+    // The forged frame: sealed by a second, real session of r1 with the logger, as the first
+    // frame after its own hello (the position a snapshot would take on the first stream).
+    let m = Master::new(MasterConfig::new(1)).unwrap();
+    let snap = NetMsg::Snapshot(snap_msg(
+        1,
+        true,
+        m.snapshot(vec![], vec![0]).unwrap(),
+        vec![vec![]],
+    ));
+    let forged = {
+        let other =
+            pliant_wire::endpoint::connect(&path.endpoint, PATIENCE, &Default::default()).unwrap();
+        let mut sess =
+            pliant_wire::session::client(&other, &sec("r1").identity, &Default::default()).unwrap();
+        let mut f = Vec::new();
+        sess.tx.seal_msg(kinds::FTMB, &hello, &mut f).unwrap();
+        f.clear();
+        sess.tx.seal_msg(kinds::FTMB, &snap, &mut f).unwrap();
+        f
+    };
+    c.writer.stream().send_all(&forged).unwrap();
+    assert!(closed_by_server(&c));
+    let st = until("the bad frame counted", || {
+        let s = srv.stats();
+        (s.decode_errors >= 1).then_some(s)
+    });
+    assert_eq!(st.decode_errors, 1, "{st:?}");
+    let ms = master_status(&srv, "r1");
+    assert_eq!(ms["snapshot_id"], serde_json::Value::Null, "{ms}");
+    assert_eq!(ms["stats"]["snapshots_received"], 0, "{ms}");
+    // The same message sealed by the stream's own session is taken: the refusal above was
+    // the forgery's, not the snapshot's.
+    let mut c = dial("r1");
+    c.send(kinds::FTMB, &hello).unwrap();
+    assert_eq!(c.recv::<NetMsg>().unwrap().1, NetMsg::Welcome);
+    c.send(kinds::FTMB, &snap).unwrap();
+    assert_eq!(c.recv::<NetMsg>().unwrap().1, NetMsg::SnapshotAck { id: 1 });
 }
 
 #[test]
@@ -521,13 +693,13 @@ fn stale_generations_are_refused_and_recovery_fences() {
         Err(NetError::UnknownMaster { .. })
     ));
     // No snapshot applied yet: a typed error (and the master is fenced anyway).
-    let _early = SnapshotLink::connect(&path, &secret(1), "r0", 1, 1, &o).unwrap();
+    let _early = SnapshotLink::connect(&path, &sec("r0"), "r0", 1, 1, &o).unwrap();
     assert!(matches!(
         srv.take_for_recovery("r0"),
         Err(NetError::NoSnapshot { .. })
     ));
 
-    let mut link = SnapshotLink::connect(&path, &secret(1), "r1", 3, 1, &o).unwrap();
+    let mut link = SnapshotLink::connect(&path, &sec("r1"), "r1", 3, 1, &o).unwrap();
     let m = Master::new(MasterConfig::new(1)).unwrap();
     link.send(&snap_msg(
         1,
@@ -539,12 +711,12 @@ fn stale_generations_are_refused_and_recovery_fences() {
     assert_eq!(until("ack", || link.acked()), 1);
     // An older session generation is refused while generation 3 runs.
     refused(
-        SnapshotLink::connect(&path, &secret(1), "r1", 2, 1, &o),
+        SnapshotLink::connect(&path, &sec("r1"), "r1", 2, 1, &o),
         "older",
     );
-    let t = NetTransport::connect(&path, &secret(1), "r1", 0, 2, &o);
+    let t = NetTransport::connect(&path, &sec("r1"), "r1", 0, 2, &o);
     assert!(matches!(t, Err(NetError::Refused { .. })));
-    let mut zombie = NetTransport::connect(&path, &secret(1), "r1", 0, 3, &o).unwrap();
+    let mut zombie = NetTransport::connect(&path, &sec("r1"), "r1", 0, 3, &o).unwrap();
 
     let b = srv.take_for_recovery("r1").unwrap();
     assert_eq!(b.snapshot_id, 1);
@@ -555,14 +727,14 @@ fn stale_generations_are_refused_and_recovery_fences() {
     assert!(srv.masters().is_empty());
     // Fenced: the same or an older generation is refused, its live streams are cut.
     refused(
-        SnapshotLink::connect(&path, &secret(1), "r1", 3, 1, &o),
+        SnapshotLink::connect(&path, &sec("r1"), "r1", 3, 1, &o),
         "fenced",
     );
     refused(
-        SnapshotLink::connect(&path, &secret(1), "r1", 0, 1, &o),
+        SnapshotLink::connect(&path, &sec("r1"), "r1", 0, 1, &o),
         "fenced",
     );
-    let t = NetTransport::connect(&path, &secret(1), "r1", 0, 3, &o);
+    let t = NetTransport::connect(&path, &sec("r1"), "r1", 0, 3, &o);
     assert!(matches!(t, Err(NetError::Refused { .. })));
     let e = until("the zombie's stream is cut", || {
         let b = LogBatch {
@@ -578,9 +750,9 @@ fn stale_generations_are_refused_and_recovery_fences() {
     assert_eq!(st.refused_fenced, 3, "{st:?}");
     assert_eq!(st.refused_stale, 2, "{st:?}");
     // A later incarnation (higher generation) is welcome.
-    SnapshotLink::connect(&path, &secret(1), "r1", 4, 1, &o).unwrap();
+    SnapshotLink::connect(&path, &sec("r1"), "r1", 4, 1, &o).unwrap();
     // A newer session replaces the current one.
-    let mut l5 = SnapshotLink::connect(&path, &secret(1), "r1", 5, 1, &o).unwrap();
+    let mut l5 = SnapshotLink::connect(&path, &sec("r1"), "r1", 5, 1, &o).unwrap();
     assert_eq!(srv.stats().sessions_replaced, 1);
     assert_eq!(master_status(&srv, "r1")["epoch"], 5);
     assert_eq!(l5.acked(), None);
@@ -595,8 +767,8 @@ fn a_logger_that_does_not_read_fails_the_send_instead_of_blocking_it() {
         ..NetOptions::default()
     };
     // Queue streams are not read before the session's first snapshot: the socket fills up.
-    let _link = SnapshotLink::connect(&path, &secret(1), "r1", 0, 1, &o).unwrap();
-    let mut t = NetTransport::connect(&path, &secret(1), "r1", 0, 0, &o).unwrap();
+    let _link = SnapshotLink::connect(&path, &sec("r1"), "r1", 0, 1, &o).unwrap();
+    let mut t = NetTransport::connect(&path, &sec("r1"), "r1", 0, 0, &o).unwrap();
     let big = || LogBatch {
         queue: 0,
         epoch: 0,
@@ -615,7 +787,7 @@ fn a_logger_that_does_not_read_fails_the_send_instead_of_blocking_it() {
     let mut t2 = {
         let d2 = TempDir::new();
         let (srv2, _s2, p2) = server(&d2);
-        let mut l2 = SnapshotLink::connect(&p2, &secret(1), "r2", 0, 1, &o).unwrap();
+        let mut l2 = SnapshotLink::connect(&p2, &sec("r2"), "r2", 0, 1, &o).unwrap();
         let m = Master::new(MasterConfig::new(1)).unwrap();
         l2.send(&snap_msg(
             1,
@@ -624,9 +796,9 @@ fn a_logger_that_does_not_read_fails_the_send_instead_of_blocking_it() {
             vec![vec![]],
         ))
         .unwrap();
-        let t2 = NetTransport::connect(&p2, &secret(1), "r2", 0, 0, &o).unwrap();
+        let t2 = NetTransport::connect(&p2, &sec("r2"), "r2", 0, 0, &o).unwrap();
         drop(srv2);
-        assert!(!p2.exists(), "the server unlinks its socket");
+        assert!(!path_of(&p2).exists(), "the server unlinks its socket");
         t2
     };
     let e = until("the send to fail", || {
@@ -670,8 +842,8 @@ fn snapshots_wait_for_the_logs_then_truncate_them() {
     let d = TempDir::new();
     let (srv, _sink, path) = server(&d);
     let o = NetOptions::default();
-    let mut link = SnapshotLink::connect(&path, &secret(1), "r1", 0, 1, &o).unwrap();
-    let mut t = NetTransport::connect(&path, &secret(1), "r1", 0, 0, &o).unwrap();
+    let mut link = SnapshotLink::connect(&path, &sec("r1"), "r1", 0, 1, &o).unwrap();
+    let mut t = NetTransport::connect(&path, &sec("r1"), "r1", 0, 0, &o).unwrap();
     let meta = |pal: u64, input: u64| Snapshot {
         nf_state: vec![pal as u8],
         input_next: vec![input],
@@ -827,7 +999,7 @@ fn kill_and_recover(seed: u64, workers: usize) -> Run {
             .flat_map(|l| l.flows.keys().copied())
             .collect();
     }
-    let mut link = SnapshotLink::connect(&path, &secret(1), "nat", 0, workers, &o).unwrap();
+    let mut link = SnapshotLink::connect(&path, &sec("nat"), "nat", 0, workers, &o).unwrap();
     let mut snap_id = 1;
     let mut input_next = next_seq.clone();
     let ship =
@@ -838,7 +1010,7 @@ fn kill_and_recover(seed: u64, workers: usize) -> Run {
         };
     ship(&mut link, snap_id, true, &mut locals, &input_next);
     for (q, w) in ws.iter_mut().enumerate() {
-        let t = NetTransport::connect(&path, &secret(1), "nat", q as QueueId, 0, &o).unwrap();
+        let t = NetTransport::connect(&path, &sec("nat"), "nat", q as QueueId, 0, &o).unwrap();
         let t = CutTransport {
             inner: t,
             budget: budgets[q].clone(),

@@ -42,7 +42,7 @@ use crate::standby::StandbyStore;
 use crate::wire::{Ack, Checkpoint, GroupId, ReplMsg, MAX_FRAME};
 use pliant_wire::endpoint::{euid, Endpoint, Listener, Stream};
 use pliant_wire::server::{self as wire_server, ConnThreads, ServerSocket, SpawnRefused};
-use pliant_wire::session::{self, Expect, Opener, Sealer, SessionError};
+use pliant_wire::session::{self, Expect, Opener, Sealer};
 use pliant_wire::{kinds, role, FrameError, Security};
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap};
@@ -332,35 +332,10 @@ enum ConnEnd {
     Error,
 }
 
-/// Counts a refused handshake where it belongs: a peer that could not prove a replica
-/// identity (auth) or one that went away or stalled (aborted).
-fn count_handshake_failure(c: &ServerCounters, e: &SessionError, server: &str) {
-    match e {
-        SessionError::Cert(_)
-        | SessionError::BadSignature
-        | SessionError::Role { .. }
-        | SessionError::PeerName { .. } => {
-            c.auth_failures.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(error = %e, "{server} handshake refused");
-        }
-        _ => {
-            c.handshake_aborted.fetch_add(1, Ordering::Relaxed);
-            tracing::debug!(error = %e, "{server} handshake aborted");
-        }
-    }
-}
-
 fn serve_conn(stream: Stream, sh: &ServerShared) {
     let c = &sh.c;
-    // On a unix socket the kernel also vouches for the peer's uid: kept as a second fence.
-    match stream.peer_uid() {
-        None => {}
-        Some(Ok(uid)) if uid == euid() => {}
-        Some(r) => {
-            c.peer_refused.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(uid = ?r.ok(), "replication peer refused: other uid");
-            return;
-        }
+    if !wire_server::same_uid_peer(&stream, &c.peer_refused, "replication") {
+        return;
     }
     let expect = Expect {
         name: None,
@@ -369,7 +344,14 @@ fn serve_conn(stream: Stream, sh: &ServerShared) {
     let o = sh.sec.options_for(!stream.is_unix(), expect, MAX_FRAME);
     let sess = match session::server(&stream, &sh.sec.identity, &o) {
         Ok(s) => s,
-        Err(e) => return count_handshake_failure(c, &e, "replication"),
+        Err(e) => {
+            return wire_server::count_handshake_failure(
+                &e,
+                &c.auth_failures,
+                &c.handshake_aborted,
+                "replication",
+            )
+        }
     };
     if stream.set_read_timeout(Some(HELLO_TIMEOUT)).is_err() {
         return;

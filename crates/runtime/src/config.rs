@@ -29,12 +29,13 @@
 //! # peer_socket = "/run/pliant/lab-x/r1.peer.sock"
 //!
 //! # [ha]                       # optional: Pico replication (backup listener + protect)
-//! # repl_socket = "/run/pliant/lab-x/r1.repl.sock"  # default: control_socket .sock -> .repl.sock
-//! # repl_secret = "/run/pliant/lab-x/repl.secret"   # required for the listener
-//! # mode = "ftmb"            # FTMB worker mode (needs repl_secret and nf.kind = "nat")
+//! # repl_socket = "/run/pliant/lab-x/r1.repl.sock"  # or "host:port"; default .sock -> .repl.sock
+//! # repl_secret = "/run/pliant/lab-x/repl.secret"   # read by no channel now ([security]); accepted
+//! # mode = "ftmb"            # FTMB worker mode (needs [security] and nf.kind = "nat")
 //! # ftmb_workers = 2         # 1..=16 worker threads
 //! # ftmb_snapshot_ms = 50    # 5..=10000
-//! # ftmb_socket = "/run/pliant/lab-x/r1.ftmb.sock"  # hosted logger; default .sock -> .ftmb.sock
+//! # ftmb_socket = "/run/pliant/lab-x/r1.ftmb.sock"  # hosted logger, or "host:port" (TCP);
+//! #                                                  # default: control_socket .sock -> .ftmb.sock
 //!
 //! # [security]                 # this replica's identity on every channel (required by [ha])
 //! # identity = "/run/pliant/lab-x/id/r1"   # node.key (0600), node.cert, ca.pub
@@ -103,8 +104,9 @@ pub struct HaSection {
     /// `<name>.repl.sock`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub repl_socket: Option<String>,
-    /// The shared replication secret (hex, mode 0600); without it there is no listener and
-    /// `protect` is refused.
+    /// A shared secret file, from before Pico replication and the FTMB logger streams
+    /// authenticated with the `[security]` identity. No channel reads it any more; it is still
+    /// accepted (and checked to be an absolute path) so that existing configs load.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub repl_secret: Option<String>,
     /// `"ftmb"`: IP packets run on FTMB worker threads with ordered logging to a logger hosted
@@ -118,8 +120,8 @@ pub struct HaSection {
     /// Interval between FTMB snapshots to the logger, 5..=10000 ms; default 50.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ftmb_snapshot_ms: Option<u64>,
-    /// The FTMB logger socket this replica hosts for another primary (default: beside the
-    /// control socket, `<name>.ftmb.sock`).
+    /// The FTMB logger endpoint this replica hosts for another primary: an absolute unix
+    /// path or TCP `host:port` (default: beside the control socket, `<name>.ftmb.sock`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ftmb_socket: Option<String>,
 }
@@ -135,10 +137,8 @@ pub const FTMB_DEFAULT_SNAPSHOT_MS: u64 = 50;
 pub struct FtmbSettings {
     pub workers: usize,
     pub snapshot_ms: u64,
-    /// Where this replica's hosted logger listens.
+    /// Where this replica's hosted logger listens (an endpoint: unix path or `host:port`).
     pub socket: String,
-    /// The shared secret file (required in ftmb mode).
-    pub secret: String,
 }
 
 /// The optional `[shared]` section: the coherence hub's socket and the secret file it
@@ -442,17 +442,19 @@ impl ReplicaConfig {
             let parsed: HaSection = h.clone().try_into().map_err(|e: toml::de::Error| {
                 (Some("[ha".into()), format!("[ha]: {}", e.message().trim()))
             })?;
-            if let Some(ep) = &parsed.repl_socket {
-                check_endpoint("[ha] repl_socket", ep)
-                    .map_err(|e| (Some("repl_socket".into()), e))?;
-            }
             for (k, v) in [
-                ("repl_secret", &parsed.repl_secret),
+                ("repl_socket", &parsed.repl_socket),
                 ("ftmb_socket", &parsed.ftmb_socket),
             ] {
-                if v.as_ref().is_some_and(|p| !p.starts_with('/')) {
-                    return Err((Some(k.into()), format!("[ha] {k} must be an absolute path")));
+                if let Some(ep) = v {
+                    check_endpoint(&format!("[ha] {k}"), ep).map_err(|e| (Some(k.into()), e))?;
                 }
+            }
+            if let Some(p) = parsed.repl_secret.as_ref().filter(|p| !p.starts_with('/')) {
+                return Err((
+                    Some("repl_secret".into()),
+                    format!("[ha] repl_secret = {p:?} must be an absolute path"),
+                ));
             }
             self.validate_ftmb(&parsed)?;
         }
@@ -503,8 +505,9 @@ impl ReplicaConfig {
     }
 
     /// `[ha]` FTMB checks: known mode, knobs in range and only with `mode = "ftmb"`, which
-    /// needs the shared secret (the logger streams are authenticated) and the NAT (the only NF
-    /// with an FTMB implementation).
+    /// needs `[security]` (the logger streams authenticate with the replica's identity, and the
+    /// logger it hosts checks other masters' identities) and the NAT (the only NF with an FTMB
+    /// implementation).
     fn validate_ftmb(&self, h: &HaSection) -> Result<(), (Option<String>, String)> {
         let ftmb = match h.mode.as_deref() {
             None | Some("pico") | Some("remus") => false,
@@ -551,10 +554,11 @@ impl ReplicaConfig {
                 ),
             ));
         }
-        if h.repl_secret.is_none() {
+        if !self.nf_sections.contains_key("security") {
             return Err((
                 Some("mode".into()),
-                "[ha] mode = \"ftmb\" needs repl_secret (the logger streams are authenticated)"
+                "[ha] mode = \"ftmb\" needs a [security] section (the logger streams \
+                 authenticate with the replica's identity)"
                     .into(),
             ));
         }
@@ -587,7 +591,6 @@ impl ReplicaConfig {
             workers: h.ftmb_workers.unwrap_or(FTMB_DEFAULT_WORKERS),
             snapshot_ms: h.ftmb_snapshot_ms.unwrap_or(FTMB_DEFAULT_SNAPSHOT_MS),
             socket,
-            secret: h.repl_secret?,
         })
     }
 
@@ -840,7 +843,11 @@ port_min = 1000
 
     #[test]
     fn ftmb_mode_defaults_bounds_and_requirements() {
-        let ha = |body: &str| format!("{GOOD}\n[ha]\nrepl_secret = \"/s\"\n{body}");
+        // `[security]` after the `[ha]` keys; the comment keeps the lines the refusals below
+        // are located at.
+        let ha = |body: &str| {
+            format!("{GOOD}\n[ha]\n# (identity below)\n{body}\n[security]\nidentity = \"/id/r1\"\n")
+        };
         let c = ReplicaConfig::parse(&ha("mode = \"ftmb\"\n"), "t.toml").expect("valid");
         assert_eq!(
             c.ftmb(),
@@ -848,9 +855,15 @@ port_min = 1000
                 workers: 2,
                 snapshot_ms: 50,
                 socket: "/tmp/r1.ftmb.sock".into(),
-                secret: "/s".into(),
             })
         );
+        // The hosted logger may listen on TCP (a logger on another host than its primary).
+        let c = ReplicaConfig::parse(
+            &ha("mode = \"ftmb\"\nftmb_socket = \"10.0.0.2:7400\"\n"),
+            "t.toml",
+        )
+        .expect("valid");
+        assert_eq!(c.ftmb().unwrap().socket, "10.0.0.2:7400");
         let c = ReplicaConfig::parse(
             &ha("mode = \"ftmb\"\nftmb_workers = 4\nftmb_snapshot_ms = 20\nftmb_socket = \"/x/l.sock\"\n"),
             "t.toml",
@@ -883,15 +896,21 @@ port_min = 1000
             25,
         );
         refused(
-            &ha("mode = \"ftmb\"\nftmb_socket = \"rel\"\n"),
+            &ha("mode = \"ftmb\"\nftmb_socket = \"./rel.sock\"\n"),
             "absolute",
+            25,
+        );
+        refused(
+            &ha("mode = \"ftmb\"\nftmb_socket = \"rel\"\n"),
+            "neither a unix socket path",
             25,
         );
         refused(&ha("mode = \"raft\"\n"), "mode \"raft\" unknown", 24);
         refused(&ha("ftmb_workers = 2\n"), "only meaningful", 24);
+        // The old shared secret does not stand in for an identity.
         refused(
-            &format!("{GOOD}\n[ha]\nmode = \"ftmb\"\n"),
-            "needs repl_secret",
+            &format!("{GOOD}\n[ha]\nmode = \"ftmb\"\nrepl_secret = \"/s\"\n"),
+            "needs a [security] section",
             23,
         );
         let fw = ha("mode = \"ftmb\"\n").replace("kind = \"nat\"", "kind = \"firewall\"");

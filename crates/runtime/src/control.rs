@@ -93,9 +93,12 @@ pub enum Cmd {
     DropStandby {
         primary: String,
     },
-    /// FTMB: log to the logger at `logger` (another replica's `.ftmb.sock`).
+    /// FTMB: log to the logger at `logger` (another replica's `.ftmb.sock`, or its TCP
+    /// `host:port`). With `host` (the replica hosting it), the logger must prove that name in
+    /// the handshake.
     FtmbProtect {
         logger: String,
+        host: Option<String>,
     },
     /// FTMB: workers, logger, snapshots, hosted logs, recoveries.
     FtmbStatus,
@@ -208,6 +211,11 @@ impl Cmd {
             },
             "ftmb_protect" => Cmd::FtmbProtect {
                 logger: str_field(&v, "logger")?,
+                host: match v.get("host") {
+                    None | Some(Value::Null) => None,
+                    Some(Value::String(h)) => Some(h.clone()),
+                    Some(_) => return Err("field \"host\" must be a string".into()),
+                },
             },
             "ftmb_status" => Cmd::FtmbStatus,
             "ftmb_activate" => Cmd::FtmbActivate {
@@ -643,9 +651,18 @@ mod tests {
         assert_eq!(
             Cmd::parse(r#"{"cmd":"ftmb_protect","logger":"/run/x/r2.ftmb.sock"}"#),
             Ok(Cmd::FtmbProtect {
-                logger: "/run/x/r2.ftmb.sock".into()
+                logger: "/run/x/r2.ftmb.sock".into(),
+                host: None,
             })
         );
+        assert_eq!(
+            Cmd::parse(r#"{"cmd":"ftmb_protect","logger":"10.0.0.2:7400","host":"r2"}"#),
+            Ok(Cmd::FtmbProtect {
+                logger: "10.0.0.2:7400".into(),
+                host: Some("r2".into()),
+            })
+        );
+        assert!(Cmd::parse(r#"{"cmd":"ftmb_protect","logger":"/x","host":2}"#).is_err());
         assert!(Cmd::parse(r#"{"cmd":"ftmb_protect"}"#).is_err());
         assert_eq!(Cmd::parse(r#"{"cmd":"ftmb_status"}"#), Ok(Cmd::FtmbStatus));
         assert_eq!(

@@ -117,17 +117,23 @@ pub fn run<N: NetworkFunction>(cfg: &ReplicaConfig, nf: N) -> Result<(), String>
 
 /// Runs a replica in FTMB mode (`[ha] mode = "ftmb"`): the engine's I/O thread hands IP
 /// packets to `ftmb_workers` worker threads running `nf`, and this replica hosts an FTMB
-/// logger for another primary on `ftmb_socket`.
+/// logger for another primary on `ftmb_socket` (a unix path or TCP `host:port`). Both the
+/// streams to a logger and the hosted logger authenticate with the `[security]` identity.
 pub fn run_ftmb<F: crate::ftmb::FtmbNf>(cfg: &ReplicaConfig, nf: F) -> Result<(), String> {
     let Some(s) = cfg.ftmb() else {
         return Err("run_ftmb needs [ha] mode = \"ftmb\" in the config".into());
     };
-    let secret = pliant_ha::auth::Secret::load(std::path::Path::new(&s.secret))
-        .map_err(|e| format!("[ha] repl_secret {}: {e}", s.secret))?;
+    let Some(security) = cfg.security() else {
+        return Err("[ha] mode = \"ftmb\" needs a [security] section".into());
+    };
+    let host_socket: pliant_wire::Endpoint = s
+        .socket
+        .parse()
+        .map_err(|e| format!("[ha] ftmb_socket: {e}"))?;
     let mut opts = crate::ftmb::FtmbOptions::new(&cfg.replica.name, s.workers);
     opts.snapshot_every = std::time::Duration::from_millis(s.snapshot_ms);
-    opts.secret = Some(secret);
-    opts.host_socket = Some(std::path::PathBuf::from(&s.socket));
+    opts.security = Some(security.load()?);
+    opts.host_socket = Some(host_socket);
     run_with(cfg, crate::ftmb::FtmbShell::<F>::default(), move |engine| {
         let mode = crate::ftmb::start(nf, opts)?;
         engine.set_ftmb(mode);

@@ -8,6 +8,7 @@
 //! long at most; after the handshake each channel applies its own idle timeout.
 
 use crate::endpoint::{BindError, Endpoint, Listener, Stream, TcpTuning};
+use crate::session::SessionError;
 use std::collections::HashMap;
 use std::io;
 use std::ops::ControlFlow;
@@ -96,6 +97,46 @@ pub fn accept_until_stopped(
             if on_conn(stream).is_break() {
                 return;
             }
+        }
+    }
+}
+
+/// The uid fence of an accepted stream: on a unix socket the kernel vouches for the peer's uid
+/// (SO_PEERCRED), and a peer of another uid than this process is refused (counted in
+/// `refused`) before any handshake, a second fence behind it. TCP has no such fence: true.
+pub fn same_uid_peer(stream: &Stream, refused: &AtomicU64, server: &str) -> bool {
+    match stream.peer_uid() {
+        None => true,
+        Some(Ok(uid)) if uid == crate::endpoint::euid() => true,
+        Some(r) => {
+            refused.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(uid = ?r.ok(), "{server} peer refused: other uid");
+            false
+        }
+    }
+}
+
+/// Counts a server's failed handshake where it belongs: `auth_failures` for a peer that could
+/// not prove an acceptable identity (certificate not the CA's or expired, a bad signature, a
+/// missing role, another name than required), `aborted` for one that went away, stalled or
+/// spoke garbage. Every channel's server counts the same way, so their stats read alike.
+pub fn count_handshake_failure(
+    e: &SessionError,
+    auth_failures: &AtomicU64,
+    aborted: &AtomicU64,
+    server: &str,
+) {
+    match e {
+        SessionError::Cert(_)
+        | SessionError::BadSignature
+        | SessionError::Role { .. }
+        | SessionError::PeerName { .. } => {
+            auth_failures.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(error = %e, "{server} handshake refused");
+        }
+        _ => {
+            aborted.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(error = %e, "{server} handshake aborted");
         }
     }
 }
@@ -240,5 +281,37 @@ impl ConnThreads {
     /// Connections open now.
     pub fn open(&self) -> usize {
         lock(&self.conns).len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::frame::FrameError;
+
+    #[test]
+    fn an_unproven_identity_is_an_auth_failure_a_vanished_peer_is_not() {
+        let (auth, aborted) = (AtomicU64::new(0), AtomicU64::new(0));
+        let role = SessionError::Role {
+            name: "x".into(),
+            roles: 4,
+            need: 1,
+        };
+        count_handshake_failure(&role, &auth, &aborted, "t");
+        count_handshake_failure(&SessionError::BadSignature, &auth, &aborted, "t");
+        count_handshake_failure(
+            &SessionError::Frame(FrameError::Closed),
+            &auth,
+            &aborted,
+            "t",
+        );
+        count_handshake_failure(
+            &SessionError::TimedOut(Duration::from_secs(1)),
+            &auth,
+            &aborted,
+            "t",
+        );
+        assert_eq!(auth.load(Ordering::Relaxed), 2);
+        assert_eq!(aborted.load(Ordering::Relaxed), 2);
     }
 }

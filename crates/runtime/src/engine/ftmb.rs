@@ -60,7 +60,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
         reply: SyncSender<Value>,
     ) -> Option<(Cmd, SyncSender<Value>)> {
         let fcmd = match cmd {
-            Cmd::FtmbProtect { logger } => FtmbCmd::Protect { logger },
+            Cmd::FtmbProtect { logger, host } => FtmbCmd::Protect { logger, host },
             Cmd::FtmbStatus => FtmbCmd::Status,
             Cmd::FtmbActivate { primary } => FtmbCmd::Activate { primary },
             Cmd::FtmbHold { primary } => FtmbCmd::Hold { primary },

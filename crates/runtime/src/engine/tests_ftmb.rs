@@ -246,15 +246,19 @@ impl Drop for TempDir {
     }
 }
 
-fn secret() -> pliant_ha::auth::Secret {
-    pliant_ha::auth::Secret::from_bytes(&[7u8; 32]).unwrap()
+/// Replica `name`'s identity, issued by one CA per test process (the deployment's).
+fn sec(name: &str) -> pliant_wire::Security {
+    static CA: std::sync::OnceLock<pliant_wire::Ca> = std::sync::OnceLock::new();
+    let ca = CA.get_or_init(|| pliant_wire::Ca::generate(None).unwrap());
+    pliant_wire::Security::new(ca.issue(name, pliant_wire::role::REPLICA, 3600).unwrap())
 }
 
-/// Options of a replica that hosts a logger at `host` and snapshots every `snap_ms`.
+/// Options of a replica `name` (with its own identity) that hosts a logger at `host` and
+/// snapshots every `snap_ms`.
 fn hosting(name: &str, host: &std::path::Path, snap_ms: u64) -> FtmbOptions {
     let mut o = FtmbOptions::new(name, 3);
-    o.secret = Some(secret());
-    o.host_socket = Some(host.to_path_buf());
+    o.security = Some(sec(name));
+    o.host_socket = Some(pliant_wire::Endpoint::Unix(host.to_path_buf()));
     o.snapshot_every = Duration::from_millis(snap_ms);
     o.batch_packets = 4;
     o
@@ -265,8 +269,53 @@ fn protect(e: &mut E, logger: &std::path::Path) {
         e,
         Cmd::FtmbProtect {
             logger: logger.to_str().unwrap().into(),
+            host: None,
         },
     );
+    assert_eq!(v["ok"], true, "{v}");
+}
+
+/// `ftmb_protect` with `host`: the logger must prove it is that replica. And a replica logs
+/// only as itself: one whose identity is another replica's is refused by the logger.
+#[test]
+fn protect_checks_the_named_logger_host_and_the_logger_checks_the_master() {
+    let dir = TempDir::new("ident");
+    let sb = dir.sock("b.ftmb.sock");
+    let mut a = engine("r1", hosting("r1", &dir.sock("a.ftmb.sock"), 10));
+    let mut b = engine("r2", hosting("r2", &sb, 10));
+    let logger = sb.to_str().unwrap().to_string();
+    let ask = |e: &mut E, host: Option<&str>| {
+        answer(
+            e,
+            Cmd::FtmbProtect {
+                logger: logger.clone(),
+                host: host.map(str::to_string),
+            },
+        )
+    };
+    let v = ask(&mut a, Some("r3"));
+    assert_eq!(v["ok"], false, "{v}");
+    assert!(
+        v["error"].as_str().unwrap().contains("expected \"r3\""),
+        "{v}"
+    );
+    assert_eq!(answer(&mut a, Cmd::FtmbStatus)["protected"], false);
+    // A replica named r3 holding r1's identity: refused by the logger, counted there.
+    let mut opts = hosting("r3", &dir.sock("c.ftmb.sock"), 10);
+    opts.security = Some(sec("r1"));
+    let mut c = engine("r3", opts);
+    let v = ask(&mut c, Some("r2"));
+    assert_eq!(v["ok"], false, "{v}");
+    assert!(v["error"].as_str().unwrap().contains("certificate"), "{v}");
+    let mut mismatches = Value::Null;
+    pump(&mut [&mut b], |es| {
+        mismatches =
+            answer(es[0], Cmd::FtmbStatus)["hosting"]["server"]["identity_mismatch"].clone();
+        mismatches.as_u64() >= Some(1)
+    });
+    assert_eq!(mismatches, 1);
+    // The right host: protected.
+    let v = ask(&mut a, Some("r2"));
     assert_eq!(v["ok"], true, "{v}");
 }
 
@@ -323,6 +372,7 @@ fn protected_output_is_released_by_the_logger_host_and_snapshots_arrive() {
         &mut a,
         Cmd::FtmbProtect {
             logger: sb.to_str().unwrap().into(),
+            host: None,
         },
     );
     assert_eq!(again["unchanged"], true, "{again}");
@@ -538,6 +588,7 @@ fn packets_arriving_during_a_recovery_are_held_then_processed_in_order() {
     b.submit(
         Cmd::FtmbProtect {
             logger: silent.to_str().unwrap().into(),
+            host: None,
         },
         ptx,
         Instant::now(),

@@ -19,13 +19,13 @@ use super::nf::{FlowDelta, FlowRecord, FtmbNf};
 use super::release::ReleaseQueue;
 use super::worker::{self, Ctl, Job, Parked, Post, WorkerPub};
 use pliant_ftmb::{
-    LoggerConfig, LoggerServer, Master, MasterConfig, NetOptions, NetTransport, OutputLogger,
-    QueueId, SnapshotLink, SnapshotMsg,
+    LoggerAddr, LoggerConfig, LoggerServer, Master, MasterConfig, NetOptions, NetTransport,
+    OutputLogger, QueueId, SnapshotLink, SnapshotMsg,
 };
 use pliant_net::FlowKey;
+use pliant_wire::{Endpoint, Security};
 use serde_json::{json, Value};
 use std::collections::{HashMap, VecDeque};
-use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, SyncSender};
 use std::sync::{Arc, Mutex};
@@ -42,6 +42,7 @@ const RECOVERIES_KEPT: usize = 16;
 pub(crate) enum Op {
     Protect {
         logger: String,
+        host: Option<String>,
         reply: SyncSender<Value>,
     },
     Activate {
@@ -198,7 +199,8 @@ pub(crate) struct Coord<F: FtmbNf> {
     pub ctl: Vec<Sender<Ctl>>,
     pub pokes: Vec<SyncSender<Job>>,
     pub name: String,
-    pub secret: Option<pliant_ha::auth::Secret>,
+    /// The replica's identity: the logger checks that our master name is its certified name.
+    pub security: Option<Security>,
     pub snapshot_every: Duration,
     pub net: NetOptions,
     pub replay_limit: Duration,
@@ -232,8 +234,12 @@ impl<F: FtmbNf> Coord<F> {
         loop {
             let wait = next.saturating_duration_since(Instant::now());
             match ops.recv_timeout(wait) {
-                Ok(Op::Protect { logger, reply }) => {
-                    let v = self.protect(&logger);
+                Ok(Op::Protect {
+                    logger,
+                    host,
+                    reply,
+                }) => {
+                    let v = self.protect(&logger, host.as_deref());
                     let _ = reply.try_send(v);
                     next = Instant::now() + self.snapshot_every;
                 }
@@ -556,9 +562,10 @@ impl<F: FtmbNf> Coord<F> {
         r
     }
 
-    /// `ftmb_protect`: log to the logger at `path` from now on.
-    pub fn protect(&mut self, path: &str) -> Value {
-        match self.try_protect(path) {
+    /// `ftmb_protect`: log to the logger at `path` (a unix path or TCP `host:port`) from now
+    /// on; `host`, if given, is the replica that must answer there.
+    pub fn protect(&mut self, path: &str, host: Option<&str>) -> Value {
+        match self.try_protect(path, host) {
             Ok(v) => v,
             Err(e) => {
                 lock(&self.status).last_error = Some(e.clone());
@@ -567,10 +574,11 @@ impl<F: FtmbNf> Coord<F> {
         }
     }
 
-    fn try_protect(&mut self, path: &str) -> Result<Value, String> {
-        let Some(secret) = self.secret.clone() else {
-            return Err("no [ha] repl_secret: cannot authenticate to a logger".into());
+    fn try_protect(&mut self, path: &str, host: Option<&str>) -> Result<Value, String> {
+        let Some(sec) = self.security.clone() else {
+            return Err("no [security] identity: cannot authenticate to a logger".into());
         };
+        let ep: Endpoint = path.parse().map_err(|e| format!("logger {path:?}: {e}"))?;
         // Idempotent: already logging to this logger over a healthy session, a repeated
         // request (a controller retry, a poll that raced a failover's re-protection) must not
         // restart the session and its full snapshot, nor bump the epoch.
@@ -586,13 +594,13 @@ impl<F: FtmbNf> Coord<F> {
         }
         let n = self.ctl.len();
         let epoch = lock(&self.status).session_epoch + 1;
-        let p = Path::new(path);
+        let to = LoggerAddr::new(ep, host);
         // Session first: its hello opens (or replaces) our logs at the logger.
-        let mut link = SnapshotLink::connect(p, &secret, &self.name, epoch, n, &self.net)
+        let mut link = SnapshotLink::connect(&to, &sec, &self.name, epoch, n, &self.net)
             .map_err(|e| format!("logger {path}: session: {e}"))?;
         let mut transports = Vec::with_capacity(n);
         for q in 0..n {
-            let t = NetTransport::connect(p, &secret, &self.name, q as QueueId, epoch, &self.net)
+            let t = NetTransport::connect(&to, &sec, &self.name, q as QueueId, epoch, &self.net)
                 .map_err(|e| format!("logger {path}: queue {q}: {e}"))?;
             transports.push(t);
         }
@@ -676,7 +684,7 @@ impl<F: FtmbNf> Coord<F> {
 
     fn try_activate(&mut self, primary: &str) -> Result<Value, String> {
         let Some(server) = self.hosting.clone() else {
-            return Err("this replica hosts no FTMB logger ([ha] repl_secret)".into());
+            return Err("this replica hosts no FTMB logger (it needs [security])".into());
         };
         let t0 = Instant::now();
         let bundle = server

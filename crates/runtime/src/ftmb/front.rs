@@ -14,10 +14,10 @@ use pliant_ftmb::{
     LoggerConfig, LoggerServer, Master, MasterConfig, NetOptions, OutputLogger, QueueId,
     ServerOptions,
 };
+use pliant_wire::{Endpoint, Security};
 use serde_json::{json, Value};
 use std::collections::VecDeque;
 use std::os::fd::RawFd;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
@@ -34,10 +34,12 @@ pub struct FtmbOptions {
     pub name: String,
     pub workers: usize,
     pub snapshot_every: Duration,
-    /// `[ha] repl_secret`: authenticates our streams to a logger and other masters to ours.
-    pub secret: Option<pliant_ha::auth::Secret>,
-    /// Where the logger this replica hosts for another primary listens (needs `secret`).
-    pub host_socket: Option<PathBuf>,
+    /// The replica's identity (`[security]`): proves our name (the master name, `name`) to a
+    /// logger, and other masters' names to the logger we host.
+    pub security: Option<Security>,
+    /// Where the logger this replica hosts for another primary listens, a unix path or TCP
+    /// `host:port` (needs `security`).
+    pub host_socket: Option<Endpoint>,
     /// Packets queued per worker at most (beyond: dropped, `ftmb_queue_full`).
     pub queue_bound: usize,
     /// Packets held while a recovery runs at most (beyond: dropped, `ftmb_hold_full`).
@@ -59,7 +61,7 @@ impl FtmbOptions {
             name: name.to_string(),
             workers,
             snapshot_every: Duration::from_millis(crate::config::FTMB_DEFAULT_SNAPSHOT_MS),
-            secret: None,
+            security: None,
             host_socket: None,
             queue_bound: 4096,
             max_held: 16_384,
@@ -133,22 +135,21 @@ pub fn start<F: FtmbNf>(nf: F, opts: FtmbOptions) -> Result<Box<dyn FtmbMode>, S
     let local_audit = Arc::new(LocalAudit::default());
     let local = LocalLogger::spawn(logger, Arc::clone(&release), Arc::clone(&local_audit))
         .map_err(|e| format!("ftmb: logger thread: {e}"))?;
-    let hosting = match (&opts.host_socket, &opts.secret) {
-        (Some(path), Some(secret)) => {
+    let hosting = match (&opts.host_socket, &opts.security) {
+        (Some(ep), Some(sec)) => {
             let rq = Arc::clone(&release);
             let server = LoggerServer::start(
-                path,
-                secret.clone(),
+                ep,
+                sec.clone(),
                 ServerOptions::default(),
                 Box::new(move |r| rq.push(r.payload)),
             )
-            .map_err(|e| format!("ftmb: logger server {}: {e}", path.display()))?;
+            .map_err(|e| format!("ftmb: logger server {ep}: {e}"))?;
             Some(Arc::new(server))
         }
-        (Some(path), None) => {
+        (Some(ep), None) => {
             return Err(format!(
-                "ftmb: hosting a logger at {} needs the shared secret",
-                path.display()
+                "ftmb: hosting a logger at {ep} needs this replica's identity ([security])"
             ))
         }
         _ => None,
@@ -204,7 +205,7 @@ pub fn start<F: FtmbNf>(nf: F, opts: FtmbOptions) -> Result<Box<dyn FtmbMode>, S
         ctl,
         pokes: jobs.clone(),
         name: opts.name.clone(),
-        secret: opts.secret.clone(),
+        security: opts.security.clone(),
         snapshot_every: opts.snapshot_every,
         net: opts.net.clone(),
         replay_limit: opts.replay_limit,
@@ -440,7 +441,11 @@ impl<F: FtmbNf> FtmbMode for Front<F> {
                 let _ = reply.try_send(self.status_json());
                 return;
             }
-            FtmbCmd::Protect { logger } => Op::Protect { logger, reply },
+            FtmbCmd::Protect { logger, host } => Op::Protect {
+                logger,
+                host,
+                reply,
+            },
             FtmbCmd::Flows { max } => Op::Flows { max, reply },
             FtmbCmd::Hold { primary } => {
                 // Before the controller points the primary's traffic here (its port blocks),

@@ -62,9 +62,11 @@ pub fn audit_totals(status: &Value) -> (u64, u64) {
 /// A control request for the FTMB mode (see the contract's "Control commands").
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum FtmbCmd {
-    /// Log to the logger listening at `logger` (another replica's `.ftmb.sock`).
+    /// Log to the logger listening at `logger` (another replica's `.ftmb.sock`, or TCP
+    /// `host:port`), hosted by replica `host` if given (checked in the handshake).
     Protect {
         logger: String,
+        host: Option<String>,
     },
     Status,
     /// Start holding packets for the recovery of `primary` (its `Activate` follows; see
