@@ -274,8 +274,11 @@ pub fn ftmb_successor(primary: u32, live: &[(u32, PathBuf)]) -> Option<(u32, Pat
 
 /// The `ftmb_protect` request that points `primary`'s workers at the logger of `host`
 /// (whose control socket is `host_socket`).
-pub fn ftmb_protect_request(cfg: &HaConfig, host_socket: &Path) -> Value {
-    json!({"cmd": "ftmb_protect", "logger": ftmb_endpoint(cfg, host_socket)})
+pub fn ftmb_protect_request(cfg: &HaConfig, host: u32, host_socket: &Path) -> Value {
+    // `host` names the replica the master must find at the logger's endpoint (its
+    // certificate is checked): an address reused by another replica is refused.
+    json!({"cmd": "ftmb_protect", "logger": ftmb_endpoint(cfg, host_socket),
+        "host": format!("r{host}")})
 }
 
 /// Where the FTMB logger hosted by the replica at `host_socket` listens.
@@ -588,8 +591,12 @@ mod tests {
             Some(5)
         );
         assert_eq!(
-            ftmb_protect_request(&HaConfig::default(), Path::new("/run/pliant/lab/r2.sock")),
-            json!({"cmd": "ftmb_protect", "logger": "/run/pliant/lab/r2.ftmb.sock"})
+            ftmb_protect_request(
+                &HaConfig::default(),
+                2,
+                Path::new("/run/pliant/lab/r2.sock")
+            ),
+            json!({"cmd": "ftmb_protect", "logger": "/run/pliant/lab/r2.ftmb.sock", "host": "r2"})
         );
         // FTMB replicas get no Pico policy.
         let c = HaConfig {

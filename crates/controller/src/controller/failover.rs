@@ -938,7 +938,7 @@ impl Controller {
             lock(&self.state).ha.ftmb_logger.remove(&i);
             return json!({"ok": true, "policy": "off", "backups": []});
         };
-        let req = ha::ftmb_protect_request(&self.ha_config(), &hsock);
+        let req = ha::ftmb_protect_request(&self.ha_config(), h, &hsock);
         self.counters.ha.protects.fetch_add(1, Ordering::Relaxed);
         let (named, sent_unix_ms) = self.note_protect_sent(i, &[(h, hsock.clone())]);
         match rc::call(sock, &req, self.ha_rpc_timeout()) {
