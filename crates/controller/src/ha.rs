@@ -551,10 +551,12 @@ mod tests {
             endpoint_of(Some("{name}.lab:7401"), c, "peer"),
             "r12.lab:7401"
         );
-        let mut cfg = HaConfig::default();
-        cfg.ftmb_endpoint = Some("10.254.0.{index}:7402".into());
+        let cfg = HaConfig {
+            ftmb_endpoint: Some("10.254.0.{index}:7402".into()),
+            repl_endpoint: Some("10.254.0.{index}:7400".into()),
+            ..HaConfig::default()
+        };
         assert_eq!(ftmb_endpoint(&cfg, c), "10.254.0.12:7402");
-        cfg.repl_endpoint = Some("10.254.0.{index}:7400".into());
         let live = vec![
             (1, PathBuf::from("/r/r1.sock")),
             (2, PathBuf::from("/r/r2.sock")),
