@@ -221,6 +221,135 @@ impl Drop for Psql {
     }
 }
 
+/// A primary that answers nothing for a while (every process SIGSTOPped: its kernel still
+/// completes TCP handshakes, PostgreSQL is silent, as when pgbench saturates the CPUs) is not
+/// failed over if it answers again within `probe_dead_after_ms`, and the session on it goes
+/// on; one that stays silent longer is failed over after that window; a SIGKILLed one is
+/// still failed over without waiting for it.
+#[test]
+fn pg_busy_primary_is_not_failed_over_but_a_hung_or_killed_one_is() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !usable() {
+        return;
+    }
+    let lab = Lab::up_with(|pc| pc.probe_dead_after_ms = 2_000);
+    let (to_ms, dead_ms) = {
+        let c = &lab.proxy().shared.cfg;
+        (c.probe_timeout_ms, c.probe_dead_after_ms)
+    };
+    let failovers = || lab.proxy().shared.stats.failovers.load(SeqCst);
+    let mut c = lab.client();
+    c.query("CREATE TABLE busy (i int)").expect("create");
+    let i = lab.proxy().shared.primary.load(SeqCst);
+    // Silent for half the window: several probe timeouts (the old policy failed over after
+    // two), but not the window.
+    let freeze = Duration::from_millis(dead_ms / 2);
+    assert!(freeze > Duration::from_millis(to_ms * 3));
+    lab.cl.pause(i, true);
+    std::thread::sleep(freeze);
+    lab.cl.pause(i, false);
+    c.query("INSERT INTO busy VALUES (1)")
+        .expect("the session survives a busy primary");
+    // Give the controller time to see the answer before judging.
+    std::thread::sleep(Duration::from_millis(to_ms * 2));
+    assert_eq!(failovers(), 0, "{}", lab.proxy().stats_json());
+    assert_eq!(lab.proxy().shared.primary.load(SeqCst), i);
+    // Silent for good: a hung primary is failed over once the window has passed.
+    let t = Instant::now();
+    lab.cl.pause(i, true);
+    while failovers() == 0 {
+        assert!(
+            t.elapsed() < Duration::from_millis(dead_ms * 5),
+            "hung primary not failed over: {}",
+            lab.proxy().stats_json()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let hung = t.elapsed();
+    assert!(hung >= Duration::from_millis(dead_ms), "after {hung:?}");
+    assert_eq!(
+        c.scalar("SELECT count(*) FROM busy")
+            .expect("moved session"),
+        Some("1".into())
+    );
+    // Killed: failed over without waiting out the window.
+    lab.wait_protected();
+    let t = Instant::now();
+    lab.kill_primary();
+    let killed = t.elapsed();
+    assert!(killed < Duration::from_millis(dead_ms), "after {killed:?}");
+    eprintln!("hung primary failed over after {hung:?}, killed one after {killed:?}");
+}
+
+/// A primary that keeps serving the proxy's sessions is not failed over however long the
+/// probes go unanswered: its postmaster and the controller's probe backend are SIGSTOPped
+/// (a fresh probe login is accepted by the kernel and then waits, the open probe gets no
+/// answer) for twice `probe_dead_after_ms`, while a session runs queries on its backend.
+#[test]
+fn pg_primary_serving_sessions_is_not_failed_over_while_probes_are_late() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !usable() {
+        return;
+    }
+    let lab = Lab::up_with(|pc| pc.probe_dead_after_ms = 1_500);
+    let dead_ms = lab.proxy().shared.cfg.probe_dead_after_ms;
+    let failovers = || lab.proxy().shared.stats.failovers.load(SeqCst);
+    let i = lab.proxy().shared.primary.load(SeqCst);
+    let mut c = lab.client();
+    c.query("SET application_name = 'busy-session'")
+        .expect("set");
+    // The controller's probe backend (application_name 'pliant', not this lookup's own).
+    let mut direct = lab.cl.client(i, Duration::from_secs(5)).expect("direct");
+    let probe_pid: i32 = direct
+        .scalar(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = 'pliant' \
+             AND backend_type = 'client backend' AND pid <> pg_backend_pid()",
+        )
+        .expect("probe backend")
+        .expect("one probe backend")
+        .parse()
+        .expect("pid");
+    drop(direct);
+    let pm =
+        std::fs::read_to_string(lab.cl.nodes[i].data.join("postmaster.pid")).expect("pid file");
+    let postmaster: i32 = pm
+        .lines()
+        .next()
+        .expect("pid line")
+        .trim()
+        .parse()
+        .expect("pid");
+    let stop = |sig| {
+        for pid in [postmaster, probe_pid] {
+            // SAFETY: signals to processes of the cluster this test started.
+            unsafe { libc::kill(pid, sig) };
+        }
+    };
+    stop(libc::SIGSTOP);
+    let t = Instant::now();
+    let mut served = 0u64;
+    while t.elapsed() < Duration::from_millis(dead_ms * 2) {
+        let r = c.query("SELECT count(*) FROM pg_class");
+        if r.is_err() {
+            stop(libc::SIGCONT);
+        }
+        r.expect("the session is served while probes are late");
+        served += 1;
+    }
+    stop(libc::SIGCONT);
+    // The controller's view once the probes are answered again.
+    std::thread::sleep(Duration::from_millis(
+        lab.proxy().shared.cfg.probe_timeout_ms * 4,
+    ));
+    assert_eq!(failovers(), 0, "{}", lab.proxy().stats_json());
+    assert_eq!(lab.proxy().shared.primary.load(SeqCst), i);
+    c.query("SELECT 1").expect("still served");
+    eprintln!(
+        "{served} queries served while the probes were late for {:?}",
+        t.elapsed()
+    );
+}
+
 #[test]
 fn pg_sessions_survive_failover_and_reprotection() {
     let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -1341,8 +1470,25 @@ fn pg_up_status_down_leaves_nothing_behind() {
         .expect("proxy")
         .parse()
         .expect("addr");
+    // The password is neither printed nor needed on a command line: the passfile (0600) is.
+    let default_pw = ClusterConfig::default().password;
+    assert!(
+        !String::from_utf8_lossy(&up.stdout).contains(&default_pw),
+        "up printed the password"
+    );
+    let passfile = state["passfile"].as_str().expect("passfile").to_string();
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&passfile)
+        .expect("passfile")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600, "{passfile}");
+    assert!(state["connect"]
+        .as_str()
+        .is_some_and(|c| c.starts_with(&format!("PGPASSFILE={passfile} psql"))));
     let out = Command::new("psql")
-        .env("PGPASSWORD", state["password"].as_str().unwrap_or_default())
+        .env("PGPASSFILE", &passfile)
+        .env_remove("PGPASSWORD")
         .args([
             "-h",
             &proxy.ip().to_string(),

@@ -70,7 +70,7 @@ pub fn pgbench(
     select_only: bool,
     dir: &Path,
 ) -> Result<Run, String> {
-    let logdir = dir.join(format!("pgbench-{}", rand_tag()));
+    let logdir = dir.join(format!("pgbench-{}", rand_tag()?));
     std::fs::create_dir_all(&logdir).map_err(|e| e.to_string())?;
     let mut cmd = Command::new(PGBENCH);
     cmd.env("PGPASSWORD", pw)
@@ -154,13 +154,11 @@ pub fn pgbench(
     })
 }
 
-fn rand_tag() -> String {
-    let mut b = [0u8; 4];
-    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
-        use std::io::Read;
-        let _ = f.read_exact(&mut b);
-    }
-    b.iter().map(|x| format!("{x:02x}")).collect()
+/// A random tag for a log directory; an error rather than one name for every run.
+fn rand_tag() -> Result<String, String> {
+    crate::secrets::random_bytes::<4>()
+        .map(|b| b.iter().map(|x| format!("{x:02x}")).collect())
+        .map_err(|e| e.to_string())
 }
 
 /// Tears the cluster down even on early return.
@@ -184,6 +182,7 @@ pub fn proxy_config(c: &Cluster, primary: usize) -> ProxyConfig {
         primary,
         probe_interval_ms: 100,
         probe_timeout_ms: 250,
+        probe_dead_after_ms: crate::proxy::DEFAULT_PROBE_DEAD_AFTER_MS,
         max_sessions: 500,
         auto_reprotect: true,
         auth: AuthMethod::ScramSha256,
@@ -465,8 +464,12 @@ impl Pgbouncer {
         std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
         let addr = SocketAddr::new(cl.host_ip.into(), 6433);
         let (u, pw) = (&cl.cfg.user, &cl.cfg.password);
-        std::fs::write(dir.join("userlist.txt"), format!("\"{u}\" \"{pw}\"\n"))
-            .map_err(|e| e.to_string())?;
+        // pgbouncer (running as postgres) reads the password from it: 0600, owned by postgres.
+        crate::secrets::write_private_owned(
+            &dir.join("userlist.txt"),
+            format!("\"{u}\" \"{pw}\"\n").as_bytes(),
+            Some(crate::cluster::postgres_ids()?),
+        )?;
         let ini = format!(
             "[databases]\npostgres = host={} port={} dbname=postgres\n\n[pgbouncer]\n\
              listen_addr = {}\nlisten_port = {}\nunix_socket_dir =\n\

@@ -26,8 +26,13 @@ pub enum ClientError {
     Scram(#[from] ScramError),
     #[error("TLS with {0}: {1}")]
     Tls(SocketAddr, String),
+    /// The TLS handshake did not finish in time (a busy server, or a cut link).
+    #[error("TLS with {0}: handshake timed out")]
+    TlsTimeout(SocketAddr),
     #[error("authentication refused: {0}")]
     Refused(String),
+    #[error(transparent)]
+    Random(#[from] crate::secrets::RandomError),
 }
 
 impl ClientError {
@@ -108,8 +113,12 @@ impl Client {
         s.set_write_timeout(Some(timeout))
             .map_err(|e| ClientError::Connect(addr, e))?;
         let s = match d.tls {
-            Some(t) => tls::connect(s, t, addr.ip(), Instant::now() + timeout)
-                .map_err(|e| ClientError::Tls(addr, e.to_string()))?,
+            Some(t) => {
+                tls::connect(s, t, addr.ip(), Instant::now() + timeout).map_err(|e| match e {
+                    tls::HandshakeError::Timeout => ClientError::TlsTimeout(addr),
+                    e => ClientError::Tls(addr, e.to_string()),
+                })?
+            }
             None => Stream::Plain(s),
         };
         let mut c = Client { s, status: b'I' };
@@ -303,7 +312,7 @@ impl Authenticator {
                     return Err(ClientError::Auth(code));
                 }
                 let (ex, first) =
-                    ClientExchange::new_bound(&self.password, &scram::new_nonce(), &cb);
+                    ClientExchange::new_bound(&self.password, &scram::new_nonce()?, &cb);
                 self.scram = Some(ex);
                 Ok(Some(proto::sasl_initial_response(
                     cb.mechanism(),
@@ -369,6 +378,13 @@ mod tests {
             .answer(&req(0, &[]))
             .expect("trust")
             .is_none());
+    }
+
+    #[test]
+    fn no_scram_nonce_without_the_random_source() {
+        let mut a = Authenticator::new("u", "pw");
+        let r = crate::secrets::with_broken_random(|| a.answer(&req(10, b"SCRAM-SHA-256\0\0")));
+        assert!(matches!(r, Err(ClientError::Random(_))), "{r:?}");
     }
 
     #[test]

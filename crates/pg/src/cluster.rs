@@ -94,8 +94,28 @@ pub struct Cluster {
 }
 
 fn sh(cmd: &mut Command) -> Result<String, String> {
-    let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
-    if !out.status.success() {
+    sh_stdin(cmd, None)
+}
+
+/// Runs `cmd` to its end and returns its stdout; `input` goes to its stdin (for secrets,
+/// which must stay off its command line).
+fn sh_stdin(cmd: &mut Command, input: Option<&[u8]>) -> Result<String, String> {
+    use std::io::Write;
+    let (out, fed) = match input {
+        None => (cmd.output(), true),
+        Some(input) => {
+            let mut child = cmd
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .map_err(|e| format!("{cmd:?}: {e}"))?;
+            let fed = child.stdin.take().map(|mut i| i.write_all(input));
+            (child.wait_with_output(), matches!(fed, Some(Ok(()))))
+        }
+    };
+    let out = out.map_err(|e| format!("{cmd:?}: {e}"))?;
+    if !out.status.success() || !fed {
         return Err(format!(
             "{:?} failed ({}): {}",
             cmd,
@@ -110,16 +130,16 @@ fn ip(args: &[&str]) -> Result<String, String> {
     sh(Command::new("ip").args(args))
 }
 
-fn rand_hex(n: usize) -> String {
-    let mut b = vec![0u8; n];
-    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
-        use std::io::Read;
-        let _ = f.read_exact(&mut b);
-    }
-    b.iter().map(|x| format!("{x:02x}")).collect()
+/// A random byte (names and subnets of a new cluster); an error rather than a constant that
+/// would make every cluster pick the same names.
+fn rand_byte() -> Result<u8, String> {
+    crate::secrets::random_bytes::<1>()
+        .map(|[b]| b)
+        .map_err(|e| e.to_string())
 }
 
-fn postgres_ids() -> Result<(u32, u32), String> {
+/// uid and gid of the postgres user.
+pub fn postgres_ids() -> Result<(u32, u32), String> {
     let u = sh(Command::new("id").args(["-u", "postgres"]))?;
     let g = sh(Command::new("id").args(["-g", "postgres"]))?;
     Ok((
@@ -131,11 +151,11 @@ fn postgres_ids() -> Result<(u32, u32), String> {
 impl Cluster {
     /// Creates the namespaces and links (no servers yet).
     pub fn create(cfg: ClusterConfig) -> Result<Cluster, String> {
-        let tag = format!("{:04x}{}", std::process::id() & 0xffff, rand_hex(1));
+        let tag = format!("{:04x}{:02x}", std::process::id() & 0xffff, rand_byte()?);
         let addrs = ip(&["-4", "-o", "addr"])?;
         let mut n = 0u8;
         for _ in 0..64 {
-            let cand = u8::from_str_radix(&rand_hex(1), 16).unwrap_or(1).max(1);
+            let cand = rand_byte()?.max(1);
             if cand < 255 && !addrs.contains(&format!("10.213.{cand}.")) {
                 n = cand;
                 break;
@@ -144,8 +164,27 @@ impl Cluster {
         if n == 0 {
             return Err("no free 10.213.N.0/24 subnet".into());
         }
+        let c = Cluster::layout(cfg, tag, n);
+        std::fs::create_dir_all(&c.dir).map_err(|e| format!("mkdir {}: {e}", c.dir.display()))?;
+        // The servers' own libpq connections (pg_basebackup, pg_rewind, the walreceiver) and
+        // the tools find the password here, never on a command line.
+        crate::secrets::write_private_owned(
+            &c.passfile(),
+            crate::secrets::pgpass_line(&c.cfg.user, &c.cfg.password).as_bytes(),
+            Some(postgres_ids()?),
+        )?;
+        c.setup_net()?;
+        let mut c = c;
+        if let Some(t) = c.cfg.tls.clone() {
+            c.set_tls(t)?;
+        }
+        Ok(c)
+    }
+
+    /// Names, addresses and paths of a cluster with `tag` on subnet 10.213.`n`.0/24 (nothing
+    /// is created).
+    fn layout(cfg: ClusterConfig, tag: String, n: u8) -> Cluster {
         let dir = cfg.base.join(format!("pliant-pg-{tag}"));
-        std::fs::create_dir_all(&dir).map_err(|e| format!("mkdir {}: {e}", dir.display()))?;
         let mk = |i: usize| Node {
             name: format!("pg{}", i + 1),
             ns: format!("pg{}-{tag}", i + 1),
@@ -155,7 +194,7 @@ impl Cluster {
             sock: dir.join(format!("sock{}", i + 1)),
             log: dir.join(format!("pg{}.log", i + 1)),
         };
-        let c = Cluster {
+        Cluster {
             bridge: format!("pgbr{tag}"),
             host_ip: Ipv4Addr::new(10, 213, n, 1),
             nodes: [mk(0), mk(1)],
@@ -168,13 +207,12 @@ impl Cluster {
             aux: Mutex::new(Vec::new()),
             torn_down: std::sync::atomic::AtomicBool::new(false),
             tls_client: None,
-        };
-        c.setup_net()?;
-        let mut c = c;
-        if let Some(t) = c.cfg.tls.clone() {
-            c.set_tls(t)?;
         }
-        Ok(c)
+    }
+
+    /// libpq password file (0600, owned by postgres) for the servers and tools.
+    pub fn passfile(&self) -> PathBuf {
+        self.dir.join("pgpass")
     }
 
     /// Addresses a certificate for this cluster must name: the bridge (where the proxy
@@ -199,11 +237,8 @@ impl Cluster {
         let cert = std::fs::read(&t.cert).map_err(|e| format!("{}: {e}", t.cert.display()))?;
         let key = std::fs::read(&t.key).map_err(|e| format!("{}: {e}", t.key.display()))?;
         let (c, k) = (d.join("server.crt"), d.join("server.key"));
-        crate::tls::write_private(&c, &cert)?;
-        crate::tls::write_private(&k, &key)?;
-        for f in [&c, &k] {
-            std::os::unix::fs::chown(f, Some(uid), Some(gid)).map_err(|e| e.to_string())?;
-        }
+        crate::secrets::write_private_owned(&c, &cert, Some((uid, gid)))?;
+        crate::secrets::write_private_owned(&k, &key, Some((uid, gid)))?;
         self.tls_client = Some(crate::tls::TlsClient::load(&t.ca, None)?);
         self.cfg.tls = Some(ClusterTls {
             cert: c,
@@ -312,7 +347,9 @@ impl Cluster {
             "--init-groups",
         ]);
         c.arg(prog);
-        c.env("PGPASSWORD", &self.cfg.password);
+        // Not PGPASSWORD: a Command's Debug output (in this module's errors) shows its
+        // environment.
+        c.env("PGPASSFILE", self.passfile());
         // libpq (pg_basebackup, pg_rewind, the walreceiver) looks for a client certificate
         // under $HOME, root's here, which postgres may not read: none is used.
         let none = self.dir.join("no-client-certificate");
@@ -413,26 +450,56 @@ impl Cluster {
             }
             std::thread::sleep(Duration::from_millis(30));
         }
-        sh(self.in_ns(0, &format!("{BIN}/psql")).args([
-            "-h",
-            &nd.sock.to_string_lossy(),
-            "-U",
-            &self.cfg.user,
-            "-d",
-            "postgres",
-            "-qAt",
-            "-c",
-            &format!(
-                "ALTER USER {} PASSWORD '{}'",
-                self.cfg.user,
-                self.cfg.password.replace('\'', "''")
-            ),
-        ]))?;
+        let (mut cmd, sql) = self.set_password_command();
+        sh_stdin(&mut cmd, Some(sql.as_bytes()))?;
         self.wait_ready(0, false)
+    }
+
+    /// psql on the primary's socket setting the password, and the SQL to feed it on stdin
+    /// (on its command line the password would be readable by every local user).
+    fn set_password_command(&self) -> (Command, String) {
+        let mut cmd = self.in_ns(0, &format!("{BIN}/psql"));
+        cmd.args(["-h", &self.nodes[0].sock.to_string_lossy()])
+            .args([
+                "-U",
+                &self.cfg.user,
+                "-d",
+                "postgres",
+                "-qAt",
+                "-v",
+                "ON_ERROR_STOP=1",
+            ]);
+        let sql = format!(
+            "ALTER USER \"{}\" PASSWORD '{}';\n",
+            self.cfg.user.replace('"', "\"\""),
+            self.cfg.password.replace('\'', "''")
+        );
+        (cmd, sql)
     }
 
     /// Starts the server of node `i`; `primary` = the node to stream from when a standby.
     pub fn start(&self, i: usize, primary: Option<usize>) -> Result<(), String> {
+        let nd = &self.nodes[i];
+        let mut cmd = self.server_command(i, primary);
+        let log = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&nd.log)
+            .map_err(|e| e.to_string())?;
+        let log2 = log.try_clone().map_err(|e| e.to_string())?;
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log2)
+            .spawn()
+            .map_err(|e| format!("start {}: {e}", nd.name))?;
+        if let Ok(mut g) = self.children.lock() {
+            g.push((i, child));
+        }
+        Ok(())
+    }
+
+    /// The command starting node `i`'s server (see [`Cluster::start`]).
+    fn server_command(&self, i: usize, primary: Option<usize>) -> Command {
         let nd = &self.nodes[i];
         let mut cmd = self.in_ns(i, &format!("{BIN}/postgres"));
         cmd.args(["-D", &nd.data.to_string_lossy()]);
@@ -454,26 +521,17 @@ impl Cluster {
                 .arg(format!("ssl_key_file={}", t.key.display()));
         }
         if let Some(p) = primary {
+            // The walreceiver reads the password from the passfile: the server's command
+            // line is world-readable.
             cmd.arg("-c").arg(format!(
-                "primary_conninfo=host={} port={PG_PORT} user={} password={} application_name={}",
-                self.nodes[p].ip, self.cfg.user, self.cfg.password, nd.name
+                "primary_conninfo=host={} port={PG_PORT} user={} passfile='{}' application_name={}",
+                self.nodes[p].ip,
+                self.cfg.user,
+                self.passfile().display(),
+                nd.name
             ));
         }
-        let log = std::fs::OpenOptions::new()
-            .append(true)
-            .open(&nd.log)
-            .map_err(|e| e.to_string())?;
-        let log2 = log.try_clone().map_err(|e| e.to_string())?;
-        let child = cmd
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(log2)
-            .spawn()
-            .map_err(|e| format!("start {}: {e}", nd.name))?;
-        if let Ok(mut g) = self.children.lock() {
-            g.push((i, child));
-        }
-        Ok(())
+        cmd
     }
 
     pub fn client(&self, i: usize, timeout: Duration) -> Result<Client, String> {
@@ -606,13 +664,23 @@ impl Cluster {
 
     /// SIGKILL every process of node `i` once, without waiting.
     pub fn signal_all(&self, i: usize) {
+        self.signal_each(i, libc::SIGKILL);
+    }
+
+    /// SIGSTOP (`paused`) or SIGCONT every process of node `i`: a server that is alive but
+    /// answers nothing (its kernel still completes TCP handshakes), as under extreme load.
+    pub fn pause(&self, i: usize, paused: bool) {
+        self.signal_each(i, if paused { libc::SIGSTOP } else { libc::SIGCONT });
+    }
+
+    fn signal_each(&self, i: usize, sig: libc::c_int) {
         let pids = ip(&["netns", "pids", &self.nodes[i].ns]).unwrap_or_default();
         for p in pids
             .split_whitespace()
             .filter_map(|p| p.parse::<i32>().ok())
         {
             // SAFETY: plain syscall on a PID of a process in our own namespace.
-            unsafe { libc::kill(p, libc::SIGKILL) };
+            unsafe { libc::kill(p, sig) };
         }
     }
 
@@ -669,6 +737,19 @@ impl Cluster {
         self.kill(i);
     }
 
+    /// pg_rewind of `old` from `primary`; the password comes from the passfile.
+    fn rewind_command(&self, old: usize, primary: usize) -> Command {
+        let src = format!(
+            "host={} port={PG_PORT} user={} dbname=postgres",
+            self.nodes[primary].ip, self.cfg.user
+        );
+        let mut c = self.in_ns(old, &format!("{BIN}/pg_rewind"));
+        c.args(["-D", &self.nodes[old].data.to_string_lossy()])
+            .args(["--source-server", &src])
+            .args(self.no_sync());
+        c
+    }
+
     /// Old primary `old` rejoins as synchronous standby of `primary` via pg_rewind.
     pub fn rejoin(&self, old: usize, primary: usize) -> Result<Duration, String> {
         let _g = self.reprotect_lock.lock().map_err(|_| "lock poisoned")?;
@@ -684,14 +765,7 @@ impl Cluster {
             .map_err(|e| format!("checkpoint: {e}"))?;
         let t_ckpt = t0.elapsed();
         // pg_rewind runs single-user crash recovery first when the target was killed.
-        let src = format!(
-            "host={} port={PG_PORT} user={} password={} dbname=postgres",
-            self.nodes[primary].ip, self.cfg.user, self.cfg.password
-        );
-        let rw = sh(self
-            .in_ns(old, &format!("{BIN}/pg_rewind"))
-            .args(["-D", &nd.data.to_string_lossy(), "--source-server", &src])
-            .args(self.no_sync()));
+        let rw = sh(&mut self.rewind_command(old, primary));
         let t_rw = t0.elapsed();
         append(
             &self.dir.join("rewind.log"),
@@ -859,4 +933,82 @@ fn append(p: &Path, s: &str) -> Result<(), String> {
         .open(p)
         .map_err(|e| format!("{}: {e}", p.display()))?;
     f.write_all(s.as_bytes()).map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PW: &str = "s3cret-pw-in-test";
+
+    /// A cluster's layout only: nothing is created, and nothing is torn down on drop.
+    fn layout(tls: bool) -> std::mem::ManuallyDrop<Cluster> {
+        let cfg = ClusterConfig {
+            password: PW.into(),
+            tls: tls.then(|| ClusterTls {
+                cert: "/x/server.crt".into(),
+                key: "/x/server.key".into(),
+                ca: "/x/ca.crt".into(),
+            }),
+            ..Default::default()
+        };
+        std::mem::ManuallyDrop::new(Cluster::layout(cfg, "t0".into(), 7))
+    }
+
+    /// Arguments and environment of `c`, with the environment as `NAME=value`.
+    fn exposed(c: &Command) -> Vec<String> {
+        let mut v: Vec<String> = c
+            .get_args()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        v.extend(c.get_envs().map(|(k, val)| {
+            format!(
+                "{}={}",
+                k.to_string_lossy(),
+                val.map(|x| x.to_string_lossy().into_owned())
+                    .unwrap_or_default()
+            )
+        }));
+        v.push(format!("{c:?}"));
+        v
+    }
+
+    #[test]
+    fn no_password_on_command_lines_or_in_their_environment() {
+        for tls in [false, true] {
+            let c = layout(tls);
+            let (set_pw, sql) = c.set_password_command();
+            let cmds = [
+                c.server_command(0, None),
+                c.server_command(1, Some(0)),
+                c.rewind_command(0, 1),
+                set_pw,
+                c.in_ns(1, "pg_basebackup"),
+            ];
+            for cmd in &cmds {
+                for a in exposed(cmd) {
+                    assert!(!a.contains(PW), "password exposed in {a:?}");
+                }
+                let env: Vec<_> = exposed(cmd);
+                let want = format!("PGPASSFILE={}", c.passfile().display());
+                assert!(env.contains(&want), "{cmd:?} lacks {want}");
+            }
+            // The password goes to psql on stdin instead.
+            assert!(sql.contains(PW) && sql.starts_with("ALTER USER \"pliant\" PASSWORD"));
+            // The standby's walreceiver is pointed at the passfile.
+            let standby = exposed(&c.server_command(1, Some(0)));
+            let conninfo = standby
+                .iter()
+                .find(|a| a.starts_with("primary_conninfo="))
+                .expect("primary_conninfo");
+            assert!(conninfo.contains(&format!("passfile='{}'", c.passfile().display())));
+        }
+    }
+
+    #[test]
+    fn set_password_sql_quotes_the_password() {
+        let mut c = layout(false);
+        c.cfg.password = "it's".into();
+        assert!(c.set_password_command().1.contains("PASSWORD 'it''s'"));
+    }
 }

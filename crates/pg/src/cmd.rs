@@ -31,10 +31,14 @@ pub fn state_dir() -> PathBuf {
 /// Subdirectory of the run directory with the `--tls` demo CA and server certificate.
 const TLS_DIR: &str = "tls";
 
+/// libpq password file in the run directory (0600) that the printed `connect` line uses:
+/// neither the output nor a command line carries the password.
+const PASSFILE: &str = "pgpass";
+
 /// Removes every file `up` created and the directory itself if nothing else is in it.
 fn remove_state_files() {
     let d = state_dir();
-    for f in ["state.json", "status.json", "up.log"] {
+    for f in ["state.json", "status.json", "up.log", PASSFILE] {
         let _ = std::fs::remove_file(d.join(f));
     }
     for f in ["ca.crt", "server.crt", "server.key"] {
@@ -178,18 +182,21 @@ fn serve_cluster(
         crate::bench::require_tls(&mut pc, p);
     }
     let proxy = Proxy::start(pc, true, Some(ops))?;
-    let ssl = pki
-        .map(|p| format!(" sslmode=verify-full sslrootcert={}", p.ca.display()))
-        .unwrap_or_default();
-    let state = json!({
-        "ready": true, "pid": std::process::id(), "dir": cl.dir, "proxy": proxy.addr.to_string(),
-        "bridge": cl.bridge,
-        "user": cl.cfg.user, "password": cl.cfg.password,
-        "nodes": cl.nodes.iter().map(|n| json!({"name": n.name, "ns": n.ns, "addr": n.addr().to_string()})).collect::<Vec<_>>(),
-        "connect": format!("PGPASSWORD={} psql 'host={} port={} user={} dbname=postgres{ssl}'", cl.cfg.password, proxy.addr.ip(), proxy.addr.port(), cl.cfg.user),
-        "sslrootcert": pki.map(|p| p.ca.display().to_string()),
-    });
-    // It holds the password: readable by its owner only.
+    let passfile = state_dir().join(PASSFILE);
+    crate::secrets::write_private(
+        &passfile,
+        crate::secrets::pgpass_line(&cl.cfg.user, &cl.cfg.password).as_bytes(),
+    )?;
+    let mut state = up_state(&cl.cfg, proxy.addr, &passfile, pki.map(|p| p.ca.as_path()));
+    state["pid"] = std::process::id().into();
+    state["dir"] = json!(cl.dir);
+    state["bridge"] = json!(cl.bridge);
+    state["nodes"] = cl
+        .nodes
+        .iter()
+        .map(|n| json!({"name": n.name, "ns": n.ns, "addr": n.addr().to_string()}))
+        .collect();
+    // Private as well: it names the servers and the password file.
     crate::tls::write_private(
         &state_dir().join("state.json"),
         state.to_string().as_bytes(),
@@ -223,6 +230,33 @@ fn serve_cluster(
     Ok("stopped".into())
 }
 
+/// What `up` records and prints about how to connect: user, password file (never the
+/// password) and a `connect` line using it.
+fn up_state(
+    cfg: &ClusterConfig,
+    proxy: std::net::SocketAddr,
+    passfile: &std::path::Path,
+    ca: Option<&std::path::Path>,
+) -> serde_json::Value {
+    let ssl = ca
+        .map(|ca| format!(" sslmode=verify-full sslrootcert={}", ca.display()))
+        .unwrap_or_default();
+    json!({
+        "ready": true,
+        "proxy": proxy.to_string(),
+        "user": cfg.user,
+        "passfile": passfile,
+        "connect": format!(
+            "PGPASSFILE={} psql 'host={} port={} user={} dbname=postgres{ssl}'",
+            passfile.display(),
+            proxy.ip(),
+            proxy.port(),
+            cfg.user
+        ),
+        "sslrootcert": ca.map(|p| p.display().to_string()),
+    })
+}
+
 pub fn status() -> Result<String, String> {
     let st = read_state()?;
     let pid = st["pid"].as_i64().unwrap_or(0) as i32;
@@ -254,4 +288,37 @@ pub fn down() -> Result<String, String> {
     }
     remove_state_files();
     Ok("down".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn up_prints_a_passfile_never_the_password() {
+        let cfg = ClusterConfig {
+            password: "pw-not-to-be-printed".into(),
+            ..Default::default()
+        };
+        let pf = std::path::Path::new("/run/pliant/pg/pgpass");
+        for ca in [
+            None,
+            Some(std::path::Path::new("/run/pliant/pg/tls/ca.crt")),
+        ] {
+            let st = up_state(&cfg, "10.213.1.1:6432".parse().unwrap(), pf, ca);
+            let text = st.to_string();
+            assert!(!text.contains(&cfg.password), "{text}");
+            assert_eq!(st["passfile"], "/run/pliant/pg/pgpass");
+            let connect = st["connect"].as_str().unwrap();
+            assert!(
+                connect.starts_with("PGPASSFILE=/run/pliant/pg/pgpass psql 'host=10.213.1.1 port=6432 user=pliant dbname=postgres"),
+                "{connect}"
+            );
+            assert_eq!(
+                ca.is_some(),
+                connect.contains("sslmode=verify-full"),
+                "{connect}"
+            );
+        }
+    }
 }

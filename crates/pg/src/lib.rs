@@ -8,6 +8,8 @@
 //! - [`session`]: the per-session state machine behind the proxy (pure, unit-tested).
 //! - [`proto`], [`client`]: a small v3 protocol codec and blocking client; [`scram`]:
 //!   SCRAM-SHA-256 both sides.
+//! - [`health`]: when the primary counts as dead (pure failure detector);
+//!   [`secrets`]: randomness, constant-time comparison, private files.
 //! - [`bench`]: `pliant bench pg`; [`patroni`]: its Patroni + etcd peer.
 
 pub mod bank;
@@ -15,10 +17,12 @@ pub mod bench;
 pub mod client;
 pub mod cluster;
 pub mod cmd;
+pub mod health;
 pub mod patroni;
 pub mod proto;
 pub mod proxy;
 pub mod scram;
+pub mod secrets;
 pub mod session;
 pub mod startup;
 pub mod tls;

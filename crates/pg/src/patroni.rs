@@ -85,13 +85,6 @@ impl Drop for Lab {
     }
 }
 
-fn chown_postgres(p: &std::path::Path) -> Result<(), String> {
-    let uid = nix_id("-u")?;
-    let gid = nix_id("-g")?;
-    std::os::unix::fs::chown(p, Some(uid), Some(gid))
-        .map_err(|e| format!("chown {}: {e}", p.display()))
-}
-
 fn nix_id(flag: &str) -> Result<u32, String> {
     let out = std::process::Command::new("id")
         .args([flag, "postgres"])
@@ -177,8 +170,12 @@ impl Lab {
 
     fn start_patroni(&mut self, i: usize, o: &PatroniOpts) -> Result<(), String> {
         let conf = self.cl.dir.join(format!("patroni{}.yml", i + 1));
-        std::fs::write(&conf, self.config(i, o)).map_err(|e| e.to_string())?;
-        chown_postgres(&conf)?;
+        // It holds the superuser and replication passwords: 0600, owned by postgres.
+        crate::secrets::write_private_owned(
+            &conf,
+            self.config(i, o).as_bytes(),
+            Some((nix_id("-u")?, nix_id("-g")?)),
+        )?;
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)

@@ -15,8 +15,10 @@
 //! resumes once it streams synchronously again.
 
 use crate::client::{Authenticator, Client};
+use crate::health;
 use crate::proto::{self, Frame};
 use crate::scram::{self, Binding, Secret, ServerExchange};
+use crate::secrets;
 use crate::session::{ClientAction, CommitTxid, ServerAction, SessionState};
 use crate::startup::{self, Opening, Policy, Refusal};
 use crate::tls::{self, HandshakeError, Stream, TlsClient, TlsServer};
@@ -26,7 +28,7 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -73,7 +75,14 @@ pub struct ProxyConfig {
     pub nodes: [SocketAddr; 2],
     pub primary: usize,
     pub probe_interval_ms: u64,
+    /// How long a probe of a healthy primary waits for `SELECT 1` (ms); a late answer makes
+    /// the primary only suspect (see [`crate::health`]).
     pub probe_timeout_ms: u64,
+    /// A primary that answers probes late, but whose TCP connections are neither refused nor
+    /// reset, is declared dead only after answering none for this long (ms); default
+    /// [`DEFAULT_PROBE_DEAD_AFTER_MS`]. A crashed or cut-off primary is declared dead after
+    /// two failed probes, without waiting for this.
+    pub probe_dead_after_ms: u64,
     pub max_sessions: usize,
     /// Re-protect automatically after a failover.
     pub auto_reprotect: bool,
@@ -114,6 +123,11 @@ pub struct UpstreamTls {
     /// Answer a server's cleartext password request (over TLS only; default false).
     pub allow_cleartext_password: bool,
 }
+
+/// Default of `probe_dead_after_ms`: a `SELECT 1` was seen taking over 2 s on this 2-CPU
+/// machine under pgbench; this leaves more than twice that, and stays below the ~7 s Patroni
+/// (ttl 5) needs to notice a hung leader.
+pub const DEFAULT_PROBE_DEAD_AFTER_MS: u64 = 5_000;
 
 /// Default of `startup_timeout_ms`.
 pub const DEFAULT_STARTUP_TIMEOUT_MS: u64 = 30_000;
@@ -182,6 +196,11 @@ pub struct Shared {
     /// Next transaction id of the new primary at promotion (xids at or above it belong to
     /// the old primary's lost history: aborted).
     pub xid_horizon: AtomicU64,
+    /// When a session last received bytes from the primary ([`mono_ms`]; 0 = never):
+    /// evidence for the failure detector that a primary whose probe is late is alive.
+    pub primary_heard_ms: AtomicU64,
+    /// Monotonic origin of `primary_heard_ms`.
+    pub clock: Instant,
     pub stats: Stats,
     pub shutdown: AtomicBool,
     ops: Option<Arc<dyn ClusterOps>>,
@@ -219,11 +238,7 @@ impl Proxy {
         let addr = l.local_addr().map_err(|e| e.to_string())?;
         l.set_nonblocking(true).map_err(|e| e.to_string())?;
         // The proxy knows the password, so it derives the SCRAM verifier itself, once.
-        let mut salt = [0u8; 16];
-        salt[..4].copy_from_slice(&random_u32().to_ne_bytes());
-        salt[4..8].copy_from_slice(&random_u32().to_ne_bytes());
-        salt[8..12].copy_from_slice(&random_u32().to_ne_bytes());
-        salt[12..].copy_from_slice(&random_u32().to_ne_bytes());
+        let salt = secrets::random_bytes::<16>().map_err(|e| format!("SCRAM salt: {e}"))?;
         let secret = Secret::new(&cfg.password, &salt, scram::ITERATIONS);
         let tls_in = cfg
             .tls
@@ -242,6 +257,8 @@ impl Proxy {
             ready_epoch: AtomicU64::new(0),
             protected: AtomicBool::new(protected),
             xid_horizon: AtomicU64::new(0),
+            primary_heard_ms: AtomicU64::new(0),
+            clock: Instant::now(),
             stats: Stats::default(),
             shutdown: AtomicBool::new(false),
             ops,
@@ -326,6 +343,23 @@ pub fn status_json(s: &Shared) -> serde_json::Value {
     v
 }
 
+/// How coarsely sessions record that the primary spoke (ms): a store per frame from every
+/// session thread would contend on one cache line; the detector's windows are far coarser.
+const HEARD_GRANULARITY_MS: u64 = 10;
+
+/// Milliseconds since `sh.clock`, from 1 (0 stands for "never").
+fn mono_ms(sh: &Shared) -> u64 {
+    sh.clock.elapsed().as_millis() as u64 + 1
+}
+
+/// A session got bytes from the primary: records it for the failure detector.
+fn note_primary_heard(sh: &Shared) {
+    let now = mono_ms(sh);
+    if now >= sh.primary_heard_ms.load(Relaxed) + HEARD_GRANULARITY_MS {
+        sh.primary_heard_ms.store(now, Relaxed);
+    }
+}
+
 fn now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -373,14 +407,6 @@ fn refuse(c: &mut Stream, counter: &AtomicU64, code: &str, msg: &str) -> Result<
     counter.fetch_add(1, SeqCst);
     fatal(c, code, msg);
     Ok(())
-}
-
-fn random_u32() -> u32 {
-    let mut b = [0u8; 4];
-    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
-        let _ = f.read_exact(&mut b);
-    }
-    u32::from_ne_bytes(b)
 }
 
 /// Authenticated server connection with the session's startup parameters.
@@ -624,7 +650,19 @@ fn serve_client(c: TcpStream, sh: &Shared) -> Result<(), String> {
             return Ok(());
         }
         Auth::Gone => return Ok(()),
+        Auth::Internal(what) => {
+            fatal(&mut c, "XX000", &format!("pliant: {what}"));
+            return Ok(());
+        }
     }
+    // The key a CancelRequest must quote: a guessable one would let anyone cancel queries.
+    let client_key = match secrets::random_u32() {
+        Ok(k) => k,
+        Err(e) => {
+            fatal(&mut c, "XX000", &format!("pliant: cancel key: {e}"));
+            return Ok(());
+        }
+    };
     let mut st = SessionState::new(params);
     let mut be = match wait_backend(sh, &st.startup, 0) {
         Ok(b) => b,
@@ -646,7 +684,6 @@ fn serve_client(c: TcpStream, sh: &Shared) -> Result<(), String> {
     let mut hello = vec![proto::auth(0, &[])];
     hello.extend(be.params.iter().cloned());
     let id = sh.next_session.fetch_add(1, SeqCst) as u32;
-    let client_key = random_u32();
     let mut kd = id.to_be_bytes().to_vec();
     kd.extend(client_key.to_be_bytes());
     hello.push(Frame::new(b'K', kd));
@@ -664,6 +701,8 @@ enum Auth {
     TimedOut,
     Protocol(String),
     Gone,
+    /// The proxy could not run the exchange (no random salt or nonce).
+    Internal(String),
 }
 
 /// Reads the client's next message, which must be a password/SASL response ('p');
@@ -687,7 +726,10 @@ fn authenticate(c: &mut Stream, sh: &Shared, user: &str) -> Auth {
     let send = |c: &mut Stream, f: Frame| proto::write_frames(c, &[f]).is_ok();
     match sh.cfg.auth {
         AuthMethod::Md5 => {
-            let salt = random_u32().to_be_bytes();
+            let salt = match secrets::random_bytes::<4>() {
+                Ok(s) => s,
+                Err(e) => return Auth::Internal(format!("md5 salt: {e}")),
+            };
             if !send(c, proto::auth(5, &salt)) {
                 return Auth::Gone;
             }
@@ -696,9 +738,7 @@ fn authenticate(c: &mut Stream, sh: &Shared, user: &str) -> Auth {
                 Ok(None) => return Auth::Gone,
                 Err(e) => return e.map_or(Auth::TimedOut, Auth::Protocol),
             };
-            let got = proto::cstr(&body).map(|(s, _)| s).unwrap_or_default();
-            let want = proto::md5_password(user, &sh.cfg.password, &salt);
-            if user == sh.cfg.user && got == want {
+            if md5_login_ok(&sh.cfg.user, &sh.cfg.password, user, &body, &salt) {
                 Auth::Ok
             } else {
                 Auth::Failed
@@ -741,9 +781,12 @@ fn authenticate(c: &mut Stream, sh: &Shared, user: &str) -> Auth {
                 }
             };
             let first = String::from_utf8_lossy(data);
+            let nonce = match scram::new_nonce() {
+                Ok(n) => n,
+                Err(e) => return Auth::Internal(format!("SCRAM nonce: {e}")),
+            };
             let (ex, server_first) =
-                match ServerExchange::start_bound(&sh.scram, &first, &scram::new_nonce(), &binding)
-                {
+                match ServerExchange::start_bound(&sh.scram, &first, &nonce, &binding) {
                     Ok(x) => x,
                     Err(e) => return Auth::Protocol(e.to_string()),
                 };
@@ -756,7 +799,7 @@ fn authenticate(c: &mut Stream, sh: &Shared, user: &str) -> Auth {
                 Err(e) => return e.map_or(Auth::TimedOut, Auth::Protocol),
             };
             match ex.finish(&String::from_utf8_lossy(&body)) {
-                Ok(server_final) if user == sh.cfg.user => {
+                Ok(server_final) if secrets::ct_eq(user.as_bytes(), sh.cfg.user.as_bytes()) => {
                     if send(c, proto::auth(12, server_final.as_bytes())) {
                         Auth::Ok
                     } else {
@@ -768,6 +811,23 @@ fn authenticate(c: &mut Stream, sh: &Shared, user: &str) -> Auth {
             }
         }
     }
+}
+
+/// Whether an md5 password `response` (a C string) is right for `user`: user name and hash are
+/// compared in constant time and both always, so neither how much of a guessed hash was right
+/// nor whether the user exists shows in the time the answer takes.
+fn md5_login_ok(
+    cfg_user: &str,
+    cfg_password: &str,
+    user: &str,
+    response: &[u8],
+    salt: &[u8; 4],
+) -> bool {
+    let got = proto::cstr(response).map(|(s, _)| s).unwrap_or_default();
+    let want = proto::md5_password(user, cfg_password, salt);
+    let user_ok = secrets::ct_eq(user.as_bytes(), cfg_user.as_bytes());
+    let hash_ok = secrets::ct_eq(got.as_bytes(), want.as_bytes());
+    user_ok & hash_ok
 }
 
 /// Registers a session's cancel target for its lifetime.
@@ -825,7 +885,8 @@ fn forward_cancel(sh: &Shared, pid: u32, key: u32) {
         .lock()
         .ok()
         .and_then(|m| m.get(&pid).copied())
-        .filter(|t| t.client_key == key);
+        // Constant time: the key is the only secret of a CancelRequest.
+        .filter(|t| secrets::ct_eq(&t.client_key.to_be_bytes(), &key.to_be_bytes()));
     let Some(t) = target else {
         sh.stats.cancels_unmatched.fetch_add(1, SeqCst);
         return;
@@ -915,6 +976,7 @@ fn pump(
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
                 Ok(0) | Err(_) => lost = true,
                 Ok(k) => {
+                    note_primary_heard(sh);
                     // Frames are inspected where they lie and forwarded as they came (one
                     // copy into `out`); only a partial frame is kept in `bbuf`.
                     let data: &[u8] = if bbuf.is_empty() {
@@ -1424,36 +1486,72 @@ fn resolve_commit(sh: &Shared, nb: &mut Backend, ct: CommitTxid) -> Option<bool>
     }
 }
 
+/// The failure-detection policy of `cfg` (see [`crate::health`]).
+pub fn probe_policy(cfg: &ProxyConfig) -> health::Policy {
+    health::Policy {
+        probe_timeout_ms: cfg.probe_timeout_ms,
+        slow_dead_after_ms: cfg.probe_dead_after_ms,
+    }
+}
+
 fn controller(sh: Arc<Shared>) {
     let iv = Duration::from_millis(sh.cfg.probe_interval_ms);
     let to = Duration::from_millis(sh.cfg.probe_timeout_ms);
+    let mut detector = health::Detector::new(probe_policy(&sh.cfg));
+    let clock = Instant::now();
+    let mut wait = to;
     let mut probe: Option<Client> = None;
     let mut watch = StandbyWatch::default();
     while !sh.shutdown.load(SeqCst) {
         let p = sh.primary.load(SeqCst);
         let addr = sh.cfg.nodes[p];
-        let ok = probe_once(&mut probe, addr, &sh, to) || {
-            // One immediate retry on a fresh connection before declaring the primary dead.
-            probe = None;
-            probe_once(&mut probe, addr, &sh, to)
+        let t = Instant::now();
+        let start_ms = mono_ms(&sh);
+        let outcome = match probe_once(&mut probe, addr, &sh, wait) {
+            // Late, but the primary sent the sessions data meanwhile: alive, only busy.
+            health::Probe::Slow if sh.primary_heard_ms.load(Relaxed) >= start_ms => {
+                health::Probe::Busy
+            }
+            o => o,
         };
-        if !ok {
-            dbg("probe failed twice");
-            let detect = Instant::now();
-            if !sh.protected.load(SeqCst) {
-                set_err(&sh, "primary unreachable while unprotected: not failing over (acknowledged commits might be missing on the standby)");
-                std::thread::sleep(iv);
+        let took = t.elapsed();
+        match detector.observe(clock.elapsed().as_millis() as u64, outcome) {
+            health::Verdict::Healthy => {
+                wait = to;
+                watch_standby(&sh, &mut watch, &mut probe, p);
+            }
+            health::Verdict::Suspect { wait_ms } => {
+                dbg(&format!(
+                    "primary suspect ({outcome:?} after {took:?}); next probe waits {wait_ms} ms"
+                ));
+                // Again at once on a fresh connection: its TCP handshake tells a cut link or
+                // a dead server from a busy one. A late-class outcome that came back before
+                // its wait was up (SQLSTATE class 53) waits an interval: no tight login loop.
+                probe = None;
+                if matches!(outcome, health::Probe::Slow | health::Probe::Busy) && took < wait {
+                    std::thread::sleep(iv);
+                }
+                wait = Duration::from_millis(wait_ms);
                 continue;
             }
-            match failover(&sh, p, detect) {
-                Ok(()) => {
-                    probe = None;
-                    watch = StandbyWatch::default();
+            health::Verdict::Dead => {
+                dbg(&format!("primary dead ({outcome:?} after {took:?})"));
+                wait = to;
+                detector.reset();
+                let detect = Instant::now();
+                if !sh.protected.load(SeqCst) {
+                    set_err(&sh, "primary unreachable while unprotected: not failing over (acknowledged commits might be missing on the standby)");
+                    std::thread::sleep(iv);
+                    continue;
                 }
-                Err(e) => set_err(&sh, &format!("failover failed: {e}")),
+                match failover(&sh, p, detect) {
+                    Ok(()) => {
+                        probe = None;
+                        watch = StandbyWatch::default();
+                    }
+                    Err(e) => set_err(&sh, &format!("failover failed: {e}")),
+                }
             }
-        } else {
-            watch_standby(&sh, &mut watch, &mut probe, p);
         }
         std::thread::sleep(iv);
     }
@@ -1484,7 +1582,8 @@ fn watch_standby(sh: &Arc<Shared>, w: &mut StandbyWatch, probe: &mut Option<Clie
     let sb = 1 - p;
     if sh.protected.load(SeqCst) && !sh.degraded.load(SeqCst) {
         let to = Duration::from_millis(sh.cfg.probe_timeout_ms);
-        let reachable = probe_once(&mut w.probe, sh.cfg.nodes[sb], sh, to);
+        let reachable =
+            probe_once(&mut w.probe, sh.cfg.nodes[sb], sh, to) == health::Probe::Answered;
         if reachable {
             w.unreachable_since = None;
         } else {
@@ -1613,26 +1712,33 @@ fn connect_server(
     })
 }
 
-fn probe_once(probe: &mut Option<Client>, addr: SocketAddr, sh: &Shared, to: Duration) -> bool {
-    if probe.is_none() {
-        let t = Instant::now();
-        match connect_server(sh, addr, CONNECT_TIMEOUT, to) {
-            Ok(c) => *probe = Some(c),
+/// `SELECT 1` on `probe` (a fresh login when there is none), waiting up to `to` for each
+/// answer; a failed probe's connection is dropped.
+fn probe_once(
+    probe: &mut Option<Client>,
+    addr: SocketAddr,
+    sh: &Shared,
+    to: Duration,
+) -> health::Probe {
+    let t = Instant::now();
+    let c = match probe {
+        Some(c) => c,
+        None => match connect_server(sh, addr, CONNECT_TIMEOUT, to) {
+            Ok(c) => probe.insert(c),
             Err(e) => {
                 dbg(&format!("probe login failed after {:?}: {e}", t.elapsed()));
-                return false;
+                return health::classify(&e);
             }
-        }
-    }
-    let t = Instant::now();
-    match probe.as_mut().map(|c| c.query("SELECT 1")) {
-        Some(Ok(_)) => true,
-        r => {
-            if let Some(Err(e)) = r {
-                dbg(&format!("probe query failed after {:?}: {e}", t.elapsed()));
-            }
+        },
+    };
+    // A connection opened while the primary was suspect waits longer; back to `to`.
+    c.set_timeout(to);
+    match c.query("SELECT 1") {
+        Ok(_) => health::Probe::Answered,
+        Err(e) => {
+            dbg(&format!("probe query failed after {:?}: {e}", t.elapsed()));
             *probe = None;
-            false
+            health::classify(&e)
         }
     }
 }
@@ -1723,4 +1829,61 @@ fn failover(sh: &Arc<Shared>, old: usize, t0: Instant) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn md5_logins_need_the_right_user_and_hash() {
+        let salt = [9, 8, 7, 6];
+        let right = proto::md5_password("alice", "pw", &salt);
+        let msg = |s: &str| {
+            let mut b = s.as_bytes().to_vec();
+            b.push(0);
+            b
+        };
+        let ok = |user: &str, body: &[u8]| md5_login_ok("alice", "pw", user, body, &salt);
+        assert!(ok("alice", &msg(&right)));
+        // The hash a client would send for another user, sent as alice or as that user.
+        assert!(!ok("alice", &msg(&proto::md5_password("bob", "pw", &salt))));
+        assert!(!ok("bob", &msg(&proto::md5_password("bob", "pw", &salt))));
+        assert!(!ok(
+            "alice",
+            &msg(&proto::md5_password("alice", "pw", &[0; 4]))
+        ));
+        assert!(!ok("alice", &msg(&right[..right.len() - 1])), "a prefix");
+        assert!(!ok("alice", &msg(&format!("{right}0"))), "longer");
+        assert!(!ok("alice", right.as_bytes()), "no terminator");
+        assert!(!ok("alice", b"\0"), "empty");
+    }
+
+    fn config() -> ProxyConfig {
+        let unused: SocketAddr = "127.0.0.1:9".parse().unwrap();
+        ProxyConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            user: "u".into(),
+            password: "pw".into(),
+            nodes: [unused, unused],
+            primary: 0,
+            probe_interval_ms: 100,
+            probe_timeout_ms: 250,
+            probe_dead_after_ms: DEFAULT_PROBE_DEAD_AFTER_MS,
+            max_sessions: 1,
+            auto_reprotect: false,
+            auth: AuthMethod::ScramSha256,
+            async_fallback_ms: None,
+            startup_timeout_ms: DEFAULT_STARTUP_TIMEOUT_MS,
+            tls: None,
+            server_tls: None,
+        }
+    }
+
+    #[test]
+    fn the_proxy_does_not_start_without_a_random_salt() {
+        let r = secrets::with_broken_random(|| Proxy::start(config(), false, None).map(|_| ()));
+        let e = r.expect_err("started with a predictable SCRAM salt");
+        assert!(e.contains("random source"), "{e}");
+    }
 }

@@ -65,10 +65,7 @@ fn salted_password(password: &str, salt: &[u8], iterations: u32) -> [u8; 32] {
     out
 }
 
-/// Comparison whose time does not depend on where the inputs differ.
-fn ct_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
+use crate::secrets::ct_eq;
 
 /// The verifier a server keeps for one password (what `pg_authid` stores for SCRAM).
 #[derive(Clone, Debug)]
@@ -347,14 +344,10 @@ impl ClientExchange {
     }
 }
 
-/// A fresh nonce: 18 random bytes, base64 (printable, no commas).
-pub fn new_nonce() -> String {
-    let mut b = [0u8; 18];
-    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
-        use std::io::Read;
-        let _ = f.read_exact(&mut b);
-    }
-    B64.encode(b)
+/// A fresh nonce: 18 random bytes, base64 (printable, no commas). An error, never a
+/// predictable nonce, when the random source fails.
+pub fn new_nonce() -> Result<String, crate::secrets::RandomError> {
+    crate::secrets::random_bytes::<18>().map(|b| B64.encode(b))
 }
 
 #[cfg(test)]
@@ -402,8 +395,8 @@ mod tests {
     fn round_trip_and_wrong_password() {
         let secret = Secret::new("right", b"0123456789abcdef", ITERATIONS);
         for (pw, ok) in [("right", true), ("wrong", false)] {
-            let (mut c, first) = ClientExchange::new(pw, &new_nonce());
-            let (s, sf) = ServerExchange::start(&secret, &first, &new_nonce()).unwrap();
+            let (mut c, first) = ClientExchange::new(pw, &new_nonce().unwrap());
+            let (s, sf) = ServerExchange::start(&secret, &first, &new_nonce().unwrap()).unwrap();
             let cf = c.respond(&sf).unwrap();
             match s.finish(&cf) {
                 Ok(v) => {
@@ -421,8 +414,8 @@ mod tests {
     /// One exchange: the client binds as `cb`, the server checks against `sb`.
     fn bound(cb: &ClientBinding, sb: &Binding) -> Result<(), ScramError> {
         let secret = Secret::new("pw", b"0123456789abcdef", ITERATIONS);
-        let (mut c, first) = ClientExchange::new_bound("pw", &new_nonce(), cb);
-        let (s, sf) = ServerExchange::start_bound(&secret, &first, &new_nonce(), sb)?;
+        let (mut c, first) = ClientExchange::new_bound("pw", &new_nonce().unwrap(), cb);
+        let (s, sf) = ServerExchange::start_bound(&secret, &first, &new_nonce().unwrap(), sb)?;
         let v = s.finish(&c.respond(&sf)?)?;
         c.verify(&v)
     }

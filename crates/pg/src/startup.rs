@@ -153,7 +153,9 @@ mod tests {
                 let p = std::env::temp_dir().join(format!(
                     "pliant-pg-tls-test-{}-{}",
                     std::process::id(),
-                    crate::scram::new_nonce().replace(['/', '+', '='], "")
+                    crate::scram::new_nonce()
+                        .unwrap()
+                        .replace(['/', '+', '='], "")
                 ));
                 Dir(p)
             }

@@ -527,19 +527,7 @@ pub struct DemoPki {
     pub key: PathBuf,
 }
 
-/// Writes `bytes` to `path` readable by its owner only (created so: never briefly wider).
-pub fn write_private(path: &Path, bytes: &[u8]) -> Result<(), String> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let _ = std::fs::remove_file(path);
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(path)
-        .map_err(|e| format!("{}: {e}", path.display()))?;
-    f.write_all(bytes)
-        .map_err(|e| format!("{}: {e}", path.display()))
-}
+pub use crate::secrets::write_private;
 
 /// A private CA (its key is never written: nothing else gets signed) and a server
 /// certificate for `ips` and `localhost`, ECDSA P-256 with SHA-256, in `dir` (created 0700):
@@ -558,6 +546,7 @@ pub fn make_demo_pki(dir: &Path, ips: &[IpAddr]) -> Result<DemoPki, String> {
     ca.distinguished_name = rcgen::DistinguishedName::new();
     // A name of its own: a verifier finding another demo CA must not take it for this one.
     let tag: String = crate::scram::new_nonce()
+        .map_err(|e| e.to_string())?
         .chars()
         .filter(char::is_ascii_alphanumeric)
         .take(12)
