@@ -210,6 +210,11 @@ pub enum Stmt {
         sql: String,
     },
     ResetAll,
+    /// SET LOCAL / `set_config(..., true)`: nothing to replay, but a custom setting named for
+    /// the first time becomes defined for the rest of the session (a placeholder).
+    SetLocal {
+        key: String,
+    },
     /// SQL-level PREPARE (not transactional): the name and the statement that recreates it.
     Prepare {
         name: String,
@@ -259,6 +264,7 @@ pub fn classify(stmt: &str) -> Stmt {
                 key,
                 sql: head.trim_end().trim_end_matches(';').trim_end().to_string(),
             },
+            Some((key, true)) => Stmt::SetLocal { key },
             _ => Stmt::Other,
         };
     }
@@ -325,6 +331,9 @@ pub fn classify(stmt: &str) -> Stmt {
                 key,
                 sql: raw.to_string(),
             },
+            None if at(1) == "local" => Stmt::SetLocal {
+                key: setting_key(&w[2..]),
+            },
             None => Stmt::Other,
         },
         "reset" if at(1) == "all" => Stmt::ResetAll,
@@ -345,6 +354,17 @@ fn set_key(w: &[&str]) -> Option<String> {
         "session" if !matches!(at(1), "authorization" | "characteristics") => set_key(&w[1..]),
         _ => Some(setting_key(w)),
     }
+}
+
+/// A custom (placeholder) setting name as the parser folds it, `ext.name`: plain lower-case
+/// identifier parts only, so it can be written back into `RESET` as is.
+fn is_custom_setting(key: &str) -> bool {
+    key.contains('.')
+        && key.split('.').all(|p| {
+            !p.is_empty()
+                && p.bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+        })
 }
 
 /// The setting named at the start of a SET/RESET (after SET [SESSION]).
@@ -584,6 +604,10 @@ pub struct SessionState {
     pub startup: Vec<(String, String)>,
     /// Committed session-level settings as (setting, statement), in replay order.
     pub sets: Vec<(String, String)>,
+    /// Custom settings (`a.b`) this session defined: PostgreSQL keeps such a placeholder
+    /// defined (value '' after RESET) for the session's life, whatever happened to the value
+    /// or the transaction, so a replay defines it again (`RESET a.b`) before the settings.
+    pub placeholders: Vec<String>,
     /// The open transaction (implicit or explicit) and its savepoints, with the settings
     /// changed in each; empty outside a transaction.
     levels: Vec<Level>,
@@ -666,6 +690,7 @@ impl SessionState {
             status: b'I',
             startup,
             sets: Vec::new(),
+            placeholders: Vec::new(),
             levels: Vec::new(),
             prepared: Vec::new(),
             hold_cursors: Vec::new(),
@@ -1101,6 +1126,18 @@ impl SessionState {
         ServerAction::Forward
     }
 
+    /// Records a custom setting the server just accepted (see `placeholders`).
+    fn define_placeholder(&mut self, key: &str) {
+        if !is_custom_setting(key) || self.placeholders.iter().any(|p| p == key) {
+            return;
+        }
+        if self.placeholders.len() >= MAX_REPLAY_SETS {
+            self.mark(Some(Unreplayable::ReplayBound));
+        } else {
+            self.placeholders.push(key.to_string());
+        }
+    }
+
     fn add_prepared(&mut self, name: String, frame: Frame) {
         self.prepared.retain(|(n, _)| *n != name);
         if self.prepared.len() >= MAX_PREPARED {
@@ -1151,7 +1188,11 @@ impl SessionState {
                     self.levels[i].effects.clear();
                 }
             }
-            Stmt::Set { key, sql } => self.push_pending(Effect::Set { key, sql }),
+            Stmt::Set { key, sql } => {
+                self.define_placeholder(&key);
+                self.push_pending(Effect::Set { key, sql })
+            }
+            Stmt::SetLocal { key } => self.define_placeholder(&key),
             Stmt::ResetAll => self.push_pending(Effect::ResetAll),
             // Prepared statements are not transactional: they exist once PREPARE completed.
             Stmt::Prepare { name, sql } => self.add_prepared(name, proto::query(&sql)),
@@ -1235,7 +1276,12 @@ impl SessionState {
     /// and each SQL PREPARE as its own query, then all named Parse messages followed by one
     /// Sync), and the number of ReadyForQuery messages they are answered with.
     pub fn replay_frames(&self) -> (Vec<Frame>, usize) {
-        let mut v: Vec<Frame> = self.sets.iter().map(|(_, s)| proto::query(s)).collect();
+        let mut v: Vec<Frame> = self
+            .placeholders
+            .iter()
+            .map(|p| proto::query(&format!("RESET {p}")))
+            .collect();
+        v.extend(self.sets.iter().map(|(_, s)| proto::query(s)));
         let (parses, queries): (Vec<&Frame>, Vec<&Frame>) = self
             .prepared
             .iter()
@@ -1331,7 +1377,11 @@ mod tests {
                 sql: "SET search_path = a".into()
             }
         );
-        assert_eq!(classify("set local x = 1"), Stmt::Other);
+        // Local settings replay nothing but may define a placeholder.
+        assert_eq!(
+            classify("set local x.y = 1"),
+            Stmt::SetLocal { key: "x.y".into() }
+        );
         assert_eq!(classify("DISCARD ALL"), Stmt::DiscardAll);
     }
 
@@ -1834,8 +1884,10 @@ mod tests {
         // A failed PREPARE (the name exists) keeps the original.
         let a = [proto::error_response("ERROR", "42P05", "exists"), z(b'I')];
         exchange(&mut s, proto::query("PREPARE q AS SELECT 3"), &a);
+        // (Frame 0 defines the placeholder a.b, frame 1 sets it.)
+        assert_eq!(s.replay_frames().0[0], proto::query("RESET a.b"));
         assert_eq!(
-            s.replay_frames().0[1],
+            s.replay_frames().0[2],
             proto::query("PREPARE q AS SELECT 1")
         );
         // A failed query still keeps a PREPARE that completed before the error.

@@ -90,6 +90,9 @@ struct Tx {
 #[derive(Clone, Debug, Default)]
 struct Pg {
     vals: Vals,
+    /// Custom settings ever named by a statement that ran: PostgreSQL keeps them defined
+    /// (value '' when unset) for the session's life, through RESET, DISCARD and rollbacks.
+    defined: BTreeSet<String>,
     prepared: BTreeSet<String>,
     tx: Option<Tx>,
 }
@@ -148,6 +151,14 @@ impl Pg {
             return None;
         }
         self.begin_implicit();
+        if let S::Set(k, _)
+        | S::SetSession(k, _)
+        | S::SetLocal(k, _)
+        | S::Config(k, _, _)
+        | S::Reset(k) = s
+        {
+            self.defined.insert(k.clone());
+        }
         let tx = self.tx.as_mut()?;
         let savepoint = |tx: &Tx, n: &str| {
             tx.saves
@@ -481,13 +492,18 @@ impl Run {
     /// What the proxy would replay equals what PostgreSQL holds beyond the open transaction.
     fn compare(&self) {
         let replayed = self.replay_on_fresh_server();
-        if replayed.vals != *self.pg.committed() || replayed.prepared != self.pg.prepared {
+        if replayed.vals != *self.pg.committed()
+            || replayed.prepared != self.pg.prepared
+            || replayed.defined != self.pg.defined
+        {
             self.fail(&format!(
-                "replay gives {:?} {:?}, PostgreSQL holds {:?} {:?}",
+                "replay gives {:?} {:?} {:?}, PostgreSQL holds {:?} {:?} {:?}",
                 replayed.vals,
                 replayed.prepared,
+                replayed.defined,
                 self.pg.committed(),
-                self.pg.prepared
+                self.pg.prepared,
+                self.pg.defined
             ));
         }
     }
@@ -501,7 +517,13 @@ impl Run {
             match f.tag {
                 b'Q' => {
                     let sql = proto::cstr(&f.body).map(|(s, _)| s).unwrap_or("");
-                    let Some(s) = self.known.get(sql) else {
+                    // A placeholder is defined again by RESET, which the client need not
+                    // have sent itself.
+                    let placeholder = sql
+                        .strip_prefix("RESET ")
+                        .filter(|k| k.contains('.'))
+                        .map(|k| S::Reset(k.to_string()));
+                    let Some(s) = self.known.get(sql).or(placeholder.as_ref()) else {
                         self.fail(&format!("replay of a statement never sent: {sql:?}"));
                     };
                     let out = fresh.query(std::slice::from_ref(s));
