@@ -104,6 +104,10 @@ pub struct HaOpts {
     /// MTU-sized frames with real checksums, as the e2e tests run it).
     pub disable_offloads: bool,
     pub run_root: PathBuf,
+    /// How the pliant replicas reach each other (replication, FTMB logging, migration).
+    pub transport: pliant_lab::mgmt::Transport,
+    /// Also run `ftmb` over unix sockets and report `ftmb_tcp_vs_unix` (with TCP).
+    pub ftmb_on_unix_too: bool,
 }
 
 impl Default for HaOpts {
@@ -122,6 +126,8 @@ impl Default for HaOpts {
             trials: 10,
             disable_offloads: true,
             run_root: PathBuf::from("/run/pliant"),
+            transport: pliant_lab::mgmt::Transport::Unix,
+            ftmb_on_unix_too: false,
         }
     }
 }
@@ -271,6 +277,9 @@ impl TopFailover {
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct HaReport {
     pub bench: &'static str,
+    /// The replicas' channels: "unix" (one host) or "tcp" (a management network between the
+    /// replica namespaces, as between hosts).
+    pub transport: &'static str,
     pub duration_s: u32,
     pub connections: u32,
     pub request_bytes: u32,
@@ -290,6 +299,10 @@ pub struct HaReport {
     /// Every pliant failover trial summed up (`--trials`).
     pub failover_trials: TrialsSummary,
     pub vs_no_ha: BTreeMap<String, VsNoHa>,
+    /// `--transport both`: ftmb run again over unix sockets in the same run...
+    pub ftmb_unix: Option<HaSystemReport>,
+    /// ...and ftmb's transactions/s over TCP divided by that over unix.
+    pub ftmb_tcp_vs_unix: Option<f64>,
     pub total_s: f64,
 }
 
@@ -343,6 +356,7 @@ impl HaReport {
         }
         HaReport {
             bench: "ha",
+            transport: opts.transport.label(),
             duration_s: opts.duration_s,
             connections: opts.connections,
             request_bytes: opts.request_bytes,
@@ -369,6 +383,8 @@ impl HaReport {
             failover,
             failover_trials: TrialsSummary::of(trials),
             vs_no_ha: vs,
+            ftmb_unix: None,
+            ftmb_tcp_vs_unix: None,
             total_s,
         }
     }
@@ -433,7 +449,24 @@ pub fn run_ha(opts: &HaOpts) -> HaReport {
             ..Default::default()
         }];
     }
-    HaReport::new(opts, out, &trials, start.elapsed().as_secs_f64())
+    let ftmb_unix = (opts.ftmb_on_unix_too
+        && opts.transport == pliant_lab::mgmt::Transport::Tcp
+        && !cmd::interrupted()
+        && (opts.only.is_empty() || opts.only.iter().any(|o| o == "ftmb")))
+    .then(|| {
+        progress("ftmb over unix sockets (for ftmb_tcp_vs_unix): start");
+        let unix = HaOpts {
+            transport: pliant_lab::mgmt::Transport::Unix,
+            ..opts.clone()
+        };
+        measure_pliant(&unix, "ftmb", false).0
+    });
+    let mut report = HaReport::new(opts, out, &trials, start.elapsed().as_secs_f64());
+    if let Some(u) = ftmb_unix {
+        report.ftmb_tcp_vs_unix = ratio(report.ftmb.transactions_per_s, u.transactions_per_s);
+        report.ftmb_unix = Some(u);
+    }
+    report
 }
 
 fn mode_label(sys: &str) -> &'static str {
@@ -1024,6 +1057,7 @@ fn pliant_up(opts: &HaOpts, sys: &str) -> Result<PliantSys, String> {
         spec.ha_mode = pliant_lab::LabHaMode::Ftmb;
     }
     spec.run_root = opts.run_root.clone();
+    spec.transport = opts.transport;
     let lab = Lab::up(spec).map_err(|e| format!("lab up: {e}"))?;
     let dir = lab.run_dir().join("bench-ha");
     std::fs::create_dir_all(&dir).map_err(|e| format!("mkdir {}: {e}", dir.display()))?;
@@ -1033,15 +1067,21 @@ fn pliant_up(opts: &HaOpts, sys: &str) -> Result<PliantSys, String> {
         lab: Some(lab),
         srv: None,
     };
+    // Over TCP the controller tells replicas each other's management addresses.
+    let (tcp_ctl, tcp_ha) = match opts.transport {
+        pliant_lab::mgmt::Transport::Tcp => pliant_lab::mgmt::controller_keys(),
+        pliant_lab::mgmt::Transport::Unix => (String::new(), String::new()),
+    };
     // As the e2e HA harness runs it: 10 ms liveness probes, NAT port blocks of 1000 (a
     // failed-over replica's block stays quarantined while its flows live on elsewhere).
     let ctl = format!(
         "[controller]\napi_socket = \"{d}/api.sock\"\ntoken_file = \"{d}/token\"\n\
-         store = \"{d}/store.json\"\nheartbeat_ms = 100\ndead_after_missed = 5\n\
+         store = \"{d}/store.json\"\nheartbeat_ms = 100\ndead_after_missed = 5\n{tcp_ctl}\
          [lab]\nname = \"{name}\"\nrun_root = \"{root}\"\nnat_addr = \"{nat}\"\n\
          [ports]\nlo = 20000\nhi = 59999\nblock = 1000\nper_replica = 1\n\
-         [policy]\nauto = false\nmax_replicas = 60\n{ha}watch_ms = 10\n",
+         [policy]\nauto = false\nmax_replicas = 60\n{ha}watch_ms = 10\n{tcp_ha}",
         d = dir.display(),
+        tcp_ha = tcp_ha,
         name = sys_.lab().name(),
         root = opts.run_root.display(),
         nat = pliant_lab::OUTSIDE_GW_IP,

@@ -45,6 +45,11 @@ pub struct HaArgs {
     /// tests run the user-space path).
     #[arg(long)]
     pub keep_offloads: bool,
+    /// How the pliant replicas reach each other: unix sockets (one host), tcp (a management
+    /// network between the replica namespaces, as between hosts), or both (everything over
+    /// tcp, plus ftmb over unix for `ftmb_tcp_vs_unix`).
+    #[arg(long, default_value = "unix", value_parser = ["unix", "tcp", "both"])]
+    pub transport: String,
 }
 
 fn fmt(v: Option<f64>, digits: usize) -> String {
@@ -94,6 +99,14 @@ fn table(r: &HaReport) {
         .filter(|_| r.failover.primary.system != "ftmb")
     {
         fo("ftmb", f);
+    }
+    println!("transport between replicas: {}", r.transport);
+    if let Some(u) = &r.ftmb_unix {
+        println!(
+            "ftmb over unix: {} txn/s; ftmb tcp/unix ratio {}",
+            fmt(u.transactions_per_s, 0),
+            fmt(r.ftmb_tcp_vs_unix, 3)
+        );
     }
     if let Some(d) = &r.ftmb.ftmb_detail {
         println!(
@@ -153,6 +166,12 @@ pub fn run(a: HaArgs) -> Result<(), String> {
         probe_flows: a.probe_flows,
         trials: a.trials,
         disable_offloads: !a.keep_offloads,
+        transport: if a.transport == "unix" {
+            pliant_lab::mgmt::Transport::Unix
+        } else {
+            pliant_lab::mgmt::Transport::Tcp
+        },
+        ftmb_on_unix_too: a.transport == "both",
         ..HaOpts::default()
     };
     // Ctrl-C stops between measurements; labs are torn down and the partial report printed.

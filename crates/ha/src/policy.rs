@@ -99,7 +99,10 @@ pub enum PolicyError {
     NoBackups(&'static str),
     #[error("backup name {0:?} appears twice")]
     DuplicateBackup(String),
-    #[error("backup {0:?}: name and socket must be non-empty, socket an absolute path")]
+    #[error(
+        "backup {0:?}: name and socket must be non-empty, the socket an absolute unix path or \
+         host:port"
+    )]
     BadBackup(String),
     #[error("more than {MAX_GROUPS} groups")]
     TooManyGroups,
@@ -120,7 +123,13 @@ fn check_backup(b: &BackupTarget) -> Result<(), PolicyError> {
         && b.name
             .bytes()
             .all(|c| c.is_ascii_alphanumeric() || c == b'-' || c == b'_');
-    if !name_ok || !b.socket.starts_with('/') {
+    // The backup may be on this host (a unix socket) or another one (TCP).
+    let socket_ok = match b.socket.parse::<pliant_wire::Endpoint>() {
+        Ok(pliant_wire::Endpoint::Unix(p)) => p.is_absolute(),
+        Ok(pliant_wire::Endpoint::Tcp(_)) => true,
+        Err(_) => false,
+    };
+    if !name_ok || !socket_ok {
         return Err(PolicyError::BadBackup(b.name.chars().take(64).collect()));
     }
     Ok(())
@@ -482,6 +491,11 @@ mod tests {
             chords(vec![rel], 4).validate(),
             Err(PolicyError::BadBackup(_))
         ));
+        let tcp = BackupTarget {
+            name: "x".into(),
+            socket: "10.254.0.2:7400".into(),
+        };
+        assert_eq!(chords(vec![tcp], 4).validate(), Ok(()));
         let bad_range = Policy::Streams {
             classes: vec![StreamClass {
                 ports: vec![(9, 1)],

@@ -348,19 +348,18 @@ fn options(sec: &Security, tcp: bool) -> session::SessionOptions {
     sec.options_for(tcp, expect, MAX_FRAME_BYTES)
 }
 
-/// Seals `msg` as one peer frame appended to `out`.
+/// Seals `msg` as one peer frame appended to `out`. The size is checked before sealing:
+/// sealing takes the next sequence number, so a frame sealed and then dropped would make
+/// every later frame on the connection fail its tag at the peer.
 fn seal(tx: &mut Sealer, msg: &PeerMsg, out: &mut Vec<u8>) -> Result<(), String> {
-    let start = out.len();
-    tx.seal_msg(kinds::PEER, msg, out)
-        .map_err(|e| e.to_string())?;
-    let n = out.len() - start;
-    if n > MAX_WIRE_FRAME {
-        out.truncate(start);
+    let n = postcard::experimental::serialized_size(msg).map_err(|e| e.to_string())?;
+    if n > MAX_FRAME_BYTES {
         return Err(format!(
-            "peer frame of {n} bytes exceeds the bound of {MAX_FRAME_BYTES}"
+            "peer message of {n} bytes exceeds the bound of {MAX_FRAME_BYTES}"
         ));
     }
-    Ok(())
+    tx.seal_msg(kinds::PEER, msg, out)
+        .map_err(|e| e.to_string())
 }
 
 const TOKEN_LISTENER: u64 = u64::MAX;
