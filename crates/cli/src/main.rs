@@ -8,6 +8,7 @@ mod cmd_bench_elastic;
 mod cmd_bench_ha;
 mod cmd_controller;
 mod cmd_hub;
+mod cmd_keys;
 mod cmd_lab;
 mod cmd_pg;
 mod cmd_replica;
@@ -55,6 +56,8 @@ enum Cmd {
     Ha(cmd_controller::HaArgs),
     /// Run the coherence hub: shared state (combiners, SYNCH locks) across replica processes.
     Hub(cmd_hub::HubArgs),
+    /// Provision identities: a deployment CA, and CA-signed node identities (replicas, the hub).
+    Keys(cmd_keys::KeysArgs),
 }
 
 fn main() {
@@ -75,6 +78,7 @@ fn main() {
         Cmd::Policy(a) => cmd_controller::policy(a),
         Cmd::Ha(a) => cmd_controller::ha(a),
         Cmd::Hub(a) => cmd_hub::run(a),
+        Cmd::Keys(a) => cmd_keys::run(a),
     };
     if let Err(e) = res {
         eprintln!("pliant: error: {e}");

@@ -77,3 +77,23 @@ fn bad_cidr_is_refused() {
         "{out}"
     );
 }
+
+#[test]
+fn shared_hub_needs_an_identity_and_takes_no_secret() {
+    let sec = "\n[security]\nidentity = \"/run/pliant/id/r1\"\n";
+    let (ok, out) = run(&format!("{GOOD}{sec}\n[shared]\nhub = \"10.0.0.5:7400\"\n"));
+    assert!(ok, "a TCP hub endpoint with an identity: {out}");
+    let (ok, out) = run(&format!(
+        "{GOOD}\n[shared]\nhub = \"/run/pliant/hub.sock\"\n"
+    ));
+    assert!(!ok);
+    assert!(
+        out.contains("[shared] needs a [security] identity"),
+        "{out}"
+    );
+    let (ok, out) = run(&format!(
+        "{GOOD}{sec}\n[shared]\nhub = \"/run/pliant/hub.sock\"\nsecret = \"/run/pliant/hub.secret\"\n"
+    ));
+    assert!(!ok);
+    assert!(out.contains("[shared] secret is no longer used"), "{out}");
+}

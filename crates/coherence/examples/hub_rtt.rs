@@ -1,6 +1,9 @@
-//! Round-trip latency of the coherence hub over its unix socket, as the packet thread sees it.
+//! Round-trip latency of the coherence hub over a real socket, as the packet thread sees it.
 //!
-//! `cargo run --release -p pliant-coherence --example hub_rtt [iterations]`
+//! `cargo run --release -p pliant-coherence --example hub_rtt [iterations] [unix|tcp]`
+//!
+//! Every frame is sealed (pliant-wire session: authenticated on a unix socket, encrypted over
+//! TCP), so the numbers include that cost. Identities come from a CA made in memory.
 //!
 //! Runs a hub in this process (its own threads, a real socket) and one client, and times each
 //! call end to end: `publish` (PUSH of an 8-byte counter), `fetch_others` (PULL with two other
@@ -8,8 +11,8 @@
 //! SYNCH get+put = lock, fetch_latest, publish_latest, unlock). Prints one JSON object per line.
 
 use pliant_coherence::{ClientOptions, HubClient, HubConfig, HubServer};
-use pliant_ha::auth::Secret;
 use pliant_state::{Coherence, GetFlags, LockService, PutFlags, SharedConfig, SharedStore};
+use pliant_wire::{role, Ca, Endpoint, Security};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -48,17 +51,23 @@ fn main() {
         .nth(1)
         .and_then(|a| a.parse().ok())
         .unwrap_or(20_000);
+    let tcp = std::env::args().nth(2).as_deref() == Some("tcp");
     let dir = std::env::temp_dir().join(format!("pliant-hub-rtt-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
-    let sock = dir.join("hub.sock");
-    let secret = Secret::from_bytes(&[7; 32]).expect("secret");
-    let srv = HubServer::start(&sock, secret.clone(), HubConfig::default()).expect("hub");
+    let ep = if tcp {
+        "127.0.0.1:0".parse().expect("endpoint")
+    } else {
+        Endpoint::Unix(dir.join("hub.sock"))
+    };
+    let ca = Ca::generate(None).expect("CA");
+    let sec = |name: &str, roles| Security::new(ca.issue(name, roles, 3600).expect("identity"));
+    let srv = HubServer::start(&ep, sec("hub", role::SERVICE), HubConfig::default()).expect("hub");
+    let ep = srv.endpoint().clone();
+    // Decimal names: replica "1" is id 1.
     let client = |r: u32| {
         Arc::new(HubClient::new(
-            &sock,
-            secret.clone(),
-            r,
-            &format!("r{r}"),
+            &ep,
+            sec(&r.to_string(), role::REPLICA),
             ClientOptions::default(),
         ))
     };

@@ -1,10 +1,15 @@
 //! [`HubClient`]: [`Coherence`] and [`LockService`] over one authenticated connection to a
 //! [`crate::HubServer`].
 //!
+//! The client authenticates with the replica's own identity (its certificate's name is the
+//! replica it speaks for: the id it uses is [`crate::replica_id_for_name`] of that name) and
+//! requires the hub to prove an identity of the same CA holding the service role, so neither a
+//! stranger nor another replica listening at the hub's endpoint is taken for the hub.
+//!
 //! `SharedStore` calls these from the packet thread, so a call is one round trip on an
-//! established connection: the request is encoded into a reused buffer and written with one
-//! `send(2)`, the answer is read through a reused buffer (usually one `read(2)`); nothing else
-//! allocates except the values handed back to the store. Every call is bounded by
+//! established connection: the request is encoded into a reused buffer, sealed into another
+//! and written with one `send(2)`, the answer is read through a reused buffer (usually one
+//! `read(2)`); nothing else allocates except the values handed back to the store. Every call is bounded by
 //! [`ClientOptions::request_timeout`] per socket operation.
 //!
 //! Failures: the connection is dropped on any i/o error, timeout or malformed answer (after a
@@ -13,17 +18,18 @@
 //! ago: then the call fails at once (a dead hub must not cost the packet thread a connect per
 //! packet). A request whose write failed was not delivered and is resent once on a fresh
 //! connection; one that was written but got no answer is resent only if it is idempotent
-//! ([`Request::idempotent`]). Everything surfaces as `StateError::Coherence` with the hub path
-//! and the cause, except the hub's typed refusals (`Locked`, `LeaseLost`, `SharedLimit`...).
+//! ([`Request::idempotent`]). A resent request is sealed again on the new connection (a sealed
+//! frame belongs to one session). Everything surfaces as `StateError::Coherence` with the hub
+//! endpoint and the cause, except the hub's typed refusals (`Locked`, `LeaseLost`, `SharedLimit`...).
 
-use crate::server::{euid, lock, peer_uid, send_all};
-use crate::wire::{self, Bytes, FrameError, Request, Response, PROTOCOL_VERSION};
-use crate::HubStats;
-use pliant_ha::auth::{client_handshake, AuthError, Secret};
+use crate::server::lock;
+use crate::wire::{self, Bytes, Request, Response, PROTOCOL_VERSION};
+use crate::{replica_id_for_name, HubStats};
 use pliant_state::{Coherence, LockService, LockToken, ReplicaId, StateError};
+use pliant_wire::endpoint::{euid, Endpoint, Stream};
+use pliant_wire::session::{self, Expect, Opener, Sealer, SessionError};
+use pliant_wire::{kinds, role, FrameError, Security};
 use std::io::{self, BufReader};
-use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -33,7 +39,7 @@ pub struct ClientOptions {
     /// Bound on each socket read or write of a request (the packet thread waits at most about
     /// twice this per call).
     pub request_timeout: Duration,
-    /// Bound on connecting: uid check, handshake and `Hello`.
+    /// Bound on each step of connecting: the connect itself, the handshake, `Hello`.
     pub connect_timeout: Duration,
     /// After a failed connection attempt, calls fail at once for this long.
     pub retry_backoff: Duration,
@@ -89,9 +95,12 @@ fn bump(a: &AtomicU64) {
     a.fetch_add(1, Ordering::Relaxed);
 }
 
+/// An authenticated connection: the stream and the session's two directions.
 struct Conn {
-    stream: UnixStream,
-    rd: BufReader<UnixStream>,
+    stream: Stream,
+    rd: BufReader<Stream>,
+    tx: Sealer,
+    rx: Opener,
 }
 
 struct Inner {
@@ -99,7 +108,10 @@ struct Inner {
     /// No connection attempt before this instant (set after a failed attempt).
     retry_at: Option<Instant>,
     last_error: String,
+    /// The encoded body of the request in flight (sealed anew for each attempt).
     wbuf: Vec<u8>,
+    /// The sealed frame being sent.
+    obuf: Vec<u8>,
     rbuf: Vec<u8>,
     /// The strong copy that came with the last lock grant, for the `fetch_latest` that
     /// follows it (see `Response::Granted`). One-shot, and only while the grant is sure to
@@ -117,9 +129,9 @@ struct Prefetched {
 /// One replica's connection to the hub. `Send + Sync`; calls are serialised on one
 /// connection (a replica has one packet thread).
 pub struct HubClient {
-    path: PathBuf,
+    ep: Endpoint,
     hub: String,
-    secret: Secret,
+    sec: Security,
     replica: ReplicaId,
     name: String,
     opts: ClientOptions,
@@ -136,27 +148,25 @@ enum Failure {
 }
 
 impl HubClient {
-    /// A client for replica `replica` (named `name`, which the hub uses to detect two replicas
-    /// sharing an id). Does not connect: the first call does (see [`HubClient::connect_now`]).
-    pub fn new(
-        path: &Path,
-        secret: Secret,
-        replica: ReplicaId,
-        name: &str,
-        opts: ClientOptions,
-    ) -> HubClient {
+    /// A client of the hub at `hub` for the replica `sec` certifies: its id is
+    /// [`replica_id_for_name`] of the certificate's name, and the hub uses the name to detect
+    /// two replicas sharing an id. Does not connect: the first call does (see
+    /// [`HubClient::connect_now`]).
+    pub fn new(hub: &Endpoint, sec: Security, opts: ClientOptions) -> HubClient {
+        let name = sec.name().to_string();
         HubClient {
-            path: path.to_path_buf(),
-            hub: path.display().to_string(),
-            secret,
-            replica,
-            name: name.to_string(),
+            ep: hub.clone(),
+            hub: hub.to_string(),
+            replica: replica_id_for_name(&name),
+            name,
+            sec,
             opts,
             inner: Mutex::new(Inner {
                 conn: None,
                 retry_at: None,
                 last_error: String::new(),
                 wbuf: Vec::with_capacity(256),
+                obuf: Vec::with_capacity(256),
                 rbuf: Vec::with_capacity(256),
                 prefetched: None,
             }),
@@ -164,11 +174,17 @@ impl HubClient {
         }
     }
 
+    /// The replica id this client speaks for.
     pub fn replica(&self) -> ReplicaId {
         self.replica
     }
 
-    /// Connects now (ignoring the retry backoff) so configuration errors (wrong secret, no
+    /// The certified replica name this client speaks for.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Connects now (ignoring the retry backoff) so configuration errors (identity refused, no
     /// hub) show at start-up rather than at the first shared-state call.
     pub fn connect_now(&self) -> Result<(), StateError> {
         let mut g = lock(&self.inner);
@@ -233,7 +249,7 @@ impl HubClient {
         let key = req.key();
         let mut g = lock(&self.inner);
         let inner = &mut *g;
-        if let Err(e) = wire::encode_into(req, &mut inner.wbuf, self.opts.max_frame_bytes) {
+        if let Err(e) = wire::encode_body(req, &mut inner.wbuf, self.opts.max_frame_bytes) {
             return Err(match e {
                 FrameError::TooLarge { len, max } => StateError::SharedLimit {
                     key: key.to_string(),
@@ -268,7 +284,7 @@ impl HubClient {
         }
     }
 
-    /// One try: connect if needed, write the encoded request, read one answer.
+    /// One try: connect if needed, seal and write the encoded request, read one answer.
     fn attempt(&self, inner: &mut Inner, key: &str) -> Result<Response, Failure> {
         if inner.conn.is_none() {
             if let Some(at) = inner.retry_at {
@@ -287,13 +303,19 @@ impl HubClient {
         let Some(conn) = inner.conn.as_mut() else {
             return Err(Failure::NotSent(self.err(key, "not connected".into())));
         };
-        if let Err(e) = send_all(&conn.stream, &inner.wbuf) {
+        inner.obuf.clear();
+        if let Err(e) = conn.tx.seal_bytes(kinds::HUB, &inner.wbuf, &mut inner.obuf) {
+            inner.conn = None;
+            bump(&self.c.transport_errors);
+            return Err(Failure::NotSent(self.err(key, format!("seal: {e}"))));
+        }
+        if let Err(e) = conn.stream.send_all(&inner.obuf) {
             inner.conn = None;
             let e = self.io_failure(key, "send", e);
             return Err(Failure::NotSent(e));
         }
-        match wire::read_frame(&mut conn.rd, &mut inner.rbuf, self.opts.max_frame_bytes) {
-            Ok(true) => match wire::decode::<Response>(&inner.rbuf) {
+        match wire::read_frame(&mut conn.rx, &mut conn.rd, &mut inner.rbuf) {
+            Ok(body) => match wire::decode::<Response>(&inner.rbuf[body]) {
                 Ok(r) => Ok(r),
                 Err(reason) => {
                     inner.conn = None;
@@ -303,7 +325,7 @@ impl HubClient {
                     ))
                 }
             },
-            Ok(false) => {
+            Err(FrameError::Closed) => {
                 inner.conn = None;
                 bump(&self.c.transport_errors);
                 Err(Failure::NoAnswer(self.err(
@@ -362,47 +384,81 @@ impl HubClient {
     }
 
     fn open(&self) -> Result<Conn, String> {
-        let stream = UnixStream::connect(&self.path).map_err(|e| format!("cannot connect: {e}"))?;
-        // The hub must run as our uid: a socket planted by another user is not our hub.
-        match peer_uid(&stream) {
-            Ok(uid) if uid == euid() => {}
-            Ok(uid) => return Err(format!("hub runs as uid {uid}, not ours ({})", euid())),
-            Err(e) => return Err(format!("cannot read the hub's credentials: {e}")),
+        let t = self.opts.connect_timeout;
+        let stream = pliant_wire::endpoint::connect(&self.ep, t, &self.sec.tcp)
+            .map_err(|e| format!("cannot connect: {e}"))?;
+        // On a unix socket the hub must also run as our uid (a second fence behind its
+        // certificate).
+        match stream.peer_uid() {
+            None => {}
+            Some(Ok(uid)) if uid == euid() => {}
+            Some(Ok(uid)) => return Err(format!("hub runs as uid {uid}, not ours ({})", euid())),
+            Some(Err(e)) => return Err(format!("cannot read the hub's credentials: {e}")),
         }
-        let t = Some(self.opts.connect_timeout);
-        stream
-            .set_read_timeout(t)
-            .and_then(|()| stream.set_write_timeout(t))
-            .map_err(|e| format!("socket options: {e}"))?;
-        let mut hs = &stream;
-        client_handshake(&mut hs, &self.secret).map_err(|e| match e {
-            AuthError::Closed => "authentication: the hub closed the connection during the \
-                                  handshake (wrong secret, or the hub is at its connection bound)"
-                .to_string(),
-            e => format!("authentication: {e}"),
+        let expect = Expect {
+            name: None,
+            roles: role::SERVICE,
+        };
+        let mut o = self
+            .sec
+            .options(&self.ep, expect, self.opts.max_frame_bytes);
+        o.handshake_timeout = t;
+        let sess = session::client(&stream, &self.sec.identity, &o).map_err(|e| {
+            // A hub refusing our certificate says why (`Refused`); a bare close or reset is a
+            // hub at its connection bound (it closes before reading our hello) or no hub.
+            let closed = match &e {
+                SessionError::Frame(FrameError::Closed) => true,
+                SessionError::Frame(FrameError::Io(io)) => matches!(
+                    io.kind(),
+                    io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe
+                ),
+                _ => false,
+            };
+            if closed {
+                format!(
+                    "handshake: the hub closed the connection ({e}: it is at its connection \
+                     bound, or not a pliant hub)"
+                )
+            } else {
+                format!("handshake: {e}")
+            }
         })?;
+        stream
+            .set_read_timeout(Some(t))
+            .and_then(|()| stream.set_write_timeout(Some(t)))
+            .map_err(|e| format!("socket options: {e}"))?;
         let rd = stream
             .try_clone()
             .map_err(|e| format!("socket clone: {e}"))?;
         let mut conn = Conn {
             stream,
             rd: BufReader::with_capacity(16 << 10, rd),
+            tx: sess.tx,
+            rx: sess.rx,
         };
-        let mut buf = Vec::new();
         let hello = Request::Hello {
             version: PROTOCOL_VERSION,
             replica: self.replica,
             name: &self.name,
         };
-        wire::encode_into(&hello, &mut buf, self.opts.max_frame_bytes)
+        let mut body = Vec::new();
+        wire::encode_body(&hello, &mut body, self.opts.max_frame_bytes)
             .map_err(|e| format!("Hello: {e}"))?;
-        send_all(&conn.stream, &buf).map_err(|e| format!("send Hello: {e}"))?;
-        match wire::read_frame(&mut conn.rd, &mut buf, self.opts.max_frame_bytes) {
-            Ok(true) => {}
-            Ok(false) => return Err("the hub closed the connection after the handshake".into()),
+        let mut buf = Vec::new();
+        conn.tx
+            .seal_bytes(kinds::HUB, &body, &mut buf)
+            .map_err(|e| format!("Hello: {e}"))?;
+        conn.stream
+            .send_all(&buf)
+            .map_err(|e| format!("send Hello: {e}"))?;
+        let welcome = match wire::read_frame(&mut conn.rx, &mut conn.rd, &mut buf) {
+            Ok(body) => body,
+            Err(FrameError::Closed) => {
+                return Err("the hub closed the connection after the handshake".into())
+            }
             Err(e) => return Err(format!("Welcome: {e}")),
-        }
-        match wire::decode::<Response>(&buf) {
+        };
+        match wire::decode::<Response>(&buf[welcome]) {
             Ok(Response::Welcome { version }) if version == PROTOCOL_VERSION => {}
             Ok(Response::Welcome { version }) => {
                 return Err(format!(

@@ -5,13 +5,20 @@
 //! [`LockService`](pliant_state::LockService). `pliant_state::LocalCoherence` implements them
 //! for stores in one process; this crate implements them across processes:
 //!
-//! - [`HubServer`]: a hub on a unix socket (0600, SO_PEERCRED uid check, the HMAC handshake of
-//!   [`pliant_ha::auth`]) holding every replica's published combiner contributions, the newest
-//!   copy of each strong key and the lease locks. It wraps a `LocalCoherence`, so the semantics
-//!   are the in-process ones; the hub's own monotonic clock runs the leases.
+//! - [`HubServer`]: a hub on a pliant-wire endpoint (a unix socket, 0600 and same uid, or TCP)
+//!   holding every replica's published combiner contributions, the newest copy of each strong
+//!   key and the lease locks. It wraps a `LocalCoherence`, so the semantics are the in-process
+//!   ones; the hub's own monotonic clock runs the leases.
 //! - [`HubClient`]: one replica's connection to it, used by that replica's `SharedStore`.
-//! - [`store_for`]: builds a replica's `SharedStore` on a hub from a socket and a secret file.
+//! - [`store_for`]: builds a replica's `SharedStore` on a hub from its endpoint and the
+//!   replica's identity.
 //! - [`run_hub_until_signal`]: the body of `pliant hub`.
+//!
+//! Every connection is a pliant-wire session: both ends prove a certificate of the
+//! deployment's CA (the hub the service role, a client the replica role), and every frame is
+//! sealed (kind `pliant_wire::kinds::HUB`). Why not the shared secret it used before: with one
+//! secret every holder can claim to be any replica, and the hub cannot tell who publishes; a
+//! certificate names the one replica a connection may speak for.
 //!
 //! Wire protocol: [`wire`]. Design notes and measurements: the crate's README.md.
 
@@ -20,30 +27,33 @@ pub mod server;
 pub mod wire;
 
 pub use client::{ClientOptions, ClientStats, HubClient};
-/// The secret type of the handshake, re-exported so users need not depend on `pliant-ha`.
-pub use pliant_ha::auth::Secret;
 pub use server::{HubConfig, HubServer, HubStats};
 
-use pliant_ha::auth::AuthError;
 use pliant_state::{ReplicaId, SharedConfig, SharedStore};
-use std::path::{Path, PathBuf};
+use pliant_wire::{Endpoint, Security};
 use std::sync::Arc;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CoherenceError {
-    #[error("hub socket {path}: {source}")]
+    #[error("hub listener: {0}")]
+    Bind(#[from] pliant_wire::BindError),
+    #[error("hub listener {ep}: {source}")]
     Io {
-        path: PathBuf,
+        ep: Endpoint,
         source: std::io::Error,
     },
-    #[error("hub socket {path} is in use by a live hub")]
-    InUse { path: PathBuf },
-    #[error("hub socket {path} exists and is not a socket")]
-    NotASocket { path: PathBuf },
     #[error("cannot start a hub thread: {0}")]
     Spawn(std::io::Error),
-    #[error("hub secret: {0}")]
-    Secret(#[from] AuthError),
+    #[error(
+        "hub identity {name:?} lacks the service role, so replicas would refuse it (issue one \
+         with `pliant keys issue --role service`)"
+    )]
+    NotAService { name: String },
+    #[error(
+        "replica {replica:?} holds the identity of {certified:?}, and the hub accepts a replica \
+         only as the one its certificate names (issue it an identity named {replica:?})"
+    )]
+    NotCertified { replica: String, certified: String },
     #[error("signal handling: {0}")]
     Signal(std::io::Error),
     #[error("replica name {0:?}: must be 1..=255 bytes")]
@@ -69,41 +79,40 @@ pub fn replica_id_for_name(name: &str) -> ReplicaId {
 }
 
 /// A `SharedStore` for replica `replica` (a name or a decimal id, see
-/// [`replica_id_for_name`]) whose coherence transport and lock service is the hub at
-/// `hub_path`, authenticated with the secret in `secret_path`.
+/// [`replica_id_for_name`]) whose coherence transport and lock service is the hub at `hub`,
+/// authenticated with the replica's identity `sec`, which must be certified for `replica`
+/// (the hub files contributions and locks under the certified name only).
 ///
-/// Connects once at once so a wrong secret or a missing hub shows in the log at start-up; the
-/// store still works if the hub comes up later (the client reconnects on use).
+/// Connects once at once so a refused identity or a missing hub shows in the log at start-up;
+/// the store still works if the hub comes up later (the client reconnects on use).
 pub fn store_for(
     replica: &str,
-    hub_path: &Path,
-    secret_path: &Path,
+    hub: &Endpoint,
+    sec: Security,
     cfg: SharedConfig,
 ) -> Result<SharedStore, CoherenceError> {
-    store_with_options(
-        replica,
-        hub_path,
-        secret_path,
-        cfg,
-        ClientOptions::default(),
-    )
-    .map(|(s, _)| s)
+    store_with_options(replica, hub, sec, cfg, ClientOptions::default()).map(|(s, _)| s)
 }
 
 /// [`store_for`] with client options; also returns the client (for its stats).
 pub fn store_with_options(
     replica: &str,
-    hub_path: &Path,
-    secret_path: &Path,
+    hub: &Endpoint,
+    sec: Security,
     cfg: SharedConfig,
     opts: ClientOptions,
 ) -> Result<(SharedStore, Arc<HubClient>), CoherenceError> {
     if replica.is_empty() || replica.len() > wire::MAX_NAME_BYTES {
         return Err(CoherenceError::BadName(replica.to_string()));
     }
-    let secret = Secret::load(secret_path)?;
-    let id = replica_id_for_name(replica);
-    let client = Arc::new(HubClient::new(hub_path, secret, id, replica, opts));
+    if sec.name() != replica {
+        return Err(CoherenceError::NotCertified {
+            replica: replica.to_string(),
+            certified: sec.name().to_string(),
+        });
+    }
+    let client = Arc::new(HubClient::new(hub, sec, opts));
+    let id = client.replica();
     if let Err(e) = client.connect_now() {
         tracing::warn!(error = %e, "coherence hub not reachable yet; will retry on use");
     }
@@ -111,20 +120,19 @@ pub fn store_with_options(
     Ok((store, client))
 }
 
-/// Runs a hub at `path` with the secret in `secret_path` until SIGTERM or SIGINT, then stops
-/// it (connections closed, socket unlinked) and returns its final counters.
+/// Runs a hub at `ep` with the identity `sec` (service role) until SIGTERM or SIGINT, then
+/// stops it (connections closed, a unix socket unlinked) and returns its final counters.
 ///
 /// The signal handler only writes a byte to a pipe the calling thread waits on (async-signal
 /// safe, and it works whichever thread the kernel picks to take the signal). The previous
 /// dispositions are restored before returning.
 pub fn run_hub_until_signal(
-    path: &Path,
-    secret_path: &Path,
+    ep: &Endpoint,
+    sec: Security,
     cfg: HubConfig,
 ) -> Result<HubStats, CoherenceError> {
-    let secret = Secret::load(secret_path)?;
     let guard = signals::TermSignals::install()?;
-    let server = HubServer::start(path, secret, cfg)?;
+    let server = HubServer::start(ep, sec, cfg)?;
     let sig = guard.wait()?;
     tracing::info!(signal = sig, "coherence hub stopping");
     let stats = server.stats();

@@ -6,9 +6,14 @@
 //! the socket, authentication, framing, bounds and counters, so both transports share one
 //! implementation of the semantics.
 //!
-//! Per connection: SO_PEERCRED uid check (same uid as the hub), the [`pliant_ha::auth`]
-//! handshake, `Hello` (protocol version, replica id and name), then one [`Response`] per
-//! [`Request`]. One thread per connection, at most [`HubConfig::max_connections`].
+//! Any pliant-wire endpoint: a unix socket (mode 0600, and the peer's uid must be the hub's,
+//! SO_PEERCRED) or TCP between hosts. Per connection: the mutual handshake of
+//! [`pliant_wire::session`] (the hub proves its own identity; the client must prove a
+//! CA-signed identity with the replica role), `Hello` (protocol version, replica id and name,
+//! both of which must be the certified replica's: a replica publishes, locks and fences only
+//! as itself), then one [`Response`] per [`Request`], every frame sealed with kind
+//! [`pliant_wire::kinds::HUB`]. One thread per connection, at most
+//! [`HubConfig::max_connections`].
 //!
 //! Versions and fences on the wire are offset by the hub's start time in nanoseconds
 //! (`base`). A restarted hub therefore hands out versions and fences larger than any the
@@ -16,19 +21,18 @@
 //! if its version is newer), and a token from before the restart can never match a grant of
 //! the new hub (fencing survives a hub restart).
 
-use crate::wire::{
-    self, Blob, FrameError, Request, Response, WireError, MAX_NAME_BYTES, PROTOCOL_VERSION,
-};
-use crate::CoherenceError;
-use pliant_ha::auth::{server_handshake, AuthError, Secret};
-use pliant_ha::unix as crate_unix;
+use crate::wire::{self, Blob, Request, Response, WireError, MAX_NAME_BYTES, PROTOCOL_VERSION};
+use crate::{replica_id_for_name, CoherenceError};
 use pliant_state::{Coherence, LocalCoherence, LockService, LockToken, ReplicaId};
+use pliant_wire::endpoint::{euid, Endpoint, Listener, Stream};
+use pliant_wire::server::{self as wire_server, ConnThreads, ServerSocket, SpawnRefused};
+use pliant_wire::session::{self, Expect, Opener, Sealer, SessionError};
+use pliant_wire::{kinds, role, FrameError, Security};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
-use std::io::{self, BufReader};
-use std::os::fd::AsRawFd;
-use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::Path;
+use std::io::BufReader;
+use std::ops::Range;
+use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -46,7 +50,7 @@ pub struct HubConfig {
     pub max_frame_bytes: usize,
     /// Longest lease granted; longer requests are capped (a client cannot pin a lock forever).
     pub max_lease: Duration,
-    /// Time a new connection gets for the uid check, handshake and `Hello`.
+    /// Time a new connection gets for the handshake, and then again for `Hello`.
     pub handshake_timeout: Duration,
     /// A connection that sends nothing for this long is closed (frees its thread).
     pub idle_timeout: Duration,
@@ -77,10 +81,16 @@ pub struct HubStats {
     pub connections: u64,
     /// Connections open now.
     pub active: u64,
-    /// Handshakes that failed the HMAC check (wrong secret).
+    /// Handshakes refused: a certificate not signed by this deployment's CA (or expired), a
+    /// signature that does not verify, or a peer without the replica role.
     pub auth_failures: u64,
-    /// Peers that closed or stalled during the handshake.
+    /// Peers that closed, stalled or sent garbage during the handshake.
     pub handshake_aborted: u64,
+    /// `Hello`s naming another replica (name or id) than the client's certificate.
+    pub identity_mismatch: u64,
+    /// Frames that failed authentication (tampered, injected from another connection,
+    /// replayed, reordered) or were of another channel's kind: the connection is closed.
+    pub bad_frames: u64,
     /// Peers refused by the SO_PEERCRED uid check.
     pub peer_refused: u64,
     /// Connections closed at once because `max_connections` were open.
@@ -115,6 +125,8 @@ struct Counters {
     active: AtomicU64,
     auth_failures: AtomicU64,
     handshake_aborted: AtomicU64,
+    identity_mismatch: AtomicU64,
+    bad_frames: AtomicU64,
     peer_refused: AtomicU64,
     over_bound: AtomicU64,
     frames: AtomicU64,
@@ -135,7 +147,7 @@ fn bump(a: &AtomicU64) {
 }
 
 struct Shared {
-    secret: Secret,
+    sec: Security,
     cfg: HubConfig,
     store: LocalCoherence,
     /// Offset of every version and fence on the wire (see the module doc).
@@ -144,7 +156,7 @@ struct Shared {
     replicas: Mutex<HashMap<ReplicaId, String>>,
     stop: AtomicBool,
     c: Counters,
-    conns: crate_unix::ConnThreads,
+    conns: ConnThreads,
     /// Microseconds the lease clock runs ahead of the monotonic clock ([`HubServer::advance_clock`]).
     clock_ahead_us: AtomicU64,
 }
@@ -165,6 +177,8 @@ impl Shared {
             active: l(&c.active),
             auth_failures: l(&c.auth_failures),
             handshake_aborted: l(&c.handshake_aborted),
+            identity_mismatch: l(&c.identity_mismatch),
+            bad_frames: l(&c.bad_frames),
             peer_refused: l(&c.peer_refused),
             over_bound: l(&c.over_bound),
             frames: l(&c.frames),
@@ -184,49 +198,62 @@ impl Shared {
 }
 
 /// A running hub. Drop stops accepting, closes every connection, joins the threads and
-/// unlinks the socket (if it is still the one this hub bound).
+/// unlinks a unix socket (if it is still the one this hub bound).
 pub struct HubServer {
-    socket: crate_unix::ServerSocket,
+    socket: ServerSocket,
     shared: Arc<Shared>,
 }
 
 impl HubServer {
-    /// Listens at `path` (mode 0600; a stale socket file left by a dead process is replaced, a
-    /// live one is `InUse`) and serves authenticated clients until dropped.
-    pub fn start(path: &Path, secret: Secret, cfg: HubConfig) -> Result<HubServer, CoherenceError> {
+    /// Listens at `ep` (a unix socket is mode 0600; a stale socket file left by a dead process
+    /// is replaced; a live hub's socket or port is `Bind(InUse)`) and serves authenticated
+    /// replicas until dropped. `sec` is the hub's own identity, which must hold the service
+    /// role: replicas refuse to talk to anything else (a replica identity listening where the
+    /// hub should be is not the hub).
+    pub fn start(
+        ep: &Endpoint,
+        sec: Security,
+        cfg: HubConfig,
+    ) -> Result<HubServer, CoherenceError> {
+        if sec.identity.cert.roles & role::SERVICE == 0 {
+            return Err(CoherenceError::NotAService {
+                name: sec.name().to_string(),
+            });
+        }
         let base = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX / 2));
         let shared = Arc::new(Shared {
-            secret,
+            sec,
             store: LocalCoherence::new(cfg.limits.clone()),
             cfg,
             base,
             replicas: Mutex::new(HashMap::new()),
             stop: AtomicBool::new(false),
             c: Counters::default(),
-            conns: crate_unix::ConnThreads::default(),
+            conns: ConnThreads::default(),
             clock_ahead_us: AtomicU64::new(0),
         });
         let sh = shared.clone();
-        let p = || path.to_path_buf();
-        let socket = crate_unix::ServerSocket::start(path, "coherence-accept", move |l, stop| {
+        let tcp = shared.sec.tcp;
+        let socket = ServerSocket::start(ep, &tcp, "coherence-accept", move |l, stop| {
             accept_loop(l, stop, sh)
         })
-        .map_err(|e| {
-            e.map(
-                || CoherenceError::InUse { path: p() },
-                || CoherenceError::NotASocket { path: p() },
-                |source| CoherenceError::Io { path: p(), source },
-                CoherenceError::Spawn,
-            )
+        .map_err(|e| match e {
+            wire_server::StartError::Bind(b) => CoherenceError::Bind(b),
+            wire_server::StartError::Io(source) => CoherenceError::Io {
+                ep: ep.clone(),
+                source,
+            },
+            wire_server::StartError::Spawn(e) => CoherenceError::Spawn(e),
         })?;
-        tracing::info!(path = %path.display(), "coherence hub listening");
+        tracing::info!(endpoint = %socket.endpoint(), "coherence hub listening");
         Ok(HubServer { socket, shared })
     }
 
-    pub fn path(&self) -> &Path {
-        self.socket.path()
+    /// Where the hub listens (a TCP port 0 resolved).
+    pub fn endpoint(&self) -> &Endpoint {
+        self.socket.endpoint()
     }
 
     pub fn stats(&self) -> HubStats {
@@ -262,12 +289,11 @@ impl Drop for HubServer {
         self.shared.stop.store(true, Ordering::SeqCst);
         self.socket.stop_accepting();
         self.shared.conns.shutdown_and_join();
-        self.socket.unlink();
     }
 }
 
-fn accept_loop(listener: UnixListener, stop_r: UnixStream, sh: Arc<Shared>) {
-    crate_unix::accept_until_stopped(&listener, &stop_r, &sh.stop, "coherence hub", |stream| {
+fn accept_loop(listener: Listener, stop_r: UnixStream, sh: Arc<Shared>) {
+    wire_server::accept_until_stopped(&listener, &stop_r, &sh.stop, "coherence hub", |stream| {
         bump(&sh.c.connections);
         let s2 = sh.clone();
         let max = sh.cfg.max_connections;
@@ -280,7 +306,7 @@ fn accept_loop(listener: UnixListener, stop_r: UnixStream, sh: Arc<Shared>) {
             });
         match spawned {
             Ok(()) => {}
-            Err(crate_unix::SpawnRefused::OverBound(_closed_after_counting)) => {
+            Err(SpawnRefused::OverBound(_closed_after_counting)) => {
                 bump(&sh.c.over_bound);
                 tracing::warn!(max, "coherence hub connection refused: too many open");
             }
@@ -290,48 +316,63 @@ fn accept_loop(listener: UnixListener, stop_r: UnixStream, sh: Arc<Shared>) {
     });
 }
 
-/// Per-connection buffers, reused for every frame.
-struct Conn<'s> {
-    stream: &'s UnixStream,
-    rd: BufReader<UnixStream>,
-    body: Vec<u8>,
-    out: Vec<u8>,
+/// The reading half of a connection: the session's opener and a reused frame buffer.
+struct ConnReader {
+    rd: BufReader<Stream>,
+    rx: Opener,
+    buf: Vec<u8>,
 }
 
-impl Conn<'_> {
-    /// Reads one request body; `None` when the connection should end (EOF, error, bound).
-    fn read(&mut self, sh: &Shared) -> Option<()> {
-        match wire::read_frame(&mut self.rd, &mut self.body, sh.cfg.max_frame_bytes) {
-            Ok(true) => {
+impl ConnReader {
+    /// Reads and opens one request; the range of its body in `buf`. `None` when the
+    /// connection should end (EOF, error, bound, a frame that fails authentication).
+    fn read(&mut self, sh: &Shared) -> Option<Range<usize>> {
+        match wire::read_frame(&mut self.rx, &mut self.rd, &mut self.buf) {
+            Ok(body) => {
                 bump(&sh.c.frames);
-                sh.c.bytes_in.fetch_add(
-                    (self.body.len() + wire::HEADER_BYTES) as u64,
-                    Ordering::Relaxed,
-                );
-                Some(())
+                sh.c.bytes_in
+                    .fetch_add(self.buf.len() as u64, Ordering::Relaxed);
+                Some(body)
             }
-            Ok(false) => None,
             Err(FrameError::TooLarge { len, max }) => {
                 bump(&sh.c.oversize_frames);
                 tracing::warn!(len, max, "coherence hub: oversize frame, closing");
                 None
             }
-            Err(e) => {
+            Err(e @ (FrameError::Closed | FrameError::Io(_))) => {
                 tracing::debug!(error = %e, "coherence hub connection ended");
+                None
+            }
+            Err(e) => {
+                // Not from this session's peer (or not meant for this channel): nothing after
+                // it on this stream can be trusted either.
+                bump(&sh.c.bad_frames);
+                tracing::warn!(error = %e, "coherence hub: frame refused, closing");
                 None
             }
         }
     }
+}
 
-    /// Sends one answer; `false` when the connection should end.
+/// The writing half: the session's sealer and reused encoding buffers.
+struct ConnWriter<'s> {
+    stream: &'s Stream,
+    tx: Sealer,
+    body: Vec<u8>,
+    out: Vec<u8>,
+}
+
+impl ConnWriter<'_> {
+    /// Seals and sends one answer; `false` when the connection should end.
     fn send(&mut self, sh: &Shared, key: &str, r: &Response) -> bool {
-        if let Err(e) = wire::encode_into(r, &mut self.out, sh.cfg.max_frame_bytes) {
+        let max = sh.cfg.max_frame_bytes;
+        if let Err(e) = wire::encode_body(r, &mut self.body, max) {
             // The only answers that can grow large are FetchOthers / FetchLatest copies.
             bump(&sh.c.refused);
             let error = match e {
                 FrameError::TooLarge { .. } => WireError::Limit {
                     what: "hub response bytes".into(),
-                    max: sh.cfg.max_frame_bytes as u64,
+                    max: max as u64,
                 },
                 other => WireError::Refused(other.to_string()),
             };
@@ -339,67 +380,89 @@ impl Conn<'_> {
                 key: key.to_string(),
                 error,
             };
-            if wire::encode_into(&err, &mut self.out, sh.cfg.max_frame_bytes).is_err() {
+            if wire::encode_body(&err, &mut self.body, max).is_err() {
                 return false;
             }
         }
+        self.out.clear();
+        if self
+            .tx
+            .seal_bytes(kinds::HUB, &self.body, &mut self.out)
+            .is_err()
+        {
+            return false;
+        }
         sh.c.bytes_out
             .fetch_add(self.out.len() as u64, Ordering::Relaxed);
-        send_all(self.stream, &self.out).is_ok()
+        self.stream.send_all(&self.out).is_ok()
     }
 }
 
-fn serve_conn(stream: UnixStream, sh: &Shared) {
+/// Counts a failed handshake where it belongs: a peer that could not prove a replica identity
+/// of this deployment (auth) or one that went away, stalled or sent garbage (aborted).
+fn count_handshake_failure(c: &Counters, e: &SessionError) {
+    if e.is_refusal() {
+        bump(&c.auth_failures);
+        tracing::warn!(error = %e, "coherence hub handshake refused");
+    } else {
+        bump(&c.handshake_aborted);
+        tracing::debug!(error = %e, "coherence hub handshake aborted");
+    }
+}
+
+fn serve_conn(stream: Stream, sh: &Shared) {
     let c = &sh.c;
-    match peer_uid(&stream) {
-        Ok(uid) if uid == euid() => {}
-        Ok(uid) => {
+    // On a unix socket the kernel also vouches for the peer's uid: kept as a second fence.
+    match stream.peer_uid() {
+        None => {}
+        Some(Ok(uid)) if uid == euid() => {}
+        Some(r) => {
             bump(&c.peer_refused);
-            tracing::warn!(uid, "coherence hub peer refused: other uid");
-            return;
-        }
-        Err(e) => {
-            bump(&c.peer_refused);
-            tracing::warn!(error = %e, "coherence hub peer refused: no credentials");
+            tracing::warn!(uid = ?r.ok(), "coherence hub peer refused: other uid");
             return;
         }
     }
+    let expect = Expect {
+        name: None,
+        roles: role::REPLICA,
+    };
+    let mut o = sh
+        .sec
+        .options_for(!stream.is_unix(), expect, sh.cfg.max_frame_bytes);
+    o.handshake_timeout = sh.cfg.handshake_timeout;
+    let sess = match session::server(&stream, &sh.sec.identity, &o) {
+        Ok(s) => s,
+        Err(e) => return count_handshake_failure(c, &e),
+    };
+    // Hello must come within the handshake timeout; a peer that stops reading its answers
+    // cannot hold the thread for longer than that per answer either.
     let t = Some(sh.cfg.handshake_timeout);
     if stream.set_read_timeout(t).is_err() || stream.set_write_timeout(t).is_err() {
         return;
     }
-    let mut hs = &stream;
-    match server_handshake(&mut hs, &sh.secret) {
-        Ok(()) => {}
-        Err(AuthError::BadMac) => {
-            bump(&c.auth_failures);
-            tracing::warn!("coherence hub handshake failed: wrong secret");
-            return;
-        }
-        Err(e) => {
-            bump(&c.handshake_aborted);
-            tracing::debug!(error = %e, "coherence hub handshake aborted");
-            return;
-        }
-    }
     let Ok(clone) = stream.try_clone() else {
         return;
     };
-    let mut conn = Conn {
-        stream: &stream,
+    let mut rd = ConnReader {
         // Small requests arrive whole in one read(2).
         rd: BufReader::with_capacity(16 << 10, clone),
+        rx: sess.rx,
+        buf: Vec::new(),
+    };
+    let mut wr = ConnWriter {
+        stream: &stream,
+        tx: sess.tx,
         body: Vec::new(),
         out: Vec::new(),
     };
-    let Some(me) = hello(&mut conn, sh) else {
+    let Some(me) = hello(&mut rd, &mut wr, sh, &sess.peer.name) else {
         return;
     };
     if stream.set_read_timeout(Some(sh.cfg.idle_timeout)).is_err() {
         return;
     }
-    while conn.read(sh).is_some() {
-        let (key, answer) = match wire::decode::<Request<'_>>(&conn.body) {
+    while let Some(body) = rd.read(sh) {
+        let (key, answer) = match wire::decode::<Request<'_>>(&rd.buf[body]) {
             Ok(req) => (req.key().to_string(), handle(sh, me, req)),
             Err(reason) => {
                 bump(&c.decode_errors);
@@ -409,20 +472,26 @@ fn serve_conn(stream: UnixStream, sh: &Shared) {
                 };
                 // Answer so the client learns why, then close: a peer that sends garbage
                 // once is not trusted to frame the next request correctly.
-                let _ = conn.send(sh, "", &r);
+                let _ = wr.send(sh, "", &r);
                 return;
             }
         };
-        if !conn.send(sh, &key, &answer) {
+        if !wr.send(sh, &key, &answer) {
             return;
         }
     }
 }
 
 /// Reads and answers the connection's `Hello`; the registered replica id on success.
-fn hello(conn: &mut Conn<'_>, sh: &Shared) -> Option<ReplicaId> {
-    conn.read(sh)?;
-    let refuse = |conn: &mut Conn<'_>, reason: String| {
+/// `certified` is the name the client's certificate carries.
+fn hello(
+    rd: &mut ConnReader,
+    conn: &mut ConnWriter<'_>,
+    sh: &Shared,
+    certified: &str,
+) -> Option<ReplicaId> {
+    let body = rd.read(sh)?;
+    let refuse = |conn: &mut ConnWriter<'_>, reason: String| {
         bump(&sh.c.protocol_errors);
         tracing::warn!(%reason, "coherence hub refused a client");
         let _ = conn.send(
@@ -435,7 +504,7 @@ fn hello(conn: &mut Conn<'_>, sh: &Shared) -> Option<ReplicaId> {
         );
         None
     };
-    let (replica, name) = match wire::decode::<Request<'_>>(&conn.body) {
+    let (replica, name) = match wire::decode::<Request<'_>>(&rd.buf[body]) {
         Ok(Request::Hello {
             version,
             replica,
@@ -453,6 +522,19 @@ fn hello(conn: &mut Conn<'_>, sh: &Shared) -> Option<ReplicaId> {
                     format!(
                         "replica name of {} bytes (max {MAX_NAME_BYTES})",
                         name.len()
+                    ),
+                );
+            }
+            // Contributions, locks and fences are filed under the Hello's id: a replica acts
+            // only as itself, whatever else its certificate lets it do.
+            if name != certified || replica != replica_id_for_name(certified) {
+                bump(&sh.c.identity_mismatch);
+                return refuse(
+                    conn,
+                    format!(
+                        "hello names replica {name:?} (id {replica}) but the certificate is \
+                         {certified:?} (id {})",
+                        replica_id_for_name(certified)
                     ),
                 );
             }
@@ -625,37 +707,6 @@ fn local_token(sh: &Shared, holder: ReplicaId, fence: u64) -> Option<LockToken> 
 
 // ---------------------------------------------------------------------------------------------
 // Helpers (shared with the client)
-
-/// One `send(2)` per call in the common case; `MSG_NOSIGNAL` so a closed peer is an error, not
-/// SIGPIPE (the process may not ignore it). Honors SO_SNDTIMEO (then `WouldBlock`).
-pub(crate) fn send_all(s: &UnixStream, mut buf: &[u8]) -> io::Result<()> {
-    while !buf.is_empty() {
-        // SAFETY: pointer and length describe `buf`, a valid readable slice.
-        let n = unsafe {
-            libc::send(
-                s.as_raw_fd(),
-                buf.as_ptr().cast(),
-                buf.len(),
-                libc::MSG_NOSIGNAL,
-            )
-        };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        if n == 0 {
-            return Err(io::ErrorKind::WriteZero.into());
-        }
-        buf = &buf[n as usize..];
-    }
-    Ok(())
-}
-
-// SO_PEERCRED checks, shared with the replication channels.
-pub(crate) use pliant_ha::unix::{euid, peer_uid};
 
 /// Locks a mutex, also after another thread panicked while holding it (the data are maps and
 /// handles that stay consistent between statements).

@@ -1,24 +1,33 @@
-//! Frames between [`crate::HubClient`] and [`crate::HubServer`].
+//! Messages between [`crate::HubClient`] and [`crate::HubServer`].
 //!
-//! After the authentication handshake ([`pliant_ha::auth`]) each side sends frames: a 4-byte
-//! little-endian body length followed by a postcard-encoded body. The client sends one
-//! [`Request`] and reads exactly one [`Response`] before sending the next, so a connection never
-//! has more than one request outstanding and needs no request ids. The first request on a
-//! connection must be [`Request::Hello`]. Frames over the receiver's bound are refused (the
-//! connection is closed: after a bad length the stream cannot be resynchronised).
+//! They travel in pliant-wire frames of kind [`pliant_wire::kinds::HUB`], sealed by the
+//! session the mutual handshake set up ([`pliant_wire::session`]): every frame authenticated
+//! (and encrypted over TCP by default) with an implicit sequence number, so a frame injected
+//! from another connection, replayed or reordered fails its tag and closes the connection.
+//! The frame header is pliant-wire's (length, wire version, kind); its length is checked
+//! against the receiver's bound before the body is read. The body is the postcard encoding of
+//! one message.
+//!
+//! The client sends one [`Request`] and reads exactly one [`Response`] before sending the next,
+//! so a connection never has more than one request outstanding and needs no request ids. The
+//! first request on a connection must be [`Request::Hello`], naming the replica the client's
+//! certificate names.
 //!
 //! Values travel as [`Bytes`] / [`Blob`], which postcard encodes as a length and the raw bytes
 //! (the same bytes as a `Vec<u8>`, but decoded with one copy instead of one call per byte).
 
 use pliant_state::{ReplicaId, StateError};
+use pliant_wire::session::Opener;
+use pliant_wire::{kinds, FrameError};
 use serde::de::{Deserializer, Visitor};
 use serde::{Deserialize, Serialize, Serializer};
 use std::fmt;
+use std::io::Read;
+use std::ops::Range;
 
 /// Bumped when a message changes incompatibly; `Hello` carries it and the hub refuses others.
+/// (pliant-wire's own version, in every frame header, covers the framing and the handshake.)
 pub const PROTOCOL_VERSION: u16 = 1;
-/// Size of the length prefix.
-pub const HEADER_BYTES: usize = 4;
 /// Longest replica name accepted in `Hello`.
 pub const MAX_NAME_BYTES: usize = 255;
 
@@ -260,82 +269,48 @@ fn static_limit_name(what: &str) -> &'static str {
     }
 }
 
-/// Why a frame could not be read or written.
-#[derive(Debug, thiserror::Error)]
-pub enum FrameError {
-    #[error("i/o: {0}")]
-    Io(#[from] std::io::Error),
-    #[error("frame of {len} bytes over the {max}-byte bound")]
-    TooLarge { len: usize, max: usize },
-    #[error("cannot encode frame: {0}")]
-    Encode(String),
-}
-
-/// Encodes `m` as one frame into `buf` (cleared first; its capacity is reused, so a steady
+/// Encodes `m` as a frame body into `body` (cleared first; its capacity is reused, so a steady
 /// stream of small messages does not allocate). Refuses bodies over `max` bytes.
-pub fn encode_into<T: Serialize>(m: &T, buf: &mut Vec<u8>, max: usize) -> Result<(), FrameError> {
-    buf.clear();
-    buf.extend_from_slice(&[0; HEADER_BYTES]);
-    let out = postcard::to_extend(m, std::mem::take(buf))
-        .map_err(|e| FrameError::Encode(e.to_string()))?;
-    *buf = out;
-    let len = buf.len() - HEADER_BYTES;
-    if len > max {
-        return Err(FrameError::TooLarge { len, max });
+///
+/// Measured before sealing, not after: a `Sealer` numbers every frame it seals, so a frame
+/// sealed and then dropped for its size would make every later frame on the connection fail
+/// its tag at the peer.
+pub fn encode_body<T: Serialize>(m: &T, body: &mut Vec<u8>, max: usize) -> Result<(), FrameError> {
+    body.clear();
+    *body = pliant_wire::frame::encode_body(m, std::mem::take(body))?;
+    if body.len() > max {
+        return Err(FrameError::TooLarge {
+            len: body.len(),
+            max,
+        });
     }
-    // `len <= max`, and callers keep `max` far below 4 GiB.
-    let len32 = u32::try_from(len).map_err(|_| FrameError::TooLarge { len, max })?;
-    buf[..HEADER_BYTES].copy_from_slice(&len32.to_le_bytes());
     Ok(())
 }
 
-/// Reads one frame body into `body` (resized; capacity reused). `Ok(false)`: clean EOF before
-/// the first byte of a frame.
-pub fn read_frame<R: std::io::Read>(
+/// Reads and opens one sealed frame into `buf`; the range of its body. A frame of another
+/// channel's kind is refused (it cannot be a hub message, whoever sealed it).
+pub fn read_frame<R: Read + ?Sized>(
+    rx: &mut Opener,
     r: &mut R,
-    body: &mut Vec<u8>,
-    max: usize,
-) -> Result<bool, FrameError> {
-    let mut len = [0u8; HEADER_BYTES];
-    // A clean EOF is only one that happens between frames.
-    let mut got = 0;
-    while got < HEADER_BYTES {
-        match r.read(&mut len[got..]) {
-            Ok(0) if got == 0 => return Ok(false),
-            Ok(0) => return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into()),
-            Ok(n) => got += n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e.into()),
-        }
+    buf: &mut Vec<u8>,
+) -> Result<Range<usize>, FrameError> {
+    let (kind, body) = rx.read(r, buf)?;
+    if kind != kinds::HUB {
+        return Err(FrameError::UnexpectedKind(kind));
     }
-    let n = u32::from_le_bytes(len) as usize;
-    if n > max {
-        return Err(FrameError::TooLarge { len: n, max });
-    }
-    body.clear();
-    body.resize(n, 0);
-    r.read_exact(body)?;
-    Ok(true)
+    Ok(body)
 }
 
-/// Decodes a whole frame body (trailing bytes are an error: a frame is one message).
-pub fn decode<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, String> {
-    let (m, rest) = postcard::take_from_bytes::<T>(body).map_err(|e| e.to_string())?;
-    if !rest.is_empty() {
-        return Err(format!("{} trailing bytes after the message", rest.len()));
-    }
-    Ok(m)
-}
+/// Decodes a message body (pliant-wire's postcard decoding, named for this module's callers).
+pub use pliant_wire::frame::decode_body as decode;
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn round_trip(r: &Request<'_>) {
-        let mut buf = Vec::new();
-        encode_into(r, &mut buf, 1 << 20).unwrap();
         let mut body = Vec::new();
-        assert!(read_frame(&mut buf.as_slice(), &mut body, 1 << 20).unwrap());
+        encode_body(r, &mut body, 1 << 20).unwrap();
         let back: Request<'_> = decode(&body).unwrap();
         assert_eq!(&back, r);
     }
@@ -379,8 +354,8 @@ mod tests {
     fn responses_round_trip() {
         let r = Response::Others(vec![Blob(vec![1]), Blob(vec![]), Blob(vec![2; 300])]);
         let mut buf = Vec::new();
-        encode_into(&r, &mut buf, 1 << 20).unwrap();
-        let back: Response = decode(&buf[HEADER_BYTES..]).unwrap();
+        encode_body(&r, &mut buf, 1 << 20).unwrap();
+        let back: Response = decode(&buf).unwrap();
         assert_eq!(back, r);
     }
 
@@ -389,7 +364,7 @@ mod tests {
         let mut buf = Vec::new();
         let big = vec![0u8; 100];
         assert!(matches!(
-            encode_into(
+            encode_body(
                 &Request::Publish {
                     key: "k",
                     replica: 0,
@@ -400,21 +375,10 @@ mod tests {
             ),
             Err(FrameError::TooLarge { max: 64, .. })
         ));
-        let mut frame = (1000u32).to_le_bytes().to_vec();
-        frame.extend_from_slice(&[0; 10]);
-        let mut body = Vec::new();
-        assert!(matches!(
-            read_frame(&mut frame.as_slice(), &mut body, 64),
-            Err(FrameError::TooLarge { len: 1000, .. })
-        ));
-        // Truncated header and body.
-        assert!(read_frame(&mut [1u8, 0].as_slice(), &mut body, 64).is_err());
-        assert!(read_frame(&mut [5u8, 0, 0, 0, 1].as_slice(), &mut body, 64).is_err());
-        assert!(!read_frame(&mut [].as_slice(), &mut body, 64).unwrap());
         // Undecodable bodies, including every prefix of a valid one.
         assert!(decode::<Request<'_>>(&[200, 1, 2]).is_err());
         let mut ok = Vec::new();
-        encode_into(
+        encode_body(
             &Request::Publish {
                 key: "k",
                 replica: 3,
@@ -424,13 +388,9 @@ mod tests {
             64,
         )
         .unwrap();
-        let body = &ok[HEADER_BYTES..];
-        for cut in 0..body.len() {
-            assert!(decode::<Request<'_>>(&body[..cut]).is_err(), "prefix {cut}");
+        for cut in 0..ok.len() {
+            assert!(decode::<Request<'_>>(&ok[..cut]).is_err(), "prefix {cut}");
         }
-        let mut extra = body.to_vec();
-        extra.push(0);
-        assert!(decode::<Request<'_>>(&extra).is_err());
     }
 
     #[test]

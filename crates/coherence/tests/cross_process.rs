@@ -1,18 +1,20 @@
 //! The hub in a child process (this test binary re-run with an env var, so no other binary
-//! has to be built), two stores in this process, and shutdown by SIGTERM.
+//! has to be built) with its own identity directory, two stores in this process with
+//! identities of the same CA, and shutdown by SIGTERM.
 
 mod common;
 
 use common::*;
 use pliant_coherence::{run_hub_until_signal, store_with_options, HubConfig, HubStats};
 use pliant_state::{GetFlags, PutFlags, SharedConfig, StateError};
+use pliant_wire::{role, Encrypt, Endpoint, Security};
 use std::io::Read;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 const HUB_SOCKET_ENV: &str = "PLIANT_COHERENCE_TEST_HUB_SOCKET";
-const HUB_SECRET_ENV: &str = "PLIANT_COHERENCE_TEST_HUB_SECRET";
+const HUB_IDENTITY_ENV: &str = "PLIANT_COHERENCE_TEST_HUB_IDENTITY";
 const STATS_PREFIX: &str = "HUB_STATS ";
 
 /// Entry point of the child: runs a hub until SIGTERM, then prints its counters. Ignored in
@@ -20,12 +22,16 @@ const STATS_PREFIX: &str = "HUB_STATS ";
 #[test]
 #[ignore = "run by cross_process_hub_serves_two_stores in a child process"]
 fn child_hub_entry() {
-    let (Ok(sock), Ok(secret)) = (std::env::var(HUB_SOCKET_ENV), std::env::var(HUB_SECRET_ENV))
-    else {
+    let (Ok(sock), Ok(id)) = (
+        std::env::var(HUB_SOCKET_ENV),
+        std::env::var(HUB_IDENTITY_ENV),
+    ) else {
         return;
     };
-    let stats = run_hub_until_signal(Path::new(&sock), Path::new(&secret), HubConfig::default())
-        .expect("hub");
+    // Loaded from files, as `pliant hub --identity` does (key mode and owner checked).
+    let sec = Security::load(Path::new(&id), Encrypt::Auto).expect("hub identity");
+    let ep = Endpoint::Unix(sock.into());
+    let stats = run_hub_until_signal(&ep, sec, HubConfig::default()).expect("hub");
     println!("{STATS_PREFIX}{}", serde_json::to_string(&stats).unwrap());
 }
 
@@ -45,8 +51,8 @@ impl Drop for ChildGuard {
 fn cross_process_hub_serves_two_stores() {
     let d = TempDir::new("xproc");
     let sock = d.join("hub.sock");
-    let secret_path = d.join("hub.secret");
-    pliant_ha::auth::Secret::generate(&secret_path).unwrap();
+    let id_dir = d.join("hub-id");
+    ca().issue_to(&id_dir, "hub", role::SERVICE, 3600).unwrap();
     let child = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
@@ -56,7 +62,7 @@ fn cross_process_hub_serves_two_stores() {
             "--test-threads=1",
         ])
         .env(HUB_SOCKET_ENV, &sock)
-        .env(HUB_SECRET_ENV, &secret_path)
+        .env(HUB_IDENTITY_ENV, &id_dir)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .spawn()
@@ -65,10 +71,10 @@ fn cross_process_hub_serves_two_stores() {
     let mut guard = ChildGuard(Some(child));
     wait_until("the child hub's socket", || sock.exists());
 
-    let (mut a, ca) =
-        store_with_options("r1", &sock, &secret_path, SharedConfig::default(), opts()).unwrap();
-    let (mut b, cb) =
-        store_with_options("r2", &sock, &secret_path, SharedConfig::default(), opts()).unwrap();
+    let ep = Endpoint::Unix(sock.clone());
+    let cfg = SharedConfig::default;
+    let (mut a, ca) = store_with_options("r1", &ep, replica_sec("r1"), cfg(), opts()).unwrap();
+    let (mut b, cb) = store_with_options("r2", &ep, replica_sec("r2"), cfg(), opts()).unwrap();
     assert!(
         ca.connected() && cb.connected(),
         "store_for connects at once"

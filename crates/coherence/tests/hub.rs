@@ -1,18 +1,20 @@
-//! The hub over a real unix socket: combiners (PUSH/PULL, merge on retire), SYNCH with leases
-//! and fencing, authentication and malformed input.
+//! The hub over a real socket (unix, and TCP): combiners (PUSH/PULL, merge on retire), SYNCH
+//! with leases and fencing, authentication by certificate, sealed frames and malformed input.
 
 mod common;
 
 use common::*;
-use pliant_coherence::wire::{self, Request};
-use pliant_coherence::{HubClient, HubConfig};
-use pliant_ha::auth::client_handshake;
+use pliant_coherence::wire::{self, Request, Response, WireError};
+use pliant_coherence::{replica_id_for_name, HubClient, HubConfig, HubServer};
 use pliant_state::{
     Coherence, GetFlags, LockService, PutFlags, SharedConfig, SharedExport, StateError,
 };
-use std::io::{Read, Write};
+use pliant_wire::endpoint::Stream;
+use pliant_wire::session::{self, Expect, Opener, Sealer};
+use pliant_wire::{kinds, role, Ca, Endpoint, Security};
+use std::io::Read;
 use std::os::unix::fs::PermissionsExt;
-use std::os::unix::net::UnixStream;
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
@@ -91,10 +93,8 @@ struct TempDirRef(std::path::PathBuf);
 impl TempDirRef {
     fn store(&self, replica: u32) -> (pliant_state::SharedStore, Arc<HubClient>) {
         let c = Arc::new(HubClient::new(
-            &self.0.join("hub.sock"),
-            secret(1),
-            replica,
-            &format!("r{replica}"),
+            &hub_ep(&self.0),
+            replica_sec(&replica.to_string()),
             opts(),
         ));
         (
@@ -120,10 +120,8 @@ fn synch_counter_under_contention_loses_no_update() {
                 ..Default::default()
             };
             let c = Arc::new(HubClient::new(
-                &dir.0.join("hub.sock"),
-                secret(1),
-                replica,
-                &format!("r{replica}"),
+                &hub_ep(&dir.0),
+                replica_sec(&replica.to_string()),
                 opts(),
             ));
             let mut s = pliant_state::SharedStore::new(replica, cfg, c.clone(), c);
@@ -249,7 +247,7 @@ fn connections_over_the_bound_are_refused_and_counted() {
     a.publish("k", 1, b"a").unwrap();
     let b = client(&d, 2);
     let e = b.publish("k", 2, b"b").unwrap_err();
-    assert!(e.to_string().contains("authentication"), "{e}");
+    assert!(e.to_string().contains("connection bound"), "{e}");
     assert_eq!(srv.stats().over_bound, 1);
     // The first connection is unaffected; once it closes, a new client gets in.
     a.publish("k", 1, b"a2").unwrap();
@@ -286,12 +284,19 @@ fn a_fence_from_another_hub_instance_is_refused() {
 }
 
 #[test]
-fn wrong_secret_is_refused_and_counted() {
+fn a_client_certified_by_another_ca_is_refused_and_counted() {
     let d = TempDir::new("auth");
     let srv = hub(&d, HubConfig::default());
-    let bad = HubClient::new(&d.join("hub.sock"), secret(2), 5, "r5", opts());
+    // A replica identity signed by a CA this deployment does not trust. It knows the
+    // deployment's CA public key (that is public), so it accepts the hub and shows its
+    // certificate: the hub is the one that must refuse.
+    let other = Ca::generate(None).unwrap();
+    let mut id = other.issue("5", role::REPLICA, 3600).unwrap();
+    id.ca_pub = ca().public();
+    let stranger = Security::new(id);
+    let bad = HubClient::new(&hub_ep(&d.0), stranger, opts());
     let e = bad.publish("k", 5, b"v").unwrap_err();
-    assert!(e.to_string().contains("authentication"), "{e}");
+    assert!(e.to_string().contains("handshake"), "{e}");
     wait_until("auth failure counted", || srv.stats().auth_failures == 1);
     assert_eq!(srv.store().contribution("k", 5), None);
     // The backoff makes the next call fail at once, without a connection attempt.
@@ -299,87 +304,262 @@ fn wrong_secret_is_refused_and_counted() {
     assert!(e.to_string().contains("next attempt"), "{e}");
     assert_eq!(bad.stats().fast_failures, 1);
     assert_eq!(srv.stats().connections, 1);
+    // The deployment's own CA, but not the replica role (an operator's admin identity).
+    let admin = HubClient::new(&hub_ep(&d.0), sec_with("6", role::ADMIN), opts());
+    let e = admin.publish("k", 6, b"v").unwrap_err();
+    assert!(e.to_string().contains("roles"), "{e}");
+    wait_until("role refusal counted", || srv.stats().auth_failures == 2);
     // A good client is unaffected.
-    let good = client(&d, 6);
-    good.publish("k", 6, b"v").unwrap();
-    assert_eq!(srv.stats().auth_failures, 1);
+    let good = client(&d, 7);
+    good.publish("k", 7, b"v").unwrap();
+    assert_eq!(srv.stats().auth_failures, 2);
 }
 
-fn raw(d: &TempDir) -> UnixStream {
-    let mut s = UnixStream::connect(d.join("hub.sock")).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    client_handshake(&mut s, &secret(1)).unwrap();
-    s
+/// A replica (or anything else without the service role) listening where the hub should be is
+/// not taken for the hub, although its certificate is the deployment's.
+#[test]
+fn the_client_refuses_a_hub_without_the_service_role() {
+    let d = TempDir::new("impostor");
+    let l = UnixListener::bind(d.join("hub.sock")).unwrap();
+    let impostor = std::thread::spawn(move || {
+        let (s, _) = l.accept().unwrap();
+        let o = replica_sec("9").options_for(false, Expect::default(), 1 << 20);
+        session::server(&Stream::Unix(s), &replica_sec("9").identity, &o).map(|_| ())
+    });
+    let c = client(&d, 1);
+    let e = c.connect_now().unwrap_err();
+    assert!(e.to_string().contains("roles"), "{e}");
+    assert!(impostor.join().unwrap().is_err());
+    // A hub cannot even start with such an identity.
+    let e = HubServer::start(
+        &Endpoint::Unix(d.join("hub2.sock")),
+        replica_sec("hub"),
+        HubConfig::default(),
+    )
+    .err()
+    .expect("a replica identity cannot run the hub");
+    assert!(e.to_string().contains("service role"), "{e}");
 }
 
-fn send_frame(s: &mut UnixStream, r: &Request<'_>) {
-    let mut buf = Vec::new();
-    wire::encode_into(r, &mut buf, 1 << 20).unwrap();
-    s.write_all(&buf).unwrap();
+/// A hand-driven authenticated connection to the hub, for frames a `HubClient` never sends.
+struct Raw {
+    s: Stream,
+    tx: Sealer,
+    rx: Opener,
+    buf: Vec<u8>,
 }
 
-/// Reads until EOF (the hub closed); bounded by the read timeout.
-fn closed_by_hub(s: &mut UnixStream) -> bool {
+impl Raw {
+    fn connect(d: &TempDir, sec: &Security) -> Raw {
+        let s = Stream::Unix(UnixStream::connect(d.join("hub.sock")).unwrap());
+        let expect = Expect {
+            name: None,
+            roles: role::SERVICE,
+        };
+        let sess =
+            session::client(&s, &sec.identity, &sec.options_for(false, expect, 1 << 20)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        Raw {
+            s,
+            tx: sess.tx,
+            rx: sess.rx,
+            buf: Vec::new(),
+        }
+    }
+
+    /// Connects as replica `name` and says its Hello.
+    fn greeted(d: &TempDir, name: &str) -> Raw {
+        let mut r = Raw::connect(d, &replica_sec(name));
+        r.send(&hello(name, replica_id_for_name(name)));
+        assert!(matches!(r.recv(), Response::Welcome { .. }));
+        r
+    }
+
+    fn sealed(&mut self, r: &Request<'_>) -> Vec<u8> {
+        let mut out = Vec::new();
+        self.tx.seal_msg(kinds::HUB, r, &mut out).unwrap();
+        out
+    }
+
+    fn send(&mut self, r: &Request<'_>) {
+        let f = self.sealed(r);
+        self.s.send_all(&f).unwrap();
+    }
+
+    fn recv(&mut self) -> Response {
+        let body = wire::read_frame(&mut self.rx, &mut &self.s, &mut self.buf).unwrap();
+        wire::decode(&self.buf[body]).unwrap()
+    }
+
+    fn closed_by_hub(&mut self) -> bool {
+        closed_by_hub(&mut &self.s)
+    }
+}
+
+/// Reads until EOF or a reset (the hub closed, with or without bytes of ours unread); bounded
+/// by the read timeout, which is an error.
+fn closed_by_hub(s: &mut impl Read) -> bool {
     let mut sink = Vec::new();
-    s.read_to_end(&mut sink).is_ok()
+    match s.read_to_end(&mut sink) {
+        Ok(_) => true,
+        Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+    }
+}
+
+fn hello(name: &str, replica: u32) -> Request<'_> {
+    Request::Hello {
+        version: wire::PROTOCOL_VERSION,
+        replica,
+        name,
+    }
+}
+
+/// Contributions, locks and fences are filed under the Hello's id: a replica certified as "1"
+/// cannot register as "2", nor under another id than its name's.
+#[test]
+fn hello_must_name_the_certified_replica() {
+    let d = TempDir::new("imperson");
+    let srv = hub(&d, HubConfig::default());
+    let mut r = Raw::connect(&d, &replica_sec("1"));
+    r.send(&hello("2", 2));
+    let refused = r.recv();
+    assert!(
+        matches!(&refused, Response::Error { error: WireError::Protocol(m), .. } if m.contains("certificate is \"1\"")),
+        "{refused:?}"
+    );
+    assert!(r.closed_by_hub());
+    // The right name with another id is refused too.
+    let mut r = Raw::connect(&d, &replica_sec("1"));
+    r.send(&hello("1", 2));
+    assert!(matches!(r.recv(), Response::Error { .. }));
+    assert!(r.closed_by_hub());
+    let st = srv.stats();
+    assert_eq!(st.identity_mismatch, 2, "{st:?}");
+    assert_eq!(st.replicas, 0, "nothing registered: {st:?}");
+    // Replica 2 itself is not locked out by the attempts.
+    still_serves(&d, &srv, 2);
+}
+
+/// A client of replica `replica` publishes and the hub keeps its contribution.
+fn still_serves(d: &TempDir, srv: &HubServer, replica: u32) {
+    client(d, replica).publish("k", replica, b"ok").unwrap();
+    assert_eq!(srv.store().contribution("k", replica), Some(b"ok".to_vec()));
+}
+
+/// Every frame is sealed with its connection's keys and sequence number: a frame taken from
+/// another connection (even of the same replica) or replayed on its own fails its tag, and
+/// the hub closes the connection without applying it.
+#[test]
+fn a_frame_injected_from_another_session_closes_the_connection() {
+    let d = TempDir::new("inject");
+    let srv = hub(&d, HubConfig::default());
+    let mut a = Raw::greeted(&d, "1");
+    let mut b = Raw::greeted(&d, "1");
+    // Sealed for c's session, never sent on it.
+    let forged = Raw::greeted(&d, "1").sealed(&Request::Publish {
+        key: "k",
+        replica: 1,
+        value: wire::Bytes(b"forged"),
+    });
+    a.s.send_all(&forged).unwrap();
+    assert!(a.closed_by_hub());
+    wait_until("bad frame counted", || srv.stats().bad_frames == 1);
+    assert_eq!(srv.store().contribution("k", 1), None);
+    // A frame replayed on its own connection is refused the same way.
+    let publish = b.sealed(&Request::Publish {
+        key: "k",
+        replica: 1,
+        value: wire::Bytes(b"once"),
+    });
+    b.s.send_all(&publish).unwrap();
+    assert!(matches!(b.recv(), Response::Done));
+    b.s.send_all(&publish).unwrap();
+    assert!(b.closed_by_hub());
+    wait_until("replay counted", || srv.stats().bad_frames == 2);
+    assert_eq!(srv.store().contribution("k", 1), Some(b"once".to_vec()));
+}
+
+/// Between hosts: the same hub and clients over TCP (port 0 resolved by the hub).
+#[test]
+fn the_hub_serves_over_tcp() {
+    let srv = HubServer::start(
+        &"127.0.0.1:0".parse().unwrap(),
+        hub_sec(),
+        HubConfig::default(),
+    )
+    .unwrap();
+    let ep = srv.endpoint().clone();
+    assert!(ep.is_tcp() && !ep.to_string().ends_with(":0"), "{ep}");
+    let mk = |n: u32| {
+        let c = Arc::new(HubClient::new(&ep, replica_sec(&n.to_string()), opts()));
+        (
+            pliant_state::SharedStore::new(n, SharedConfig::default(), c.clone(), c.clone()),
+            c,
+        )
+    };
+    let (mut a, _) = mk(1);
+    let (mut b, cb) = mk(2);
+    for s in [&mut a, &mut b] {
+        s.create_counter("pkts").unwrap();
+    }
+    a.counter_add("pkts", 3, PutFlags::Push).unwrap();
+    b.counter_add("pkts", 4, PutFlags::Push).unwrap();
+    assert_eq!(a.counter_read("pkts", GetFlags::Pull).unwrap(), 7);
+    assert_eq!(b.counter_read("pkts", GetFlags::Pull).unwrap(), 7);
+    let st = cb.hub_stats().unwrap();
+    assert_eq!((st.connections, st.auth_failures), (2, 0), "{st:?}");
 }
 
 #[test]
 fn malformed_frames_are_counted_and_the_hub_survives() {
     let d = TempDir::new("malformed");
     let srv = hub(&d, HubConfig::default());
-    let hello = Request::Hello {
-        version: wire::PROTOCOL_VERSION,
-        replica: 7,
-        name: "r7",
-    };
-    // 1. Garbage body after Hello: answered with a protocol error, then closed.
-    let mut s = raw(&d);
-    send_frame(&mut s, &hello);
-    let mut body = Vec::new();
-    assert!(wire::read_frame(&mut s, &mut body, 1 << 20).unwrap());
-    s.write_all(&[3, 0, 0, 0, 0xff, 0xff, 0xff]).unwrap();
-    assert!(wire::read_frame(&mut s, &mut body, 1 << 20).unwrap());
-    let r: wire::Response = wire::decode(&body).unwrap();
+    // 1. An undecodable body (sealed, so it is the authenticated peer's): answered with a
+    //    protocol error, then closed.
+    let mut s = Raw::greeted(&d, "7");
+    let mut f = Vec::new();
+    s.tx.seal_bytes(kinds::HUB, &[0xff, 0xff, 0xff], &mut f)
+        .unwrap();
+    s.s.send_all(&f).unwrap();
+    let r = s.recv();
     assert!(
-        matches!(&r, wire::Response::Error { error: wire::WireError::Protocol(m), .. } if m.contains("malformed")),
+        matches!(&r, Response::Error { error: WireError::Protocol(m), .. } if m.contains("malformed")),
         "{r:?}"
     );
-    assert!(closed_by_hub(&mut s));
-    // 2. A length over the bound: closed.
-    let mut s = raw(&d);
-    send_frame(&mut s, &hello);
-    assert!(wire::read_frame(&mut s, &mut body, 1 << 20).unwrap());
-    s.write_all(&u32::MAX.to_le_bytes()).unwrap();
-    assert!(closed_by_hub(&mut s));
+    assert!(s.closed_by_hub());
+    // 2. A length over the bound: closed before the body is read.
+    let mut s = Raw::greeted(&d, "7");
+    let huge = pliant_wire::frame::Header {
+        len: u32::MAX,
+        version: pliant_wire::PROTOCOL_VERSION,
+        kind: kinds::HUB,
+    }
+    .encode();
+    s.s.send_all(&huge).unwrap();
+    assert!(s.closed_by_hub());
     // 3. No Hello first.
-    let mut s = raw(&d);
-    send_frame(&mut s, &Request::FetchLatest { key: "k" });
-    assert!(wire::read_frame(&mut s, &mut body, 1 << 20).unwrap());
-    assert!(closed_by_hub(&mut s));
-    // 4. Garbage instead of the handshake answer.
-    let mut s = UnixStream::connect(d.join("hub.sock")).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let mut nonce = [0u8; 32];
-    s.read_exact(&mut nonce).unwrap();
-    s.write_all(&[0x55; 64]).unwrap();
-    assert!(closed_by_hub(&mut s));
+    let mut s = Raw::connect(&d, &replica_sec("7"));
+    s.send(&Request::FetchLatest { key: "k" });
+    assert!(matches!(s.recv(), Response::Error { .. }));
+    assert!(s.closed_by_hub());
+    // 4. Garbage instead of the handshake.
+    let mut g = UnixStream::connect(d.join("hub.sock")).unwrap();
+    g.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    std::io::Write::write_all(&mut g, &[0x55; 64]).unwrap();
+    assert!(closed_by_hub(&mut g));
     // 5. A truncated frame then EOF.
-    let mut s = raw(&d);
-    send_frame(&mut s, &hello);
-    assert!(wire::read_frame(&mut s, &mut body, 1 << 20).unwrap());
-    s.write_all(&[10, 0, 0, 0, 1, 2]).unwrap();
+    let s = Raw::greeted(&d, "7");
+    s.s.send_all(&[10, 0, 0, 0, 1, 0, 0, 4, 1, 2]).unwrap();
     drop(s);
     wait_until("all bad connections closed", || srv.stats().active == 0);
     let st = srv.stats();
     assert_eq!(st.decode_errors, 1, "{st:?}");
     assert_eq!(st.oversize_frames, 1, "{st:?}");
     assert_eq!(st.protocol_errors, 1, "{st:?}");
-    assert_eq!(st.auth_failures, 1, "{st:?}");
-    // The hub still serves.
-    let c = client(&d, 8);
-    c.publish("k", 8, b"ok").unwrap();
-    assert_eq!(srv.store().contribution("k", 8), Some(b"ok".to_vec()));
+    assert_eq!(st.handshake_aborted, 1, "{st:?}");
+    assert_eq!(st.auth_failures, 0, "{st:?}");
+    assert_eq!(st.bad_frames, 0, "{st:?}");
+    still_serves(&d, &srv, 8);
 }
 
 #[test]
@@ -416,10 +596,8 @@ fn bounds_are_refused_with_typed_errors() {
     ));
     // A request over the client's frame bound is refused before it is sent.
     let small = HubClient::new(
-        &d.join("hub.sock"),
-        secret(1),
-        2,
-        "r2",
+        &hub_ep(&d.0),
+        replica_sec("2"),
         pliant_coherence::ClientOptions {
             max_frame_bytes: 64,
             ..opts()
@@ -432,10 +610,11 @@ fn bounds_are_refused_with_typed_errors() {
             ..
         })
     ));
-    // A second name claiming an id is refused.
-    let twin = HubClient::new(&d.join("hub.sock"), secret(1), 1, "not-r1", opts());
+    // A second name mapping to a registered id is refused ("01" and "1" are both id 1).
+    let twin = HubClient::new(&hub_ep(&d.0), replica_sec("01"), opts());
+    assert_eq!(twin.replica(), 1);
     let e = twin.publish("a", 1, b"x").unwrap_err();
-    assert!(e.to_string().contains("registered to \"r1\""), "{e}");
+    assert!(e.to_string().contains("registered to \"1\""), "{e}");
     assert_eq!(srv.stats().id_refused, 1);
     assert!(srv.stats().refused >= 2);
 }

@@ -37,13 +37,13 @@
 //! # ftmb_socket = "/run/pliant/lab-x/r1.ftmb.sock"  # hosted logger, or "host:port" (TCP);
 //! #                                                  # default: control_socket .sock -> .ftmb.sock
 //!
-//! # [security]                 # this replica's identity on every channel (required by [ha])
+//! # [security]                 # this replica's identity on every channel (required by [ha]
+//! #                            # and [shared]); issue with `pliant keys issue --role replica`
 //! # identity = "/run/pliant/lab-x/id/r1"   # node.key (0600), node.cert, ca.pub
 //! # encrypt = "auto"           # auto (TCP encrypted, unix authenticated only) | always | never
 //!
 //! # [shared]                   # optional: shared state coherent across replicas (`pliant hub`)
-//! # hub = "/run/pliant/lab-x/hub.sock"
-//! # secret = "/run/pliant/lab-x/hub.secret"
+//! # hub = "/run/pliant/lab-x/hub.sock"     # endpoint: absolute unix path or host:port
 //! ```
 
 use serde::{Deserialize, Serialize};
@@ -141,14 +141,15 @@ pub struct FtmbSettings {
     pub socket: String,
 }
 
-/// The optional `[shared]` section: the coherence hub's socket and the secret file it
-/// authenticates with (`pliant hub --socket .. --secret ..`). Without it the replica's shared
-/// state is local to the replica (and merged only through `shared_export`/`shared_merge`).
+/// The optional `[shared]` section: the coherence hub's endpoint (`pliant hub --listen ..`),
+/// a unix socket path or `host:port`. The replica authenticates to the hub with its
+/// `[security]` identity (required with `[shared]`): the hub accepts it only as the replica
+/// its certificate names. Without the section the replica's shared state is local to the
+/// replica (and merged only through `shared_export`/`shared_merge`).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct SharedSection {
     pub hub: String,
-    pub secret: String,
 }
 
 /// `[security]`: the replica's identity directory (see `pliant_wire::identity`) and when its
@@ -459,19 +460,30 @@ impl ReplicaConfig {
             self.validate_ftmb(&parsed)?;
         }
         if let Some(s) = self.nf_sections.get("shared") {
+            // Said plainly rather than as an unknown field: configs from before the port to
+            // identities carry it, and their operators need to know what replaces it.
+            if s.as_table().is_some_and(|t| t.contains_key("secret")) {
+                return Err((
+                    Some("secret".into()),
+                    "[shared] secret is no longer used: the replica authenticates to the hub \
+                     with its [security] identity (remove the line)"
+                        .into(),
+                ));
+            }
             let parsed: SharedSection = s.clone().try_into().map_err(|e: toml::de::Error| {
                 (
                     Some("[shared".into()),
                     format!("[shared]: {}", e.message().trim()),
                 )
             })?;
-            for (k, v) in [("hub", &parsed.hub), ("secret", &parsed.secret)] {
-                if !v.starts_with('/') {
-                    return Err((
-                        Some(k.into()),
-                        format!("[shared] {k} must be an absolute path"),
-                    ));
-                }
+            check_endpoint("[shared] hub", &parsed.hub).map_err(|e| (Some("hub".into()), e))?;
+            if !self.nf_sections.contains_key("security") {
+                return Err((
+                    Some("[shared".into()),
+                    "[shared] needs a [security] identity: the hub accepts only replicas with a \
+                     certificate of the deployment's CA (pliant keys issue --role replica)"
+                        .into(),
+                ));
             }
         }
         if let Some(s) = self.nf_sections.get("security") {
@@ -922,37 +934,42 @@ port_min = 1000
     fn shared_section_parses_round_trips_and_is_checked() {
         let c = ReplicaConfig::parse(GOOD, "t.toml").expect("valid");
         assert_eq!(c.shared(), None);
-        let with = format!(
-            "{GOOD}\n[shared]\nhub = \"/run/x/hub.sock\"\nsecret = \"/run/x/hub.secret\"\n"
-        );
+        let sec = "\n[security]\nidentity = \"/run/x/id/r1\"\n";
+        let with = format!("{GOOD}{sec}\n[shared]\nhub = \"/run/x/hub.sock\"\n");
         let mut c = ReplicaConfig::parse(&with, "t.toml").expect("valid");
         assert_eq!(
             c.shared(),
             Some(SharedSection {
                 hub: "/run/x/hub.sock".into(),
-                secret: "/run/x/hub.secret".into(),
             })
         );
+        // An endpoint: TCP between hosts too.
         let s = SharedSection {
-            hub: "/h".into(),
-            secret: "/s".into(),
+            hub: "10.0.0.5:7400".into(),
         };
         c.set_shared(Some(&s));
         let again = ReplicaConfig::parse(&c.to_toml().unwrap(), "t2.toml").expect("round trip");
         assert_eq!(again.shared(), Some(s));
-        let bad = format!("{GOOD}\n[shared]\nhub = \"rel.sock\"\nsecret = \"/s\"\n");
-        let e = ReplicaConfig::parse(&bad, "t.toml").unwrap_err();
-        assert!(
-            e.reason.contains("[shared] hub must be an absolute path"),
-            "{e}"
+        let refused = |shared: &str, sec: &str, why: &str| {
+            let bad = format!("{GOOD}{sec}\n[shared]\n{shared}");
+            let e = ReplicaConfig::parse(&bad, "t.toml").unwrap_err();
+            assert!(e.reason.contains(why), "{e}");
+        };
+        refused(
+            "hub = \"./rel.sock\"\n",
+            sec,
+            "a unix socket path must be absolute",
         );
-        let bad = format!("{GOOD}\n[shared]\nhub = \"/h\"\n");
-        assert!(
-            ReplicaConfig::parse(&bad, "t.toml").is_err(),
-            "secret is required"
+        refused("hub = \"nohost\"\n", sec, "neither a unix socket path");
+        refused("hub = \"/h\"\nbogus = 1\n", sec, "bogus");
+        // The shared secret is gone, and says so.
+        refused(
+            "hub = \"/h\"\nsecret = \"/s\"\n",
+            sec,
+            "[shared] secret is no longer used",
         );
-        let bad = format!("{GOOD}\n[shared]\nhub = \"/h\"\nsecret = \"/s\"\nbogus = 1\n");
-        assert!(ReplicaConfig::parse(&bad, "t.toml").is_err());
+        // Without an identity the hub would refuse the replica: refused here, at parse time.
+        refused("hub = \"/h\"\n", "", "[shared] needs a [security] identity");
     }
 
     #[test]

@@ -211,12 +211,18 @@ fn run_with<N: NetworkFunction>(
         tracing::warn!("no [security] identity: the peer channel (migration) is off");
     }
     // Coherent shared state across replicas: with [shared], the store's transport and lock
-    // service is the hub (`pliant hub`); without it the store stays local to this replica.
+    // service is the hub (`pliant hub`), reached as this replica's certified identity (parse
+    // refuses [shared] without [security]); without it the store stays local to this replica.
     if let Some(sh) = cfg.shared() {
+        let sec = security
+            .clone()
+            .ok_or("[shared] needs a [security] identity to authenticate to the hub")?;
+        let hub: pliant_wire::Endpoint =
+            sh.hub.parse().map_err(|e| format!("[shared] hub: {e}"))?;
         engine.ctx.shared = pliant_coherence::store_for(
             &cfg.replica.name,
-            std::path::Path::new(&sh.hub),
-            std::path::Path::new(&sh.secret),
+            &hub,
+            sec,
             pliant_state::SharedConfig::default(),
         )
         .map_err(|e| format!("[shared] hub {}: {e}", sh.hub))?;

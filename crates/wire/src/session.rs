@@ -75,6 +75,22 @@ pub enum SessionError {
     Protocol(&'static str),
 }
 
+impl SessionError {
+    /// Whether the peer failed to prove an identity this side accepts (a certificate of
+    /// another CA or expired, a signature that does not verify, another name or role than
+    /// required), as opposed to a handshake that broke off (closed, stalled, garbage, timed
+    /// out). Servers count the two apart: the first is someone knocking with the wrong key.
+    pub fn is_refusal(&self) -> bool {
+        matches!(
+            self,
+            SessionError::Cert(_)
+                | SessionError::BadSignature
+                | SessionError::Role { .. }
+                | SessionError::PeerName { .. }
+        )
+    }
+}
+
 /// What a side requires of its peer.
 #[derive(Debug, Clone, Default)]
 pub struct Expect {

@@ -2,11 +2,11 @@
 #![allow(dead_code)]
 
 use pliant_coherence::{ClientOptions, HubClient, HubConfig, HubServer};
-use pliant_ha::auth::Secret;
 use pliant_state::{SharedConfig, SharedStore};
-use std::path::PathBuf;
+use pliant_wire::{role, Ca, Endpoint, Security};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 /// A private directory removed on drop (also when the test fails).
@@ -39,12 +39,34 @@ impl Drop for TempDir {
     }
 }
 
-pub fn secret(b: u8) -> Secret {
-    Secret::from_bytes(&[b; 32]).unwrap()
+/// The deployment's CA, shared by the tests of one binary.
+pub fn ca() -> &'static Ca {
+    static CA: OnceLock<Ca> = OnceLock::new();
+    CA.get_or_init(|| Ca::generate(None).unwrap())
+}
+
+/// An identity of the test CA named `name` with `roles`.
+pub fn sec_with(name: &str, roles: u32) -> Security {
+    Security::new(ca().issue(name, roles, 3600).unwrap())
+}
+
+/// A replica identity; a decimal name maps to that number as the replica id.
+pub fn replica_sec(name: &str) -> Security {
+    sec_with(name, role::REPLICA)
+}
+
+/// The hub's identity (service role).
+pub fn hub_sec() -> Security {
+    sec_with("hub", role::SERVICE)
+}
+
+/// The hub's unix endpoint in `d`.
+pub fn hub_ep(d: &Path) -> Endpoint {
+    Endpoint::Unix(d.join("hub.sock"))
 }
 
 pub fn hub(d: &TempDir, cfg: HubConfig) -> HubServer {
-    HubServer::start(&d.join("hub.sock"), secret(1), cfg).unwrap()
+    HubServer::start(&hub_ep(&d.0), hub_sec(), cfg).unwrap()
 }
 
 /// Generous timeouts: the suite shares two cores with other builds; a hang still fails.
@@ -56,14 +78,16 @@ pub fn opts() -> ClientOptions {
     }
 }
 
+/// A client of the hub in `d` certified as replica `replica` (named by its number, so its id
+/// is `replica`).
 pub fn client(d: &TempDir, replica: u32) -> Arc<HubClient> {
-    Arc::new(HubClient::new(
-        &d.join("hub.sock"),
-        secret(1),
-        replica,
-        &format!("r{replica}"),
+    let c = Arc::new(HubClient::new(
+        &hub_ep(&d.0),
+        replica_sec(&replica.to_string()),
         opts(),
-    ))
+    ));
+    assert_eq!(c.replica(), replica);
+    c
 }
 
 pub fn store(d: &TempDir, replica: u32, cfg: SharedConfig) -> (SharedStore, Arc<HubClient>) {
