@@ -5,7 +5,8 @@
 //! 1. [`policy`] assigns each flow to a replication group (backup target + frequency);
 //! 2. the runtime snapshots a group's modified flows at epoch end and encodes them as a
 //!    [`wire::Checkpoint`] (modified flows only, [`delta`] against the last shipped bytes);
-//! 3. [`transport`] ships it over an authenticated ([`auth`]) unix stream to the backup, where
+//! 3. [`transport`] ships it over an authenticated pliant-wire session (unix or TCP) to the
+//!    backup, where
 //!    [`standby::StandbyStore`] keeps it (never handed to the NF) and the backup acknowledges;
 //! 4. the ack comes back to the primary, where [`gate::OutputGate`] releases the output that
 //!    depended on that checkpoint (design invariant 3); [`audit::ExitAudit`] checks every
@@ -15,16 +16,13 @@
 //! into the live flow table and steering moves the flows there.
 
 pub mod audit;
-pub mod auth;
 pub mod delta;
 pub mod gate;
 pub mod policy;
 pub mod standby;
 pub mod transport;
-pub mod unix;
 pub mod wire;
 
-pub use auth::{AuthError, Secret};
 pub use standby::{Activated, StandbyError, StandbyStats, StandbyStore};
 pub use transport::{
     LinkState, ReplSender, ReplServer, SendError, SenderOptions, SenderStats, ServerStats,

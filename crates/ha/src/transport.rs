@@ -1119,7 +1119,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::auth::tests::TempDir;
     use crate::wire::{FlowUpdate, UpdateBody};
     use pliant_state::FlowKey;
     use pliant_wire::{Ca, Conn};
@@ -1130,6 +1129,29 @@ mod tests {
     /// Every wait in these tests is bounded by this, far above what any step needs, so a slow
     /// machine cannot fail them while a hang still fails instead of blocking the suite.
     const PATIENCE: Duration = Duration::from_secs(20);
+
+    /// A private temporary directory, removed on drop.
+    struct TempDir(PathBuf);
+    impl TempDir {
+        fn new() -> TempDir {
+            static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.subsec_nanos());
+            let p = std::env::temp_dir().join(format!(
+                "pliant-ha-transport-{}-{}-{nanos}",
+                std::process::id(),
+                N.fetch_add(1, Ordering::Relaxed),
+            ));
+            std::fs::create_dir(&p).unwrap();
+            TempDir(p)
+        }
+    }
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
 
     /// The deployment's CA of these tests, and a stranger's.
     fn ca() -> &'static Ca {

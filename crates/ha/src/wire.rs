@@ -14,7 +14,7 @@ pub type GroupId = u32;
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ReplMsg {
-    /// First frame from the primary after the authentication handshake (see [`crate::auth`]).
+    /// First frame from the primary after the session handshake (`pliant_wire::session`).
     /// `token` is the primary's ownership epoch (fencing, invariant 7): a backup that has
     /// activated a primary's flows under a newer token refuses an older one.
     Hello {

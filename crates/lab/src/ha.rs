@@ -1,21 +1,14 @@
 //! High availability in the lab: the deployment's CA and each replica's identity (the
-//! `[security]` section), the shared secret of the channels not yet on identities, the `[ha]` section
-//! every replica config carries, replica PIDs (the e2e tests SIGKILL a primary by the PID the
-//! lab started) and the fencing fallback for labs whose fabric is the tc mirred patch panel.
-//!
-//! The secret file follows `pliant_ha::auth`'s format: 32 random bytes as 64 lower-case hex
-//! characters and a newline, mode 0600 (a group/other-readable file is refused by the replicas).
+//! `[security]` section every pliant replica config carries: every channel between replicas
+//! is mutually authenticated with it), the `[ha]` section, replica PIDs (the e2e tests
+//! SIGKILL a primary by the PID the lab started) and the fencing fallback for labs whose
+//! fabric is the tc mirred patch panel.
 
 use crate::cmd::{self, SETUP_TIMEOUT};
 use crate::error::{LabError, Result};
 use crate::state::{self, LabState};
 use crate::topology::{fabric_in_if, fabric_out_if, Role};
 use std::path::{Path, PathBuf};
-
-/// Name of the replication secret inside the lab's run directory.
-pub const SECRET_FILE: &str = "repl.secret";
-/// Random bytes in a secret (`pliant_ha::auth`'s size).
-pub const SECRET_BYTES: usize = 32;
 
 /// Worker threads of a replica in FTMB mode (the runtime's default; >= 2 so that workers
 /// contend on the NAT's shared port pool).
@@ -149,11 +142,6 @@ pub fn security_section(run_dir: &Path, n: u8) -> Result<toml::Table> {
     Ok(t)
 }
 
-/// `<run_dir>/repl.secret`.
-pub fn secret_path(run_dir: &Path) -> PathBuf {
-    run_dir.join(SECRET_FILE)
-}
-
 /// Replica `n`'s FTMB logger socket: beside its control socket, `r<n>.ftmb.sock` (the
 /// runtime's default for `[ha] ftmb_socket`; the controller derives the same path).
 pub fn ftmb_socket(run_dir: &Path, n: u8) -> PathBuf {
@@ -164,14 +152,6 @@ pub fn ftmb_socket(run_dir: &Path, n: u8) -> PathBuf {
 /// runtime's default for a control socket `r<n>.sock`).
 pub fn repl_socket(run_dir: &Path, n: u8) -> PathBuf {
     run_dir.join(format!("r{n}.repl.sock"))
-}
-
-/// Writes a fresh secret to `path` with `pliant_ha::auth::Secret::generate` (the replicas'
-/// own format: created exclusively, mode 0600 from the start). Fails if the file exists.
-pub fn write_secret(path: &Path) -> Result<()> {
-    pliant_ha::auth::Secret::generate(path)
-        .map(|_| ())
-        .map_err(|e| LabError::Config(format!("replication secret: {e}")))
 }
 
 /// The `[ha]` table of replica `n`'s config in `mode`.
@@ -194,10 +174,6 @@ pub fn ha_section(run_dir: &Path, n: u8) -> toml::Table {
     t.insert(
         "repl_socket".into(),
         repl_socket(run_dir, n).display().to_string().into(),
-    );
-    t.insert(
-        "repl_secret".into(),
-        secret_path(run_dir).display().to_string().into(),
     );
     t
 }
@@ -321,32 +297,6 @@ mod tests {
         assert!(!retarget_security(&mut none, &d, 5).unwrap());
         let _ = std::fs::remove_dir_all(&d);
     }
-    use std::os::unix::fs::PermissionsExt;
-
-    #[test]
-    fn secret_is_64_hex_chars_mode_0600_and_never_overwritten() {
-        let dir = std::env::temp_dir().join(format!("pliant-lab-secret-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("mkdir");
-        let p = secret_path(&dir);
-        write_secret(&p).expect("write");
-        let text = std::fs::read_to_string(&p).expect("read");
-        let hex = text.strip_suffix('\n').expect("trailing newline");
-        assert_eq!(hex.len(), 2 * SECRET_BYTES);
-        assert!(hex.bytes().all(|b| b.is_ascii_hexdigit()));
-        let mode = std::fs::metadata(&p).expect("stat").permissions().mode();
-        assert_eq!(mode & 0o777, 0o600);
-        assert!(write_secret(&p).is_err(), "an existing secret is kept");
-        let q = dir.join("other.secret");
-        write_secret(&q).expect("second");
-        assert_ne!(
-            std::fs::read_to_string(&q).expect("read"),
-            text,
-            "fresh randomness"
-        );
-        std::fs::remove_dir_all(&dir).expect("cleanup");
-    }
-
     #[test]
     fn ftmb_mode_writes_its_keys_and_pico_writes_none() {
         let dir = Path::new("/run/pliant/lab1");
@@ -354,9 +304,9 @@ mod tests {
         assert_eq!(f["mode"].as_str(), Some("ftmb"));
         assert_eq!(f["ftmb_workers"].as_integer(), Some(2));
         assert_eq!(f["ftmb_snapshot_ms"].as_integer(), Some(50));
-        assert_eq!(
-            f["repl_secret"].as_str(),
-            Some("/run/pliant/lab1/repl.secret")
+        assert!(
+            f.get("repl_secret").is_none(),
+            "identities, not a shared secret"
         );
         let p = ha_section_for(dir, 2, LabHaMode::Pico);
         assert_eq!(p, ha_section(dir, 2));
@@ -421,10 +371,6 @@ mod tests {
             t["repl_socket"].as_str(),
             Some("/run/pliant/lab1/r2.repl.sock")
         );
-        assert_eq!(
-            t["repl_secret"].as_str(),
-            Some("/run/pliant/lab1/repl.secret")
-        );
         let mut whole = toml::Table::new();
         assert!(!retarget_ha(&mut whole, dir, 3), "no [ha]: nothing to do");
         whole.insert("ha".into(), toml::Value::Table(t));
@@ -432,10 +378,6 @@ mod tests {
         assert_eq!(
             whole["ha"]["repl_socket"].as_str(),
             Some("/run/pliant/lab1/r3.repl.sock")
-        );
-        assert_eq!(
-            whole["ha"]["repl_secret"].as_str(),
-            Some("/run/pliant/lab1/repl.secret")
         );
     }
 }

@@ -131,10 +131,9 @@ pub struct LabSpec {
     pub run_root: PathBuf,
     /// Print progress lines to stderr.
     pub progress: bool,
-    /// High availability (pliant modes only): the lab writes a replication secret
-    /// (`repl.secret`, 0600) and gives every replica config an `[ha]` section (its replication
-    /// socket beside the control socket, the secret), so any replica can be a primary or a
-    /// backup. Replicas added later by `scale::add_replica` inherit it.
+    /// High availability (pliant modes only): every replica config gets an `[ha]` section
+    /// (its replication socket beside the control socket; replicas authenticate with their
+    /// `[security]` identity), so any replica can be a primary or a backup. Replicas added later by `scale::add_replica` inherit it.
     pub ha: bool,
     /// The HA mode the replicas run (with `ha`): Pico (default) or FTMB (`[ha]`
     /// gets `mode = "ftmb"`, `ftmb_workers`, `ftmb_snapshot_ms`). FTMB without `ha` is refused.
@@ -365,10 +364,6 @@ impl Lab {
     }
     pub fn nginx_access_log(&self) -> PathBuf {
         self.state.run_dir.join("nginx-access.log")
-    }
-    /// The replication secret (exists when the lab was built with [`LabSpec::ha`]).
-    pub fn repl_secret(&self) -> PathBuf {
-        crate::ha::secret_path(&self.state.run_dir)
     }
     /// Replica `n`'s FTMB logger socket (FTMB labs; the runtime's default path).
     pub fn ftmb_socket(&self, n: u8) -> PathBuf {
@@ -616,13 +611,10 @@ impl Lab {
         if spec.transport == crate::mgmt::Transport::Tcp {
             crate::mgmt::install(&fab, &self.state.name, replicas)?;
         }
-        if spec.ha {
-            if !matches!(spec.mode, ReplicaMode::Pliant { .. }) {
-                return Err(LabError::Config(
-                    "ha = true needs a pliant replica mode".into(),
-                ));
-            }
-            crate::ha::write_secret(&self.repl_secret())?;
+        if spec.ha && !matches!(spec.mode, ReplicaMode::Pliant { .. }) {
+            return Err(LabError::Config(
+                "ha = true needs a pliant replica mode".into(),
+            ));
         }
         if matches!(spec.mode, ReplicaMode::Pliant { .. }) {
             // Every pliant replica proves who it is on every channel (migration included).

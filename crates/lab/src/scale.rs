@@ -489,9 +489,5 @@ mod tests {
             ha["repl_socket"].as_str(),
             Some("/run/pliant/lab1/r5.repl.sock")
         );
-        assert_eq!(
-            ha["repl_secret"].as_str(),
-            Some("/run/pliant/lab1/repl.secret")
-        );
     }
 }

@@ -30,7 +30,6 @@
 //!
 //! # [ha]                       # optional: Pico replication (backup listener + protect)
 //! # repl_socket = "/run/pliant/lab-x/r1.repl.sock"  # or "host:port"; default .sock -> .repl.sock
-//! # repl_secret = "/run/pliant/lab-x/repl.secret"   # read by no channel now ([security]); accepted
 //! # mode = "ftmb"            # FTMB worker mode (needs [security] and nf.kind = "nat")
 //! # ftmb_workers = 2         # 1..=16 worker threads
 //! # ftmb_snapshot_ms = 50    # 5..=10000
@@ -104,11 +103,6 @@ pub struct HaSection {
     /// `<name>.repl.sock`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub repl_socket: Option<String>,
-    /// A shared secret file, from before Pico replication and the FTMB logger streams
-    /// authenticated with the `[security]` identity. No channel reads it any more; it is still
-    /// accepted (and checked to be an absolute path) so that existing configs load.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub repl_secret: Option<String>,
     /// `"ftmb"`: IP packets run on FTMB worker threads with ordered logging to a logger hosted
     /// by another replica (crates/runtime/README.md, "FTMB mode"). Absent, `"pico"` or
     /// `"remus"`: the single-threaded engine, protected by `protect` policies.
@@ -440,6 +434,15 @@ impl ReplicaConfig {
             }
         }
         if let Some(h) = self.nf_sections.get("ha") {
+            // As for [shared] secret: said plainly, with what replaces it.
+            if h.as_table().is_some_and(|t| t.contains_key("repl_secret")) {
+                return Err((
+                    Some("repl_secret".into()),
+                    "[ha] repl_secret is no longer used: replication and FTMB logging \
+                     authenticate with the replica's [security] identity (remove the line)"
+                        .into(),
+                ));
+            }
             let parsed: HaSection = h.clone().try_into().map_err(|e: toml::de::Error| {
                 (Some("[ha".into()), format!("[ha]: {}", e.message().trim()))
             })?;
@@ -450,12 +453,6 @@ impl ReplicaConfig {
                 if let Some(ep) = v {
                     check_endpoint(&format!("[ha] {k}"), ep).map_err(|e| (Some(k.into()), e))?;
                 }
-            }
-            if let Some(p) = parsed.repl_secret.as_ref().filter(|p| !p.starts_with('/')) {
-                return Err((
-                    Some("repl_secret".into()),
-                    format!("[ha] repl_secret = {p:?} must be an absolute path"),
-                ));
             }
             self.validate_ftmb(&parsed)?;
         }
@@ -831,23 +828,23 @@ port_min = 1000
         let c = ReplicaConfig::parse(GOOD, "t.toml").expect("valid");
         assert_eq!(c.ha(), None);
         assert_eq!(c.repl_socket(), "/tmp/r1.repl.sock");
-        let with = format!("{GOOD}\n[ha]\nrepl_secret = \"/run/x/repl.secret\"\n");
+        let with = format!("{GOOD}\n[ha]\nmode = \"pico\"\n");
         let mut c = ReplicaConfig::parse(&with, "t.toml").expect("valid");
-        assert_eq!(
-            c.ha().unwrap().repl_secret.as_deref(),
-            Some("/run/x/repl.secret")
-        );
+        assert_eq!(c.ha().unwrap().mode.as_deref(), Some("pico"));
         assert_eq!(c.repl_socket(), "/tmp/r1.repl.sock");
         let h = HaSection {
             repl_socket: Some("/run/x/r1.repl.sock".into()),
-            repl_secret: Some("/s".into()),
             ..HaSection::default()
         };
         c.set_ha(Some(&h));
         let again = ReplicaConfig::parse(&c.to_toml().unwrap(), "t2.toml").expect("round trip");
         assert_eq!(again.ha(), Some(h));
         assert_eq!(again.repl_socket(), "/run/x/r1.repl.sock");
-        let bad = format!("{GOOD}\n[ha]\nrepl_secret = \"rel\"\n");
+        // The old shared secret is refused with what replaces it.
+        let old = format!("{GOOD}\n[ha]\nrepl_secret = \"/run/x/repl.secret\"\n");
+        let e = ReplicaConfig::parse(&old, "t.toml").unwrap_err();
+        assert!(e.reason.contains("no longer used"), "{e}");
+        let bad = format!("{GOOD}\n[ha]\nrepl_socket = \"rel\"\n");
         assert!(ReplicaConfig::parse(&bad, "t.toml").is_err());
         let bad = format!("{GOOD}\n[ha]\nbogus = 1\n");
         assert!(ReplicaConfig::parse(&bad, "t.toml").is_err());
@@ -919,9 +916,8 @@ port_min = 1000
         );
         refused(&ha("mode = \"raft\"\n"), "mode \"raft\" unknown", 24);
         refused(&ha("ftmb_workers = 2\n"), "only meaningful", 24);
-        // The old shared secret does not stand in for an identity.
         refused(
-            &format!("{GOOD}\n[ha]\nmode = \"ftmb\"\nrepl_secret = \"/s\"\n"),
+            &format!("{GOOD}\n[ha]\nmode = \"ftmb\"\n"),
             "needs a [security] section",
             23,
         );

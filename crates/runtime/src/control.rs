@@ -455,7 +455,7 @@ fn serve_unix(l: UnixListener, sh: Shared) {
             return;
         }
         let Ok(mut s) = conn else { continue };
-        if pliant_ha::unix::peer_uid(&s).ok() != Some(me) {
+        if pliant_wire::endpoint::peer_uid(&s).ok() != Some(me) {
             let e = sh.error("permission denied: peer uid differs from the replica's");
             let _ = writeln!(s, "{e}");
             continue;
