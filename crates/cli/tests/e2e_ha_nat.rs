@@ -24,3 +24,51 @@ fn nat_primary_killed_mid_transfer_loses_no_connection_and_no_mapping() {
         m.detect_ms, m.activate_ms, m.steer_ms, m.kill_to_steered_ms, m.activated
     );
 }
+
+/// The same with every channel between the replicas on TCP over the lab's management network
+/// (as between hosts): replication, the migration peer channel. Nothing of theirs may be a
+/// unix socket in the shared run directory, and the primaries' backups are TCP endpoints.
+#[test]
+fn nat_primary_killed_mid_transfer_over_tcp_channels() {
+    let Some(mut run) = ha_up_on(
+        "nattcp",
+        PliantNf::nat(),
+        &[("32M.bin", 32 << 20)],
+        pliant_lab::mgmt::Transport::Tcp,
+    ) else {
+        return;
+    };
+    let dir = run.lab().run_dir().to_path_buf();
+    let unix_channels: Vec<String> = std::fs::read_dir(&dir)
+        .expect("run dir")
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".repl.sock") || n.ends_with(".peer.sock"))
+        .collect();
+    assert!(
+        unix_channels.is_empty(),
+        "unix channel sockets: {unix_channels:?}"
+    );
+    let sock = run
+        .lab()
+        .replica_socket(1)
+        .expect("r1")
+        .display()
+        .to_string();
+    let st = pliant_runtime::control::client_request_json(
+        &sock,
+        &serde_json::json!({"cmd": "ha_status"}),
+    )
+    .expect("ha_status");
+    let text = st["policy"].to_string();
+    assert!(
+        text.contains("10.254.0."),
+        "backups are not TCP endpoints: {st}"
+    );
+    let m = kill_primary_mid_transfer(&mut run, "32M.bin");
+    eprintln!(
+        "nat failover over TCP: kill->detect {:.1} ms, activate {:.2} ms, steer {:.2} ms, \
+         kill->steered {:.0} ms, {} flows activated",
+        m.detect_ms, m.activate_ms, m.steer_ms, m.kill_to_steered_ms, m.activated
+    );
+}

@@ -84,6 +84,17 @@ impl Drop for HaRun {
 /// replica's groups are `up`. `None` when skipped
 /// (`pliant_testkit::require_root`).
 pub fn ha_up(tag: &str, nf: PliantNf, files: &[(&str, u64)]) -> Option<HaRun> {
+    ha_up_on(tag, nf, files, pliant_lab::mgmt::Transport::Unix)
+}
+
+/// [`ha_up`] with the replicas' channels on `transport` (TCP: the lab's management network,
+/// as between hosts; the controller is given the matching endpoint templates).
+pub fn ha_up_on(
+    tag: &str,
+    nf: PliantNf,
+    files: &[(&str, u64)],
+    transport: pliant_lab::mgmt::Transport,
+) -> Option<HaRun> {
     if !pliant_testkit::require_root() {
         return None;
     }
@@ -96,6 +107,7 @@ pub fn ha_up(tag: &str, nf: PliantNf, files: &[(&str, u64)]) -> Option<HaRun> {
     spec.disable_offloads = true;
     spec.replicas = 3;
     spec.ha = true;
+    spec.transport = transport;
     for (name, size) in files {
         spec = spec.with_file(name, *size);
     }
@@ -115,12 +127,16 @@ pub fn ha_up(tag: &str, nf: PliantNf, files: &[(&str, u64)]) -> Option<HaRun> {
     } else {
         ""
     };
+    let (tcp_ctl, tcp_ha) = match transport {
+        pliant_lab::mgmt::Transport::Tcp => pliant_lab::mgmt::controller_keys(),
+        pliant_lab::mgmt::Transport::Unix => (String::new(), String::new()),
+    };
     let ctl = format!(
         "[controller]\napi_socket = \"{d}/api.sock\"\ntoken_file = \"{d}/token\"\n\
-         store = \"{d}/store.json\"\nheartbeat_ms = 100\ndead_after_missed = 5\n\
+         store = \"{d}/store.json\"\nheartbeat_ms = 100\ndead_after_missed = 5\n{tcp_ctl}\
          [lab]\nname = \"{name}\"\n{nat_cfg}\
          [policy]\nauto = false\nmax_replicas = 60\n\
-         [ha]\nmode = \"pico\"\npolicy = \"chords\"\nhz = 1000\nwatch_ms = 10\n",
+         [ha]\nmode = \"pico\"\npolicy = \"chords\"\nhz = 1000\nwatch_ms = 10\n{tcp_ha}",
         d = dir.display(),
         name = run.lab().name(),
     );
