@@ -37,6 +37,9 @@ pub(crate) const CHANNEL_BOUND: usize = 16;
 /// next line (a silent client at most [`IO_TIMEOUT`]); the controller needs a handful (heartbeat,
 /// one operation, HA polls), so this leaves room for CLI use without unbounded threads.
 pub const MAX_CONNECTIONS: usize = 16;
+/// Scrapes served at once on the HTTP metrics listener (more get 503 at once and are counted
+/// in `control_errors`).
+pub const MAX_METRICS_CONNECTIONS: usize = 4;
 /// How long a client may take to send a line, and we wait for the packet thread.
 const IO_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long `ftmb_protect`/`ftmb_activate` may take (connects, barriers, replay: each bounded
@@ -304,9 +307,13 @@ struct Slot(Arc<AtomicUsize>);
 
 impl Slot {
     fn claim(active: &Arc<AtomicUsize>) -> Option<Slot> {
+        Slot::claim_of(active, MAX_CONNECTIONS)
+    }
+
+    fn claim_of(active: &Arc<AtomicUsize>, max: usize) -> Option<Slot> {
         active
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < MAX_CONNECTIONS).then_some(n + 1)
+                (n < max).then_some(n + 1)
             })
             .ok()
             .map(|_| Slot(Arc::clone(active)))
@@ -519,41 +526,72 @@ fn serve_conn(s: UnixStream, sh: &Shared) {
     }
 }
 
+/// Serves scrapes, each on its own thread (at most [`MAX_METRICS_CONNECTIONS`]): a client
+/// that connects and sends nothing, or one byte at a time, holds only its own slot, and for
+/// [`IO_TIMEOUT`] at most (one deadline over the whole request head), so it cannot block the
+/// next scrape.
 fn serve_http(l: TcpListener, sh: Shared) {
+    let active = Arc::new(AtomicUsize::new(0));
     for conn in l.incoming() {
         if sh.stop.load(Ordering::SeqCst) {
             return;
         }
         let Ok(mut s) = conn else { continue };
-        let _ = s.set_read_timeout(Some(IO_TIMEOUT));
-        let _ = s.set_write_timeout(Some(IO_TIMEOUT));
-        let mut head = Vec::new();
-        let mut buf = [0u8; 1024];
-        while head.len() < 8192 && !head.windows(4).any(|w| w == b"\r\n\r\n") {
-            match s.read(&mut buf) {
-                Ok(0) | Err(_) => break,
-                Ok(n) => head.extend_from_slice(&buf[..n]),
-            }
-        }
-        let (status, ctype, body) = if head.starts_with(b"GET /metrics ") {
-            let v = sh.ask(Cmd::Metrics);
-            match v.get("metrics").and_then(Value::as_str) {
-                Some(m) => ("200 OK", "text/plain; version=0.0.4", m.to_string()),
-                None => ("503 Service Unavailable", "application/json", v.to_string()),
-            }
-        } else {
-            (
-                "404 Not Found",
-                "text/plain",
-                "only GET /metrics is served\n".to_string(),
-            )
+        let Some(slot) = Slot::claim_of(&active, MAX_METRICS_CONNECTIONS) else {
+            let _ = sh.error("metrics listener busy");
+            let _ = s.set_write_timeout(Some(Duration::from_millis(100)));
+            let _ = write!(
+                s,
+                "HTTP/1.0 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+            );
+            continue;
         };
-        let _ = write!(
-            s,
-            "HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            body.len()
-        );
+        let conn_sh = sh.clone();
+        let spawned = std::thread::Builder::new()
+            .name("pliant-metrics-conn".into())
+            .spawn(move || {
+                let _slot = slot;
+                serve_http_conn(s, &conn_sh);
+            });
+        if let Err(e) = spawned {
+            let _ = sh.error(&format!("spawn metrics connection thread: {e}"));
+        }
     }
+}
+
+fn serve_http_conn(mut s: std::net::TcpStream, sh: &Shared) {
+    let deadline = std::time::Instant::now() + IO_TIMEOUT;
+    let _ = s.set_write_timeout(Some(IO_TIMEOUT));
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    while head.len() < 8192 && !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() || s.set_read_timeout(Some(left)).is_err() {
+            return;
+        }
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => return,
+            Ok(n) => head.extend_from_slice(&buf[..n]),
+        }
+    }
+    let (status, ctype, body) = if head.starts_with(b"GET /metrics ") {
+        let v = sh.ask(Cmd::Metrics);
+        match v.get("metrics").and_then(Value::as_str) {
+            Some(m) => ("200 OK", "text/plain; version=0.0.4", m.to_string()),
+            None => ("503 Service Unavailable", "application/json", v.to_string()),
+        }
+    } else {
+        (
+            "404 Not Found",
+            "text/plain",
+            "only GET /metrics is served\n".to_string(),
+        )
+    };
+    let _ = write!(
+        s,
+        "HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
 }
 
 /// Sends one request line to a replica's control socket and returns its answer (the CLI side).
@@ -727,6 +765,35 @@ mod tests {
         assert_eq!(client_request(&path, "query").unwrap()["cmd"], "Query");
         let handle = t.join().unwrap();
         assert_eq!(handle.errors.load(Ordering::Relaxed), 2);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// A scrape is answered while other clients hold metrics connections open sending
+    /// nothing (or trickling): they hold their own slots, not the listener.
+    #[test]
+    fn a_silent_metrics_client_does_not_block_a_scrape() {
+        let (dir, path) = test_socket(line!());
+        let (server, handle) = start(&path, Some("127.0.0.1:0")).expect("start");
+        let (taken_tx, _taken_rx) = mpsc::channel();
+        let (_release_tx, release_rx) = mpsc::channel();
+        let fake = holding_packet_thread(handle, taken_tx, release_rx, Duration::from_secs(5));
+        let addr = server.metrics_addr.expect("metrics listener");
+        let silent = std::net::TcpStream::connect(addr).unwrap();
+        let mut trickle = std::net::TcpStream::connect(addr).unwrap();
+        trickle.write_all(b"GET /me").unwrap();
+        let started = std::time::Instant::now();
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\n\r\n").unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        // (The fake packet thread answers without exposition text: 503 with its answer.)
+        assert!(out.contains("\"cmd\":\"Metrics\""), "{out}");
+        // Answered before the silent clients' own deadline cut them off: not behind them.
+        assert!(started.elapsed() < IO_TIMEOUT, "{:?}", started.elapsed());
+        drop((silent, trickle));
+        drop(server);
+        drop(fake);
         let _ = std::fs::remove_dir_all(dir);
     }
 
