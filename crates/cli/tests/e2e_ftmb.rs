@@ -177,11 +177,15 @@ print(json.dumps(out), flush=True)
 /// Brings up the FTMB lab (3 NAT replicas, `[ha] mode = "ftmb"`) and the controller in FTMB
 /// mode; waits until every replica logs to its successor's logger. `None` when skipped
 /// (`pliant_testkit::require_root`).
-fn ftmb_up() -> Option<HaRun> {
+fn ftmb_up(transport: pliant_lab::mgmt::Transport) -> Option<HaRun> {
     if !pliant_testkit::require_root() {
         return None;
     }
-    let dir = std::env::temp_dir().join(format!("pliant-e2e-ftmb-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!(
+        "pliant-e2e-ftmb-{}-{}",
+        transport.label(),
+        std::process::id()
+    ));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("mkdir");
     // Closed mappings linger 2 s, not 10: the short connections (~200/s) would otherwise
@@ -196,6 +200,7 @@ fn ftmb_up() -> Option<HaRun> {
     spec.replicas = 3;
     spec.ha = true;
     spec.ha_mode = LabHaMode::Ftmb;
+    spec.transport = transport;
     spec.files.clear();
     spec = spec.with_file(FILE, 32 << 20);
     let lab = Lab::up(spec).unwrap_or_else(|e| panic!("lab up: {e}"));
@@ -207,15 +212,22 @@ fn ftmb_up() -> Option<HaRun> {
         stopped: Vec::new(),
         nat: true,
     };
+    // Over TCP the controller tells the replicas each other's management addresses.
+    let (tcp_ctl, tcp_ha) = match transport {
+        pliant_lab::mgmt::Transport::Tcp => pliant_lab::mgmt::controller_keys(),
+        pliant_lab::mgmt::Transport::Unix => (String::new(), String::new()),
+    };
     // The controller pins replica n to port block n-1 of this pool, as the lab pinned
     // `[nat] port_blocks` in each FTMB replica's config (pliant_lab::ha::ftmb_port_block).
     let ctl = format!(
         "[controller]\napi_socket = \"{d}/api.sock\"\ntoken_file = \"{d}/token\"\n\
-         store = \"{d}/store.json\"\nheartbeat_ms = 100\ndead_after_missed = 5\n\
+         store = \"{d}/store.json\"\nheartbeat_ms = 100\ndead_after_missed = 5\n{tcp_ctl}\
          [lab]\nname = \"{name}\"\nnat_addr = \"10.77.2.1\"\n\
          [ports]\nlo = {lo}\nhi = 59999\nblock = {block}\nper_replica = 1\n\
          [policy]\nauto = false\nmax_replicas = 40\n\
-         [ha]\nmode = \"ftmb\"\nwatch_ms = 10\nrpc_timeout_ms = 5000\n",
+         [ha]\nmode = \"ftmb\"\nwatch_ms = 10\nrpc_timeout_ms = 5000\n{tcp_ha}",
+        tcp_ctl = tcp_ctl,
+        tcp_ha = tcp_ha,
         d = dir.display(),
         name = run.lab().name(),
         lo = pliant_lab::ha::FTMB_PORT_LO,
@@ -243,11 +255,16 @@ fn wait_ftmb_protected(run: &HaRun, limit: Duration) {
         let mut why = Vec::new();
         for (k, m) in members.iter().enumerate() {
             let succ = members[(k + 1) % members.len()];
-            let want = run.lab().run_dir().join(format!("r{succ}.ftmb.sock"));
+            // The successor's logger: its unix socket, or in a TCP lab its management address.
+            let unix = run.lab().run_dir().join(format!("r{succ}.ftmb.sock"));
+            let tcp = format!(
+                "{}:{}",
+                pliant_lab::mgmt::addr(succ as u8),
+                pliant_lab::mgmt::FTMB_PORT
+            );
+            let wanted = |l: Option<&str>| l == Some(&*unix.to_string_lossy()) || l == Some(&*tcp);
             match ftmb_status(run, *m) {
-                Ok(v)
-                    if v["protected"] == true
-                        && v["logger"].as_str() == Some(&*want.to_string_lossy()) => {}
+                Ok(v) if v["protected"] == true && wanted(v["logger"].as_str()) => {}
                 Ok(v) => why.push(format!(
                     "r{m}: logger {} protected {} (want r{succ}) last_error {}",
                     v["logger"], v["protected"], v["last_error"]
@@ -341,9 +358,32 @@ struct Row {
 
 #[test]
 fn ftmb_nat_survives_random_primary_kills_under_load() {
-    let Some(mut run) = ftmb_up() else {
+    survives_kills(pliant_lab::mgmt::Transport::Unix, kills());
+}
+
+/// The same with the FTMB logger streams and the peer channel on TCP over the lab's
+/// management network (as between hosts): two kills (each adds ~4 s to the suite).
+#[test]
+fn ftmb_nat_survives_primary_kills_with_tcp_channels() {
+    survives_kills(pliant_lab::mgmt::Transport::Tcp, 2);
+}
+
+fn survives_kills(transport: pliant_lab::mgmt::Transport, kills: usize) {
+    let Some(mut run) = ftmb_up(transport) else {
         return;
     };
+    if transport == pliant_lab::mgmt::Transport::Tcp {
+        let socks: Vec<String> = std::fs::read_dir(run.lab().run_dir())
+            .expect("run dir")
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".ftmb.sock") || n.ends_with(".peer.sock"))
+            .collect();
+        assert!(
+            socks.is_empty(),
+            "unix channel sockets in a TCP lab: {socks:?}"
+        );
+    }
     let f = run.lab().served_file(FILE).expect("file").clone();
     // The long downloads bind chosen source ports from 40000 up; keep the kernel's own
     // choices for the short connections away from them.
@@ -407,7 +447,6 @@ fn ftmb_nat_survives_random_primary_kills_under_load() {
     let mut rows = Vec::new();
     let mut audit_checked_max = 0u64;
     let t_all = Instant::now();
-    let kills = kills();
     for kill in 0..kills {
         let members = run.members();
         assert_eq!(members.len(), 3, "kill {kill}: {members:?}");

@@ -304,9 +304,11 @@ fn build(
     let mut table = toml::Table::try_from(&cfg).map_err(|e| LabError::Config(e.to_string()))?;
     crate::ha::retarget_ha(&mut table, &st.run_dir, n);
     crate::ha::retarget_security(&mut table, &st.run_dir, n)?;
-    // A TCP lab (the template's peer channel is on the management network): the new replica
-    // joins that network and listens on its own address.
-    let tcp_lab = table
+    // A TCP lab (the template's peer channel is on the management network; `derive_config`
+    // dropped that section from the copy): the new replica joins that network and listens on
+    // its own address.
+    let tcp_lab = template
+        .nf_sections
         .get("migration")
         .and_then(|m| m.get("peer_socket"))
         .and_then(|p| p.as_str())
