@@ -405,6 +405,39 @@ fn signed_by_client(th: &[u8; 32], cert: &NodeCert) -> Vec<u8> {
     [b"client".as_slice(), th, &cert.to_bytes()].concat()
 }
 
+/// The peer's certificate is the CA's and what `o` expects, and its key signed `signed`.
+fn verify_peer(
+    cert: &NodeCert,
+    me: &Identity,
+    o: &SessionOptions,
+    signed: &[u8],
+    sig: &[u8],
+) -> Result<Peer, SessionError> {
+    let peer = check_peer(cert, &me.ca_pub, &o.expect)?;
+    SigKey::new(&ED25519, &cert.key)
+        .verify(signed, sig)
+        .map_err(|_| SessionError::BadSignature)?;
+    Ok(peer)
+}
+
+/// This side's two halves: sealing with `tx_key`, opening with `rx_key` (handshake-sized
+/// frames until the caller raises the bound).
+fn halves(tx_key: LessSafeKey, rx_key: LessSafeKey, encrypt: bool) -> (Sealer, Opener) {
+    (
+        Sealer {
+            key: tx_key,
+            seq: 0,
+            encrypt,
+        },
+        Opener {
+            key: rx_key,
+            seq: 0,
+            encrypt,
+            max_body: MAX_HANDSHAKE_FRAME,
+        },
+    )
+}
+
 fn check_peer(cert: &NodeCert, ca_pub: &[u8; 32], expect: &Expect) -> Result<Peer, SessionError> {
     cert.verify(ca_pub, now_unix())
         .map_err(SessionError::Cert)?;
@@ -541,24 +574,11 @@ fn client_inner(
             "server refused to encrypt though asked",
         ));
     }
-    let peer = check_peer(&sh.tbs.cert, &me.ca_pub, &o.expect)?;
     let th = transcript(&hello_frame, &sh.tbs)?;
-    SigKey::new(&ED25519, &sh.tbs.cert.key)
-        .verify(&signed_by_server(&th), &sh.sig)
-        .map_err(|_| SessionError::BadSignature)?;
+    let peer = verify_peer(&sh.tbs.cert, me, o, &signed_by_server(&th), &sh.sig)?;
     let (c2s, s2c) = keys(eph, &sh.tbs.eph, &th)?;
     let encrypt = sh.tbs.encrypt;
-    let mut tx = Sealer {
-        key: c2s,
-        seq: 0,
-        encrypt,
-    };
-    let mut rx = Opener {
-        key: s2c,
-        seq: 0,
-        encrypt,
-        max_body: MAX_HANDSHAKE_FRAME,
-    };
+    let (mut tx, mut rx) = halves(c2s, s2c, encrypt);
     let auth = ClientAuth {
         cert: me.cert.clone(),
         sig: me.sign(&signed_by_client(&th, &me.cert)),
@@ -634,27 +654,15 @@ fn server_inner(
     );
     send_by(s, &out, deadline)?;
     let (c2s, s2c) = keys(eph, &hello.eph, &th)?;
-    let mut rx = Opener {
-        key: c2s,
-        seq: 0,
-        encrypt,
-        max_body: MAX_HANDSHAKE_FRAME,
-    };
-    let mut tx = Sealer {
-        key: s2c,
-        seq: 0,
-        encrypt,
-    };
+    let (mut tx, mut rx) = halves(s2c, c2s, encrypt);
     let mut buf = Vec::new();
     let (kind, body) = rx.read(&mut r, &mut buf)?;
     if kind != KIND_CLIENT_AUTH {
         return Err(FrameError::UnexpectedKind(kind).into());
     }
     let auth: ClientAuth = frame::decode_body(&buf[body])?;
-    let peer = check_peer(&auth.cert, &me.ca_pub, &o.expect)?;
-    SigKey::new(&ED25519, &auth.cert.key)
-        .verify(&signed_by_client(&th, &auth.cert), &auth.sig)
-        .map_err(|_| SessionError::BadSignature)?;
+    let signed = signed_by_client(&th, &auth.cert);
+    let peer = verify_peer(&auth.cert, me, o, &signed, &auth.sig)?;
     out.clear();
     tx.seal_bytes(KIND_ACCEPTED, &[], &mut out)?;
     send_by(s, &out, deadline)?;
