@@ -252,8 +252,8 @@ fn replica_counters(lab: &Lab) -> Result<Value, BenchError> {
         .ok_or_else(|| BenchError::Lab("no replica control socket".into()))?
         .display()
         .to_string();
-    let stats = ask(&sock, &json!({"cmd": "stats"}))?;
-    let query = ask(&sock, &json!({"cmd": "query"}))?;
+    let stats = ask(&sock, &pliant_proto::Request::Stats)?;
+    let query = ask(&sock, &pliant_proto::Request::Query)?;
     Ok(json!({
         "drops": stats["drops"],
         "inside_rx_kernel_drops": stats["ports"]["inside"]["rx_kernel_drops"],

@@ -44,10 +44,10 @@ use crate::parse::parse_iperf3_gbps;
 use crate::txload::{self, Marker, TxClientOpts, TxReport, TxServer, PROBE_PORT, TX_PORT};
 use crate::BenchError;
 use pliant_lab::{cmd, Lab, LabSpec, PliantNf, ReplicaMode};
+use pliant_proto::Request;
 use serde::Serialize;
 use serde_json::Value;
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Write};
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -943,29 +943,16 @@ impl PliantSys {
     }
 }
 
-/// One request/answer on a replica control socket.
-pub fn replica_request(sock: &Path, req: &Value) -> Result<Value, BenchError> {
-    let err = |reason: String| BenchError::Tool {
-        tool: "replica control",
-        reason: format!("{}: {reason}", sock.display()),
-    };
-    let mut s = std::os::unix::net::UnixStream::connect(sock).map_err(|e| err(e.to_string()))?;
-    s.set_read_timeout(Some(Duration::from_secs(3)))
-        .map_err(|e| err(e.to_string()))?;
-    let mut line = req.to_string();
-    line.push('\n');
-    s.write_all(line.as_bytes())
-        .map_err(|e| err(e.to_string()))?;
-    let mut ans = String::new();
-    // A control answer is one short line; bound what we read anyway.
-    BufReader::new(std::io::Read::take(s, 1 << 20))
-        .read_line(&mut ans)
-        .map_err(|e| err(e.to_string()))?;
-    let v: Value = serde_json::from_str(&ans).map_err(|e| err(format!("bad answer: {e}")))?;
-    if v["ok"] != true {
-        return Err(err(format!("refused: {}", v["error"])));
-    }
-    Ok(v)
+/// One request/answer on a lab replica's control socket (as the lab's admin), the answer if
+/// it says `ok`.
+pub fn replica_request(sock: &Path, req: &Request) -> Result<Value, BenchError> {
+    pliant_lab::ha::control_client(sock)
+        .with_timeout(Duration::from_secs(10))
+        .call(req)
+        .map_err(|e| BenchError::Tool {
+            tool: "replica control",
+            reason: e.to_string(),
+        })
 }
 
 /// Sum of `bytes_shipped` over every group of an `ha_status` answer.
@@ -1024,15 +1011,9 @@ impl Sut for PliantSut<'_> {
         let mut sum = 0;
         for (_, s) in self.0.sockets() {
             sum += if self.1 {
-                ftmb_logged_bytes(&replica_request(
-                    &s,
-                    &serde_json::json!({"cmd":"ftmb_status"}),
-                )?)
+                ftmb_logged_bytes(&replica_request(&s, &Request::FtmbStatus)?)
             } else {
-                shipped_bytes(&replica_request(
-                    &s,
-                    &serde_json::json!({"cmd":"ha_status"}),
-                )?)
+                shipped_bytes(&replica_request(&s, &Request::HaStatus)?)
             };
         }
         Ok(sum)
@@ -1112,11 +1093,11 @@ fn pliant_up(opts: &HaOpts, sys: &str) -> Result<PliantSys, String> {
         let ok = controller_sees_all(&bin, &dir)
             && sys_.sockets().iter().all(|(_, s)| {
                 if want == "ftmb" {
-                    replica_request(s, &serde_json::json!({"cmd":"ftmb_status"}))
+                    replica_request(s, &Request::FtmbStatus)
                         .map(|v| ftmb_protected(&v))
                         .unwrap_or(false)
                 } else {
-                    replica_request(s, &serde_json::json!({"cmd":"ha_status"}))
+                    replica_request(s, &Request::HaStatus)
                         .map(|v| protected_as(&v, want))
                         .unwrap_or(false)
                 }
@@ -1130,13 +1111,13 @@ fn pliant_up(opts: &HaOpts, sys: &str) -> Result<PliantSys, String> {
                 .iter()
                 .map(|(n, s)| {
                     let cmd = if want == "ftmb" {
-                        "ftmb_status"
+                        Request::FtmbStatus
                     } else {
-                        "ha_status"
+                        Request::HaStatus
                     };
                     format!(
                         "r{n}: {}",
-                        replica_request(s, &serde_json::json!({ "cmd": cmd }))
+                        replica_request(s, &cmd)
                             .map(|v| v.to_string())
                             .unwrap_or_else(|e| e.to_string())
                     )
@@ -1394,7 +1375,7 @@ fn start_failover_udp(
     let t = Instant::now();
     while on_r1.iter().any(Option::is_none) && t.elapsed() < Duration::from_secs(2) {
         for (r, sock) in p.sockets() {
-            let Ok(v) = replica_request(&sock, &serde_json::json!({"cmd": "flows"})) else {
+            let Ok(v) = replica_request(&sock, &Request::Flows) else {
                 continue;
             };
             let listed: Vec<&str> = v["flows"]
@@ -1498,7 +1479,7 @@ fn output_audit(p: &PliantSys) -> Value {
     let mut sums = [0u64; 3];
     let mut errors = serde_json::Map::new();
     for (n, s) in p.sockets() {
-        match replica_request(&s, &serde_json::json!({"cmd":"ha_status"})) {
+        match replica_request(&s, &Request::HaStatus) {
             Ok(v) => {
                 for (sum, name) in sums.iter_mut().zip(names) {
                     // A missing counter is an error, never a 0.
@@ -1524,7 +1505,7 @@ fn ftmb_detail(p: &PliantSys) -> Value {
     let mut per = serde_json::Map::new();
     let (mut checked, mut violations) = (0u64, 0u64);
     for (n, s) in p.sockets() {
-        match replica_request(&s, &serde_json::json!({"cmd":"ftmb_status"})) {
+        match replica_request(&s, &Request::FtmbStatus) {
             Ok(v) => {
                 // Each output checked against the stored PALs as its logger handed it out.
                 let (c, bad) = pliant_runtime::ftmb::audit_totals(&v);

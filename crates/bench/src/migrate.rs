@@ -25,13 +25,12 @@ use crate::BenchError;
 use pliant_lab::{
     Lab, LabSpec, PliantNf, ReplicaMode, Role, CLIENT_IP, INSIDE_GW_IP, OUTSIDE_GW_IP, SERVER_IP,
 };
+use pliant_proto::Request;
 use pliant_state::FlowKey;
 use serde::Serialize;
-use serde_json::{json, Value};
+use serde_json::Value;
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Ipv4Addr, SocketAddrV4};
-use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -231,37 +230,8 @@ fn lab_err(e: impl std::fmt::Display) -> BenchError {
     BenchError::Lab(e.to_string())
 }
 
-/// One control request. The request is serialised first and written with one `write_all`:
-/// writing a `serde_json::Value` straight into the socket costs a syscall per token, which for
-/// a 2000-key `migrate_in` took tens of milliseconds (and was counted as pause).
-fn request(sock: &str, req: &Value) -> Result<Value, String> {
-    let mut s = UnixStream::connect(sock).map_err(|e| format!("connect {sock}: {e}"))?;
-    s.set_read_timeout(Some(Duration::from_secs(10)))
-        .map_err(|e| e.to_string())?;
-    let mut line = req.to_string();
-    line.push('\n');
-    s.write_all(line.as_bytes())
-        .map_err(|e| format!("write {sock}: {e}"))?;
-    let mut answer = String::new();
-    BufReader::new(s)
-        .take(64 << 20)
-        .read_line(&mut answer)
-        .map_err(|e| format!("read {sock}: {e}"))?;
-    serde_json::from_str(answer.trim()).map_err(|e| format!("{sock}: bad answer: {e}"))
-}
-
-pub(crate) fn ask(sock: &str, req: &Value) -> Result<Value, BenchError> {
-    let v = request(sock, req).map_err(|e| BenchError::Tool {
-        tool: "replica control",
-        reason: e,
-    })?;
-    if v["ok"] != true {
-        return Err(BenchError::Tool {
-            tool: "replica control",
-            reason: format!("{sock}: {}", v["error"]),
-        });
-    }
-    Ok(v)
+pub(crate) fn ask(sock: &str, req: &Request) -> Result<Value, BenchError> {
+    crate::ha::replica_request(std::path::Path::new(sock), req)
 }
 
 fn ms(d: Duration) -> f64 {
@@ -293,15 +263,14 @@ impl Pair {
         let dst = 1 - src;
         // Only for the move: threads this thread spawns later must not inherit the policy.
         let _rt = pliant_runtime::sched::RealtimeGuard::new(self.realtime).map_err(lab_err)?;
-        let all: Vec<String> = primaries
-            .iter()
-            .chain(aliases)
-            .map(|k| k.to_string())
-            .collect();
+        let all: Vec<FlowKey> = primaries.iter().chain(aliases).copied().collect();
         let t0 = Instant::now();
         ask(
             &self.socks[dst],
-            &json!({"cmd": "migrate_in", "from": self.names[src], "keys": all}),
+            &Request::MigrateIn {
+                from: self.names[src].clone(),
+                keys: all,
+            },
         )?;
         let t1 = Instant::now();
         let entries: Vec<(FlowKey, u32)> = primaries
@@ -313,10 +282,12 @@ impl Pair {
             .set_exceptions(&entries)
             .map_err(|e| BenchError::Lab(format!("steering update: {e}")))?;
         let t2 = Instant::now();
-        let keys: Vec<String> = primaries.iter().map(|k| k.to_string()).collect();
         let r = ask(
             &self.socks[src],
-            &json!({"cmd": "migrate_out", "to": self.peers[dst], "keys": keys}),
+            &Request::MigrateOut {
+                to: self.peers[dst].clone(),
+                keys: primaries.to_vec(),
+            },
         )?;
         let t3 = Instant::now();
         let failed = r["failed"].as_array().map_or(0, Vec::len);
@@ -504,7 +475,7 @@ fn measure(lab: &Lab, opts: &MigrateOpts, r: &mut MigrateReport) -> Result<(), B
         return Err(BenchError::Lab("replica control sockets missing".into()));
     }
     let names = [0, 1].map(|i| {
-        ask(&socks[i], &json!({"cmd": "stats"}))
+        ask(&socks[i], &Request::Stats)
             .ok()
             .and_then(|v| v["replica"].as_str().map(str::to_string))
             .unwrap_or_default()
@@ -526,7 +497,9 @@ fn measure(lab: &Lab, opts: &MigrateOpts, r: &mut MigrateReport) -> Result<(), B
     for (i, (lo, hi)) in PORT_BLOCKS.iter().enumerate() {
         ask(
             &pair.socks[i],
-            &json!({"cmd": "set_port_blocks", "blocks": [[lo, hi]]}),
+            &Request::SetPortBlocks {
+                blocks: vec![(*lo, *hi)],
+            },
         )?;
         pair.maps
             .set_port_owner(*lo..=*hi, Some(i as u32 + 1))
@@ -706,7 +679,7 @@ fn measure(lab: &Lab, opts: &MigrateOpts, r: &mut MigrateReport) -> Result<(), B
     r.packets_reordered = Some(r.single.udp.reordered + r.batch.udp.reordered);
     r.packets_duplicated = Some(r.single.udp.duplicated + r.batch.udp.duplicated);
     for (i, s) in pair.socks.iter().enumerate() {
-        match ask(s, &json!({"cmd": "stats"})) {
+        match ask(s, &Request::Stats) {
             Ok(st) => {
                 if let Some(d) = st["drops"].as_object() {
                     for (k, v) in d {

@@ -5,8 +5,8 @@
 //! monomorphised per NF (no dynamic dispatch per packet).
 
 use clap::Args;
+use pliant_proto::Request;
 use pliant_runtime::config::{nf_section, ReplicaConfig};
-use pliant_runtime::control::client_request;
 use pliant_runtime::{forward, replica, NetworkFunction};
 use serde::de::DeserializeOwned;
 
@@ -36,9 +36,14 @@ pub struct ReplicaArgs {
     about = "Print a running replica's counters (frames, drops by reason, flows, neighbours)"
 )]
 pub struct StatsArgs {
-    /// Control socket of the replica.
+    /// The replica's control endpoint: its unix socket, or the TCP `host:port` of its
+    /// `control_listen`.
     #[arg(long)]
     pub socket: String,
+    /// Identity directory to authenticate with (ADMIN or CONTROLLER role; see `pliant keys`).
+    /// Default: none, or the lab's admin identity for a socket in a lab's run directory.
+    #[arg(long)]
+    pub identity: Option<std::path::PathBuf>,
     /// Print the raw JSON answer instead of a summary.
     #[arg(long)]
     pub json: bool,
@@ -52,9 +57,12 @@ pub struct StatsArgs {
     about = "Print NF-specific state of a running replica (e.g. NAT mappings, IDS alerts) as JSON"
 )]
 pub struct QueryArgs {
-    /// Control socket of the replica.
+    /// The replica's control endpoint (unix socket or TCP `host:port`).
     #[arg(long)]
     pub socket: String,
+    /// Identity directory to authenticate with (as for `pliant stats`).
+    #[arg(long)]
+    pub identity: Option<std::path::PathBuf>,
 }
 
 fn section<T: DeserializeOwned>(text: &str, file: &str, kind: &str) -> Result<T, String> {
@@ -130,27 +138,47 @@ pub fn run(a: ReplicaArgs) -> Result<(), String> {
     dispatch(&cfg, &text, &a.config, a.check)
 }
 
-fn ask(socket: &str, cmd: &str) -> Result<serde_json::Value, String> {
-    let v = client_request(socket, cmd)?;
-    if v.get("ok") == Some(&serde_json::Value::Bool(true)) {
-        Ok(v)
-    } else {
-        Err(format!(
-            "replica refused {cmd:?}: {}",
-            v.get("error")
-                .and_then(|e| e.as_str())
-                .unwrap_or("no reason given")
-        ))
-    }
+/// A client of the replica's control channel: with `--identity`, that identity; for a
+/// socket in a lab's run directory, the lab's admin identity; else the local mode.
+fn client(
+    socket: &str,
+    identity: Option<&std::path::Path>,
+) -> Result<pliant_proto::Client, String> {
+    let ep: pliant_wire::Endpoint = socket
+        .parse()
+        .map_err(|e| format!("--socket {socket:?}: {e}"))?;
+    let sec = match identity {
+        Some(d) => Some(
+            pliant_wire::Security::load(d, pliant_wire::Encrypt::Auto)
+                .map_err(|e| format!("--identity {}: {e}", d.display()))?,
+        ),
+        None => match &ep {
+            pliant_wire::Endpoint::Unix(p) => p
+                .parent()
+                .and_then(|run| pliant_lab::ha::lab_security(run, pliant_lab::ha::ADMIN)),
+            pliant_wire::Endpoint::Tcp(_) => None,
+        },
+    };
+    Ok(pliant_proto::Client::new(ep, sec))
+}
+
+fn ask(
+    socket: &str,
+    identity: Option<&std::path::Path>,
+    req: pliant_proto::Request,
+) -> Result<serde_json::Value, String> {
+    client(socket, identity)?
+        .call(&req)
+        .map_err(|e| e.to_string())
 }
 
 pub fn stats(a: StatsArgs) -> Result<(), String> {
     if a.metrics {
-        let v = ask(&a.socket, "metrics")?;
+        let v = ask(&a.socket, a.identity.as_deref(), Request::Metrics)?;
         print!("{}", v["metrics"].as_str().unwrap_or_default());
         return Ok(());
     }
-    let v = ask(&a.socket, "stats")?;
+    let v = ask(&a.socket, a.identity.as_deref(), Request::Stats)?;
     if a.json {
         println!("{v}");
         return Ok(());
@@ -195,7 +223,7 @@ pub fn stats(a: StatsArgs) -> Result<(), String> {
 }
 
 pub fn query(a: QueryArgs) -> Result<(), String> {
-    let v = ask(&a.socket, "query")?;
+    let v = ask(&a.socket, a.identity.as_deref(), Request::Query)?;
     println!(
         "{}",
         serde_json::to_string_pretty(&v["query"]).map_err(|e| e.to_string())?

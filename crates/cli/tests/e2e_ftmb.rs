@@ -35,7 +35,7 @@ use common::ha::{control, Download, HaRun};
 use common::kill_trials::{OffVictimLoss, Protections, Rng, Traffic, UDP_PER_MEMBER};
 use common::pliant;
 use pliant_lab::{cmd, Lab, LabHaMode, LabSpec, PliantNf, ReplicaMode, Role, SERVER_IP};
-use serde_json::{json, Value};
+use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -243,7 +243,7 @@ fn sock(run: &HaRun, n: u32) -> PathBuf {
 }
 
 fn ftmb_status(run: &HaRun, n: u32) -> Result<Value, String> {
-    control(&sock(run, n), &json!({"cmd": "ftmb_status"}))
+    control(&sock(run, n), &pliant_proto::Request::FtmbStatus)
 }
 
 /// Waits until every member's workers log to its ring successor's logger with the first
@@ -290,7 +290,7 @@ fn sum_status(run: &HaRun, name: &str) -> u64 {
     run.members()
         .into_iter()
         .filter_map(|m| ftmb_status(run, m).ok())
-        .map(|v| pliant_controller::ha::sum_named(&v, name))
+        .map(|v| pliant_bench::ha::sum_named(&v, name))
         .sum()
 }
 

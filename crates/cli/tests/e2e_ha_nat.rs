@@ -55,9 +55,9 @@ fn nat_primary_killed_mid_transfer_over_tcp_channels() {
         .expect("r1")
         .display()
         .to_string();
-    let st = pliant_runtime::control::client_request_json(
-        &sock,
-        &serde_json::json!({"cmd": "ha_status"}),
+    let st = common::ha::control(
+        std::path::Path::new(&sock),
+        &pliant_proto::Request::HaStatus,
     )
     .expect("ha_status");
     let text = st["policy"].to_string();

@@ -16,13 +16,14 @@
 //! (`pliant_testkit::require_root`).
 
 mod common;
+use common::migration::{ask, control_of};
 
 use pliant_lab::{Lab, LabSpec, PliantNf, ReplicaMode, Role, CLIENT_IP, SERVER_IP};
+use pliant_proto::Request;
 use pliant_runtime::config::ReplicaConfig;
-use pliant_runtime::control::client_request_json;
 use pliant_runtime::migrate_client::migrate;
 use pliant_state::FlowKey;
-use serde_json::{json, Value};
+use serde_json::json;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -35,10 +36,6 @@ fn nf(kind: &str, section: &str) -> PliantNf {
     );
     let cfg = ReplicaConfig::parse(&text, "e2e").unwrap_or_else(|e| panic!("{e}"));
     PliantNf::new(kind, cfg.nf_sections)
-}
-
-fn ask(sock: &str, req: Value) -> Value {
-    client_request_json(sock, &req).unwrap_or_else(|e| panic!("{sock}: {e}"))
 }
 
 /// The default peer socket beside a control socket (`ReplicaConfig::peer_socket`).
@@ -150,7 +147,7 @@ fn an_ids_flow_migrated_twenty_times_keeps_exact_counts() {
     let text = key.to_string();
     let owner_now = || {
         (0..2).find(|&i| {
-            ask(&socks[i], json!({"cmd": "flows"}))["flows"]
+            ask(&socks[i], Request::Flows)["flows"]
                 .as_array()
                 .is_some_and(|fs| fs.iter().any(|f| f["key"] == text.as_str()))
         })
@@ -162,8 +159,8 @@ fn an_ids_flow_migrated_twenty_times_keeps_exact_counts() {
     while moves < 20 {
         let dst = 1 - owner;
         let v = migrate(
-            &socks[owner],
-            &socks[dst],
+            &control_of(&socks[owner]),
+            &control_of(&socks[dst]),
             &peer_of(&socks[dst]),
             &[key],
             |keys| {
@@ -195,7 +192,7 @@ fn an_ids_flow_migrated_twenty_times_keeps_exact_counts() {
     assert_eq!(done, format!("done {REQUESTS} {inj}"));
 
     // The final owner holds the flow with exact counts.
-    let q = ask(&socks[owner], json!({"cmd": "query"}));
+    let q = ask(&socks[owner], Request::Query);
     let flow = q["query"]["flows"]
         .as_array()
         .and_then(|fs| fs.iter().find(|f| f["flow"] == text.as_str()).cloned())
@@ -206,7 +203,7 @@ fn an_ids_flow_migrated_twenty_times_keeps_exact_counts() {
     assert_eq!(flow["gaps"], 0, "{flow}");
     let mut alerts = 0;
     for s in &socks {
-        let st = ask(s, json!({"cmd": "stats"}));
+        let st = ask(s, Request::Stats);
         assert_eq!(st["ok"], true, "{st:#}");
         alerts += st["nf_counters"]["ids_alerts"].as_u64().unwrap_or(0);
         common::migration::assert_no_drops_of_moved_flows(s, &st);

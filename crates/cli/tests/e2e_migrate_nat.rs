@@ -15,9 +15,10 @@
 //! dead replica. Needs root (`pliant_testkit::require_root`).
 
 mod common;
+use common::migration::{ask, control_of};
 
 use pliant_lab::{Lab, LabSpec, PliantNf, ReplicaMode, Role, SERVER_IP};
-use pliant_runtime::control::client_request_json;
+use pliant_proto::Request;
 use pliant_runtime::migrate_client::migrate;
 use pliant_state::FlowKey;
 use serde_json::{json, Value};
@@ -27,10 +28,6 @@ use std::time::{Duration, Instant};
 /// The sequence-numbered UDP stream's ports.
 const UDP_SPORT: u16 = 40000;
 const UDP_DPORT: u16 = 9000;
-
-fn ask(sock: &str, req: Value) -> Value {
-    client_request_json(sock, &req).unwrap_or_else(|e| panic!("{sock}: {e}"))
-}
 
 /// The default peer socket beside a control socket (`ReplicaConfig::peer_socket`).
 fn peer_of(sock: &str) -> String {
@@ -64,13 +61,13 @@ impl Drop for ChildGuard {
 /// Whether replica `sock` lists flow `key`.
 fn holds(sock: &str, key: &FlowKey) -> bool {
     let k = key.to_string();
-    ask(sock, json!({"cmd": "flows"}))["flows"]
+    ask(sock, Request::Flows)["flows"]
         .as_array()
         .is_some_and(|fs| fs.iter().any(|f| f["key"] == k.as_str()))
 }
 
 fn flows_on(sock: &str) -> Vec<FlowKey> {
-    ask(sock, json!({"cmd": "flows"}))["flows"]
+    ask(sock, Request::Flows)["flows"]
         .as_array()
         .map(Vec::as_slice)
         .unwrap_or(&[])
@@ -107,7 +104,9 @@ fn iperf3_through_nat_survives_two_migrations() {
     for (i, (lo, hi)) in blocks.iter().enumerate() {
         let v = ask(
             &socks[i],
-            json!({"cmd": "set_port_blocks", "blocks": [[lo, hi]]}),
+            Request::SetPortBlocks {
+                blocks: vec![(*lo, *hi)],
+            },
         );
         assert_eq!(v["ok"], true, "{v}");
         maps.set_port_owner(*lo..=*hi, Some(i as u32 + 1))
@@ -174,8 +173,8 @@ fn iperf3_through_nat_survives_two_migrations() {
         keys.push(udp_key);
         let sent_before = udp.sent();
         let v = migrate(
-            &socks[src],
-            &socks[dst],
+            &control_of(&socks[src]),
+            &control_of(&socks[dst]),
             &peer_of(&socks[dst]),
             &keys,
             |all| {
@@ -210,7 +209,7 @@ fn iperf3_through_nat_survives_two_migrations() {
     let ring_drops: Vec<u64> = socks
         .iter()
         .map(|s| {
-            let st = ask(s, json!({"cmd": "stats"}));
+            let st = ask(s, Request::Stats);
             ["inside", "outside"]
                 .iter()
                 .map(|p| st["ports"][p]["rx_kernel_drops"].as_u64().unwrap_or(0))
@@ -235,7 +234,7 @@ fn iperf3_through_nat_survives_two_migrations() {
     assert!(received > 0, "{report:#}");
 
     for s in &socks {
-        common::migration::assert_no_drops_of_moved_flows(s, &ask(s, json!({"cmd": "stats"})));
+        common::migration::assert_no_drops_of_moved_flows(s, &ask(s, Request::Stats));
     }
     let fab = maps.stats().expect("fabric stats");
     assert_eq!(fab.get(pliant_steer::layout::Stat::DropDead), 0);

@@ -58,6 +58,33 @@ pub struct ControllerSection {
     /// (`"10.254.0.{index}:7401"`); absent, the unix socket beside the control socket.
     #[serde(default)]
     pub peer_endpoint: Option<String>,
+    /// The controller's identity directory (CONTROLLER role, see `pliant keys issue`):
+    /// replicas with a `[security]` identity answer only authenticated controllers.
+    #[serde(default)]
+    pub identity: Option<PathBuf>,
+    /// Where each replica serves control on TCP (`[replica] control_listen`), a template like
+    /// `peer_endpoint` (`"10.254.0.{index}:7403"`); absent, the replica's control socket.
+    /// Needs `identity`.
+    #[serde(default)]
+    pub control_endpoint: Option<String>,
+}
+
+impl ControllerSection {
+    /// How the controller reaches replicas' control channels (loads the identity).
+    pub fn dialer(&self) -> Result<crate::replica_client::Dialer, String> {
+        let security = self
+            .identity
+            .as_deref()
+            .map(|d| {
+                pliant_wire::Security::load(d, pliant_wire::Encrypt::Auto)
+                    .map_err(|e| format!("controller.identity {}: {e}", d.display()))
+            })
+            .transpose()?;
+        Ok(crate::replica_client::Dialer {
+            security,
+            template: self.control_endpoint.clone(),
+        })
+    }
 }
 
 /// Replicas as namespaces of a running lab (agent + steering in its fabric).
@@ -172,6 +199,13 @@ impl ControllerConfig {
                     "controller.realtime_priority = {p}: use 1..=99 (or leave it out)"
                 )));
             }
+        }
+        if c.controller.control_endpoint.is_some() && c.controller.identity.is_none() {
+            return Err(bad(
+                "controller.control_endpoint needs controller.identity: replicas serve control \
+                 on TCP only to authenticated controllers"
+                    .into(),
+            ));
         }
         if c.controller.dead_after_missed == 0 {
             return Err(bad("controller.dead_after_missed must be >= 1".into()));

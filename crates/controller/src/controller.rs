@@ -15,6 +15,8 @@ use crate::ports::PortBlocks;
 use crate::replica_client::{self as rc, FlowEntry};
 use crate::steering::Steering;
 use crate::store::{self, Store};
+use pliant_proto::reply::SharedExport;
+use pliant_proto::Request;
 use pliant_state::FlowKey;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -89,6 +91,8 @@ pub struct Settings {
     pub port_blocks: Option<(PortBlocks, usize)>,
     /// High availability (`[ha]`); `HaConfig::off()` without one.
     pub ha: HaConfig,
+    /// How replicas' control channels are reached (endpoint, identity).
+    pub control: rc::Dialer,
 }
 
 impl Default for Settings {
@@ -99,6 +103,7 @@ impl Default for Settings {
             rpc_timeout: Duration::from_secs(2),
             port_blocks: None,
             ha: HaConfig::off(),
+            control: rc::Dialer::default(),
         }
     }
 }
@@ -142,6 +147,9 @@ pub struct Counters {
     pub rebalances: AtomicU64,
     pub replicas_died: AtomicU64,
     pub unparsable_keys: AtomicU64,
+    /// Replica answers missing a field the controller reads (a replica of another release,
+    /// or a bug): never read as zero.
+    pub malformed_answers: AtomicU64,
     pub events_dropped: AtomicU64,
     /// Exception GC: keys removed, rounds that collected nothing because a replica's listing
     /// was truncated or failed (absence not provable).
@@ -317,6 +325,20 @@ impl Controller {
         self.install_ring()
     }
 
+    /// A poll's failed answer: an unreachable replica is the probes' business; a malformed
+    /// answer is counted and reported (the poll learns nothing from it).
+    fn note_bad_answer(&self, i: u32, e: &rc::ReplicaError) {
+        if matches!(e, rc::ReplicaError::Malformed { .. }) {
+            self.counters
+                .malformed_answers
+                .fetch_add(1, Ordering::Relaxed);
+            self.event(
+                "malformed_answer",
+                json!({"replica": i, "error": e.to_string()}),
+            );
+        }
+    }
+
     fn event(&self, kind: &str, detail: Value) {
         tracing::info!(event = kind, %detail);
         let mut st = lock(&self.state);
@@ -397,12 +419,13 @@ impl Controller {
                 pb.assign(r.index, *per)?
             }
         };
-        let blocks: Vec<[u16; 2]> = ranges.iter().map(|x| [*x.start(), *x.end()]).collect();
         if ftmb {
             // Its pool is fixed by its config (see `ports`): nothing to tell the replica.
-        } else if let Err(e) = rc::call(
+        } else if let Err(e) = self.settings.control.call(
             &r.socket,
-            &json!({"cmd": "set_port_blocks", "blocks": blocks}),
+            &Request::SetPortBlocks {
+                blocks: ranges.iter().map(|x| (*x.start(), *x.end())).collect(),
+            },
             self.settings.rpc_timeout,
         ) {
             // Not fatal (an NF without NAT has nothing to do with ports), but worth seeing.
@@ -439,7 +462,7 @@ impl Controller {
         let mut died = Vec::new();
         let mut revived = Vec::new();
         for (i, sock) in targets {
-            let res = rc::heartbeat(&sock, timeout);
+            let res = self.settings.control.heartbeat(&sock, timeout);
             self.counters.heartbeats.fetch_add(1, Ordering::Relaxed);
             let now = Instant::now();
             let mut st = lock(&self.state);
@@ -572,6 +595,7 @@ impl Controller {
                 "scale_outs": g(&c.scale_outs), "scale_ins": g(&c.scale_ins),
                 "rebalances": g(&c.rebalances), "replicas_died": g(&c.replicas_died),
                 "unparsable_keys": g(&c.unparsable_keys), "events_dropped": g(&c.events_dropped),
+                "malformed_answers": g(&c.malformed_answers),
                 "exceptions_collected": g(&c.exceptions_collected),
                 "gc_skipped": g(&c.gc_skipped),
             },
@@ -602,7 +626,11 @@ impl Controller {
                 out.push(json!({"replica": i, "alive": false}));
                 continue;
             }
-            match rc::flows(&sock, self.settings.rpc_timeout) {
+            match self
+                .settings
+                .control
+                .flows(&sock, self.settings.rpc_timeout)
+            {
                 Ok((total, f)) => {
                     out.push(json!({"replica": i, "alive": true, "total": total, "flows": f}))
                 }
@@ -782,7 +810,10 @@ impl Controller {
 
     fn list_flows(&self, i: u32) -> Result<(u64, Vec<FlowEntry>)> {
         let r = self.alive_target(i)?;
-        Ok(rc::flows(&r.socket, self.settings.rpc_timeout)?)
+        Ok(self
+            .settings
+            .control
+            .flows(&r.socket, self.settings.rpc_timeout)?)
     }
 
     /// `pliant migrate --count N --from rA --to rB`.
@@ -821,7 +852,11 @@ impl Controller {
                 continue;
             };
             let sock = r.socket;
-            match rc::flow(&sock, &want, self.settings.rpc_timeout) {
+            match self
+                .settings
+                .control
+                .flow(&sock, &want, self.settings.rpc_timeout)
+            {
                 Ok(Some(f)) => {
                     if i == to {
                         return Ok(
@@ -968,7 +1003,11 @@ impl Controller {
         let mut moved = 0u64;
         let mut rounds = 0;
         loop {
-            let (total, list) = match rc::flows(&vrec.socket, self.settings.rpc_timeout) {
+            let (total, list) = match self
+                .settings
+                .control
+                .flows(&vrec.socket, self.settings.rpc_timeout)
+            {
                 Ok(x) => x,
                 Err(e) => {
                     self.abort_drain(v);
@@ -1037,9 +1076,9 @@ impl Controller {
                 Some(a) => a.remove_replica(v)?,
                 None => {
                     // No agent: ask the process to stop; its host is not ours to remove.
-                    let _ = rc::call(
+                    let _ = self.settings.control.call(
                         &vrec.socket,
-                        &json!({"cmd": "shutdown"}),
+                        &Request::Shutdown,
                         self.settings.rpc_timeout,
                     );
                 }
@@ -1075,11 +1114,12 @@ impl Controller {
     /// Exports `v`'s coherent state and merges it into the first survivor (combiners run there;
     /// PULL/PUSH spread it further). Best effort: reported, never blocks the scale-in.
     fn merge_shared(&self, v: &ReplicaRecord) -> Value {
-        let exported = match rc::call(
-            v.socket.as_path(),
-            &json!({"cmd": "shared_export"}),
-            self.settings.rpc_timeout,
-        ) {
+        let exported = match self
+            .settings
+            .control
+            .call(&v.socket, &Request::SharedExport, self.settings.rpc_timeout)
+            .and_then(|a| rc::decode::<SharedExport>(&v.socket, "shared_export", &a))
+        {
             Ok(x) => x,
             Err(e) => return json!({"exported": false, "error": e.to_string()}),
         };
@@ -1089,12 +1129,14 @@ impl Controller {
         let Ok(t) = self.record(target) else {
             return json!({"exported": true, "merged": false});
         };
-        let mut req = exported.clone();
-        if let Some(o) = req.as_object_mut() {
-            o.remove("ok");
-            o.insert("cmd".into(), json!("shared_merge"));
-        }
-        match rc::call(&t.socket, &req, self.settings.rpc_timeout) {
+        let req = Request::SharedMerge {
+            bytes: exported.bytes,
+        };
+        match self
+            .settings
+            .control
+            .call(&t.socket, &req, self.settings.rpc_timeout)
+        {
             Ok(r) => json!({"exported": true, "merged_into": target, "answer": r}),
             Err(e) => json!({"exported": true, "merged": false, "error": e.to_string()}),
         }

@@ -39,6 +39,19 @@ pub enum DaemonError {
     Setup(String),
 }
 
+/// How the controller reaches replicas: `[controller] identity`, or the controller identity
+/// of its lab (`[lab]`: the lab issued one beside its replicas').
+pub fn dialer(cfg: &ControllerConfig) -> Result<crate::replica_client::Dialer, String> {
+    let mut d = cfg.controller.dialer()?;
+    if d.security.is_none() {
+        if let Some(l) = &cfg.lab {
+            d.security =
+                pliant_lab::ha::lab_security(&l.run_root.join(&l.name), pliant_lab::ha::CONTROLLER);
+        }
+    }
+    Ok(d)
+}
+
 /// Builds a controller from a parsed config (steering attached, store opened, replicas found).
 pub fn build(
     cfg: &ControllerConfig,
@@ -63,6 +76,7 @@ pub fn build(
         rpc_timeout: Duration::from_millis(c.rpc_timeout_ms),
         port_blocks,
         ha: cfg.ha.clone().unwrap_or_else(crate::ha::HaConfig::off),
+        control: dialer(cfg).map_err(DaemonError::Setup)?,
     };
     let statics: Vec<(u32, std::path::PathBuf)> = cfg
         .replica

@@ -13,7 +13,7 @@
 //! Non-blocking, because a blocking connect to a hung replica whose backlog is full would block
 //! the watcher (for unix sockets that is `EAGAIN`, which is *not* evidence of death).
 
-use crate::replica_client::FlowEntry;
+use pliant_proto::{reply, Request};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
@@ -274,11 +274,13 @@ pub fn ftmb_successor(primary: u32, live: &[(u32, PathBuf)]) -> Option<(u32, Pat
 
 /// The `ftmb_protect` request that points `primary`'s workers at the logger of `host`
 /// (whose control socket is `host_socket`).
-pub fn ftmb_protect_request(cfg: &HaConfig, host: u32, host_socket: &Path) -> Value {
+pub fn ftmb_protect_request(cfg: &HaConfig, host: u32, host_socket: &Path) -> Request {
     // `host` names the replica the master must find at the logger's endpoint (its
     // certificate is checked): an address reused by another replica is refused.
-    json!({"cmd": "ftmb_protect", "logger": ftmb_endpoint(cfg, host_socket),
-        "host": format!("r{host}")})
+    Request::FtmbProtect {
+        logger: ftmb_endpoint(cfg, host_socket),
+        host: Some(format!("r{host}")),
+    }
 }
 
 /// Where the FTMB logger hosted by the replica at `host_socket` listens.
@@ -286,10 +288,10 @@ pub fn ftmb_endpoint(cfg: &HaConfig, host_socket: &Path) -> String {
     endpoint_of(cfg.ftmb_endpoint.as_deref(), host_socket, "ftmb")
 }
 
-/// What the controller reads from an `ftmb_status` answer.
+/// What the controller keeps of an `ftmb_status` answer.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct FtmbBrief {
-    /// The logger socket the replica's workers log to, if any.
+    /// The logger endpoint the replica's workers log to, if any.
     pub logger: Option<String>,
     /// Connected to its logger with a full snapshot acknowledged (the runtime's view).
     pub protected: bool,
@@ -298,76 +300,32 @@ pub struct FtmbBrief {
     /// Primaries whose logger this replica hosts.
     pub hosting: Vec<String>,
     /// Output-commit audit of the output this replica transmits (hosted loggers and its
-    /// in-process loggers, `pliant_runtime::ftmb::audit_totals`): outputs checked as they were
-    /// handed out / of those, released before a PAL of their VOR was stored. A recovered
-    /// primary's hosted logger leaves the status with it, so sample before recoveries.
+    /// in-process loggers): outputs checked as they were handed out / of those, released
+    /// before a PAL of their VOR was stored. A recovered primary's hosted logger leaves the
+    /// status with it, so sample before recoveries.
     pub audit_checked: u64,
     pub audit_violations: u64,
 }
 
-/// Sums every number under a key named `name` anywhere in `v` (the loggers' status nests
-/// per-master and per-queue objects whose exact shape belongs to pliant-ftmb).
-pub fn sum_named(v: &Value, name: &str) -> u64 {
-    match v {
-        Value::Object(m) => m
-            .iter()
-            .map(|(k, x)| {
-                if k == name {
-                    x.as_u64().unwrap_or(0)
-                } else {
-                    sum_named(x, name)
-                }
-            })
-            .fold(0, u64::saturating_add),
-        Value::Array(a) => a
-            .iter()
-            .map(|x| sum_named(x, name))
-            .fold(0, u64::saturating_add),
-        _ => 0,
-    }
-}
-
-/// Names of the primaries a logger status lists: an object keyed by primary, or an array of
-/// objects with a `master` / `primary` field.
-fn hosted_names(h: &Value) -> Vec<String> {
-    let mut v: Vec<String> = match h {
-        Value::Object(m) => match m.get("masters") {
-            Some(inner) => return hosted_names(inner),
-            None => m.keys().cloned().collect(),
-        },
-        Value::Array(a) => a
-            .iter()
-            .filter_map(|x| {
-                x.get("master")
-                    .or_else(|| x.get("primary"))
-                    .and_then(Value::as_str)
-                    .map(str::to_string)
-            })
-            .collect(),
-        _ => Vec::new(),
-    };
-    v.sort();
-    v.dedup();
-    v
-}
-
-/// Parses an `ftmb_status` answer; missing fields count as zero / empty.
-pub fn parse_ftmb_status(v: &Value) -> FtmbBrief {
-    FtmbBrief {
-        logger: v["logger"].as_str().map(str::to_string),
-        protected: v["protected"] == true,
-        snapshots: v["snapshots"].as_u64().unwrap_or(0),
-        last_snapshot_acked: v["last_snapshot_acked"].as_u64().unwrap_or(0),
-        hosting: hosted_names(&v["hosting"]),
-        audit_checked: pliant_runtime::ftmb::audit_totals(v).0,
-        audit_violations: pliant_runtime::ftmb::audit_totals(v).1,
+impl From<&reply::FtmbStatus> for FtmbBrief {
+    fn from(v: &reply::FtmbStatus) -> FtmbBrief {
+        let audit = v.audit();
+        FtmbBrief {
+            logger: v.logger.clone(),
+            protected: v.protected,
+            snapshots: v.snapshots,
+            last_snapshot_acked: v.last_snapshot_acked.unwrap_or(0),
+            hosting: v.hosted(),
+            audit_checked: audit.audit_checked,
+            audit_violations: audit.audit_violations,
+        }
     }
 }
 
 /// The FTMB-specific numbers of an `ftmb_activate` answer, for the failover record.
-pub fn ftmb_activate_detail(v: &Value) -> Value {
-    json!({"replay_ms": v.get("replay_ms"), "total_ms": v.get("total_ms"),
-        "replayed_packets": v.get("replayed_packets"), "suppressed": v.get("suppressed")})
+pub fn ftmb_activate_detail(v: &reply::FtmbActivate) -> Value {
+    json!({"replay_ms": v.replay_ms, "total_ms": v.total_ms,
+        "replayed_packets": v.replayed_packets, "suppressed": v.suppressed})
 }
 
 fn target(cfg: &HaConfig, index: u32, control_socket: &Path) -> Value {
@@ -421,21 +379,7 @@ pub fn build_policy(cfg: &HaConfig, primary: u32, live: &[(u32, PathBuf)]) -> Va
     }
 }
 
-/// Backup names a `protect` answer lists (`groups[].backup`).
-pub fn protect_backups(answer: &Value) -> Vec<String> {
-    let mut v: Vec<String> = answer["groups"]
-        .as_array()
-        .map(Vec::as_slice)
-        .unwrap_or(&[])
-        .iter()
-        .filter_map(|g| g["backup"].as_str().map(str::to_string))
-        .collect();
-    v.sort();
-    v.dedup();
-    v
-}
-
-/// What the controller reads from an `ha_status` answer.
+/// What the controller keeps of an `ha_status` answer.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct HaBrief {
     pub token: u64,
@@ -452,49 +396,23 @@ pub struct HaBrief {
     pub audit_violations: u64,
 }
 
-/// Parses an `ha_status` answer; missing fields count as zero / empty.
-pub fn parse_ha_status(v: &Value) -> HaBrief {
-    let groups = v["groups"].as_array().map(Vec::as_slice).unwrap_or(&[]);
-    HaBrief {
-        token: v["token"].as_u64().unwrap_or(0),
-        needs_backup: groups.iter().any(|g| g["needs_backup"] == true),
-        dead_backups: {
-            let mut v: Vec<String> = groups
+impl From<&reply::HaStatus> for HaBrief {
+    fn from(v: &reply::HaStatus) -> HaBrief {
+        HaBrief {
+            token: v.token,
+            needs_backup: v.groups.iter().any(|g| g.needs_backup),
+            dead_backups: v.dead_backups(),
+            groups_up: v.groups.iter().filter(|g| g.state == "up").count() as u64,
+            groups_total: v.groups.len() as u64,
+            standby: v
+                .standby
                 .iter()
-                .filter(|g| g["needs_backup"] == true)
-                .filter_map(|g| g["backup"].as_str().map(str::to_string))
-                .collect();
-            v.sort();
-            v.dedup();
-            v
-        },
-        groups_up: groups.iter().filter(|g| g["state"] == "up").count() as u64,
-        groups_total: groups.len() as u64,
-        standby: v["standby"]
-            .as_array()
-            .map(Vec::as_slice)
-            .unwrap_or(&[])
-            .iter()
-            .filter_map(|s| {
-                Some((
-                    s["primary"].as_str()?.to_string(),
-                    s["flows"].as_u64().unwrap_or(0),
-                ))
-            })
-            .collect(),
-        audit_checked: v["output"]["audit_checked"].as_u64().unwrap_or(0),
-        audit_violations: v["output"]["audit_violations"].as_u64().unwrap_or(0),
+                .map(|s| (s.primary.clone(), s.flows))
+                .collect(),
+            audit_checked: v.output.audit_checked,
+            audit_violations: v.output.audit_violations,
+        }
     }
-}
-
-/// Parses an `activate` answer: (activated, failed, flows with their aliases).
-pub fn parse_activate(v: &Value) -> (u64, u64, Vec<FlowEntry>) {
-    let flows = crate::replica_client::parse_flows(v).1;
-    (
-        v["activated"].as_u64().unwrap_or(flows.len() as u64),
-        v["failed"].as_u64().unwrap_or(0),
-        flows,
-    )
 }
 
 /// Result of one liveness probe.
@@ -598,7 +516,10 @@ mod tests {
                 2,
                 Path::new("/run/pliant/lab/r2.sock")
             ),
-            json!({"cmd": "ftmb_protect", "logger": "/run/pliant/lab/r2.ftmb.sock", "host": "r2"})
+            Request::FtmbProtect {
+                logger: "/run/pliant/lab/r2.ftmb.sock".into(),
+                host: Some("r2".into())
+            }
         );
         // FTMB replicas get no Pico policy.
         let c = HaConfig {
@@ -609,10 +530,10 @@ mod tests {
     }
 
     #[test]
-    fn ftmb_status_parses_hosted_masters_and_sums_the_audit_of_every_logger() {
+    fn ftmb_status_keeps_hosted_masters_and_sums_the_audit_of_every_logger() {
         let v = json!({"ok": true, "mode": "ftmb", "workers": 2,
             "logger": "/run/pliant/lab/r2.ftmb.sock", "protected": true, "snapshots": 40,
-            "last_snapshot_acked": 39,
+            "last_snapshot_acked": 39, "last_error": null,
             "local_audit": {"audit_checked": 4, "audit_violations": 1},
             "hosting": {"masters": {
                 "r3": {"queues": [{"logged_pal_seq": 4}],
@@ -620,100 +541,36 @@ mod tests {
                                   "audit_violations": 2}},
                 "r9": {"logger": {"audit_checked": 1, "audit_violations": 0}}},
                 "fenced": {}, "server": {"accepted": 3}}});
-        let b = parse_ftmb_status(&v);
+        let b = FtmbBrief::from(&reply::decode::<reply::FtmbStatus>(&v).unwrap());
         assert_eq!(b.logger.as_deref(), Some("/run/pliant/lab/r2.ftmb.sock"));
         assert!(b.protected);
         assert_eq!((b.snapshots, b.last_snapshot_acked), (40, 39));
         assert_eq!(b.hosting, vec!["r3".to_string(), "r9".to_string()]);
         assert_eq!((b.audit_checked, b.audit_violations), (20, 3));
-        let arr = json!({"hosting": [{"master": "r1"}, {"primary": "r2"}, {}]});
-        assert_eq!(
-            parse_ftmb_status(&arr).hosting,
-            vec!["r1".to_string(), "r2".to_string()]
-        );
-        assert_eq!(
-            parse_ftmb_status(&json!({"ok": true})),
-            FtmbBrief::default()
-        );
-    }
-
-    #[test]
-    fn chords_lists_every_other_replica_starting_after_the_primary() {
-        let c = HaConfig::default();
-        let p = build_policy(&c, 2, &live(&[1, 2, 3]));
-        assert_eq!(p["kind"], "chords");
-        assert_eq!(p["hz"], 1000);
-        assert_eq!(p["vnodes"], 64);
-        let names: Vec<&str> = p["backups"]
-            .as_array()
+        // A status without the audit is malformed, not "0 violations".
+        let mut gap = v.clone();
+        gap["local_audit"]
+            .as_object_mut()
             .unwrap()
-            .iter()
-            .map(|b| b["name"].as_str().unwrap())
-            .collect();
-        assert_eq!(names, vec!["r3", "r1"]);
-        assert_eq!(p["backups"][0]["socket"], "/run/pliant/lab/r3.repl.sock");
+            .remove("audit_violations");
+        assert!(reply::decode::<reply::FtmbStatus>(&gap).is_err());
     }
 
     #[test]
-    fn single_streams_remus_and_off() {
-        let mut c = HaConfig {
-            policy: PolicyKind::Single,
-            ..HaConfig::default()
-        };
-        let p = build_policy(&c, 3, &live(&[1, 2, 3]));
-        assert_eq!(p["kind"], "single");
-        assert_eq!(p["backup"]["name"], "r1", "cyclic: after r3 comes r1");
-        c.policy = PolicyKind::Streams;
-        let p = build_policy(&c, 1, &live(&[1, 2, 3]));
-        assert_eq!(p["kind"], "streams");
-        assert_eq!(p["classes"][0]["backup"]["name"], "r2");
-        assert_eq!(p["classes"][0]["ports"], json!([[1, 1023], [5201, 5201]]));
-        assert_eq!(p["default"]["backup"]["name"], "r3");
-        assert_eq!(p["default"]["hz"], 100);
-        // Streams with one other replica: both classes go to it.
-        let p = build_policy(&c, 1, &live(&[1, 2]));
-        assert_eq!(p["default"]["backup"]["name"], "r2");
-        c.mode = HaMode::Remus;
-        let p = build_policy(&c, 1, &live(&[1, 2]));
-        assert_eq!(
-            p,
-            json!({"kind": "remus", "hz": 40,
-            "backup": {"name": "r2", "socket": "/run/pliant/lab/r2.repl.sock"}})
-        );
-        // Alone, or HA off: nothing to protect to.
-        assert_eq!(build_policy(&c, 1, &live(&[1]))["kind"], "off");
-        assert_eq!(
-            build_policy(&HaConfig::off(), 1, &live(&[1, 2]))["kind"],
-            "off"
-        );
-    }
-
-    #[test]
-    fn ha_status_and_activate_answers_parse_and_tolerate_gaps() {
+    fn ha_status_answers_decode_strictly() {
         let v = json!({"ok": true, "mode": "pico", "token": 4,
-            "groups": [{"id": 1, "state": "up", "needs_backup": false},
-                       {"id": 2, "state": "unprotected", "needs_backup": true}],
-            "standby": [{"primary": "r1", "flows": 7, "groups": [[1, 9]]}, {"flows": 1}],
+            "groups": [{"id": 1, "backup": "r2", "state": "up", "needs_backup": false},
+                       {"id": 2, "backup": "r3", "state": "unprotected", "needs_backup": true}],
+            "standby": [{"primary": "r1", "flows": 7, "groups": [[1, 9]]}],
             "output": {"audit_checked": 100, "audit_violations": 0}});
-        let b = parse_ha_status(&v);
+        let b = HaBrief::from(&reply::decode::<reply::HaStatus>(&v).unwrap());
         assert_eq!(b.token, 4);
         assert!(b.needs_backup);
+        assert_eq!(b.dead_backups, vec!["r3".to_string()]);
         assert_eq!((b.groups_up, b.groups_total), (1, 2));
         assert_eq!(b.standby, vec![("r1".to_string(), 7)]);
         assert_eq!((b.audit_checked, b.audit_violations), (100, 0));
-        assert_eq!(parse_ha_status(&json!({"ok": true})), HaBrief::default());
-        let a = json!({"ok": true, "activated": 2, "failed": 1, "flows": [
-            {"key": "tcp 10.77.1.2:1 <-> 10.77.2.2:80", "aliases": ["tcp 10.77.2.1:20001 <-> 10.77.2.2:80"]},
-            {"key": "udp 10.77.1.2:5 <-> 10.77.2.2:53"}]});
-        let (n, f, flows) = parse_activate(&a);
-        assert_eq!((n, f, flows.len()), (2, 1, 2));
-        assert_eq!(flows[0].aliases.len(), 1);
-        assert_eq!(
-            protect_backups(
-                &json!({"groups": [{"backup": "r3"}, {"backup": "r2"}, {"backup": "r3"}]})
-            ),
-            vec!["r2".to_string(), "r3".to_string()]
-        );
+        assert!(reply::decode::<reply::HaStatus>(&json!({"ok": true})).is_err());
     }
 
     #[test]

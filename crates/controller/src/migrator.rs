@@ -72,6 +72,10 @@ pub struct RuntimeMigrator {
     /// Where each replica's peer channel is: a template with `{name}` for the control socket's
     /// stem (`[controller] peer_endpoint`); absent, the unix socket beside the control socket.
     pub peer_endpoint: Option<String>,
+    /// How the replicas' control channels are reached.
+    pub control: crate::replica_client::Dialer,
+    /// Bound on the quick requests of a migration (the `migrate_out` itself may take longer).
+    pub timeout: std::time::Duration,
 }
 
 impl Migrator for RuntimeMigrator {
@@ -89,8 +93,8 @@ impl Migrator for RuntimeMigrator {
         };
         let mut steer_err: Option<String> = None;
         let r = pliant_runtime::migrate_client::migrate(
-            &src.display().to_string(),
-            &dst.display().to_string(),
+            &self.control.client(src, self.timeout),
+            &self.control.client(dst, self.timeout),
             &peer,
             &keys,
             |all| {
@@ -107,17 +111,11 @@ impl Migrator for RuntimeMigrator {
                 "flows moved but steering failed: {e}"
             )));
         }
-        let failed: Vec<String> = r["failed"]
-            .as_array()
-            .map(|a| {
-                a.iter()
-                    .filter_map(|f| f["key"].as_str().map(str::to_string))
-                    .collect()
-            })
-            .unwrap_or_default();
+        let out: pliant_proto::reply::MigrateOut =
+            pliant_proto::reply::decode(&r).map_err(MigrateError)?;
         Ok(Outcome {
-            moved: r["moved"].as_u64().unwrap_or(0),
-            failed,
+            moved: out.moved,
+            failed: out.failed.into_iter().map(|f| f.key).collect(),
             detail: r,
         })
     }

@@ -1,61 +1,90 @@
-//! Talking to a replica's control socket: one JSON object per line, one answer line back
-//! (`{"ok":true,...}` or `{"ok":false,"error":"..."}`), as served by `pliant_runtime::control`.
+//! Talking to replicas' control channels: pliant-proto's typed requests and answers over
+//! pliant-wire. A replica is recorded by its control socket path; the [`Dialer`] decides how
+//! it is reached — that unix socket, or a TCP endpoint from a template (a replica on another
+//! host) — and with which identity (the controller's, CONTROLLER role).
 
-use serde_json::Value;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::net::UnixStream;
+use pliant_proto::{reply, Client, Request};
+use pliant_wire::{Endpoint, Security};
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-/// Largest answer accepted (a `flows` listing of 1000 keys with aliases is well below).
-pub const MAX_ANSWER_BYTES: u64 = 16 << 20;
+pub use pliant_proto::reply::FlowEntry;
+pub use pliant_proto::ControlError as ReplicaError;
 
-#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
-pub enum ReplicaError {
-    #[error("replica socket {path}: {reason}")]
-    Io { path: String, reason: String },
-    #[error("replica {path} refused {cmd}: {error}")]
-    Refused {
-        path: String,
-        cmd: String,
-        error: String,
-    },
+/// How the controller reaches replicas' control channels.
+#[derive(Clone, Debug, Default)]
+pub struct Dialer {
+    /// The controller's identity (needed by replicas that have one, which is every replica
+    /// with a `[security]` section).
+    pub security: Option<Security>,
+    /// `[controller] control_endpoint`: where replica `{name}`/`{index}` serves control on
+    /// TCP (see `ha::endpoint_of`); without it, the replica's unix socket.
+    pub template: Option<String>,
 }
 
-/// Sends `req` and returns the answer if it says `ok`.
-pub fn call(path: &Path, req: &Value, timeout: Duration) -> Result<Value, ReplicaError> {
-    let p = path.display().to_string();
-    let ioerr = |reason: String| ReplicaError::Io {
-        path: p.clone(),
-        reason,
-    };
-    let mut s = UnixStream::connect(path).map_err(|e| ioerr(format!("connect: {e}")))?;
-    s.set_read_timeout(Some(timeout))
-        .and_then(|_| s.set_write_timeout(Some(timeout)))
-        .map_err(|e| ioerr(e.to_string()))?;
-    writeln!(s, "{req}").map_err(|e| ioerr(format!("write: {e}")))?;
-    let mut line = String::new();
-    BufReader::new(s)
-        .take(MAX_ANSWER_BYTES)
-        .read_line(&mut line)
-        .map_err(|e| ioerr(format!("read: {e}")))?;
-    let v: Value = serde_json::from_str(&line).map_err(|e| ioerr(format!("bad answer: {e}")))?;
-    if v.get("ok").and_then(Value::as_bool) == Some(true) {
-        Ok(v)
-    } else {
-        Err(ReplicaError::Refused {
-            path: p,
-            cmd: req
-                .get("cmd")
-                .and_then(Value::as_str)
-                .unwrap_or("?")
-                .to_string(),
-            error: v
-                .get("error")
-                .and_then(Value::as_str)
-                .unwrap_or("no error text")
-                .to_string(),
+impl Dialer {
+    /// A client of the replica whose control socket is `socket`.
+    pub fn client(&self, socket: &Path, timeout: Duration) -> Client {
+        let ep = match &self.template {
+            Some(t) => crate::ha::endpoint_of(Some(t), socket, "control")
+                .parse()
+                .unwrap_or_else(|_| Endpoint::Unix(socket.to_path_buf())),
+            None => Endpoint::Unix(socket.to_path_buf()),
+        };
+        let c = Client::new(ep, self.security.clone()).with_timeout(timeout);
+        // Over TCP the replica must prove it is the one the record names (its socket's stem,
+        // as the templates use it); on its unix socket the path names it already.
+        match (&self.template, socket.file_stem()) {
+            (Some(_), Some(stem)) if self.security.is_some() => {
+                c.expecting(stem.to_string_lossy().into_owned())
+            }
+            _ => c,
+        }
+    }
+
+    /// Sends `req` to the replica at `socket` and returns the `ok` answer.
+    pub fn call(
+        &self,
+        socket: &Path,
+        req: &Request,
+        timeout: Duration,
+    ) -> Result<serde_json::Value, ReplicaError> {
+        self.client(socket, timeout).call(req)
+    }
+
+    /// What a heartbeat learns: `stats`, decoded strictly.
+    pub fn heartbeat(&self, socket: &Path, timeout: Duration) -> Result<Beat, ReplicaError> {
+        let s = self.client(socket, timeout).stats()?;
+        Ok(Beat {
+            flows: s.table.flows,
+            rx_frames: s.rx_frames(),
         })
+    }
+
+    /// `flows`: (total, the listed flows).
+    pub fn flows(
+        &self,
+        socket: &Path,
+        timeout: Duration,
+    ) -> Result<(u64, Vec<FlowEntry>), ReplicaError> {
+        let l = self.client(socket, timeout).flows()?;
+        Ok((l.total, l.flows))
+    }
+
+    /// Whether the replica holds `key` (one index lookup there, any table size).
+    pub fn flow(
+        &self,
+        socket: &Path,
+        key: &pliant_state::FlowKey,
+        timeout: Duration,
+    ) -> Result<Option<FlowEntry>, ReplicaError> {
+        self.client(socket, timeout).flow(key)
+    }
+
+    /// Waits until the replica answers `stats`, returning how long that took.
+    pub fn wait_serving(&self, socket: &Path, limit: Duration) -> Result<Duration, ReplicaError> {
+        self.client(socket, Duration::from_millis(500))
+            .wait_serving(limit)
     }
 }
 
@@ -67,160 +96,41 @@ pub struct Beat {
     pub rx_frames: u64,
 }
 
-/// Extracts a [`Beat`] from a `stats` answer; missing fields count as 0 (older replicas).
-pub fn parse_beat(v: &Value) -> Beat {
-    let u = |p: &str| v.pointer(p).and_then(Value::as_u64).unwrap_or(0);
-    Beat {
-        flows: u("/table/flows"),
-        rx_frames: u("/ports/inside/rx_frames").saturating_add(u("/ports/outside/rx_frames")),
-    }
-}
-
-pub fn heartbeat(path: &Path, timeout: Duration) -> Result<Beat, ReplicaError> {
-    call(path, &serde_json::json!({"cmd": "stats"}), timeout).map(|v| parse_beat(&v))
-}
-
-/// One flow as a replica lists it: its key and its aliases (textual FlowKey form).
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct FlowEntry {
-    pub key: String,
-    #[serde(default)]
-    pub aliases: Vec<String>,
-}
-
-/// Parses a `flows` answer. Accepts both shapes: `"flows": ["key", ...]` (foundation) and
-/// `"flows": [{"key": "...", "aliases": [...]}, ...]` (with aliases, for migration).
-pub fn parse_flows(v: &Value) -> (u64, Vec<FlowEntry>) {
-    let mut out = Vec::new();
-    if let Some(arr) = v.get("flows").and_then(Value::as_array) {
-        for f in arr {
-            match f {
-                Value::String(s) => out.push(FlowEntry {
-                    key: s.clone(),
-                    aliases: Vec::new(),
-                }),
-                Value::Object(_) => {
-                    if let Ok(e) = serde_json::from_value::<FlowEntry>(f.clone()) {
-                        out.push(e);
-                    }
-                }
-                _ => {}
-            }
-        }
-    }
-    let total = v
-        .get("total")
-        .and_then(Value::as_u64)
-        .unwrap_or(out.len() as u64);
-    (total, out)
-}
-
-pub fn flows(path: &Path, timeout: Duration) -> Result<(u64, Vec<FlowEntry>), ReplicaError> {
-    call(path, &serde_json::json!({"cmd": "flows"}), timeout).map(|v| parse_flows(&v))
-}
-
-/// Asks the replica whether its flow table holds `key` (a primary key or an alias): `Some`
-/// with the flow's primary key and aliases if so. One index lookup on the replica, so unlike
-/// scanning [`flows`] (bounded at `max_listed_flows`) it finds any flow at any table size.
-pub fn flow(
-    path: &Path,
-    key: &pliant_state::FlowKey,
-    timeout: Duration,
-) -> Result<Option<FlowEntry>, ReplicaError> {
-    let v = call(
-        path,
-        &serde_json::json!({"cmd": "flow", "key": key.to_string()}),
-        timeout,
-    )?;
-    parse_flow(&v).map_err(|reason| ReplicaError::Io {
-        path: path.display().to_string(),
+/// Decodes the typed part of an answer for the controller's error paths.
+pub fn decode<T: serde::de::DeserializeOwned>(
+    socket: &Path,
+    cmd: &str,
+    v: &serde_json::Value,
+) -> Result<T, ReplicaError> {
+    reply::decode(v).map_err(|reason| ReplicaError::Malformed {
+        ep: socket.display().to_string(),
+        cmd: cmd.into(),
         reason,
     })
-}
-
-/// Parses a `flow` answer (`{"ok":true,"found":false}` or `{"ok":true,"found":true,"key":…,
-/// "aliases":[…]}`); a missing `found` or a found flow without a key is a malformed answer.
-pub fn parse_flow(v: &Value) -> Result<Option<FlowEntry>, String> {
-    match v.get("found").and_then(Value::as_bool) {
-        Some(false) => Ok(None),
-        Some(true) => serde_json::from_value::<FlowEntry>(v.clone())
-            .map(Some)
-            .map_err(|e| format!("bad flow answer: {e}")),
-        None => Err("bad flow answer: missing boolean field \"found\"".into()),
-    }
-}
-
-/// Waits until the replica answers `stats`, returning how long that took.
-pub fn wait_serving(path: &Path, limit: Duration) -> Result<Duration, ReplicaError> {
-    let start = Instant::now();
-    loop {
-        match heartbeat(path, Duration::from_millis(500)) {
-            Ok(_) => return Ok(start.elapsed()),
-            Err(e) if start.elapsed() >= limit => return Err(e),
-            Err(_) => std::thread::sleep(Duration::from_millis(10)),
-        }
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
-
-    #[test]
-    fn beats_parse_from_stats_and_tolerate_missing_fields() {
-        let v = json!({"ok": true, "table": {"flows": 7},
-            "ports": {"inside": {"rx_frames": 10}, "outside": {"rx_frames": 5}}});
-        assert_eq!(
-            parse_beat(&v),
-            Beat {
-                flows: 7,
-                rx_frames: 15
-            }
-        );
-        assert_eq!(parse_beat(&json!({"ok": true})), Beat::default());
-    }
-
-    #[test]
-    fn flows_parse_in_both_shapes() {
-        let (t, f) = parse_flows(&json!({"total": 3, "flows": ["a", "b"]}));
-        assert_eq!(t, 3);
-        assert_eq!(f.len(), 2);
-        assert!(f[0].aliases.is_empty());
-        let (_, f) =
-            parse_flows(&json!({"flows": [{"key": "k", "aliases": ["x"]}, 5, {"nokey": 1}]}));
-        assert_eq!(
-            f,
-            vec![FlowEntry {
-                key: "k".into(),
-                aliases: vec!["x".into()]
-            }]
-        );
-    }
-
-    #[test]
-    fn flow_answers_parse_and_malformed_ones_are_errors() {
-        assert_eq!(parse_flow(&json!({"ok": true, "found": false})), Ok(None));
-        assert_eq!(
-            parse_flow(
-                &json!({"ok": true, "found": true, "key": "k", "aliases": ["a"],
-                "version": 3})
-            ),
-            Ok(Some(FlowEntry {
-                key: "k".into(),
-                aliases: vec!["a".into()]
-            }))
-        );
-        assert!(parse_flow(&json!({"ok": true, "found": true})).is_err());
-        assert!(parse_flow(&json!({"ok": true})).is_err());
-    }
 
     #[test]
     fn unreachable_socket_is_an_io_error() {
-        let e = heartbeat(
+        let e = Dialer::default().heartbeat(
             Path::new("/nonexistent/pliant.sock"),
             Duration::from_millis(100),
         );
         assert!(matches!(e, Err(ReplicaError::Io { .. })));
+    }
+
+    #[test]
+    fn a_template_dials_tcp_and_expects_the_replica_by_name() {
+        let d = Dialer {
+            security: None,
+            template: Some("10.254.0.{index}:7403".into()),
+        };
+        let c = d.client(Path::new("/run/pliant/lab/r3.sock"), Duration::from_secs(1));
+        assert_eq!(c.endpoint().to_string(), "tcp:10.254.0.3:7403");
+        let c = Dialer::default().client(Path::new("/run/x/r3.sock"), Duration::from_secs(1));
+        assert!(!c.endpoint().is_tcp());
     }
 }

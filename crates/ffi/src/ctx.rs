@@ -456,11 +456,15 @@ impl PliantCtx {
         let inside = PacketPort::open(&cfg.inside.ifname, &opts).map_err(|e| io(e.to_string()))?;
         let outside =
             PacketPort::open(&cfg.outside.ifname, &opts).map_err(|e| io(e.to_string()))?;
-        let (server, handle) = pliant_runtime::control::start(
-            &cfg.replica.control_socket,
-            cfg.replica.metrics_listen.as_deref(),
-        )
-        .map_err(io)?;
+        let security = cfg.security().map(|s| s.load()).transpose().map_err(io)?;
+        let (server, handle) =
+            pliant_runtime::control::start(&pliant_runtime::control::ControlOptions {
+                socket: cfg.replica.control_socket.clone(),
+                listen: cfg.replica.control_listen.clone(),
+                metrics_listen: cfg.replica.metrics_listen.clone(),
+                security,
+            })
+            .map_err(io)?;
         let mut wait_fds: Vec<RawFd> = [inside.poll_fd(), outside.poll_fd()]
             .into_iter()
             .flatten()

@@ -96,14 +96,37 @@ pub fn identity_dir(run_dir: &Path, name: &str) -> PathBuf {
     run_dir.join("id").join(name)
 }
 
-/// Creates the lab's CA (fails if one exists: a deployment's CA is never silently replaced).
+/// Creates the lab's CA (fails if one exists: a deployment's CA is never silently replaced)
+/// and the identities of the lab's operators: `admin` (ADMIN role: the CLI, tests, benches)
+/// and `controller` (CONTROLLER role), which the replicas' control channels require.
 pub fn provision_ca(run_dir: &Path) -> Result<()> {
     let d = ca_dir(run_dir);
     private_dir(&d)?;
     private_dir(&run_dir.join("id"))?;
     pliant_wire::Ca::generate(Some(&d))
-        .map(|_| ())
-        .map_err(|e| LabError::Config(format!("lab CA in {}: {e}", d.display())))
+        .map_err(|e| LabError::Config(format!("lab CA in {}: {e}", d.display())))?;
+    issue_identity(run_dir, ADMIN, pliant_wire::role::ADMIN)?;
+    issue_identity(run_dir, CONTROLLER, pliant_wire::role::CONTROLLER)?;
+    Ok(())
+}
+
+/// The lab's operator identities (under `<run_dir>/id/`).
+pub const ADMIN: &str = "admin";
+pub const CONTROLLER: &str = "controller";
+
+/// The security of identity `name` of the lab whose run directory is `run_dir`, if it has one.
+pub fn lab_security(run_dir: &Path, name: &str) -> Option<pliant_wire::Security> {
+    let d = identity_dir(run_dir, name);
+    // An unreadable identity falls back to none: the replica's refusal then says which
+    // identity it needs.
+    pliant_wire::Security::load(&d, pliant_wire::Encrypt::Auto).ok()
+}
+
+/// A client of the replica control socket `sock` of a lab (the socket sits in the lab's run
+/// directory): authenticated as the lab's admin when the lab has identities, local otherwise.
+pub fn control_client(sock: &Path) -> pliant_proto::Client {
+    let sec = sock.parent().and_then(|run| lab_security(run, ADMIN));
+    pliant_proto::Client::new(pliant_wire::Endpoint::Unix(sock.to_path_buf()), sec)
 }
 
 fn private_dir(d: &Path) -> Result<()> {

@@ -844,6 +844,7 @@ pub fn replica_config(n: u8, sock: &Path, nf: &PliantNf) -> ReplicaConfig {
         replica: ReplicaSection {
             name: format!("r{n}"),
             control_socket: sock.display().to_string(),
+            control_listen: None,
             metrics_listen: None,
             realtime_priority: None,
         },

@@ -6,6 +6,7 @@
 //! [replica]
 //! name = "r1"
 //! control_socket = "/run/pliant/lab-x/r1.sock"   # unix socket, mode 0600
+//! # control_listen = "10.0.0.1:7403"            # control on TCP too (needs [security])
 //! # metrics_listen = "127.0.0.1:9100"            # optional TCP listener; none by default
 //! # realtime_priority = 20                       # SCHED_FIFO 1..=99 for all threads; off by default
 //!
@@ -63,6 +64,10 @@ pub struct ReplicaConfig {
 pub struct ReplicaSection {
     pub name: String,
     pub control_socket: String,
+    /// The control channel on TCP as well (`host:port`), for a controller on another host;
+    /// needs `[security]` (clients must then prove the CONTROLLER or ADMIN role).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub control_listen: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metrics_listen: Option<String>,
     /// Run every replica thread under SCHED_FIFO at this priority (1..=99; absent: the normal
@@ -479,6 +484,18 @@ impl ReplicaConfig {
                     Some("[shared".into()),
                     "[shared] needs a [security] identity: the hub accepts only replicas with a \
                      certificate of the deployment's CA (pliant keys issue --role replica)"
+                        .into(),
+                ));
+            }
+        }
+        if let Some(l) = &self.replica.control_listen {
+            check_endpoint("replica.control_listen", l)
+                .map_err(|e| (Some("control_listen".into()), e))?;
+            if !self.nf_sections.contains_key("security") {
+                return Err((
+                    Some("control_listen".into()),
+                    "replica.control_listen needs a [security] identity: control over TCP is \
+                     served only to authenticated clients"
                         .into(),
                 ));
             }

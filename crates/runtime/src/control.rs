@@ -1,248 +1,67 @@
-//! The control socket (and optional HTTP metrics listener), served from their own threads.
+//! The control channel (and optional HTTP metrics listener), served from their own threads.
 //!
 //! The packet thread owns all state, so these threads never touch it: they turn each request
 //! into a [`Request`] on a bounded channel, poke the packet thread awake through a socket pair
 //! it polls, and wait (bounded) for the answer. No locks on the hot path.
 //!
 //! Each control connection is served on its own thread (at most [`MAX_CONNECTIONS`] at once;
-//! beyond that a connection gets one error line and is closed, counted in
-//! `control_conns_refused`): a `migrate_out` or `ftmb_activate` may take seconds to answer,
-//! and the controller's `stats` heartbeat on another connection must not wait behind it. The
-//! packet thread never waits for those either: it answers them later on the request's reply
-//! channel.
+//! beyond that a local connection gets one error answer and a sealed one is closed, both
+//! counted in `control_conns_refused`): a `migrate_out` or `ftmb_activate` may take seconds
+//! to answer, and the controller's `stats` heartbeat on another connection must not wait
+//! behind it. The packet thread never waits for those either: it answers them later on the
+//! request's reply channel.
 //!
-//! Protocol: a unix stream socket, mode 0600, and the peer's uid (SO_PEERCRED) must be ours.
-//! One JSON object per line, `{"cmd":"stats"|"metrics"|"query"|"flows"|"shutdown"|...}` (the
-//! migration commands are listed in the crate README), answered
-//! by one JSON line: `{"ok":true,...}` or `{"ok":false,"error":"..."}`. Lines are bounded
-//! ([`MAX_REQUEST_BYTES`]); anything malformed gets an error and is counted, never a crash.
+//! Protocol: pliant-proto's typed requests and answers, one per pliant-wire frame, on the
+//! replica's unix socket and, if configured, a TCP endpoint. A replica with a `[security]`
+//! identity runs the wire handshake on both and serves only clients certified with the
+//! CONTROLLER or ADMIN role; without one, only the unix socket is served, to peers of the
+//! replica's own uid (SO_PEERCRED), with plain frames (see `pliant_proto::link`). Bodies are
+//! bounded ([`MAX_REQUEST`]); anything malformed gets an error and is counted, never a crash.
 
+use pliant_proto::link::{Link, MAX_REQUEST};
+use pliant_wire::server::ServerSocket;
+use pliant_wire::{role, Endpoint, Expect, Security, Stream};
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpListener;
 use std::os::fd::{AsRawFd, RawFd};
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Longest request line accepted (a `migrate_in` of 20,000 keys is ~1 MiB).
-pub const MAX_REQUEST_BYTES: usize = 2 << 20;
+/// The control protocol's requests (one definition, in pliant-proto, for both ends).
+pub use pliant_proto::Request as Cmd;
+
 /// Requests queued for the packet thread at most (beyond: refused at once and counted in
 /// `control_errors`; requests whose client gave up waiting stay queued until served).
 pub(crate) const CHANNEL_BOUND: usize = 16;
 /// Control connections served at once. Each holds a thread while it waits for its answer or its
-/// next line (a silent client at most [`IO_TIMEOUT`]); the controller needs a handful (heartbeat,
-/// one operation, HA polls), so this leaves room for CLI use without unbounded threads.
+/// next request (a silent client at most [`IO_TIMEOUT`]); the controller needs a handful
+/// (heartbeat, one operation, HA polls), so this leaves room for CLI use without unbounded
+/// threads.
 pub const MAX_CONNECTIONS: usize = 16;
 /// Scrapes served at once on the HTTP metrics listener (more get 503 at once and are counted
 /// in `control_errors`).
 pub const MAX_METRICS_CONNECTIONS: usize = 4;
-/// How long a client may take to send a line, and we wait for the packet thread.
+/// How long a client may take to send a request, and we wait for the packet thread.
 const IO_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long `ftmb_protect`/`ftmb_activate` may take (connects, barriers, replay: each bounded
 /// on its own, this is their sum with margin).
 pub const FTMB_WAIT: Duration = Duration::from_secs(20);
 
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Cmd {
-    Stats,
-    Metrics,
-    Query,
-    Flows,
-    /// Whether this replica's flow table holds `key` (as a primary key or an alias), and if so
-    /// its primary key, aliases and version: one index lookup, so the controller can find a
-    /// flow's owner however many flows the replicas hold (`flows` lists at most
-    /// `max_listed_flows`).
-    Flow {
-        key: pliant_state::FlowKey,
-    },
-    Shutdown,
-    /// Destination side: hold packets of `keys` until their state arrives.
-    MigrateIn {
-        from: String,
-        keys: Vec<pliant_state::FlowKey>,
-    },
-    /// Source side: export `keys` and ship them to the peer socket `to` (answered later).
-    MigrateOut {
-        to: String,
-        keys: Vec<pliant_state::FlowKey>,
-    },
-    /// NAT: the external port blocks this replica allocates from.
-    SetPortBlocks {
-        blocks: Vec<(u16, u16)>,
-    },
-    /// Export this replica's combiner contributions (retires them).
-    SharedExport,
-    /// Merge a dying replica's exported contributions (hex).
-    SharedMerge {
-        bytes: Vec<u8>,
-    },
-    /// HA: replace the replication policy under fencing token `token`.
-    Protect {
-        token: u64,
-        policy: Box<pliant_ha::policy::Policy>,
-    },
-    /// HA: groups, held output, standby state held for others.
-    HaStatus,
-    /// HA (backup): make `primary`'s standby state live here.
-    Activate {
-        primary: String,
-        token: u64,
-    },
-    /// HA (backup): forget `primary`'s standby state.
-    DropStandby {
-        primary: String,
-    },
-    /// FTMB: log to the logger at `logger` (another replica's `.ftmb.sock`, or its TCP
-    /// `host:port`). With `host` (the replica hosting it), the logger must prove that name in
-    /// the handshake.
-    FtmbProtect {
-        logger: String,
-        host: Option<String>,
-    },
-    /// FTMB: workers, logger, snapshots, hosted logs, recoveries.
-    FtmbStatus,
-    /// FTMB (logger host): recover `primary` by replay and import its flows.
-    FtmbActivate {
-        primary: String,
-    },
-    /// FTMB (logger host): hold arriving packets now, for `primary`'s activation to come.
-    FtmbHold {
-        primary: String,
-    },
-}
-
-fn u64_field(v: &Value, name: &str) -> Result<u64, String> {
-    v.get(name)
-        .and_then(Value::as_u64)
-        .ok_or_else(|| format!("missing unsigned integer field {name:?}"))
-}
-
-fn str_field(v: &Value, name: &str) -> Result<String, String> {
-    v.get(name)
-        .and_then(Value::as_str)
-        .map(str::to_string)
-        .ok_or_else(|| format!("missing string field {name:?}"))
-}
-
-/// Decodes lowercase/uppercase hex; `None` on odd length or a non-hex digit.
-pub fn from_hex(s: &str) -> Option<Vec<u8>> {
-    if !s.len().is_multiple_of(2) {
-        return None;
-    }
-    (0..s.len())
-        .step_by(2)
-        .map(|i| s.get(i..i + 2).and_then(|b| u8::from_str_radix(b, 16).ok()))
-        .collect()
-}
-
-pub fn to_hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-impl Cmd {
-    fn parse(line: &str) -> Result<Cmd, String> {
-        let v: Value = serde_json::from_str(line).map_err(|e| format!("malformed JSON: {e}"))?;
-        let cmd = v
-            .get("cmd")
-            .and_then(Value::as_str)
-            .ok_or("missing string field \"cmd\"")?;
-        Ok(match cmd {
-            "stats" => Cmd::Stats,
-            "metrics" => Cmd::Metrics,
-            "query" => Cmd::Query,
-            "flows" => Cmd::Flows,
-            "flow" => Cmd::Flow {
-                key: str_field(&v, "key")?
-                    .parse()
-                    .map_err(|e: pliant_state::ParseFlowKeyError| e.to_string())?,
-            },
-            "shutdown" => Cmd::Shutdown,
-            "migrate_in" => Cmd::MigrateIn {
-                from: str_field(&v, "from")?,
-                keys: crate::migrate::parse_keys(v.get("keys"))?,
-            },
-            "migrate_out" => Cmd::MigrateOut {
-                to: str_field(&v, "to")?,
-                keys: crate::migrate::parse_keys(v.get("keys"))?,
-            },
-            "set_port_blocks" => {
-                let arr = v
-                    .get("blocks")
-                    .and_then(Value::as_array)
-                    .ok_or("missing array field \"blocks\"")?;
-                if arr.len() > 4096 {
-                    return Err("more than 4096 port blocks".into());
-                }
-                let mut blocks = Vec::with_capacity(arr.len());
-                for b in arr {
-                    let pair = b
-                        .as_array()
-                        .filter(|p| p.len() == 2)
-                        .and_then(|p| Some((p[0].as_u64()?, p[1].as_u64()?)))
-                        .ok_or("each block is [lo, hi]")?;
-                    let (Ok(lo), Ok(hi)) = (u16::try_from(pair.0), u16::try_from(pair.1)) else {
-                        return Err("port out of range 0..=65535".into());
-                    };
-                    if lo == 0 || lo > hi {
-                        return Err(format!("bad port block [{lo}, {hi}]: need 1 <= lo <= hi"));
-                    }
-                    blocks.push((lo, hi));
-                }
-                Cmd::SetPortBlocks { blocks }
-            }
-            "shared_export" => Cmd::SharedExport,
-            "protect" => {
-                let p = v.get("policy").ok_or("missing object field \"policy\"")?;
-                let policy: pliant_ha::policy::Policy =
-                    serde_json::from_value(p.clone()).map_err(|e| format!("bad policy: {e}"))?;
-                Cmd::Protect {
-                    token: u64_field(&v, "token")?,
-                    policy: Box::new(policy),
-                }
-            }
-            "ha_status" => Cmd::HaStatus,
-            "activate" => Cmd::Activate {
-                primary: str_field(&v, "primary")?,
-                token: u64_field(&v, "token")?,
-            },
-            "drop_standby" => Cmd::DropStandby {
-                primary: str_field(&v, "primary")?,
-            },
-            "ftmb_protect" => Cmd::FtmbProtect {
-                logger: str_field(&v, "logger")?,
-                host: match v.get("host") {
-                    None | Some(Value::Null) => None,
-                    Some(Value::String(h)) => Some(h.clone()),
-                    Some(_) => return Err("field \"host\" must be a string".into()),
-                },
-            },
-            "ftmb_status" => Cmd::FtmbStatus,
-            "ftmb_activate" => Cmd::FtmbActivate {
-                primary: str_field(&v, "primary")?,
-            },
-            "ftmb_hold" => Cmd::FtmbHold {
-                primary: str_field(&v, "primary")?,
-            },
-            "shared_merge" => Cmd::SharedMerge {
-                bytes: from_hex(&str_field(&v, "bytes")?).ok_or("\"bytes\" is not hex")?,
-            },
-            other => {
-                let mut shown: String = other.chars().take(40).collect();
-                if shown.len() < other.len() {
-                    shown.push('…');
-                }
-                return Err(format!(
-                    "unknown cmd {shown:?} (known: stats, metrics, query, flows, flow, shutdown, migrate_in, \
-                     migrate_out, set_port_blocks, shared_export, shared_merge, protect, ha_status, \
-                     activate, drop_standby, ftmb_protect, ftmb_status, ftmb_activate, ftmb_hold)"
-                ));
-            }
-        })
-    }
+/// Where and how the control channel is served.
+#[derive(Clone, Debug, Default)]
+pub struct ControlOptions {
+    /// The unix socket (always served).
+    pub socket: String,
+    /// A TCP `host:port` as well (needs `security`).
+    pub listen: Option<String>,
+    /// The HTTP metrics listener.
+    pub metrics_listen: Option<String>,
+    /// The replica's identity: with it, every control connection runs the handshake.
+    pub security: Option<Security>,
 }
 
 /// A request for the packet thread; it answers on `reply`.
@@ -274,18 +93,31 @@ impl ControlHandle {
     }
 }
 
-/// The serving side: removing the socket file on drop.
+/// The serving side: the listeners (a unix socket file is removed with its listener) and the
+/// stop flag of the serving threads.
 pub struct ControlServer {
-    path: String,
     stop: Arc<AtomicBool>,
+    sockets: Vec<ServerSocket>,
     /// Bound address of the HTTP metrics listener (resolves a `:0` port).
     pub metrics_addr: Option<std::net::SocketAddr>,
+}
+
+impl ControlServer {
+    /// The TCP control endpoint actually bound (a `:0` port resolved), if one is served.
+    pub fn tcp_endpoint(&self) -> Option<&Endpoint> {
+        self.sockets
+            .iter()
+            .map(ServerSocket::endpoint)
+            .find(|e| e.is_tcp())
+    }
 }
 
 impl Drop for ControlServer {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
-        let _ = std::fs::remove_file(&self.path);
+        for s in &mut self.sockets {
+            s.stop_accepting();
+        }
     }
 }
 
@@ -299,6 +131,8 @@ pub(crate) struct Shared {
     /// Connections being served now.
     active: Arc<AtomicUsize>,
     conns_refused: Arc<AtomicU64>,
+    /// The replica's identity (sealed mode), if it has one.
+    security: Option<Arc<Security>>,
 }
 
 /// One of the [`MAX_CONNECTIONS`] serving slots, given back when the connection's thread ends
@@ -372,35 +206,24 @@ impl Shared {
     }
 }
 
-/// Starts the control socket at `path` (and the HTTP metrics listener if `metrics_listen`).
-pub fn start(
-    path: &str,
-    metrics_listen: Option<&str>,
-) -> Result<(ControlServer, ControlHandle), String> {
-    // A socket file left by a crashed replica would make bind fail; remove only a socket.
-    if let Ok(md) = std::fs::symlink_metadata(path) {
-        if md.file_type().is_socket() {
-            let _ = std::fs::remove_file(path);
-        } else {
-            return Err(format!("control socket {path}: exists and is not a socket"));
-        }
+/// Starts the control channel (and the HTTP metrics listener if asked).
+pub fn start(o: &ControlOptions) -> Result<(ControlServer, ControlHandle), String> {
+    if o.listen.is_some() && o.security.is_none() {
+        return Err(format!(
+            "control listen {}: a TCP control endpoint needs a [security] identity",
+            o.listen.as_deref().unwrap_or_default()
+        ));
     }
-    if let Some(dir) = std::path::Path::new(path).parent() {
+    if let Some(dir) = std::path::Path::new(&o.socket).parent() {
         std::fs::create_dir_all(dir)
             .map_err(|e| format!("control socket dir {}: {e}", dir.display()))?;
     }
-    let listener =
-        UnixListener::bind(path).map_err(|e| format!("control socket {path}: bind: {e}"))?;
-    // Only root (our uid) may talk to it: that is its authentication. SO_PEERCRED is checked
-    // as well, which also covers the instant between bind and chmod.
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
-        .map_err(|e| format!("control socket {path}: chmod 0600: {e}"))?;
-
-    let (shared, handle) = channel()?;
+    let (mut shared, handle) = channel()?;
+    shared.security = o.security.clone().map(Arc::new);
     let stop = shared.stop.clone();
 
     let mut metrics_addr = None;
-    if let Some(addr) = metrics_listen {
+    if let Some(addr) = &o.metrics_listen {
         let l = TcpListener::bind(addr).map_err(|e| format!("metrics_listen {addr}: bind: {e}"))?;
         metrics_addr = l.local_addr().ok();
         let sh = shared.clone();
@@ -409,15 +232,36 @@ pub fn start(
             .spawn(move || serve_http(l, sh))
             .map_err(|e| format!("spawn metrics thread: {e}"))?;
     }
-    let sh = shared;
-    std::thread::Builder::new()
-        .name("pliant-control".into())
-        .spawn(move || serve_unix(listener, sh))
-        .map_err(|e| format!("spawn control thread: {e}"))?;
+    let mut eps = vec![Endpoint::Unix(o.socket.clone().into())];
+    if let Some(l) = &o.listen {
+        eps.push(
+            l.parse::<Endpoint>()
+                .map_err(|e| format!("control listen {l:?}: {e}"))?,
+        );
+    }
+    let tcp = o.security.as_ref().map(|s| s.tcp).unwrap_or_default();
+    let mut sockets = Vec::new();
+    for ep in eps {
+        let sh = shared.clone();
+        let s = ServerSocket::start(&ep, &tcp, "pliant-control", move |l, stop| {
+            pliant_wire::server::accept_until_stopped(
+                &l,
+                &stop,
+                &sh.stop.clone(),
+                "control",
+                |stream| {
+                    accept_one(stream, &sh);
+                    std::ops::ControlFlow::Continue(())
+                },
+            )
+        })
+        .map_err(|e| format!("control {ep}: {e}"))?;
+        sockets.push(s);
+    }
     Ok((
         ControlServer {
-            path: path.to_string(),
             stop,
+            sockets,
             metrics_addr,
         },
         handle,
@@ -444,6 +288,7 @@ pub(crate) fn channel() -> Result<(Shared, ControlHandle), String> {
         stop: Arc::new(AtomicBool::new(false)),
         active: Arc::new(AtomicUsize::new(0)),
         conns_refused: conns_refused.clone(),
+        security: None,
     };
     let handle = ControlHandle {
         requests: rx,
@@ -454,73 +299,101 @@ pub(crate) fn channel() -> Result<(Shared, ControlHandle), String> {
     Ok((shared, handle))
 }
 
-fn serve_unix(l: UnixListener, sh: Shared) {
-    // SAFETY: geteuid has no preconditions.
-    let me = unsafe { libc::geteuid() };
-    for conn in l.incoming() {
-        if sh.stop.load(Ordering::SeqCst) {
-            return;
+/// One accepted connection: the uid fence of a unix peer, a serving slot, a thread.
+fn accept_one(stream: Stream, sh: &Shared) {
+    // Counted in `control_errors` below, with the other refusals.
+    let other_uid = AtomicU64::new(0);
+    if !pliant_wire::server::same_uid_peer(&stream, &other_uid, "control") {
+        let e = sh.error("permission denied: peer uid differs from the replica's");
+        if sh.security.is_none() {
+            let _ = Link::local(stream, MAX_REQUEST).send(e.to_string().as_bytes());
         }
-        let Ok(mut s) = conn else { continue };
-        if pliant_wire::endpoint::peer_uid(&s).ok() != Some(me) {
-            let e = sh.error("permission denied: peer uid differs from the replica's");
-            let _ = writeln!(s, "{e}");
-            continue;
+        return;
+    }
+    // A client silent for IO_TIMEOUT is cut off, so a stuck one holds its slot that long.
+    let _ = stream.set_read_timeout(Some(IO_TIMEOUT));
+    let _ = stream.set_write_timeout(Some(IO_TIMEOUT));
+    let Some(slot) = Slot::claim(&sh.active) else {
+        sh.conns_refused.fetch_add(1, Ordering::Relaxed);
+        let e = sh.error(&format!(
+            "replica busy: {MAX_CONNECTIONS} control connections are being served; retry"
+        ));
+        // A local client is told why; a sealed one cannot be before its handshake.
+        if sh.security.is_none() {
+            let _ = Link::local(stream, MAX_REQUEST).send(e.to_string().as_bytes());
         }
-        // A client silent for IO_TIMEOUT is cut off, so a stuck one holds its slot that long.
-        let _ = s.set_read_timeout(Some(IO_TIMEOUT));
-        let _ = s.set_write_timeout(Some(IO_TIMEOUT));
-        let Some(slot) = Slot::claim(&sh.active) else {
-            sh.conns_refused.fetch_add(1, Ordering::Relaxed);
-            let e = sh.error(&format!(
-                "replica busy: {MAX_CONNECTIONS} control connections are being served; retry"
-            ));
-            let _ = writeln!(s, "{e}");
-            continue;
-        };
-        let conn_sh = sh.clone();
-        let spawned = std::thread::Builder::new()
-            .name("pliant-ctl-conn".into())
-            .spawn(move || {
-                let _slot = slot;
-                serve_conn(s, &conn_sh);
-            });
-        if let Err(e) = spawned {
-            // The connection (moved into the closure) is closed and its slot given back.
-            let _ = sh.error(&format!("spawn control connection thread: {e}"));
+        return;
+    };
+    let conn_sh = sh.clone();
+    let spawned = std::thread::Builder::new()
+        .name("pliant-ctl-conn".into())
+        .spawn(move || {
+            let _slot = slot;
+            if let Some(link) = open_link(stream, &conn_sh) {
+                serve_conn(link, &conn_sh);
+            }
+        });
+    if let Err(e) = spawned {
+        // The connection (moved into the closure) is closed and its slot given back.
+        let _ = sh.error(&format!("spawn control connection thread: {e}"));
+    }
+}
+
+/// The handshake of a sealed connection (CONTROLLER or ADMIN role required), within the
+/// whole-handshake deadline; a local connection as it is.
+fn open_link(stream: Stream, sh: &Shared) -> Option<Link> {
+    let Some(sec) = &sh.security else {
+        return Some(Link::local(stream, MAX_REQUEST));
+    };
+    let expect = Expect {
+        name: None,
+        roles: role::CONTROLLER | role::ADMIN,
+    };
+    let o = sec.options_for(!stream.is_unix(), expect, MAX_REQUEST);
+    match pliant_wire::Conn::server(stream, &sec.identity, &o) {
+        Ok(c) => {
+            let s = c.reader.stream();
+            let _ = s.set_read_timeout(Some(IO_TIMEOUT));
+            let _ = s.set_write_timeout(Some(IO_TIMEOUT));
+            Some(Link::Sealed(Box::new(c)))
+        }
+        Err(e) => {
+            let what = if e.is_refusal() {
+                "control client refused"
+            } else {
+                "control handshake failed"
+            };
+            let _ = sh.error(&format!("{what}: {e}"));
+            tracing::warn!(error = %e, "{what}");
+            None
         }
     }
 }
 
-fn serve_conn(s: UnixStream, sh: &Shared) {
-    let Ok(w) = s.try_clone() else { return };
-    let mut w = w;
-    let mut r = BufReader::new(s);
+fn serve_conn(mut link: Link, sh: &Shared) {
     loop {
-        let mut line = Vec::new();
-        // Read one byte more than allowed to tell "exactly at the bound" from "over it".
-        match (&mut r)
-            .take(MAX_REQUEST_BYTES as u64 + 1)
-            .read_until(b'\n', &mut line)
-        {
-            Ok(0) | Err(_) => return,
-            Ok(_) => {}
-        }
-        if line.len() > MAX_REQUEST_BYTES {
-            let e = sh.error("request too long");
-            let _ = writeln!(w, "{e}");
-            return; // the rest of the line is garbage: close the connection
-        }
-        let text = String::from_utf8_lossy(&line);
-        let text = text.trim();
-        if text.is_empty() {
-            continue;
-        }
-        let answer = match Cmd::parse(text) {
-            Ok(cmd) => sh.ask(cmd),
-            Err(msg) => sh.error(&msg),
+        let answer = match link.recv() {
+            Ok(body) => match Cmd::parse(body) {
+                Ok(cmd) => sh.ask(cmd),
+                Err(msg) => sh.error(&msg),
+            },
+            Err(pliant_wire::FrameError::Closed) => return,
+            Err(e @ pliant_wire::FrameError::TooLarge { .. }) => {
+                // The rest of the frame is unread: answer, then close the connection.
+                let e = sh.error(&format!("request too long: {e}"));
+                let _ = link.send(e.to_string().as_bytes());
+                return;
+            }
+            Err(e) => {
+                if !matches!(&e, pliant_wire::FrameError::Io(io) if matches!(io.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut))
+                {
+                    let _ = sh.error(&format!("control connection: {e}"));
+                }
+                return;
+            }
         };
-        if writeln!(w, "{answer}").is_err() {
+        if link.send(answer.to_string().as_bytes()).is_err() {
             return;
         }
     }
@@ -594,150 +467,56 @@ fn serve_http_conn(mut s: std::net::TcpStream, sh: &Shared) {
     );
 }
 
-/// Sends one request line to a replica's control socket and returns its answer (the CLI side).
-pub fn client_request(path: &str, cmd: &str) -> Result<Value, String> {
-    client_request_json(path, &json!({ "cmd": cmd }))
-}
-
-/// Sends one JSON request object and returns the answer.
-pub fn client_request_json(path: &str, req: &Value) -> Result<Value, String> {
-    let mut s = UnixStream::connect(path).map_err(|e| format!("connect {path}: {e}"))?;
-    s.set_read_timeout(Some(Duration::from_secs(10)))
-        .map_err(|e| e.to_string())?;
-    // One write: formatting straight into the socket issues a syscall per JSON token, which
-    // made large key lists (migrations of thousands of flows) take tens of milliseconds.
-    let line = format!("{req}\n");
-    s.write_all(line.as_bytes())
-        .map_err(|e| format!("write {path}: {e}"))?;
-    let mut line = String::new();
-    BufReader::new(s)
-        .take(64 << 20)
-        .read_line(&mut line)
-        .map_err(|e| format!("read {path}: {e}"))?;
-    serde_json::from_str(&line).map_err(|e| format!("bad answer from {path}: {e}"))
+/// A local-or-sealed client of the control channel at `ep` (see `pliant_proto::Client`).
+pub fn client(ep: &str, security: Option<&Security>) -> Result<pliant_proto::Client, String> {
+    let ep: Endpoint = ep
+        .parse()
+        .map_err(|e| format!("control endpoint {ep:?}: {e}"))?;
+    Ok(pliant_proto::Client::new(ep, security.cloned()))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use pliant_proto::{Client, ControlError, Request};
+    use pliant_wire::Ca;
+    use std::os::unix::fs::PermissionsExt;
 
-    #[test]
-    fn parses_known_commands_and_refuses_the_rest() {
-        assert_eq!(Cmd::parse(r#"{"cmd":"stats"}"#), Ok(Cmd::Stats));
-        assert_eq!(Cmd::parse(r#"{"cmd":"flows","x":1}"#), Ok(Cmd::Flows));
-        assert!(Cmd::parse(r#"{"cmd":"reboot"}"#)
-            .unwrap_err()
-            .contains("unknown cmd"));
-        assert!(Cmd::parse(r#"{"cmd":3}"#).is_err());
-        let k = "tcp 10.0.0.1:1 <-> 10.0.0.2:2";
-        assert_eq!(
-            Cmd::parse(&format!(
-                r#"{{"cmd":"migrate_out","to":"/p","keys":["{k}"]}}"#
-            )),
-            Ok(Cmd::MigrateOut {
-                to: "/p".into(),
-                keys: vec![k.parse().unwrap()]
-            })
-        );
-        assert_eq!(
-            Cmd::parse(&format!(r#"{{"cmd":"flow","key":"{k}"}}"#)),
-            Ok(Cmd::Flow {
-                key: k.parse().unwrap()
-            })
-        );
-        assert!(Cmd::parse(r#"{"cmd":"flow"}"#).is_err());
-        assert!(Cmd::parse(r#"{"cmd":"flow","key":"tcp nowhere"}"#).is_err());
-        assert!(Cmd::parse(r#"{"cmd":"migrate_in","keys":[]}"#).is_err());
-        assert!(Cmd::parse(r#"{"cmd":"migrate_in","from":"a","keys":["x"]}"#).is_err());
-        assert_eq!(
-            Cmd::parse(r#"{"cmd":"set_port_blocks","blocks":[[1024,2047]]}"#),
-            Ok(Cmd::SetPortBlocks {
-                blocks: vec![(1024, 2047)]
-            })
-        );
-        assert!(Cmd::parse(r#"{"cmd":"set_port_blocks","blocks":[[5,1]]}"#).is_err());
-        assert!(Cmd::parse(r#"{"cmd":"set_port_blocks","blocks":[[1,70000]]}"#).is_err());
-        assert_eq!(
-            Cmd::parse(r#"{"cmd":"shared_merge","bytes":"00ff"}"#),
-            Ok(Cmd::SharedMerge {
-                bytes: vec![0, 255]
-            })
-        );
-        assert!(Cmd::parse(r#"{"cmd":"shared_merge","bytes":"0g"}"#).is_err());
-        let p = Cmd::parse(
-            r#"{"cmd":"protect","token":3,"policy":{"kind":"single","backup":{"name":"r2","socket":"/s"},"hz":1000}}"#,
-        )
-        .unwrap();
-        assert!(matches!(p, Cmd::Protect { token: 3, .. }));
-        assert!(Cmd::parse(r#"{"cmd":"protect","token":3,"policy":{"kind":"nope"}}"#).is_err());
-        assert!(Cmd::parse(r#"{"cmd":"protect","policy":{"kind":"off"}}"#).is_err());
-        assert_eq!(Cmd::parse(r#"{"cmd":"ha_status"}"#), Ok(Cmd::HaStatus));
-        assert_eq!(
-            Cmd::parse(r#"{"cmd":"activate","primary":"r1","token":4}"#),
-            Ok(Cmd::Activate {
-                primary: "r1".into(),
-                token: 4
-            })
-        );
-        assert!(Cmd::parse(r#"{"cmd":"activate","primary":"r1","token":-1}"#).is_err());
-        assert_eq!(
-            Cmd::parse(r#"{"cmd":"drop_standby","primary":"r1"}"#),
-            Ok(Cmd::DropStandby {
-                primary: "r1".into()
-            })
-        );
-        assert_eq!(
-            Cmd::parse(r#"{"cmd":"ftmb_protect","logger":"/run/x/r2.ftmb.sock"}"#),
-            Ok(Cmd::FtmbProtect {
-                logger: "/run/x/r2.ftmb.sock".into(),
-                host: None,
-            })
-        );
-        assert_eq!(
-            Cmd::parse(r#"{"cmd":"ftmb_protect","logger":"10.0.0.2:7400","host":"r2"}"#),
-            Ok(Cmd::FtmbProtect {
-                logger: "10.0.0.2:7400".into(),
-                host: Some("r2".into()),
-            })
-        );
-        assert!(Cmd::parse(r#"{"cmd":"ftmb_protect","logger":"/x","host":2}"#).is_err());
-        assert!(Cmd::parse(r#"{"cmd":"ftmb_protect"}"#).is_err());
-        assert_eq!(Cmd::parse(r#"{"cmd":"ftmb_status"}"#), Ok(Cmd::FtmbStatus));
-        assert_eq!(
-            Cmd::parse(r#"{"cmd":"ftmb_activate","primary":"r1"}"#),
-            Ok(Cmd::FtmbActivate {
-                primary: "r1".into()
-            })
-        );
-        assert!(Cmd::parse(r#"{"cmd":"ftmb_activate","primary":3}"#).is_err());
-        assert!(Cmd::parse("not json").unwrap_err().contains("malformed"));
-        assert!(
-            Cmd::parse(&format!(r#"{{"cmd":"{}"}}"#, "x".repeat(1000)))
-                .unwrap_err()
-                .len()
-                < 300,
-            "the echoed command name is cut short"
-        );
+    fn local(path: &str) -> Client {
+        client(path, None).unwrap()
+    }
+
+    fn opts(path: &str) -> ControlOptions {
+        ControlOptions {
+            socket: path.into(),
+            ..ControlOptions::default()
+        }
+    }
+
+    /// A fake packet thread answering `n` requests with the command's name.
+    fn answering(handle: ControlHandle, n: usize) -> std::thread::JoinHandle<ControlHandle> {
+        std::thread::spawn(move || {
+            for _ in 0..n {
+                let r = handle.requests.recv().unwrap();
+                let metrics = format!("m_{} 1\n", r.cmd.name());
+                let v = json!({"ok": true, "cmd": r.cmd.name(), "metrics": metrics});
+                r.reply.send(v).unwrap();
+            }
+            handle
+        })
     }
 
     #[test]
     fn socket_round_trip_errors_and_bounds() {
-        let dir = std::env::temp_dir().join(format!("pliant-ctl-{}", std::process::id()));
-        let path = dir.join("c.sock");
-        let path = path.to_str().unwrap().to_string();
-        let (server, handle) = start(&path, Some("127.0.0.1:0")).expect("start");
+        let (dir, path) = test_socket(line!());
+        let (server, handle) = start(&ControlOptions {
+            metrics_listen: Some("127.0.0.1:0".into()),
+            ..opts(&path)
+        })
+        .expect("start");
         let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o600);
-        // A fake packet thread answering three requests.
-        let t = std::thread::spawn(move || {
-            for _ in 0..3 {
-                let r = handle.requests.recv().unwrap();
-                let metrics = format!("m_{:?} 1\n", r.cmd);
-                let v = json!({"ok": true, "cmd": format!("{:?}", r.cmd), "metrics": metrics});
-                r.reply.send(v).unwrap();
-            }
-            handle
-        });
+        let t = answering(handle, 4);
         // HTTP: GET /metrics answered with the exposition text, anything else 404.
         let addr = server.metrics_addr.expect("metrics listener");
         let get = |req: &str| {
@@ -749,22 +528,106 @@ mod tests {
         };
         let ok = get("GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
         assert!(
-            ok.starts_with("HTTP/1.0 200") && ok.ends_with("m_Metrics 1\n"),
+            ok.starts_with("HTTP/1.0 200") && ok.ends_with("m_metrics 1\n"),
             "{ok}"
         );
         assert!(get("GET /other HTTP/1.1\r\n\r\n").starts_with("HTTP/1.0 404"));
-        assert_eq!(client_request(&path, "stats").unwrap()["cmd"], "Stats");
-        assert_eq!(client_request(&path, "bogus").unwrap()["ok"], false);
-        // Oversized line: error, connection closed, server still alive.
-        let mut s = UnixStream::connect(&path).unwrap();
-        let _ = s.write_all(&vec![b'x'; MAX_REQUEST_BYTES + 10]);
-        let _ = s.write_all(b"\n");
-        let mut line = String::new();
-        BufReader::new(s).read_line(&mut line).unwrap();
-        assert!(line.contains("too long"), "{line}");
-        assert_eq!(client_request(&path, "query").unwrap()["cmd"], "Query");
+        let c = local(&path);
+        assert_eq!(c.call(&Request::Stats).unwrap()["cmd"], "stats");
+        // A malformed request: an error answer (counted), the connection still served.
+        let mut link = c.connect().unwrap();
+        link.send(br#"{"cmd":"reboot"}"#).unwrap();
+        let v: Value = serde_json::from_slice(link.recv().unwrap()).unwrap();
+        assert!(
+            v["error"].as_str().unwrap().contains("unknown variant"),
+            "{v}"
+        );
+        link.send(br#"{"cmd":"query"}"#).unwrap();
+        let v: Value = serde_json::from_slice(link.recv().unwrap()).unwrap();
+        assert_eq!(v["cmd"], "query");
+        // A frame declaring more than the bound: an error before the body is read, then close.
+        let mut raw = UnixStream::connect(&path).unwrap();
+        let mut f = Vec::new();
+        pliant_wire::frame::push_plain(pliant_wire::kinds::CONTROL, b"", &mut f);
+        f[0..4].copy_from_slice(&((MAX_REQUEST + 10) as u32).to_le_bytes());
+        raw.write_all(&f).unwrap();
+        let mut link = Link::local(Stream::Unix(raw), 1 << 20);
+        let v: Value = serde_json::from_slice(link.recv().unwrap()).unwrap();
+        assert!(v["error"].as_str().unwrap().contains("too long"), "{v}");
+        assert_eq!(c.call(&Request::Flows).unwrap()["cmd"], "flows");
         let handle = t.join().unwrap();
         assert_eq!(handle.errors.load(Ordering::Relaxed), 2);
+        // A second server cannot take over the socket of a live one.
+        let e = start(&opts(&path)).err().expect("refused");
+        assert!(e.contains("in use"), "{e}");
+        drop(server);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// With an identity the control channel is sealed on the unix socket and on TCP alike, and
+    /// served only to clients certified as controller or admin: a replica's certificate, one
+    /// of another CA, or no identity at all get no answer.
+    #[test]
+    fn sealed_control_serves_only_controllers_and_admins_on_unix_and_tcp() {
+        let (dir, path) = test_socket(line!());
+        let ca = Ca::generate(None).unwrap();
+        let me = Security::new(ca.issue("r1", role::REPLICA, 3600).unwrap());
+        let (server, handle) = start(&ControlOptions {
+            listen: Some("127.0.0.1:0".into()),
+            security: Some(me),
+            ..opts(&path)
+        })
+        .expect("start");
+        let tcp = server.tcp_endpoint().expect("tcp").to_string();
+        let t = answering(handle, 4);
+        let with = |ep: &str, name: &str, roles: u32, ca: &Ca| {
+            client(
+                ep,
+                Some(&Security::new(ca.issue(name, roles, 3600).unwrap())),
+            )
+            .unwrap()
+            .expecting("r1")
+            .with_timeout(Duration::from_secs(5))
+        };
+        for ep in [path.as_str(), tcp.as_str()] {
+            let v = with(ep, "ctl", role::CONTROLLER, &ca).call(&Request::Stats);
+            assert_eq!(v.expect("controller served")["cmd"], "stats");
+            let v = with(ep, "op", role::ADMIN, &ca).call(&Request::Query);
+            assert_eq!(v.expect("admin served")["cmd"], "query");
+            let e = with(ep, "r2", role::REPLICA, &ca).call(&Request::Stats);
+            assert!(matches!(e, Err(ControlError::Io { .. })), "{e:?}");
+            let other = Ca::generate(None).unwrap();
+            let e = with(ep, "ctl", role::CONTROLLER, &other).call(&Request::Stats);
+            assert!(matches!(e, Err(ControlError::Io { .. })), "{e:?}");
+        }
+        // No identity: the unix socket gives no answer (the server expects a handshake), and a
+        // TCP endpoint is not even dialled.
+        let e = local(&path).call(&Request::Stats).unwrap_err().to_string();
+        assert!(e.contains("CONTROLLER or ADMIN"), "{e}");
+        let e = local(&tcp).call(&Request::Stats).unwrap_err().to_string();
+        assert!(e.contains("needs an identity"), "{e}");
+        // The client checks the replica's name too.
+        let e = with(&tcp, "ctl", role::CONTROLLER, &ca)
+            .expecting("r9")
+            .call(&Request::Stats);
+        assert!(matches!(e, Err(ControlError::Io { .. })), "{e:?}");
+        let handle = t.join().unwrap();
+        // Two refused identities and one garbage client per endpoint, plus the wrong name.
+        assert!(handle.errors.load(Ordering::Relaxed) >= 5);
+        drop(server);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn tcp_control_without_an_identity_is_refused_at_start() {
+        let (dir, path) = test_socket(line!());
+        let e = start(&ControlOptions {
+            listen: Some("127.0.0.1:0".into()),
+            ..opts(&path)
+        })
+        .err()
+        .expect("refused");
+        assert!(e.contains("[security]"), "{e}");
         let _ = std::fs::remove_dir_all(dir);
     }
 
@@ -773,7 +636,11 @@ mod tests {
     #[test]
     fn a_silent_metrics_client_does_not_block_a_scrape() {
         let (dir, path) = test_socket(line!());
-        let (server, handle) = start(&path, Some("127.0.0.1:0")).expect("start");
+        let (server, handle) = start(&ControlOptions {
+            metrics_listen: Some("127.0.0.1:0".into()),
+            ..opts(&path)
+        })
+        .expect("start");
         let (taken_tx, _taken_rx) = mpsc::channel();
         let (_release_tx, release_rx) = mpsc::channel();
         let fake = holding_packet_thread(handle, taken_tx, release_rx, Duration::from_secs(5));
@@ -788,7 +655,7 @@ mod tests {
         let mut out = String::new();
         s.read_to_string(&mut out).unwrap();
         // (The fake packet thread answers without exposition text: 503 with its answer.)
-        assert!(out.contains("\"cmd\":\"Metrics\""), "{out}");
+        assert!(out.contains("\"cmd\":\"metrics\""), "{out}");
         // Answered before the silent clients' own deadline cut them off: not behind them.
         assert!(started.elapsed() < IO_TIMEOUT, "{:?}", started.elapsed());
         drop((silent, trickle));
@@ -825,9 +692,7 @@ mod tests {
                             let _ = taken.send(());
                         }
                         other => {
-                            let _ = r
-                                .reply
-                                .send(json!({"ok": true, "cmd": format!("{other:?}")}));
+                            let _ = r.reply.send(json!({"ok": true, "cmd": other.name()}));
                         }
                     },
                     Err(mpsc::RecvTimeoutError::Timeout) => {}
@@ -848,24 +713,23 @@ mod tests {
     #[test]
     fn stats_is_answered_while_a_slow_request_is_pending_on_another_connection() {
         let (dir, path) = test_socket(line!());
-        let (server, handle) = start(&path, None).expect("start");
+        let (server, handle) = start(&opts(&path)).expect("start");
         let (taken_tx, taken_rx) = mpsc::channel();
         let (release_tx, release_rx) = mpsc::channel();
         let fake = holding_packet_thread(handle, taken_tx, release_rx, Duration::from_secs(5));
         let (done_tx, done_rx) = mpsc::channel();
         let slow_path = path.clone();
         let slow = std::thread::spawn(move || {
-            let v = client_request_json(
-                &slow_path,
-                &json!({"cmd": "ftmb_activate", "primary": "r1"}),
-            );
+            let v = local(&slow_path).call(&Request::FtmbActivate {
+                primary: "r1".into(),
+            });
             let _ = done_tx.send(v);
         });
         taken_rx
             .recv_timeout(Duration::from_secs(10))
             .expect("the slow request reached the packet thread");
-        let stats = client_request(&path, "stats").expect("stats answered");
-        assert_eq!(stats["cmd"], "Stats", "{stats}");
+        let stats = local(&path).call(&Request::Stats).expect("stats answered");
+        assert_eq!(stats["cmd"], "stats", "{stats}");
         assert!(
             matches!(done_rx.try_recv(), Err(mpsc::TryRecvError::Empty)),
             "stats was answered only after the slow request finished: connections are served \
@@ -886,7 +750,7 @@ mod tests {
     #[test]
     fn connections_past_the_bound_are_refused_counted_and_served_again_later() {
         let (dir, path) = test_socket(line!());
-        let (server, handle) = start(&path, None).expect("start");
+        let (server, handle) = start(&opts(&path)).expect("start");
         let refused = handle.conns_refused.clone();
         let errors = handle.errors.clone();
         let (taken_tx, taken_rx) = mpsc::channel();
@@ -897,10 +761,9 @@ mod tests {
             .map(|i| {
                 let p = path.clone();
                 std::thread::spawn(move || {
-                    client_request_json(
-                        &p,
-                        &json!({"cmd": "ftmb_activate", "primary": format!("r{i}")}),
-                    )
+                    local(&p).call(&Request::FtmbActivate {
+                        primary: format!("r{i}"),
+                    })
                 })
             })
             .collect();
@@ -909,11 +772,10 @@ mod tests {
                 .recv_timeout(Duration::from_secs(10))
                 .unwrap_or_else(|_| panic!("only {i} of {MAX_CONNECTIONS} requests in flight"));
         }
-        let v = client_request(&path, "stats").expect("an answer, not a hang-up");
-        assert_eq!(v["ok"], false, "{v}");
+        let e = local(&path).call(&Request::Stats).unwrap_err();
         assert!(
-            v["error"].as_str().unwrap().contains("control connections"),
-            "{v}"
+            matches!(&e, ControlError::Refused { error, .. } if error.contains("control connections")),
+            "an answer, not a hang-up: {e:?}"
         );
         assert_eq!(refused.load(Ordering::Relaxed), 1);
         assert_eq!(errors.load(Ordering::Relaxed), 1);
@@ -924,14 +786,13 @@ mod tests {
         // The slots come back as the serving threads see their clients go.
         let mut served = None;
         for _ in 0..500 {
-            let v = client_request(&path, "stats").expect("answered");
-            if v["ok"] == true {
+            if let Ok(v) = local(&path).call(&Request::Stats) {
                 served = Some(v);
                 break;
             }
             std::thread::sleep(Duration::from_millis(10));
         }
-        assert_eq!(served.expect("served again")["cmd"], "Stats");
+        assert_eq!(served.expect("served again")["cmd"], "stats");
         drop(server);
         drop(fake);
         let _ = std::fs::remove_dir_all(dir);

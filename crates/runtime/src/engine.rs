@@ -1048,7 +1048,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
                 }
             }
             Cmd::SharedExport => match self.ctx.shared.retire().and_then(|x| x.to_bytes()) {
-                Ok(b) => json!({"ok": true, "bytes": crate::control::to_hex(&b)}),
+                Ok(b) => json!({"ok": true, "bytes": pliant_proto::request::to_hex(&b)}),
                 Err(e) => json!({"ok": false, "error": e.to_string()}),
             },
             Cmd::SharedMerge { bytes } => {

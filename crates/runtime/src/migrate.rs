@@ -53,8 +53,8 @@ use std::time::{Duration, Instant};
 
 /// Bound on a peer frame (a batch of 10,000 flows of a few hundred bytes fits easily).
 pub const MAX_FRAME_BYTES: usize = 64 << 20;
-/// Bound on flows per `migrate_out`/`migrate_in` request.
-pub const MAX_KEYS_PER_REQUEST: usize = 20_000;
+/// Bound on flows per `migrate_out`/`migrate_in` request (checked as the request decodes).
+pub use pliant_proto::request::MAX_KEYS_PER_REQUEST;
 /// Bound on keys held at once on a destination.
 pub const MAX_HOLD_KEYS: usize = 100_000;
 /// Bound on packets held at once on a destination (beyond: dropped, `hold_overflow`).
@@ -384,27 +384,6 @@ pub fn percentiles(mut v: Vec<u64>) -> (u64, u64, u64) {
     (rank(0.50), rank(0.99), v[v.len() - 1])
 }
 
-/// Parses a JSON array of flow-key strings (the control protocol's `keys`).
-pub fn parse_keys(v: Option<&serde_json::Value>) -> Result<Vec<FlowKey>, String> {
-    let arr = v
-        .and_then(serde_json::Value::as_array)
-        .ok_or("missing array field \"keys\"")?;
-    if arr.len() > MAX_KEYS_PER_REQUEST {
-        return Err(format!(
-            "{} keys exceed the bound of {MAX_KEYS_PER_REQUEST} per request",
-            arr.len()
-        ));
-    }
-    arr.iter()
-        .map(|k| {
-            k.as_str()
-                .ok_or_else(|| "keys must be strings".to_string())?
-                .parse::<FlowKey>()
-                .map_err(|e| e.to_string())
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -443,15 +422,6 @@ mod tests {
         assert_eq!(percentiles(vec![]), (0, 0, 0));
         assert_eq!(percentiles((1..=100).collect()), (50, 99, 100));
         assert_eq!(percentiles(vec![5]), (5, 5, 5));
-    }
-
-    #[test]
-    fn keys_parse_from_json_strings() {
-        let v = serde_json::json!(["tcp 10.0.0.1:1 <-> 10.0.0.2:2"]);
-        assert_eq!(parse_keys(Some(&v)).unwrap().len(), 1);
-        assert!(parse_keys(Some(&serde_json::json!([1]))).is_err());
-        assert!(parse_keys(Some(&serde_json::json!(["nope"]))).is_err());
-        assert!(parse_keys(None).is_err());
     }
 
     #[test]

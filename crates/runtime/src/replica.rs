@@ -184,10 +184,16 @@ fn run_with<N: NetworkFunction>(
     let opts = tune_ports(PortOptions { vnet_hdr, ..base });
     let inside = PacketPort::open(&cfg.inside.ifname, &opts).map_err(|e| e.to_string())?;
     let outside = PacketPort::open(&cfg.outside.ifname, &opts).map_err(|e| e.to_string())?;
-    let (server, handle) = control::start(
-        &cfg.replica.control_socket,
-        cfg.replica.metrics_listen.as_deref(),
-    )?;
+    // The replica's identity: every channel to another pliant process authenticates with it.
+    // Without [security] the replica runs alone: control only on its unix socket to its own
+    // uid, no peer channel (migrations are refused) and no replication listener.
+    let security = cfg.security().map(|s| s.load()).transpose()?;
+    let (server, handle) = control::start(&control::ControlOptions {
+        socket: cfg.replica.control_socket.clone(),
+        listen: cfg.replica.control_listen.clone(),
+        metrics_listen: cfg.replica.metrics_listen.clone(),
+        security: security.clone(),
+    })?;
     let mut engine = Engine::new(
         &cfg.replica.name,
         nf,
@@ -197,10 +203,6 @@ fn run_with<N: NetworkFunction>(
         Instant::now(),
     );
     engine.set_control(handle);
-    // The replica's identity: every channel to another pliant process authenticates with it.
-    // Without [security] the replica runs alone: no peer channel (migrations are refused)
-    // and no replication listener.
-    let security = cfg.security().map(|s| s.load()).transpose()?;
     let peer_path = cfg.peer_socket();
     let mut peer_server = None;
     if let Some(sec) = &security {

@@ -11,10 +11,9 @@ use super::pliant;
 pub use pliant_bench::flowgen::Ring;
 use pliant_lab::topology::{CLIENT_MAC, IN_PORT_MAC, OUT_PORT_MAC, SERVER_MAC};
 use pliant_lab::{cmd, Lab, LabSpec, PliantNf, ReplicaMode, Role, CLIENT_IP, SERVER_IP};
-use serde_json::{json, Value};
+use pliant_proto::Request;
+use serde_json::Value;
 use std::collections::BTreeSet;
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -419,21 +418,16 @@ impl HaRun {
     }
 }
 
-/// One JSON request to a replica's control socket, the answer parsed (bounded waits).
-pub fn control(sock: &Path, req: &Value) -> Result<Value, String> {
-    let mut s = UnixStream::connect(sock).map_err(|e| format!("connect: {e}"))?;
-    s.set_read_timeout(Some(Duration::from_secs(3)))
-        .map_err(|e| e.to_string())?;
-    writeln!(s, "{req}").map_err(|e| e.to_string())?;
-    let mut line = String::new();
-    BufReader::new(s)
-        .read_line(&mut line)
-        .map_err(|e| format!("read: {e}"))?;
-    serde_json::from_str(&line).map_err(|e| format!("{e}: {line}"))
+/// One request to a lab replica's control socket (as the lab's admin): the `ok` answer.
+pub fn control(sock: &Path, req: &Request) -> Result<Value, String> {
+    pliant_lab::ha::control_client(sock)
+        .with_timeout(Duration::from_secs(3))
+        .call(req)
+        .map_err(|e| e.to_string())
 }
 
 pub fn ha_status(sock: &Path) -> Result<Value, String> {
-    control(sock, &json!({"cmd": "ha_status"}))
+    control(sock, &Request::HaStatus)
 }
 
 pub struct Download {
@@ -716,7 +710,7 @@ pub fn wait_checkpointed(run: &HaRun, r: u32, sports: &[u16], limit: Duration) {
         })
     };
     loop {
-        if control(&sock, &json!({"cmd": "flows"})).is_ok_and(|v| has_all(&v)) {
+        if control(&sock, &Request::Flows).is_ok_and(|v| has_all(&v)) {
             break;
         }
         assert!(

@@ -27,7 +27,7 @@
 use super::ha::{control, HaRun, Ring};
 use pliant_bench::flowgen::{TcpStream, UdpFlows, UdpSpec};
 use pliant_lab::{Role, CLIENT_IP, SERVER_IP};
-use serde_json::{json, Value};
+use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::time::{Duration, Instant};
@@ -82,7 +82,7 @@ impl Rng {
 /// listing was complete.
 fn listed_keys(run: &HaRun, r: u32) -> Result<(BTreeSet<String>, bool), String> {
     let sock = run.lab().run_dir().join(format!("r{r}.sock"));
-    let v = control(&sock, &json!({"cmd": "flows"}))?;
+    let v = control(&sock, &pliant_proto::Request::Flows)?;
     if v["ok"] != true {
         return Err(format!("r{r} flows: {v}"));
     }

@@ -9,6 +9,7 @@
 
 use pliant_bench::flowgen::{UdpFlows, UdpSpec, UdpTotals};
 use pliant_lab::{Lab, Role, CLIENT_IP, SERVER_IP};
+use pliant_proto::Request;
 use pliant_state::FlowKey;
 use serde_json::Value;
 use std::time::{Duration, Instant};
@@ -117,4 +118,15 @@ pub fn assert_no_drops_of_moved_flows(who: &str, stats: &Value) {
     ] {
         assert_eq!(m[c], 0, "{who}: migration.{c}: {m}");
     }
+}
+
+/// One request to a lab replica (as the lab's admin): the `ok` answer.
+pub fn ask(sock: &str, req: Request) -> Value {
+    control_of(sock)
+        .call(&req)
+        .unwrap_or_else(|e| panic!("{sock}: {e}"))
+}
+
+pub fn control_of(sock: &str) -> pliant_proto::Client {
+    pliant_lab::ha::control_client(std::path::Path::new(sock))
 }

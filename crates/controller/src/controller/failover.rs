@@ -41,8 +41,9 @@
 //! replica whose failover is still running.
 
 use super::*;
-use crate::ha::{self, HaBrief, Probe};
+use crate::ha::{self, FtmbBrief, HaBrief, Probe};
 use crate::protection::{self, Caller, Decision, Liveness};
+use pliant_proto::{reply, Request};
 
 /// Failover records kept for `ha status` (newest last).
 pub const MAX_FAILOVER_RECORDS: usize = 64;
@@ -241,10 +242,13 @@ impl Controller {
         }
         for (i, sock) in &members {
             let fetched = Instant::now();
-            let Ok(v) = rc::call(sock, &json!({"cmd": "ha_status"}), timeout) else {
-                continue;
+            let b = match self.settings.control.client(sock, timeout).ha_status() {
+                Ok(v) => HaBrief::from(&v),
+                Err(e) => {
+                    self.note_bad_answer(*i, &e);
+                    continue;
+                }
             };
-            let b = ha::parse_ha_status(&v);
             // A backup the replica lost its link to may be dead: suspect it (never named as a
             // backup meanwhile) and probe it now rather than wait for the watch loop.
             if self.suspect_backups(*i, &b.dead_backups) {
@@ -396,10 +400,13 @@ impl Controller {
         let cfg = self.ha_config();
         for (i, sock) in members {
             let fetched = Instant::now();
-            let Ok(v) = rc::call(sock, &json!({"cmd": "ftmb_status"}), timeout) else {
-                continue;
+            let b = match self.settings.control.client(sock, timeout).ftmb_status() {
+                Ok(v) => FtmbBrief::from(&v),
+                Err(e) => {
+                    self.note_bad_answer(*i, &e);
+                    continue;
+                }
             };
-            let b = ha::parse_ftmb_status(&v);
             let want = ha::ftmb_successor(*i, members).map(|(_, s)| ha::ftmb_endpoint(&cfg, &s));
             let due = {
                 let mut st = lock(&self.state);
@@ -530,13 +537,17 @@ impl Controller {
             ftmb_detail = detail;
             answers
         } else {
-            let req = json!({"cmd": "activate", "primary": format!("r{a}"), "token": token});
+            let req = Request::Activate {
+                primary: format!("r{a}"),
+                token,
+            };
             std::thread::scope(|sc| {
                 let hs: Vec<_> = survivors
                     .iter()
                     .map(|(i, sock)| {
                         let req = &req;
-                        (*i, sc.spawn(move || rc::call(sock, req, timeout)))
+                        let dial = &self.settings.control;
+                        (*i, sc.spawn(move || dial.call(sock, req, timeout)))
                     })
                     .collect();
                 hs.into_iter()
@@ -545,7 +556,7 @@ impl Controller {
                             i,
                             h.join().unwrap_or_else(|_| {
                                 Err(rc::ReplicaError::Io {
-                                    path: format!("r{i}"),
+                                    ep: format!("r{i}"),
                                     reason: "activate thread panicked".into(),
                                 })
                             }),
@@ -569,10 +580,21 @@ impl Controller {
         for (i, ans) in &answers {
             match ans {
                 Ok(v) => {
-                    let (n, f, flows) = ha::parse_activate(v);
+                    let act = match reply::decode::<reply::Activate>(v) {
+                        Ok(a) => a,
+                        Err(e) => {
+                            self.counters
+                                .ha
+                                .activate_errors
+                                .fetch_add(1, Ordering::Relaxed);
+                            per.insert(*i, json!({"error": e}));
+                            continue;
+                        }
+                    };
+                    let (n, f, flows) = (act.activated, act.failed, &act.flows);
                     activated += n;
                     failed += f;
-                    for fl in &flows {
+                    for fl in flows {
                         if first_owner.insert(fl.key.clone(), *i).is_some() {
                             self.counters
                                 .ha
@@ -598,7 +620,7 @@ impl Controller {
                     }
                     per.insert(
                         *i,
-                        json!({"activated": n, "failed": f, "errors": v.get("errors")}),
+                        json!({"activated": n, "failed": f, "errors": act.errors}),
                     );
                 }
                 Err(e) => {
@@ -748,9 +770,11 @@ impl Controller {
         // H holds first (one short round trip), so what the re-homing sends there waits for
         // the activation instead of finding no flow (`nat_no_mapping` at H, lost for UDP,
         // retransmitted for TCP). Not fatal: without it H starts holding at the activation.
-        let hold = rc::call(
+        let hold = self.settings.control.call(
             &sock,
-            &json!({"cmd": "ftmb_hold", "primary": format!("r{a}")}),
+            &Request::FtmbHold {
+                primary: format!("r{a}"),
+            },
             timeout,
         );
         let t_rehome = Instant::now();
@@ -772,14 +796,20 @@ impl Controller {
             );
         }
         let rehome_ms = ms(t_rehome.elapsed());
-        let req = json!({"cmd": "ftmb_activate", "primary": format!("r{a}")});
-        let ans = rc::call(&sock, &req, timeout);
-        let mut detail = match &ans {
-            Ok(v) => ha::ftmb_activate_detail(v),
+        let req = Request::FtmbActivate {
+            primary: format!("r{a}"),
+        };
+        let ans = self.settings.control.call(&sock, &req, timeout);
+        let mut detail = match ans
+            .as_ref()
+            .map(|v| rc::decode::<reply::FtmbActivate>(&sock, "ftmb_activate", v))
+        {
+            Ok(Ok(v)) => ha::ftmb_activate_detail(&v),
+            Ok(Err(e)) => json!({"error": e.to_string()}),
             Err(e) => json!({"error": e.to_string()}),
         };
         detail["logger_host"] = json!(h);
-        detail["held_before_rehome"] = json!(hold.as_ref().is_ok_and(|v| v["ok"] == true));
+        detail["held_before_rehome"] = json!(hold.is_ok());
         detail["port_blocks_rehomed"] = json!(blocks.len());
         detail["rehome_ms"] = json!(rehome_ms);
         (vec![(h, ans)], detail)
@@ -871,15 +901,32 @@ impl Controller {
             return json!({"error": format!("r{i} is not a live member")});
         };
         let policy = ha::build_policy(&cfg, i, members);
-        let req = json!({"cmd": "protect", "token": token, "policy": policy});
         self.counters.ha.protects.fetch_add(1, Ordering::Relaxed);
         let (named, sent_unix_ms) = self.note_protect_sent(i, members);
-        match rc::call(sock, &req, self.ha_rpc_timeout()) {
+        // The policy is built as JSON (the config's shape) and must be the runtime's type.
+        let answer = serde_json::from_value::<pliant_ha::policy::Policy>(policy.clone())
+            .map_err(|e| rc::ReplicaError::Malformed {
+                ep: sock.display().to_string(),
+                cmd: "protect".into(),
+                reason: format!("the controller built a policy the runtime cannot take: {e}"),
+            })
+            .and_then(|p| {
+                let req = Request::Protect {
+                    token,
+                    policy: Box::new(p),
+                };
+                let v = self
+                    .settings
+                    .control
+                    .call(sock, &req, self.ha_rpc_timeout())?;
+                rc::decode::<reply::Protect>(sock, "protect", &v)
+            });
+        match answer {
             Ok(v) => {
-                let backups = ha::protect_backups(&v);
+                let backups = v.backups();
                 lock(&self.state).ha.protected.insert(i, backups.clone());
                 json!({"ok": true, "policy": policy["kind"], "backups": backups,
-                    "groups": v["groups"], "named": named, "sent_unix_ms": sent_unix_ms})
+                    "groups": v.groups, "named": named, "sent_unix_ms": sent_unix_ms})
             }
             Err(e) => {
                 self.counters
@@ -941,13 +988,21 @@ impl Controller {
         let req = ha::ftmb_protect_request(&self.ha_config(), h, &hsock);
         self.counters.ha.protects.fetch_add(1, Ordering::Relaxed);
         let (named, sent_unix_ms) = self.note_protect_sent(i, &[(h, hsock.clone())]);
-        match rc::call(sock, &req, self.ha_rpc_timeout()) {
+        match self
+            .settings
+            .control
+            .call(sock, &req, self.ha_rpc_timeout())
+        {
             Ok(_) => {
                 let mut st = lock(&self.state);
                 st.ha.ftmb_logger.insert(i, h);
                 st.ha.protected.insert(i, vec![format!("r{h}")]);
+                let logger = match &req {
+                    Request::FtmbProtect { logger, .. } => logger.clone(),
+                    _ => String::new(),
+                };
                 json!({"ok": true, "policy": "ftmb", "backups": [format!("r{h}")],
-                    "logger": req["logger"], "named": named, "sent_unix_ms": sent_unix_ms})
+                    "logger": logger, "named": named, "sent_unix_ms": sent_unix_ms})
             }
             Err(e) => {
                 self.counters
@@ -982,9 +1037,14 @@ impl Controller {
         if !self.ha_enabled() || self.ftmb_mode() {
             return;
         }
-        let req = json!({"cmd": "drop_standby", "primary": format!("r{v}")});
+        let req = Request::DropStandby {
+            primary: format!("r{v}"),
+        };
         for (_, sock) in self.ha_members() {
-            let _ = rc::call(&sock, &req, self.ha_rpc_timeout());
+            let _ = self
+                .settings
+                .control
+                .call(&sock, &req, self.ha_rpc_timeout());
         }
     }
 
@@ -1056,9 +1116,9 @@ impl Controller {
                     (
                         *i,
                         sc.spawn(move || {
-                            let ha = rc::call(sock, &json!({"cmd": "ha_status"}), timeout);
-                            let ftmb = ftmb
-                                .then(|| rc::call(sock, &json!({"cmd": "ftmb_status"}), timeout));
+                            let c = self.settings.control.client(sock, timeout);
+                            let ha = c.call(&Request::HaStatus);
+                            let ftmb = ftmb.then(|| c.call(&Request::FtmbStatus));
                             (ha, ftmb)
                         }),
                     )

@@ -6,8 +6,9 @@ use crate::agent::{AgentError, Started};
 use crate::migrator::{Outcome, SteerUpdate};
 use crate::steering::MemSteering;
 use crate::store::FileStore;
+use pliant_proto::link::{Link, MAX_REQUEST};
+use pliant_proto::{reply, Request};
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixListener;
 use std::path::Path;
 use std::sync::atomic::AtomicBool;
@@ -65,121 +66,176 @@ impl FakeReplica {
                 continue;
             };
             s.set_nonblocking(false).unwrap();
-            let mut w = s.try_clone().unwrap();
-            let mut line = String::new();
-            if BufReader::new(s).read_line(&mut line).is_err() {
-                continue;
-            }
-            let req: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
+            // The runtime's local mode of the control protocol: one typed request per frame.
+            let mut link = Link::local(pliant_wire::Stream::Unix(s), MAX_REQUEST);
+            let req = match link.recv().map(Request::parse) {
+                Ok(Ok(r)) => r,
+                Ok(Err(e)) => {
+                    let _ = link.send(reply::error(e).to_string().as_bytes());
+                    continue;
+                }
+                Err(_) => continue,
+            };
             let mut g = st.lock().unwrap();
             if g.down {
                 continue; // drop the connection: a missed heartbeat
             }
-            let ans = match req["cmd"].as_str() {
-                Some("stats") => json!({"ok": true, "table": {"flows": g.flows.len()},
-                    "ports": {"inside": {"rx_frames": 0}, "outside": {"rx_frames": 0}}}),
+            let ans = match req {
+                Request::Stats => reply::ok(&reply::Stats {
+                    replica: format!("r{index}"),
+                    table: reply::TableBrief {
+                        flows: g.flows.len() as u64,
+                    },
+                    ports: reply::Ports {
+                        inside: reply::PortBrief { rx_frames: 0 },
+                        outside: reply::PortBrief { rx_frames: 0 },
+                    },
+                }),
                 // Bounded as the runtime's listing is (`max_listed_flows`), so a test can put
                 // a flow out of the listing's reach.
-                Some("flows") => {
+                Request::Flows => {
                     let listed = &g.flows[..g.flows.len().min(FAKE_MAX_LISTED)];
-                    json!({"ok": true, "total": g.flows.len(), "listed": listed.len(),
-                        "flows": listed})
+                    reply::ok(&reply::FlowList {
+                        total: g.flows.len() as u64,
+                        listed: listed.len() as u64,
+                        flows: listed.to_vec(),
+                    })
                 }
-                Some("flow") => {
-                    let want: Option<FlowKey> = req["key"].as_str().and_then(|k| k.parse().ok());
+                Request::Flow { key } => {
                     let hit = g.flows.iter().find(|f| {
                         std::iter::once(&f.key)
                             .chain(f.aliases.iter())
-                            .any(|s| s.parse::<FlowKey>().ok() == want)
+                            .any(|s| s.parse::<FlowKey>().ok() == Some(key))
                     });
-                    match (want, hit) {
-                        (None, _) => json!({"ok": false, "error": "bad key"}),
-                        (Some(_), None) => json!({"ok": true, "found": false}),
-                        (Some(_), Some(f)) => json!({"ok": true, "found": true, "key": f.key,
-                            "aliases": f.aliases, "version": 1}),
-                    }
+                    reply::ok(&reply::FlowLookup {
+                        found: hit.is_some(),
+                        flow: hit.cloned(),
+                    })
                 }
-                Some("set_port_blocks") => {
-                    g.port_blocks = Some(req["blocks"].clone());
+                Request::SetPortBlocks { blocks } => {
+                    g.port_blocks = Some(serde_json::to_value(&blocks).unwrap());
                     json!({"ok": true})
                 }
-                Some("shared_export") => json!({"ok": true, "bytes": format!("{index:02x}")}),
-                Some("shared_merge") => {
-                    g.merged.push(req["bytes"].clone());
+                Request::SharedExport => reply::ok(&reply::SharedExport {
+                    bytes: vec![index as u8],
+                }),
+                Request::SharedMerge { bytes } => {
+                    g.merged.push(json!(pliant_proto::request::to_hex(&bytes)));
                     json!({"ok": true})
                 }
-                Some("protect") => {
-                    let t = req["token"].as_u64().unwrap_or(0);
+                Request::Protect { token: t, policy } => {
                     if t < g.token {
-                        json!({"ok": false, "error": format!("stale token {t} < {}", g.token)})
+                        reply::error(format!("stale token {t} < {}", g.token))
                     } else {
                         g.token = t;
-                        g.protects.push(req["policy"].clone());
+                        let policy = serde_json::to_value(&policy).unwrap();
+                        g.protects.push(policy.clone());
                         g.needs_backup = false;
-                        let groups: Vec<Value> = match req["policy"]["kind"].as_str() {
-                            Some("chords") => req["policy"]["backups"]
+                        let group = |b: &Value| reply::GroupBrief {
+                            id: 1,
+                            name: "g".into(),
+                            backup: b["name"].as_str().unwrap().into(),
+                            hz: 100,
+                        };
+                        let groups: Vec<reply::GroupBrief> = match policy["kind"].as_str() {
+                            Some("chords") => policy["backups"]
                                 .as_array()
                                 .unwrap()
                                 .iter()
-                                .map(|b| json!({"backup": b["name"]}))
+                                .map(group)
                                 .collect(),
-                            Some("single") => {
-                                vec![json!({"backup": req["policy"]["backup"]["name"]})]
-                            }
+                            Some("single") => vec![group(&policy["backup"])],
                             _ => vec![],
                         };
-                        json!({"ok": true, "groups": groups})
+                        reply::ok(&reply::Protect { groups })
                     }
                 }
-                Some("ha_status") => json!({"ok": true, "mode": "pico", "token": g.token,
-                    "groups": [{"id": 1, "state": if g.needs_backup {"unprotected"} else {"up"},
-                        "needs_backup": g.needs_backup, "backup": g.lost_backup}],
-                    "standby": g.standby.iter().map(|(p, f)| json!({"primary": p, "flows": f.len()}))
-                        .collect::<Vec<_>>(),
-                    "output": {"audit_checked": 1, "audit_violations": 0}}),
-                Some("activate") => {
-                    let p = req["primary"].as_str().unwrap_or("").to_string();
-                    let t = req["token"].as_u64().unwrap_or(0);
+                Request::HaStatus => reply::ok(&reply::HaStatus {
+                    token: g.token,
+                    groups: vec![reply::GroupStatus {
+                        backup: g.lost_backup.clone().unwrap_or_default(),
+                        state: if g.needs_backup { "unprotected" } else { "up" }.into(),
+                        needs_backup: g.needs_backup,
+                    }],
+                    standby: g
+                        .standby
+                        .iter()
+                        .map(|(p, f)| reply::StandbyBrief {
+                            primary: p.clone(),
+                            flows: f.len() as u64,
+                        })
+                        .collect(),
+                    output: reply::Audit {
+                        audit_checked: 1,
+                        audit_violations: 0,
+                    },
+                }),
+                Request::Activate {
+                    primary: p,
+                    token: t,
+                } => {
                     g.token = g.token.max(t);
                     g.activations.push((p.clone(), t));
                     let got = g.standby.remove(&p).unwrap_or_default();
                     g.flows.extend(got.iter().cloned());
-                    json!({"ok": true, "activated": got.len(), "failed": 0, "flows": got})
+                    reply::ok(&reply::Activate {
+                        activated: got.len() as u64,
+                        failed: 0,
+                        errors: vec![],
+                        flows: got,
+                    })
                 }
-                Some("ftmb_protect") => {
-                    let l = req["logger"].as_str().unwrap_or("").to_string();
+                Request::FtmbProtect { logger: l, .. } => {
                     g.ftmb_protects.push(l.clone());
                     g.ftmb_logger = Some(l);
                     json!({"ok": true})
                 }
-                Some("ftmb_status") => json!({"ok": true, "mode": "ftmb", "workers": 2,
-                    "logger": g.ftmb_logger, "protected": g.ftmb_logger.is_some(),
-                    "snapshots": 3, "last_snapshot_acked": 3,
-                    "hosting": {"masters": g.ftmb_hosted.keys()
+                Request::FtmbStatus => reply::ok(&reply::FtmbStatus {
+                    logger: g.ftmb_logger.clone(),
+                    protected: g.ftmb_logger.is_some(),
+                    snapshots: 3,
+                    last_snapshot_acked: Some(3),
+                    last_error: None,
+                    local_audit: reply::Audit::default(),
+                    hosting: json!({"masters": g.ftmb_hosted.keys()
                         .map(|p| (p.clone(), json!({"logger": {"outputs_released": 2,
-                            "audit_violations": 0}})))
-                        .collect::<serde_json::Map<String, Value>>()}}),
-                Some("ftmb_activate") => {
-                    let p = req["primary"].as_str().unwrap_or("").to_string();
+                            "audit_checked": 2, "audit_violations": 0}})))
+                        .collect::<serde_json::Map<String, Value>>()}),
+                }),
+                Request::FtmbActivate { primary: p } => {
                     g.ftmb_activations.push(p.clone());
                     match g.ftmb_hosted.remove(&p) {
                         Some(got) => {
                             g.flows.extend(got.iter().cloned());
-                            json!({"ok": true, "flows": got, "replay_ms": 1.5,
-                                "replayed_packets": 7})
+                            let mut v = reply::ok(&reply::Activate {
+                                activated: got.len() as u64,
+                                failed: 0,
+                                errors: vec![],
+                                flows: got,
+                            });
+                            let figures = serde_json::to_value(reply::FtmbActivate {
+                                replay_ms: 1.5,
+                                total_ms: 2.0,
+                                replayed_packets: 7,
+                                suppressed: 0,
+                            })
+                            .unwrap();
+                            v.as_object_mut()
+                                .unwrap()
+                                .extend(figures.as_object().unwrap().clone());
+                            v
                         }
-                        None => json!({"ok": false, "error": format!("no logger for {p}")}),
+                        None => reply::error(format!("no logger for {p}")),
                     }
                 }
-                Some("drop_standby") => {
-                    let p = req["primary"].as_str().unwrap_or("");
-                    g.standby.remove(p);
+                Request::DropStandby { primary: p } => {
+                    g.standby.remove(&p);
                     json!({"ok": true})
                 }
-                _ => json!({"ok": false, "error": "unknown cmd"}),
+                other => reply::error(format!("the fake does not serve {}", other.name())),
             };
             drop(g);
-            let _ = writeln!(w, "{ans}");
+            let _ = link.send(ans.to_string().as_bytes());
         });
         FakeReplica {
             path,
@@ -387,6 +443,7 @@ fn setup_with(tag: &str, n: u32, policy: Policy, ha: HaConfig) -> (World, Shared
         rpc_timeout: Duration::from_secs(2),
         port_blocks: Some((PortBlocks::new(20000, 59999, 4000).unwrap(), 1)),
         ha,
+        control: rc::Dialer::default(),
     };
     let c = Controller::new(
         settings,

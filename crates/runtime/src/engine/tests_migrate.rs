@@ -839,8 +839,16 @@ fn the_migration_client_finds_aliases_past_the_listing_bound() {
     assert_eq!(a.ctx.flows.len(), 5);
     let alias = FlowKey::v4(pliant_net::proto::UDP, CLIENT, 1, SERVER, 2).0;
     a.ctx.flows.add_alias(&key(103), alias).unwrap();
-    let (_sa, ha) = crate::control::start(&ca, None).expect("control a");
-    let (_sb, hb) = crate::control::start(&cb, None).expect("control b");
+    let (_sa, ha) = crate::control::start(&crate::control::ControlOptions {
+        socket: ca.clone(),
+        ..Default::default()
+    })
+    .expect("control a");
+    let (_sb, hb) = crate::control::start(&crate::control::ControlOptions {
+        socket: cb.clone(),
+        ..Default::default()
+    })
+    .expect("control b");
     let (_pa, la) =
         crate::peer::start(&path("a.peer.sock"), crate::peer::test_security("a")).expect("peer a");
     let (_pb, lb) = crate::peer::start(&pb, crate::peer::test_security("b")).expect("peer b");
@@ -858,8 +866,12 @@ fn the_migration_client_finds_aliases_past_the_listing_bound() {
     };
     let (ta, tb) = (run(a), run(b));
     let mut steered = Vec::new();
+    let (cla, clb) = (
+        crate::control::client(&ca, None).unwrap(),
+        crate::control::client(&cb, None).unwrap(),
+    );
     let res =
-        crate::migrate_client::migrate(&ca, &cb, &pb, &[key(103)], |all| steered = all.to_vec());
+        crate::migrate_client::migrate(&cla, &clb, &pb, &[key(103)], |all| steered = all.to_vec());
     stop.store(true, Ordering::SeqCst);
     let (a, b) = (ta.join().unwrap(), tb.join().unwrap());
     let _ = std::fs::remove_dir_all(&dir);

@@ -1,0 +1,206 @@
+//! The client side of the control channel: one connection per [`Client`] call (a heartbeat a
+//! second per replica costs one handshake; a connection never outlives a request that timed
+//! out, so a late answer can never be taken for the next request's).
+
+use crate::link::{Link, MAX_ANSWER};
+use crate::reply::{self, FlowEntry};
+use crate::request::Request;
+use pliant_state::FlowKey;
+use pliant_wire::{role, Endpoint, Expect, Security};
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+use std::time::{Duration, Instant};
+
+/// How long a slow request (`migrate_out`, `ftmb_protect`, `ftmb_activate`) may take to be
+/// answered: the replica bounds each of them on its own side (20 s at most).
+pub const SLOW_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum ControlError {
+    #[error("replica control {ep}: {reason}")]
+    Io { ep: String, reason: String },
+    #[error("replica {ep} refused {cmd}: {error}")]
+    Refused {
+        ep: String,
+        cmd: String,
+        error: String,
+    },
+    #[error("replica {ep} answered {cmd} with a malformed answer: {reason}")]
+    Malformed {
+        ep: String,
+        cmd: String,
+        reason: String,
+    },
+}
+
+/// Where a replica's control channel is and how to authenticate to it.
+#[derive(Clone, Debug)]
+pub struct Client {
+    ep: Endpoint,
+    security: Option<Security>,
+    /// The replica's certified name, if the caller knows which replica it dials.
+    expect_name: Option<String>,
+    timeout: Duration,
+}
+
+impl Client {
+    /// A client of the control channel at `ep`; with `security`, the sealed mode (the replica
+    /// must prove a REPLICA certificate of the same CA), without, the local mode (unix only).
+    pub fn new(ep: Endpoint, security: Option<Security>) -> Client {
+        Client {
+            ep,
+            security,
+            expect_name: None,
+            timeout: Duration::from_secs(10),
+        }
+    }
+
+    /// The replica must prove this name in the handshake (sealed mode).
+    pub fn expecting(mut self, name: impl Into<String>) -> Client {
+        self.expect_name = Some(name.into());
+        self
+    }
+
+    /// How long an ordinary request may take (connect + handshake + answer).
+    pub fn with_timeout(mut self, t: Duration) -> Client {
+        self.timeout = t;
+        self
+    }
+
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.ep
+    }
+
+    fn io(&self, reason: impl Into<String>) -> ControlError {
+        ControlError::Io {
+            ep: self.ep.to_string(),
+            reason: reason.into(),
+        }
+    }
+
+    /// Opens a connection (and runs the handshake in the sealed mode).
+    pub fn connect(&self) -> Result<Link, ControlError> {
+        let Some(sec) = &self.security else {
+            if self.ep.is_tcp() {
+                return Err(self.io(
+                    "a TCP control endpoint needs an identity (give one with CONTROLLER or \
+                     ADMIN role)",
+                ));
+            }
+            let s = pliant_wire::endpoint::connect(&self.ep, self.timeout, &Default::default())
+                .map_err(|e| self.io(format!("connect: {e}")))?;
+            return Ok(Link::local(s, MAX_ANSWER));
+        };
+        let expect = Expect {
+            name: self.expect_name.clone(),
+            roles: role::REPLICA,
+        };
+        let o = sec.options(&self.ep, expect, MAX_ANSWER);
+        let c = pliant_wire::Conn::connect(&self.ep, &sec.identity, &o, self.timeout, &sec.tcp)
+            .map_err(|e| {
+                self.io(format!(
+                    "{e} (a replica without a [security] identity serves only local clients \
+                     without one)"
+                ))
+            })?;
+        Ok(Link::Sealed(Box::new(c)))
+    }
+
+    /// Sends `req` and returns the answer if it says `ok` (an answer that does not is
+    /// [`ControlError::Refused`]).
+    pub fn call(&self, req: &Request) -> Result<Value, ControlError> {
+        let started = Instant::now();
+        let mut link = self.connect()?;
+        let wait = if req.is_slow() {
+            SLOW_TIMEOUT
+        } else {
+            self.timeout
+        };
+        let left = wait
+            .saturating_sub(started.elapsed())
+            .max(Duration::from_millis(1));
+        link.stream()
+            .set_read_timeout(Some(left))
+            .and_then(|_| link.stream().set_write_timeout(Some(left)))
+            .map_err(|e| self.io(e.to_string()))?;
+        let body = serde_json::to_vec(req).map_err(|e| self.io(format!("encode: {e}")))?;
+        link.send(&body)
+            .map_err(|e| self.io(format!("send {}: {e}", req.name())))?;
+        let local = matches!(link, Link::Local { .. });
+        let answer = link.recv().map_err(|e| {
+            self.io(format!(
+                "no answer to {}: {e}{}",
+                req.name(),
+                match local {
+                    true =>
+                        " (a replica with a [security] identity answers only authenticated \
+                         clients: give an identity with CONTROLLER or ADMIN role)",
+                    _ => "",
+                }
+            ))
+        })?;
+        let v: Value = serde_json::from_slice(answer).map_err(|e| ControlError::Malformed {
+            ep: self.ep.to_string(),
+            cmd: req.name().into(),
+            reason: e.to_string(),
+        })?;
+        if reply::is_ok(&v) {
+            Ok(v)
+        } else {
+            Err(ControlError::Refused {
+                ep: self.ep.to_string(),
+                cmd: req.name().into(),
+                error: reply::error_text(&v),
+            })
+        }
+    }
+
+    /// [`Client::call`] and the strict decoding of the answer's typed part.
+    pub fn ask<T: DeserializeOwned>(&self, req: &Request) -> Result<T, ControlError> {
+        let v = self.call(req)?;
+        reply::decode(&v).map_err(|reason| ControlError::Malformed {
+            ep: self.ep.to_string(),
+            cmd: req.name().into(),
+            reason,
+        })
+    }
+
+    pub fn stats(&self) -> Result<reply::Stats, ControlError> {
+        self.ask(&Request::Stats)
+    }
+
+    pub fn flows(&self) -> Result<reply::FlowList, ControlError> {
+        self.ask(&Request::Flows)
+    }
+
+    /// The flow holding `key` here (as a primary key or an alias), if any.
+    pub fn flow(&self, key: &FlowKey) -> Result<Option<FlowEntry>, ControlError> {
+        let l: reply::FlowLookup = self.ask(&Request::Flow { key: *key })?;
+        l.entry().map_err(|reason| ControlError::Malformed {
+            ep: self.ep.to_string(),
+            cmd: "flow".into(),
+            reason,
+        })
+    }
+
+    pub fn ha_status(&self) -> Result<reply::HaStatus, ControlError> {
+        self.ask(&Request::HaStatus)
+    }
+
+    pub fn ftmb_status(&self) -> Result<reply::FtmbStatus, ControlError> {
+        self.ask(&Request::FtmbStatus)
+    }
+
+    /// Waits until the replica answers `stats`, returning how long that took.
+    pub fn wait_serving(&self, limit: Duration) -> Result<Duration, ControlError> {
+        let start = Instant::now();
+        let quick = self.clone().with_timeout(Duration::from_millis(500));
+        loop {
+            match quick.stats() {
+                Ok(_) => return Ok(start.elapsed()),
+                Err(e) if start.elapsed() >= limit => return Err(e),
+                Err(_) => std::thread::sleep(Duration::from_millis(10)),
+            }
+        }
+    }
+}
