@@ -20,10 +20,11 @@
 //! break) measures the TCP stall the failover causes. The long-lived flows: no UDP datagram
 //! reordered or duplicated on any flow; loss attributed seq by seq to the trial it happened in,
 //! split into the victim's flows, the flows of the replica that logged to the victim and the
-//! rest, and printed — but not judged outside the victim's flows (`OffVictimLoss::Measured`):
-//! FTMB mode loses datagrams of replicas that did not fail (the output in flight at a dying
-//! logger host; the recovering host's own flows while it recovers), open defects described in
-//! the controller README; every TCP stream complete with 0 resets and 0 corrupted
+//! rest, and printed; 0 lost on the flows of the replica that logged to the victim (it keeps
+//! its output until its logger confirms the release and sends the rest itself when the
+//! logger dies); the rest off the victim is not judged (`OffVictimLoss::Measured`: the
+//! recovering host can lose datagrams of its own flows while it recovers, an open defect
+//! described in the controller README); every TCP stream complete with 0 resets and 0 corrupted
 //! bytes. The controller: `protects_naming_unlive` is 0 and, independently, no `ftmb_protect`
 //! sent after a death was detected names the dead replica as logger host.
 //!

@@ -162,10 +162,12 @@ fn ftmb_nat_recovers_on_the_logger_host_with_the_same_ports() {
     for sport in 6000..6012 {
         a.port_mut(Side::Inside).inject(&udp(sport, 1));
     }
-    let second = collect(&mut [&mut a, &mut b], 1, Side::Outside, 12);
+    // Released by r2's logger, sent by the primary itself (output held by the logger host
+    // would die with it).
+    let second = collect(&mut [&mut a, &mut b], 0, Side::Outside, 12);
     assert!(
-        tx(&mut a, Side::Outside).is_empty(),
-        "the protected primary sends nothing itself"
+        tx(&mut b, Side::Outside).is_empty(),
+        "the logger host sends none of the primary's output"
     );
     let mut port_of = std::collections::HashMap::new();
     for f in first.iter().chain(&second) {

@@ -43,7 +43,10 @@ pub use master::{
     Determinants, FtmbError, Master, MasterConfig, SharedVar, UnlockEvent, UnlockProbe, Worker,
     WorkerStats,
 };
-pub use net::{LoggerAddr, NetError, NetOptions, NetStats, NetTransport, SnapshotLink};
+pub use net::{
+    HeldOutputs, LoggerAddr, NetError, NetOptions, NetStats, NetTransport, ReleaseSink,
+    SnapshotLink,
+};
 pub use server::{LoggerServer, RecoveryBundle, ReleaseFn, ServerOptions, ServerStats};
 pub use transport::{spawn_logger, ChannelTransport, LogTransport, LoggerHandle, TransportError};
 pub use wire::{

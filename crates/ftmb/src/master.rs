@@ -563,6 +563,8 @@ impl Worker {
                         self.retained.pop_front();
                     }
                 }
+                // Handled by the transport that holds the output (`net::HeldOutputs`).
+                Feedback::Released { .. } => {}
                 Feedback::Resend { from, to } => {
                     let msgs: Vec<LogMsg> = self
                         .retained

@@ -30,8 +30,8 @@
 
 use crate::transport::{LogTransport, TransportError};
 use crate::wire::{
-    open_front, read_msg, seal_frame, Feedback, LogBatch, NetMsg, QueueId, SnapshotFrame,
-    SnapshotMsg, StreamKind, FRAME_OVERHEAD, MAX_FRAME,
+    open_front, read_msg, seal_frame, Feedback, LogBatch, LogMsg, NetMsg, OutputId, QueueId,
+    SnapshotFrame, SnapshotMsg, StreamKind, FRAME_OVERHEAD, MAX_FRAME,
 };
 use pliant_wire::endpoint::{self as wire_ep, euid, Endpoint, Stream};
 use pliant_wire::session::{self, Expect, Opener, Sealer, SessionError};
@@ -39,6 +39,9 @@ use pliant_wire::{role, FrameError, Security};
 use std::collections::VecDeque;
 use std::io;
 use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// Bound on a session-stream frame (a full snapshot of many flows is one frame).
@@ -54,6 +57,11 @@ const READ_CHUNK: usize = 64 << 10;
 const FEEDBACK_READ_EVERY: Duration = Duration::from_micros(500);
 /// Encode buffer capacity a queue stream keeps between batches at most.
 const WBUF_KEEP: usize = 256 << 10;
+/// Outputs a releasing queue stream holds at most; over it the link is given up (the logger
+/// releases nothing: the runtime falls back and releases what is held).
+pub const MAX_HELD_OUTPUTS: usize = 1 << 16;
+/// A reader thread checks its stop flag at least this often.
+const READER_TICK_MS: i32 = 100;
 
 #[derive(Clone, Debug)]
 pub struct NetOptions {
@@ -134,7 +142,8 @@ pub enum NetError {
 struct Conn {
     stream: Stream,
     tx: Sealer,
-    rx: Opener,
+    /// `None` once a reader thread owns the read direction ([`NetTransport::releasing`]).
+    rx: Option<Opener>,
     rbuf: Vec<u8>,
     /// Scratch for a frame's encoded body (see [`seal_frame`]).
     body: Vec<u8>,
@@ -297,7 +306,7 @@ impl Conn {
         Ok(Conn {
             stream,
             tx,
-            rx,
+            rx: Some(rx),
             rbuf: Vec::new(),
             body,
             max_in,
@@ -372,6 +381,9 @@ impl Conn {
     /// Reads whatever is available without blocking and returns the complete frames.
     fn read_available(&mut self) -> Result<Vec<NetMsg>, NetError> {
         self.check()?;
+        let Some(rx) = self.rx.as_mut() else {
+            return Ok(Vec::new()); // a reader thread reads this stream
+        };
         let mut eof = false;
         loop {
             match recv_into(&self.stream, &mut self.rbuf, READ_CHUNK) {
@@ -393,7 +405,7 @@ impl Conn {
         let mut out = Vec::new();
         let mut used = 0;
         loop {
-            match open_front(&mut self.rx, &mut self.rbuf[used..]) {
+            match open_front(rx, &mut self.rbuf[used..]) {
                 Ok(Some((m, n))) => {
                     used += n;
                     self.stats.frames_received += 1;
@@ -429,6 +441,202 @@ pub struct NetTransport {
     pulled: Option<Instant>,
     /// Encode buffer reused by every batch (its capacity stays at the largest batch).
     wbuf: Vec<u8>,
+    /// Set by [`NetTransport::releasing`]: the master transmits its own output.
+    releasing: Option<Releasing>,
+}
+
+/// Called with each output payload to transmit, in order (under the [`HeldOutputs`] lock:
+/// it must not block).
+pub type ReleaseSink = Box<dyn FnMut(Vec<u8>) + Send>;
+
+/// Output a queue stream sent to the logger and the logger has not confirmed released yet,
+/// kept by the master (payloads stay here; the logger gets the id and VOR only).
+///
+/// Why: output handed to the logger's process dies with it — a logger host SIGKILLed with
+/// output in its hold, its release queue or its socket buffers lost that output for flows
+/// whose replica did not fail. Held here, the master transmits each output exactly once:
+/// when the logger confirms it released it (`Feedback::Released`, read by the stream's
+/// reader thread), or, once the logger is lost, when the runtime gives protection up and
+/// calls [`HeldOutputs::release_all`] (with every worker stopped, before they go on with a
+/// new logger, so nothing is reordered). Both paths pop under one lock, in FIFO order.
+pub struct HeldOutputs {
+    st: Mutex<HeldState>,
+}
+
+struct HeldState {
+    held: VecDeque<(OutputId, Vec<u8>)>,
+    sink: ReleaseSink,
+    lost: Option<String>,
+    released: u64,
+}
+
+impl HeldOutputs {
+    fn new(sink: ReleaseSink) -> HeldOutputs {
+        HeldOutputs {
+            st: Mutex::new(HeldState {
+                held: VecDeque::new(),
+                sink,
+                lost: None,
+                released: 0,
+            }),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HeldState> {
+        self.st.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn hold(&self, id: OutputId, payload: Vec<u8>) {
+        let mut st = self.lock();
+        st.held.push_back((id, payload));
+        if st.held.len() > MAX_HELD_OUTPUTS && st.lost.is_none() {
+            st.lost = Some(format!(
+                "over {MAX_HELD_OUTPUTS} outputs held: the logger releases nothing"
+            ));
+        }
+    }
+
+    /// The logger released every output up to `upto`: transmit them.
+    fn confirm(&self, upto: OutputId) {
+        let mut st = self.lock();
+        while st.held.front().is_some_and(|(id, _)| *id <= upto) {
+            let Some((_, p)) = st.held.pop_front() else {
+                break;
+            };
+            st.released += 1;
+            (st.sink)(p);
+        }
+    }
+
+    /// Transmits everything held, in order, without the logger's confirmation: for the
+    /// runtime once the logger is lost (or replaced), with the worker stopped. Returns how
+    /// many outputs went.
+    pub fn release_all(&self) -> usize {
+        let mut st = self.lock();
+        let n = st.held.len();
+        while let Some((_, p)) = st.held.pop_front() {
+            st.released += 1;
+            (st.sink)(p);
+        }
+        n
+    }
+
+    /// Outputs held now.
+    pub fn held(&self) -> usize {
+        self.lock().held.len()
+    }
+
+    /// Outputs transmitted so far (confirmed or released by [`HeldOutputs::release_all`]).
+    pub fn released(&self) -> u64 {
+        self.lock().released
+    }
+
+    /// Why the stream is lost (the reader saw it close or fail), if it is.
+    pub fn lost(&self) -> Option<String> {
+        self.lock().lost.clone()
+    }
+
+    fn set_lost(&self, why: String) {
+        self.lock().lost.get_or_insert(why);
+    }
+}
+
+/// The reader thread of a releasing queue stream.
+struct Releasing {
+    held: Arc<HeldOutputs>,
+    feedback: Arc<Mutex<VecDeque<Feedback>>>,
+    stop: Arc<AtomicBool>,
+    /// A clone of the stream, to wake the reader (shutdown) when the transport is dropped.
+    stream: Stream,
+    join: Option<JoinHandle<()>>,
+}
+
+impl Drop for Releasing {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        if let Some(j) = self.join.take() {
+            let _ = j.join();
+        }
+    }
+}
+
+/// Reads a releasing queue stream until it closes or the transport is dropped: confirmed
+/// releases go to the held outputs at once (a blocking poll, not the worker's flushes, so
+/// output leaves as soon as the logger released it), other feedback to the worker.
+#[allow(clippy::too_many_arguments)]
+fn read_loop(
+    stream: Stream,
+    mut rx: Opener,
+    max_in: usize,
+    max_feedback: usize,
+    held: Arc<HeldOutputs>,
+    feedback: Arc<Mutex<VecDeque<Feedback>>>,
+    stop: Arc<AtomicBool>,
+) {
+    let mut buf: Vec<u8> = Vec::new();
+    let fd = stream.as_raw_fd();
+    let why = 'read: loop {
+        if stop.load(Ordering::Acquire) {
+            return;
+        }
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: `p` is one valid pollfd for the duration of the call.
+        let n = unsafe { libc::poll(&mut p, 1, READER_TICK_MS) };
+        if n <= 0 {
+            continue;
+        }
+        match recv_into(&stream, &mut buf, READ_CHUNK) {
+            Ok(0) => break "the logger closed the connection".to_string(),
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+                ) =>
+            {
+                continue
+            }
+            Err(e) => break format!("recv: {e}"),
+        }
+        let mut used = 0;
+        loop {
+            match open_front(&mut rx, &mut buf[used..]) {
+                Ok(Some((m, n))) => {
+                    used += n;
+                    match m {
+                        NetMsg::Feedback(Feedback::Released { upto }) => held.confirm(upto),
+                        NetMsg::Feedback(f) => {
+                            let mut q = feedback.lock().unwrap_or_else(|e| e.into_inner());
+                            if q.len() >= max_feedback {
+                                q.pop_front(); // cumulative or re-requested
+                            }
+                            q.push_back(f);
+                        }
+                        NetMsg::Refused { reason } => {
+                            break 'read format!("the logger refused: {reason}")
+                        }
+                        other => {
+                            break 'read format!("unexpected frame on a queue stream: {other:?}")
+                        }
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => break 'read format!("bad frame from the logger: {e}"),
+            }
+        }
+        buf.drain(..used);
+        if buf.len() > max_in + FRAME_OVERHEAD {
+            break "oversized frame from the logger".to_string();
+        }
+    };
+    if !stop.load(Ordering::Acquire) {
+        held.set_lost(why);
+    }
 }
 
 impl NetTransport {
@@ -456,7 +664,44 @@ impl NetTransport {
             max_feedback: opts.max_feedback.max(1),
             pulled: None,
             wbuf: Vec::new(),
+            releasing: None,
         })
+    }
+
+    /// From now on this master transmits its own output: each output's payload stays in the
+    /// returned [`HeldOutputs`] (the logger gets its id and VOR, enough to decide) until the
+    /// logger confirms it released it (the logger must run with
+    /// `ServerOptions::release_to_master`), when `sink` gets it. A thread reads the stream
+    /// from now on (blocking poll): confirmations act at once, other feedback goes to
+    /// [`LogTransport::poll_feedback`]. Dropping the transport stops the thread; what is
+    /// still held stays in the `HeldOutputs` (see [`HeldOutputs::release_all`]).
+    pub fn releasing(
+        mut self,
+        sink: ReleaseSink,
+    ) -> Result<(NetTransport, Arc<HeldOutputs>), NetError> {
+        let held = Arc::new(HeldOutputs::new(sink));
+        let Some(rx) = self.conn.rx.take() else {
+            return Err(NetError::Protocol("the stream already has a reader".into()));
+        };
+        let spawn_err = |e: io::Error| NetError::Spawn(e);
+        let reader_stream = self.conn.stream.try_clone().map_err(spawn_err)?;
+        let wake = self.conn.stream.try_clone().map_err(spawn_err)?;
+        let feedback = Arc::new(Mutex::new(VecDeque::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (h, f, st) = (Arc::clone(&held), Arc::clone(&feedback), Arc::clone(&stop));
+        let (max_in, max_fb) = (self.conn.max_in, self.max_feedback);
+        let join = std::thread::Builder::new()
+            .name(format!("ftmb-rel-q{}", self.queue))
+            .spawn(move || read_loop(reader_stream, rx, max_in, max_fb, h, f, st))
+            .map_err(spawn_err)?;
+        self.releasing = Some(Releasing {
+            held: Arc::clone(&held),
+            feedback,
+            stop,
+            stream: wake,
+            join: Some(join),
+        });
+        Ok((self, held))
     }
 
     pub fn queue(&self) -> QueueId {
@@ -507,7 +752,19 @@ fn to_transport(e: NetError) -> TransportError {
 }
 
 impl LogTransport for NetTransport {
-    fn send(&mut self, batch: LogBatch) -> Result<(), TransportError> {
+    fn send(&mut self, mut batch: LogBatch) -> Result<(), TransportError> {
+        if let Some(r) = &self.releasing {
+            // Held here before anything can fail: a batch that does not reach the logger
+            // loses its PALs (the runtime starts its next logger past them) but never output.
+            for m in &mut batch.msgs {
+                if let LogMsg::Output { id, payload, .. } = m {
+                    r.held.hold(*id, std::mem::take(payload));
+                }
+            }
+            if let Some(why) = r.held.lost() {
+                return Err(to_transport(self.conn.fail(why)));
+            }
+        }
         self.wbuf.clear();
         let c = &mut self.conn;
         seal_frame(
@@ -530,6 +787,13 @@ impl LogTransport for NetTransport {
     }
 
     fn poll_feedback(&mut self) -> Option<Feedback> {
+        if let Some(r) = &self.releasing {
+            return r
+                .feedback
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .pop_front();
+        }
         if self.feedback.is_empty() && self.conn.broken.is_none() {
             let now = Instant::now();
             if self

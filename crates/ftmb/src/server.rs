@@ -41,8 +41,8 @@
 use crate::logger::{LoggerConfig, LoggerStats, OutputLogger, Recovery, Released};
 use crate::net::{recv_into, NetError, MAX_MASTER_NAME, MAX_SNAPSHOT_FRAME};
 use crate::wire::{
-    open_front, read_msg, seal_frame, LogBatch, LogMsg, NetMsg, QueueId, Snapshot, SnapshotMsg,
-    StreamKind, FRAME_OVERHEAD, MAX_FRAME, MAX_QUEUES,
+    open_front, read_msg, seal_frame, Feedback, LogBatch, LogMsg, NetMsg, OutputId, QueueId,
+    Snapshot, SnapshotMsg, StreamKind, FRAME_OVERHEAD, MAX_FRAME, MAX_QUEUES,
 };
 use pliant_wire::endpoint::{Endpoint, Listener, Stream};
 use pliant_wire::server::{self as wire_server, ServerSocket};
@@ -87,6 +87,12 @@ pub struct ServerOptions {
     pub max_out_bytes: usize,
     /// Bound on handshake + hello of a new connection.
     pub handshake_timeout: Duration,
+    /// The masters transmit their own output: a released output is not handed to the release
+    /// callback but confirmed to its master (`Feedback::Released`, cumulative per queue),
+    /// which holds it until then (`net::HeldOutputs`). Why: output handed to this process
+    /// dies with it, while output the master still holds can be released by the master once
+    /// this logger is gone (see the crate README, "Output when the logger dies").
+    pub release_to_master: bool,
 }
 
 impl Default for ServerOptions {
@@ -99,6 +105,7 @@ impl Default for ServerOptions {
             max_pending_snapshots: 8,
             max_out_bytes: 1 << 20,
             handshake_timeout: Duration::from_secs(2),
+            release_to_master: false,
         }
     }
 }
@@ -1052,15 +1059,32 @@ impl Inner {
         };
         let released = m.logger.drain_released();
         m.stats.released += released.len() as u64;
-        let feedback = m.logger.drain_feedback();
-        // Cloned only when there is feedback to route (rare: every `confirm_every` PALs).
+        let mut feedback = m.logger.drain_feedback();
+        if self.opts.release_to_master {
+            // Release is FIFO per queue: the last released id of a queue confirms all before.
+            let mut upto: Vec<Option<OutputId>> = vec![None; m.queues.len()];
+            for r in &released {
+                if let Some(u) = upto.get_mut(r.id.packet.queue as usize) {
+                    *u = Some(u.map_or(r.id, |p| p.max(r.id)));
+                }
+            }
+            feedback.extend(
+                upto.into_iter()
+                    .enumerate()
+                    .filter_map(|(q, u)| Some((q as QueueId, Feedback::Released { upto: u? }))),
+            );
+        }
+        // Cloned only when there is feedback to route (every `confirm_every` PALs, and every
+        // release when the masters transmit their own output).
         let queues = if feedback.is_empty() {
             Vec::new()
         } else {
             m.queues.clone()
         };
-        for r in released {
-            (self.release)(r);
+        if !self.opts.release_to_master {
+            for r in released {
+                (self.release)(r);
+            }
         }
         for (q, f) in feedback {
             if let Some(Some(id)) = queues.get(q as usize) {

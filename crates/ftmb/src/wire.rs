@@ -105,6 +105,10 @@ pub enum Feedback {
     Logged { upto: u64 },
     /// PALs `from..=to` of this queue are missing: send them again.
     Resend { from: u64, to: u64 },
+    /// Every output of this queue up to `upto` is released (cumulative; release is FIFO per
+    /// queue): a master that transmits its own output (`NetTransport::releasing`) sends it
+    /// now. Only a server with `ServerOptions::release_to_master` sends it.
+    Released { upto: OutputId },
 }
 
 /// A snapshot of the NF at a quiescent point (every worker between packets): the NF's own

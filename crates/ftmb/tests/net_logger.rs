@@ -526,6 +526,96 @@ fn without_the_fault_the_same_traffic_passes_the_output_commit_audit() {
     assert_eq!(st["logger"]["audit_violations"], 0, "{st}");
 }
 
+/// The master transmits its own output (`release_to_master` + `NetTransport::releasing`): the
+/// logger confirms what it released and calls no release callback; the master's sink gets
+/// each confirmed output once, in order. Output the logger could not release yet (B: queue
+/// 1's packet waits for A's PAL, still on worker 0) stays held at the master through the
+/// logger's death — with the logger holding it, it died with the logger — and
+/// `release_all` sends it once; so does A, whose batch failed to reach the dead logger.
+#[test]
+fn a_releasing_master_sends_confirmed_output_and_keeps_the_rest_when_the_logger_dies() {
+    let d = TempDir::new();
+    let opts = ServerOptions {
+        release_to_master: true,
+        ..ServerOptions::default()
+    };
+    let (srv, callback, path) = server_with(&d, opts);
+    let o = NetOptions::default();
+    let mut cfg = MasterConfig::new(2);
+    cfg.batch_packets = u32::MAX;
+    let m = Master::new(cfg).unwrap();
+    let nat = Nat::declare(&m, &initial_image());
+    let mut link = SnapshotLink::connect(&path, &sec("r1"), "r1", 1, 2, &o).unwrap();
+    let meta = m.snapshot(nat.image(), vec![0; 2]).unwrap();
+    link.send(&snap_msg(1, true, meta, vec![Vec::new(); 2]))
+        .unwrap();
+    let sent: Arc<Mutex<Vec<Vec<u8>>>> = Arc::new(Mutex::new(Vec::new()));
+    let mut held = Vec::new();
+    let mut ws: Vec<Worker> = (0..2)
+        .map(|q| {
+            let s2 = sent.clone();
+            let (t, h) = NetTransport::connect(&path, &sec("r1"), "r1", q, 1, &o)
+                .unwrap()
+                .releasing(Box::new(move |p| s2.lock().unwrap().push(p)))
+                .unwrap();
+            held.push(h);
+            m.worker(q, Box::new(t)).unwrap()
+        })
+        .collect();
+    let mut ls = [Local::default(), Local::default()];
+    let id = |queue: QueueId, seq: u64| PacketId { queue, seq };
+    let flows = || -> Vec<u32> {
+        sent.lock()
+            .unwrap()
+            .iter()
+            .map(|p| decode_out(p).0)
+            .collect()
+    };
+    // P (flow 0, queue 0): logged, confirmed, sent by the master.
+    nat.process(&mut ws[0], &mut ls[0], id(0, 0), &0u32.to_le_bytes())
+        .unwrap();
+    ws[0].flush().unwrap();
+    until("P sent", || (flows() == [0]).then_some(()));
+    // A (flow 0 again) stays on worker 0; B (flow 1, queue 1) depends on A's PAL.
+    nat.process(&mut ws[0], &mut ls[0], id(0, 1), &0u32.to_le_bytes())
+        .unwrap();
+    nat.process(&mut ws[1], &mut ls[1], id(1, 0), &1u32.to_le_bytes())
+        .unwrap();
+    ws[1].flush().unwrap();
+    let b_pals = ws[1].pal_seq();
+    until("B waiting at the logger", || {
+        let st = master_status(&srv, "r1");
+        (st["held_outputs"] == 1 && st["queues"][1]["logged_pal_seq"] == b_pals).then_some(())
+    });
+    assert_eq!(flows(), [0], "B is not released before A's PAL is logged");
+    assert_eq!((held[0].held(), held[1].held()), (0, 1));
+    assert!(
+        callback.lock().unwrap().is_empty(),
+        "the logger hands nothing to its own release callback"
+    );
+    // The logger dies with B in its hold.
+    drop(srv);
+    until("the loss seen", || held[1].lost());
+    assert_eq!(flows(), [0], "a dead logger confirms nothing");
+    // A's batch cannot reach it: the send fails, A's output is held all the same.
+    assert!(ws[0].flush().is_err());
+    assert_eq!((held[0].held(), held[1].held()), (1, 1));
+    // Protection is given up (the runtime does this with its workers parked): each held
+    // output goes once, FIFO per queue.
+    assert_eq!(held[1].release_all(), 1);
+    assert_eq!(held[0].release_all(), 1);
+    assert_eq!(held[0].release_all() + held[1].release_all(), 0);
+    assert_eq!(flows(), [0, 1, 0]);
+    let serials: Vec<u64> = sent
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|p| decode_out(p).2)
+        .collect();
+    assert_eq!(serials, [1, 3, 2], "P, then B (after A in the NF), then A");
+    assert_eq!(held[0].released() + held[1].released(), 3);
+}
+
 #[test]
 fn a_stranger_a_non_replica_and_the_wrong_logger_are_refused_and_counted() {
     let d = TempDir::new();

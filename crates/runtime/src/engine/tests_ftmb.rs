@@ -332,7 +332,7 @@ fn ext_ports(frames: &[Vec<u8>]) -> Vec<u16> {
 }
 
 #[test]
-fn protected_output_is_released_by_the_logger_host_and_snapshots_arrive() {
+fn protected_output_is_released_by_the_logger_sent_by_its_master_and_snapshots_arrive() {
     let dir = TempDir::new("rel");
     let (sa, sb) = (dir.sock("a.ftmb.sock"), dir.sock("b.ftmb.sock"));
     let mut a = engine("r1", hosting("r1", &sa, 10));
@@ -346,11 +346,14 @@ fn protected_output_is_released_by_the_logger_host_and_snapshots_arrive() {
     pump(&mut [&mut a, &mut b], |es| {
         tx(es[0], Side::Outside, &mut at_a);
         tx(es[1], Side::Outside, &mut at_b);
-        at_b.len() >= 20
+        at_a.len() >= 20
     });
-    assert_eq!(at_b.len(), 20);
-    assert!(at_a.is_empty(), "a protected primary sends nothing itself");
-    let ports: std::collections::HashSet<u16> = ext_ports(&at_b).into_iter().collect();
+    assert_eq!(at_a.len(), 20);
+    assert!(
+        at_b.is_empty(),
+        "the logger host releases (confirms) a's output, a transmits it"
+    );
+    let ports: std::collections::HashSet<u16> = ext_ports(&at_a).into_iter().collect();
     assert_eq!(ports.len(), 20);
     // Deltas keep coming and the logger applies them.
     pump(&mut [&mut a, &mut b], |es| {
@@ -383,7 +386,7 @@ fn protected_output_is_released_by_the_logger_host_and_snapshots_arrive() {
     assert!(st["snapshot_pause_us_p99"].is_u64(), "{st}");
     // b's `hosting` is the coordinator's cached copy of its server's status, refreshed
     // every tick: under load it may still be the one from before r1's session was up.
-    // The 20 outputs b sent for r1 were audited by b's logger as it handed them out.
+    // The 20 outputs b released for r1 were audited by b's logger as it confirmed them.
     let mut hosted = Value::Null;
     pump(&mut [&mut a, &mut b], |es| {
         hosted = answer(es[1], Cmd::FtmbStatus)["hosting"]["masters"]["r1"]["logger"].clone();
@@ -416,13 +419,14 @@ fn recovery_on_the_logger_host_brings_the_flows_back_without_duplicates() {
         at_a.len() >= 5
     });
     protect(&mut a, &sb);
-    // Ten new flows and a second packet of the first five: logged input, released at b.
+    // Ten new flows and a second packet of the first five: logged input, released by b's
+    // logger, sent by a.
     for sport in 3000..3015u16 {
         a.port_mut(Side::Inside).inject(&udp_out(sport));
     }
     let mut at_b = Vec::new();
     pump(&mut [&mut a, &mut b], |es| {
-        tx(es[1], Side::Outside, &mut at_b);
+        tx(es[0], Side::Outside, &mut at_b);
         at_b.len() >= 15
     });
     let old_ports: std::collections::HashSet<u16> = ext_ports(&at_a)
@@ -534,7 +538,8 @@ fn a_lost_logger_falls_back_to_local_release_and_can_be_replaced() {
         .expect("session epoch");
     // A process's first generation lies above any earlier process's (see front.rs).
     assert!(first > 1_000_000, "{first}");
-    // The logger host dies: a notices (session stream closed) and releases output itself.
+    // The logger host dies: a notices (session stream closed) and releases output itself
+    // (what b confirmed while it was going away was sent by a already).
     drop(b);
     let mut at_a = Vec::new();
     let mut sport = 4000u16;
@@ -542,7 +547,7 @@ fn a_lost_logger_falls_back_to_local_release_and_can_be_replaced() {
         es[0].port_mut(Side::Inside).inject(&udp_out(sport));
         sport += 1;
         tx(es[0], Side::Outside, &mut at_a);
-        !at_a.is_empty()
+        !at_a.is_empty() && answer(es[0], Cmd::FtmbStatus)["fallbacks"] == 1
     });
     let st = answer(&mut a, Cmd::FtmbStatus);
     assert_eq!(st["protected"], false, "{st}");
@@ -554,7 +559,7 @@ fn a_lost_logger_falls_back_to_local_release_and_can_be_replaced() {
         "{st}"
     );
     assert_eq!(st["local_audit"]["audit_violations"], 0, "{st}");
-    // A new logger: protected again, output goes there.
+    // A new logger: protected again, output is released there (and sent by a).
     let mut c = engine("r3", hosting("r3", &sc, 10));
     protect(&mut a, &sc);
     pump(&mut [&mut a, &mut c], |es| {
@@ -563,16 +568,127 @@ fn a_lost_logger_falls_back_to_local_release_and_can_be_replaced() {
         answer(es[0], Cmd::FtmbStatus)["protected"] == true
     });
     a.port_mut(Side::Inside).inject(&udp_out(9999));
-    let mut at_c = Vec::new();
+    let mut at_a = Vec::new();
     pump(&mut [&mut a, &mut c], |es| {
-        tx(es[1], Side::Outside, &mut at_c);
-        at_c.iter().any(|f| {
+        tx(es[0], Side::Outside, &mut at_a);
+        at_a.iter().any(|f| {
             let p = parsed(f);
-            p.src == IpAddr::V4(EXT_IP) && p.dport == 53
-        })
+            p.src == IpAddr::V4(EXT_IP) && p.dport == 53 && p.sport != 0
+        }) && answer(es[1], Cmd::FtmbStatus)["hosting"]["masters"]["r1"]["logger"]["audit_checked"]
+            .as_u64()
+            >= Some(1)
     });
     let st = answer(&mut a, Cmd::FtmbStatus);
     assert_eq!(st["session_epoch"], first + 1, "{st}");
+}
+
+/// UDP from the client on `sport` carrying `n` (to check order and exactly-once).
+fn udp_out_n(sport: u16, n: u32) -> Vec<u8> {
+    build::udp(
+        CLIENT_MAC,
+        IN_MAC,
+        CLIENT.into(),
+        sport,
+        SERVER.into(),
+        53,
+        &n.to_be_bytes(),
+    )
+}
+
+/// The product's rule for a failover: flows of replicas that did not fail lose nothing. Here
+/// the logger host dies with all of a's protected output in flight — a's batches sit unread
+/// in its sockets (its input-log bound of 0 bytes keeps it from reading a queue stream), so
+/// it has released none of them — and a has no other logger to go to. Every one of those
+/// outputs must still leave a, exactly once, in each flow's order, after a falls back; and
+/// none may leave before (the logger did not have their log). Before the master held its
+/// own output, the host's death took them all with it (this waited for them in vain).
+#[test]
+fn output_in_flight_at_a_dying_logger_host_is_sent_once_in_order() {
+    let dir = TempDir::new("inflight");
+    let (sa, sb) = (dir.sock("a.ftmb.sock"), dir.sock("b.ftmb.sock"));
+    let mut a = engine("r1", hosting("r1", &sa, 10_000));
+    let mut ob = hosting("r2", &sb, 10_000);
+    ob.host_options.max_input_bytes_per_queue = 0;
+    let mut b = engine("r2", ob);
+    protect(&mut a, &sb);
+    // Three flows (on whatever queues they hash to), ten packets each, numbered.
+    let (flows, per_flow) = (5000..5003u16, 10u32);
+    for n in 0..per_flow {
+        for sport in flows.clone() {
+            a.port_mut(Side::Inside).inject(&udp_out_n(sport, n));
+        }
+    }
+    let total = u64::from(per_flow) * flows.len() as u64;
+    let mut at_a = Vec::new();
+    let mut at_b = Vec::new();
+    pump(&mut [&mut a, &mut b], |es| {
+        tx(es[0], Side::Outside, &mut at_a);
+        tx(es[1], Side::Outside, &mut at_b);
+        let st = answer(es[0], Cmd::FtmbStatus);
+        let ws = st["worker_stats"].as_array().cloned().unwrap_or_default();
+        ws.iter()
+            .map(|w| w["outputs"].as_u64().unwrap_or(0))
+            .sum::<u64>()
+            >= total
+    });
+    // Give the logger every chance to (wrongly) release: nothing may leave anywhere.
+    for _ in 0..20 {
+        a.poll_once(Instant::now());
+        b.poll_once(Instant::now());
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    tx(&mut a, Side::Outside, &mut at_a);
+    tx(&mut b, Side::Outside, &mut at_b);
+    assert!(
+        at_a.is_empty(),
+        "{} sent before the logger released them",
+        at_a.len()
+    );
+    assert!(
+        at_b.is_empty(),
+        "the logger host sent {} of a's outputs",
+        at_b.len()
+    );
+    // The logger host dies.
+    drop(b);
+    pump(&mut [&mut a], |es| {
+        tx(es[0], Side::Outside, &mut at_a);
+        at_a.len() as u64 >= total
+    });
+    // A little longer: a duplicate would show up now.
+    for _ in 0..20 {
+        a.poll_once(Instant::now());
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    tx(&mut a, Side::Outside, &mut at_a);
+    let mut seen: std::collections::BTreeMap<u16, Vec<u32>> = Default::default();
+    let mut ports = std::collections::BTreeSet::new();
+    for f in &at_a {
+        let p = parsed(f);
+        assert_eq!(p.src, IpAddr::V4(EXT_IP));
+        ports.insert(p.sport);
+        let off = usize::from(p.payload_off);
+        let pl = &f[off..off + 4];
+        seen.entry(p.sport)
+            .or_default()
+            .push(u32::from_be_bytes(pl.try_into().unwrap()));
+    }
+    assert_eq!(
+        ports.len(),
+        flows.len(),
+        "one external port per flow: {seen:?}"
+    );
+    for (port, ns) in &seen {
+        assert_eq!(
+            ns,
+            &(0..per_flow).collect::<Vec<_>>(),
+            "flow on port {port}: every output once, in order"
+        );
+    }
+    let st = answer(&mut a, Cmd::FtmbStatus);
+    assert_eq!(st["fallbacks"], 1, "{st}");
+    assert_eq!(st["held_released_at_fallback"], total, "{st}");
+    assert_eq!(st["protected"], false, "{st}");
 }
 
 #[test]
@@ -702,9 +818,10 @@ fn flows_carried_by_deltas_are_recovered_without_replay() {
     for sport in 8000..8010u16 {
         a.port_mut(Side::Inside).inject(&udp_out(sport));
     }
+    // Released by b's logger, sent by a.
     let mut at_b = Vec::new();
     pump(&mut [&mut a, &mut b], |es| {
-        tx(es[1], Side::Outside, &mut at_b);
+        tx(es[0], Side::Outside, &mut at_b);
         at_b.len() >= 10
     });
     // Two more snapshots applied after the traffic: the flows are in the logger's image.
@@ -851,9 +968,10 @@ fn flows_a_host_recovered_survive_its_own_recovery_after_a_new_logger() {
     for sport in 5000..5010u16 {
         a.port_mut(Side::Inside).inject(&udp_out(sport));
     }
+    // Released by b's logger, sent by a (the name says whose logger released it).
     let mut at_b = Vec::new();
     pump(&mut [&mut a, &mut b, &mut c], |es| {
-        tx(es[1], Side::Outside, &mut at_b);
+        tx(es[0], Side::Outside, &mut at_b);
         at_b.len() >= 10
     });
     let ports: std::collections::BTreeSet<u16> = ext_ports(&at_b).into_iter().collect();
@@ -866,13 +984,13 @@ fn flows_a_host_recovered_survive_its_own_recovery_after_a_new_logger() {
         },
     );
     assert_eq!(v["activated"], 10, "{v}");
-    // Traffic on the recovered flows through b (released by b's logger host c).
+    // Traffic on the recovered flows through b (released by b's logger host c, sent by b).
     let mut at_c = Vec::new();
     for sport in 5000..5010u16 {
         b.port_mut(Side::Inside).inject(&udp_out(sport));
     }
     pump(&mut [&mut b, &mut c], |es| {
-        tx(es[1], Side::Outside, &mut at_c);
+        tx(es[0], Side::Outside, &mut at_c);
         at_c.len() >= 10
     });
     // b's logger host dies: b falls back, then logs to a new host d.
@@ -890,7 +1008,7 @@ fn flows_a_host_recovered_survive_its_own_recovery_after_a_new_logger() {
         b.port_mut(Side::Inside).inject(&udp_out(sport));
     }
     pump(&mut [&mut b, &mut d], |es| {
-        tx(es[1], Side::Outside, &mut at_d);
+        tx(es[0], Side::Outside, &mut at_d);
         at_d.len() >= 10
     });
     for f in at_c.iter().chain(&at_b2).chain(&at_d) {

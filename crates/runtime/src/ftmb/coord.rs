@@ -19,8 +19,8 @@ use super::nf::{FlowDelta, FlowRecord, FtmbNf};
 use super::release::ReleaseQueue;
 use super::worker::{self, Ctl, Job, Parked, Post, WorkerPub};
 use pliant_ftmb::{
-    LoggerAddr, LoggerConfig, LoggerServer, Master, MasterConfig, NetOptions, NetTransport,
-    OutputLogger, QueueId, SnapshotLink, SnapshotMsg,
+    HeldOutputs, LoggerAddr, LoggerConfig, LoggerServer, Master, MasterConfig, NetOptions,
+    NetTransport, OutputLogger, QueueId, SnapshotLink, SnapshotMsg,
 };
 use pliant_net::FlowKey;
 use pliant_wire::{Endpoint, Security};
@@ -38,6 +38,10 @@ const BARRIER_WAIT: Duration = Duration::from_secs(5);
 const PAUSE_SAMPLES: usize = 4096;
 /// Recoveries listed in `ftmb_status`.
 const RECOVERIES_KEPT: usize = 16;
+/// While protected, the coordinator checks the logger's streams this often (between
+/// snapshots): a lost logger's held output is released within this plus one barrier, not
+/// after a snapshot interval (up to 10 s) or any connect timeout.
+const LOGGER_CHECK: Duration = Duration::from_millis(5);
 
 pub(crate) enum Op {
     Protect {
@@ -168,6 +172,8 @@ pub(crate) struct CoordStatus {
     /// must never do.
     pub hosting: Value,
     pub pauses_us: VecDeque<u64>,
+    /// Outputs the lost loggers had not confirmed, released by this replica at a fallback.
+    pub held_released_at_fallback: u64,
     pub last_error: Option<String>,
     pub recoveries: VecDeque<Value>,
 }
@@ -208,6 +214,10 @@ pub(crate) struct Coord<F: FtmbNf> {
     pub next_snap_id: u64,
     pub need_full: bool,
     pub local: Option<LocalLogger>,
+    /// Per queue, the output the current network logger has not confirmed released yet
+    /// (this replica transmits its own output, see [`Coord::try_protect`]); empty while the
+    /// in-process logger releases.
+    pub held: Vec<Arc<HeldOutputs>>,
     pub status: Arc<Mutex<CoordStatus>>,
     pub hosting: Option<Arc<LoggerServer>>,
     pub release: Arc<ReleaseQueue>,
@@ -232,7 +242,11 @@ impl<F: FtmbNf> Coord<F> {
         self.refresh_link_status();
         let mut next = Instant::now() + self.snapshot_every;
         loop {
-            let wait = next.saturating_duration_since(Instant::now());
+            let mut wait = next.saturating_duration_since(Instant::now());
+            let checking = !self.held.is_empty() && wait > LOGGER_CHECK;
+            if checking {
+                wait = LOGGER_CHECK;
+            }
             match ops.recv_timeout(wait) {
                 Ok(Op::Protect {
                     logger,
@@ -260,6 +274,11 @@ impl<F: FtmbNf> Coord<F> {
                 Ok(Op::Flows { max, reply }) => {
                     let v = self.flows(max);
                     let _ = reply.try_send(v);
+                }
+                Err(RecvTimeoutError::Timeout) if checking => {
+                    // Only the cheap check between snapshots (no status refresh).
+                    self.check_logger();
+                    continue;
                 }
                 Err(RecvTimeoutError::Timeout) => {
                     if self.link.as_ref().is_some_and(|l| l.broken().is_none()) {
@@ -291,6 +310,9 @@ impl<F: FtmbNf> Coord<F> {
             .sum();
         let why = if let Some(b) = link.broken() {
             format!("snapshot link: {b}")
+        } else if let Some(b) = self.held.iter().find_map(|h| h.lost()) {
+            // A queue stream's reader saw the logger close or fail (even with no batch sent).
+            format!("worker stream: {b}")
         } else if log_errors > self.log_errors_seen {
             let last = self
                 .pubs
@@ -342,6 +364,12 @@ impl<F: FtmbNf> Coord<F> {
                 return Err(format!("fallback logger: {e}"));
             }
         };
+        // The lost logger's unconfirmed output goes now, before any output of the fallback
+        // logger (the workers are parked and flushed: nothing more can join it). This gives
+        // output commit up for it — its PALs are on no logger that will survive — which is
+        // what falling back means for every later output too (crates/ftmb/README.md, "Output
+        // when the logger dies"): the alternative is losing it on flows that did not fail.
+        let released = self.release_held();
         let posts = ts
             .into_iter()
             .map(|t| Post::SetTransport {
@@ -358,6 +386,7 @@ impl<F: FtmbNf> Coord<F> {
             st.last_error = Some(format!(
                 "logger lost ({why}): unprotected until ftmb_protect"
             ));
+            st.held_released_at_fallback += released as u64;
         }
         self.resume(parked, posts);
         self.local = Some(local);
@@ -370,6 +399,15 @@ impl<F: FtmbNf> Coord<F> {
             .map(|p| p.lock().unwrap_or_else(|e| e.into_inner()).log_errors)
             .sum();
         Ok(())
+    }
+
+    /// Releases (transmits) what the current network logger holds unconfirmed, in order per
+    /// queue, and forgets it; only with every worker parked. Returns how many outputs went.
+    fn release_held(&mut self) -> usize {
+        std::mem::take(&mut self.held)
+            .iter()
+            .map(|h| h.release_all())
+            .sum()
     }
 
     fn refresh_link_status(&mut self) {
@@ -598,11 +636,19 @@ impl<F: FtmbNf> Coord<F> {
         // Session first: its hello opens (or replaces) our logs at the logger.
         let mut link = SnapshotLink::connect(&to, &sec, &self.name, epoch, n, &self.net)
             .map_err(|e| format!("logger {path}: session: {e}"))?;
+        // Our output stays here until the logger confirms it released it, and this replica
+        // transmits it: held by the logger host, it would die with that host (the flows of a
+        // replica that did not fail would lose it). See `pliant_ftmb::HeldOutputs`.
         let mut transports = Vec::with_capacity(n);
+        let mut held = Vec::with_capacity(n);
         for q in 0..n {
-            let t = NetTransport::connect(&to, &sec, &self.name, q as QueueId, epoch, &self.net)
-                .map_err(|e| format!("logger {path}: queue {q}: {e}"))?;
+            let rq = Arc::clone(&self.release);
+            let (t, h) =
+                NetTransport::connect(&to, &sec, &self.name, q as QueueId, epoch, &self.net)
+                    .and_then(|t| t.releasing(Box::new(move |p| rq.push(p))))
+                    .map_err(|e| format!("logger {path}: queue {q}: {e}"))?;
             transports.push(t);
+            held.push(h);
         }
         let mut parked = self.barrier(Some(true))?;
         let snap = match self.capture(&mut parked, true) {
@@ -621,6 +667,14 @@ impl<F: FtmbNf> Coord<F> {
             self.index_snapshot(snap);
             return Err(format!("logger {path}: full snapshot: {e}"));
         }
+        // Output of the previous logger goes before any of the new one's: the in-process
+        // logger's is handed out now, a previous network logger's unconfirmed output is
+        // released (its PALs are covered by the full snapshot just shipped).
+        if let Some(l) = &self.local {
+            l.sync();
+        }
+        self.release_held();
+        self.held = held;
         let posts = transports
             .into_iter()
             .map(|t| Post::SetTransport {

@@ -53,6 +53,9 @@ pub struct FtmbOptions {
     /// An `ftmb_hold` not followed by the `ftmb_activate` of the same primary ends after this
     /// (a controller that died in between must not freeze the replica).
     pub hold_limit: Duration,
+    /// Bounds of the logger this replica hosts (`release_to_master` is always set: see
+    /// [`start`]).
+    pub host_options: ServerOptions,
 }
 
 impl FtmbOptions {
@@ -69,6 +72,7 @@ impl FtmbOptions {
             net: NetOptions::default(),
             replay_limit: Duration::from_secs(2),
             hold_limit: Duration::from_secs(2),
+            host_options: ServerOptions::default(),
         }
     }
 }
@@ -141,7 +145,13 @@ pub fn start<F: FtmbNf>(nf: F, opts: FtmbOptions) -> Result<Box<dyn FtmbMode>, S
             let server = LoggerServer::start(
                 ep,
                 sec.clone(),
-                ServerOptions::default(),
+                // Each master transmits its own output once we confirm it released (see
+                // `Coord::try_protect`): output we held would die with us. The callback
+                // stays for any master that does not (none in this runtime).
+                ServerOptions {
+                    release_to_master: true,
+                    ..opts.host_options.clone()
+                },
                 Box::new(move |r| rq.push(r.payload)),
             )
             .map_err(|e| format!("ftmb: logger server {ep}: {e}"))?;
@@ -213,6 +223,7 @@ pub fn start<F: FtmbNf>(nf: F, opts: FtmbOptions) -> Result<Box<dyn FtmbMode>, S
         next_snap_id: 1,
         need_full: true,
         local: Some(local),
+        held: Vec::new(),
         status: Arc::clone(&status),
         hosting,
         release: Arc::clone(&release),
@@ -317,6 +328,7 @@ impl<F: FtmbNf> Front<F> {
             "snapshot_failures": st.snapshot_failures,
             "barrier_failures": st.barrier_failures,
             "fallbacks": st.fallbacks,
+            "held_released_at_fallback": st.held_released_at_fallback,
             "snapshot_pause_us_p50": p50,
             "snapshot_pause_us_p99": p99,
             "last_snapshot_id": st.last_snapshot_id,

@@ -30,6 +30,16 @@ const FEEDBACK_BOUND: usize = 256;
 
 type FeedbackTable = Arc<Mutex<Vec<Option<SyncSender<Feedback>>>>>;
 
+/// What the logger thread takes, in order.
+pub(crate) enum Msg {
+    Batch(LogBatch),
+    /// Answered once every batch queued before it is handled (see [`LocalLogger::sync`]).
+    Sync(SyncSender<()>),
+}
+
+/// How long [`LocalLogger::sync`] waits for the logger thread at most.
+const SYNC_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Output-commit audit of the in-process loggers, summed over all of them (before
 /// `ftmb_protect`, after a fallback, and the recovery loggers): they come and go, the replica's
 /// status keeps their counts.
@@ -40,7 +50,7 @@ pub(crate) struct LocalAudit {
 }
 
 pub(crate) struct LocalLogger {
-    tx: Option<SyncSender<LogBatch>>,
+    tx: Option<SyncSender<Msg>>,
     feedback: FeedbackTable,
     queues: usize,
     join: Option<JoinHandle<OutputLogger>>,
@@ -48,14 +58,14 @@ pub(crate) struct LocalLogger {
 }
 
 pub(crate) struct LocalTransport {
-    tx: SyncSender<LogBatch>,
+    tx: SyncSender<Msg>,
     fb: Receiver<Feedback>,
     blocked: Arc<AtomicU64>,
 }
 
 impl LogTransport for LocalTransport {
     fn send(&mut self, batch: LogBatch) -> Result<(), TransportError> {
-        match self.tx.try_send(batch) {
+        match self.tx.try_send(Msg::Batch(batch)) {
             Ok(()) => Ok(()),
             Err(TrySendError::Full(b)) => {
                 // Back-pressure from the logger thread: wait (counted), never drop a batch.
@@ -77,7 +87,7 @@ impl LocalLogger {
         release: Arc<ReleaseQueue>,
         audit: Arc<LocalAudit>,
     ) -> std::io::Result<LocalLogger> {
-        let (tx, rx) = mpsc::sync_channel::<LogBatch>(BATCH_BOUND);
+        let (tx, rx) = mpsc::sync_channel::<Msg>(BATCH_BOUND);
         let queues = logger.queues();
         let feedback: FeedbackTable = Arc::new(Mutex::new(vec![None; queues]));
         let fb = Arc::clone(&feedback);
@@ -110,6 +120,19 @@ impl LocalLogger {
         })
     }
 
+    /// Waits (bounded) until every batch queued so far is handled: all releasable output is
+    /// in the release queue. With the workers parked, output released after this is theirs
+    /// from a later logger, so nothing is reordered across a logger switch.
+    pub fn sync(&self) {
+        let Some(tx) = &self.tx else {
+            return;
+        };
+        let (dtx, drx) = mpsc::sync_channel(1);
+        if tx.send(Msg::Sync(dtx)).is_ok() {
+            let _ = drx.recv_timeout(SYNC_WAIT);
+        }
+    }
+
     /// Waits until every transport is dropped and every batch is handled (all releasable
     /// output is in the release queue), and returns the logger.
     pub fn finish(mut self) -> Option<OutputLogger> {
@@ -120,14 +143,21 @@ impl LocalLogger {
 
 fn run(
     mut logger: OutputLogger,
-    rx: Receiver<LogBatch>,
+    rx: Receiver<Msg>,
     fb: FeedbackTable,
     release: Arc<ReleaseQueue>,
     audit: Arc<LocalAudit>,
 ) -> OutputLogger {
     // A recovery's logger arrives with the network logger's counts: only ours are added.
     let (mut checked, mut violations) = (logger.stats.audit_checked, logger.stats.audit_violations);
-    while let Ok(b) = rx.recv() {
+    while let Ok(m) = rx.recv() {
+        let b = match m {
+            Msg::Batch(b) => b,
+            Msg::Sync(done) => {
+                let _ = done.try_send(());
+                continue;
+            }
+        };
         // Errors are counted in the logger's stats (bad/stale batches); the stream goes on.
         let _ = logger.ingest(b);
         let released = logger.drain_released();

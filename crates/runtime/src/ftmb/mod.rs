@@ -8,9 +8,11 @@
 //! - each worker thread (`worker`) logs the packet's input record, runs the NF between
 //!   `Worker::begin`/`end` (shared variables leave PALs), and logs each output with its VOR;
 //! - the logger releases output once its PALs are logged: before `ftmb_protect` an in-process
-//!   logger (`local_logger`), after it the network logger of another replica, whose engine
-//!   transmits the released output; released payloads come back to an engine through a
-//!   bounded queue with a wake fd (`release`) and leave by the normal output path;
+//!   logger (`local_logger`), after it the network logger of another replica, which confirms
+//!   each release to us while we hold the payload (`pliant_ftmb::HeldOutputs`: output held by
+//!   the logger host would die with it); released payloads come back to this engine through
+//!   a bounded queue with a wake fd (`release`) and leave by the normal output path (a
+//!   recovery's replayed output is released on the logger host, to its own engine);
 //! - a coordinator thread (`coord`) takes snapshots at a barrier of all workers, switches
 //!   loggers (`ftmb_protect`) and runs recoveries of another primary (`ftmb_activate`).
 //!

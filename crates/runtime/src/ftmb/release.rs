@@ -1,7 +1,7 @@
 //! Released output on its way to the engine: a bounded queue filled by logger threads (the
-//! in-process logger, the hosted `LoggerServer`'s release callback) and drained by the engine's
-//! I/O thread once per round, plus a wake-up fd so an engine asleep in poll(2) sends released
-//! output at once instead of after its sleep bound.
+//! in-process logger, the network logger's confirmations via `pliant_ftmb::HeldOutputs`) and
+//! drained by the engine's I/O thread once per round, plus a wake-up fd so an engine asleep in
+//! poll(2) sends released output at once instead of after its sleep bound.
 
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
