@@ -547,7 +547,12 @@ fn a_lost_logger_falls_back_to_local_release_and_can_be_replaced() {
         es[0].port_mut(Side::Inside).inject(&udp_out(sport));
         sport += 1;
         tx(es[0], Side::Outside, &mut at_a);
-        !at_a.is_empty() && answer(es[0], Cmd::FtmbStatus)["fallbacks"] == 1
+        // Output held when the logger died is released unaudited at the fallback; keep
+        // sending until the fallback logger itself has released (and audited) some.
+        let st = answer(es[0], Cmd::FtmbStatus);
+        !at_a.is_empty()
+            && st["fallbacks"] == 1
+            && st["local_audit"]["audit_checked"].as_u64() >= Some(1)
     });
     let st = answer(&mut a, Cmd::FtmbStatus);
     assert_eq!(st["protected"], false, "{st}");
