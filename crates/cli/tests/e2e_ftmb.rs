@@ -32,7 +32,7 @@
 //! `cargo test --release -p pliant-cli --test e2e_ftmb -- --test-threads=1 --nocapture`.
 
 mod common;
-use common::ha::{control, Download, HaRun};
+use common::ha::{assert_private_hosts, control, Download, HaRun};
 use common::kill_trials::{OffVictimLoss, Protections, Rng, Traffic, UDP_PER_MEMBER};
 use common::pliant;
 use pliant_lab::{cmd, Lab, LabHaMode, LabSpec, PliantNf, ReplicaMode, Role, SERVER_IP};
@@ -240,7 +240,7 @@ fn ftmb_up(transport: pliant_lab::mgmt::Transport) -> Option<HaRun> {
 }
 
 fn sock(run: &HaRun, n: u32) -> PathBuf {
-    run.lab().run_dir().join(format!("r{n}.sock"))
+    run.lab().control_socket_of(n as u8)
 }
 
 fn ftmb_status(run: &HaRun, n: u32) -> Result<Value, String> {
@@ -384,6 +384,7 @@ fn survives_kills(transport: pliant_lab::mgmt::Transport, kills: usize) {
             socks.is_empty(),
             "unix channel sockets in a TCP lab: {socks:?}"
         );
+        assert_private_hosts(&run, &run.members());
     }
     let f = run.lab().served_file(FILE).expect("file").clone();
     // The long downloads bind chosen source ports from 40000 up; keep the kernel's own
@@ -585,6 +586,10 @@ fn survives_kills(transport: pliant_lab::mgmt::Transport, kills: usize) {
         );
         // Three again for the next kill (the lab agent starts it, the controller protects it).
         let added = prot.scale_out(&run);
+        if transport == pliant_lab::mgmt::Transport::Tcp {
+            // The added replica is on a private host too.
+            assert_private_hosts(&run, &run.members());
+        }
         eprintln!(
             "kill {kill}: r{} killed: detect {:.1} ms, activate {:.2} ms (replay {:.2} ms, {} \
              packets), steer {:.2} ms, failover {:.2} ms, {} flows recovered; added r{}",

@@ -200,10 +200,14 @@ impl ControllerConfig {
                 )));
             }
         }
-        if c.controller.control_endpoint.is_some() && c.controller.identity.is_none() {
+        if c.controller.control_endpoint.is_some()
+            && c.controller.identity.is_none()
+            && c.lab.is_none()
+        {
             return Err(bad(
-                "controller.control_endpoint needs controller.identity: replicas serve control \
-                 on TCP only to authenticated controllers"
+                "controller.control_endpoint needs controller.identity (or a [lab], whose \
+                 controller identity is used): replicas serve control on TCP only to \
+                 authenticated controllers"
                     .into(),
             ));
         }

@@ -123,9 +123,10 @@ pub fn lab_security(run_dir: &Path, name: &str) -> Option<pliant_wire::Security>
 }
 
 /// A client of the replica control socket `sock` of a lab (the socket sits in the lab's run
-/// directory): authenticated as the lab's admin when the lab has identities, local otherwise.
+/// directory, or in a replica's host directory `<run>/hosts/r<n>/`): authenticated as the
+/// lab's admin when the lab has identities, local otherwise.
 pub fn control_client(sock: &Path) -> pliant_proto::Client {
-    let sec = sock.parent().and_then(|run| lab_security(run, ADMIN));
+    let sec = lab_run_dir_of(sock).and_then(|run| lab_security(&run, ADMIN));
     pliant_proto::Client::new(pliant_wire::Endpoint::Unix(sock.to_path_buf()), sec)
 }
 
@@ -144,7 +145,12 @@ const LAB_CERT_SECS: u64 = 30 * 24 * 3600;
 /// Issues node `name` an identity with `roles` under the lab's CA (kept if it exists and
 /// loads), and returns its directory.
 pub fn issue_identity(run_dir: &Path, name: &str, roles: u32) -> Result<PathBuf> {
-    let dir = identity_dir(run_dir, name);
+    issue_identity_in(run_dir, &identity_dir(run_dir, name), name, roles)
+}
+
+/// [`issue_identity`] into directory `dir` (a replica's private host directory).
+pub fn issue_identity_in(run_dir: &Path, dir: &Path, name: &str, roles: u32) -> Result<PathBuf> {
+    let dir = dir.to_path_buf();
     if dir.join("node.key").exists() {
         pliant_wire::Identity::load(&dir)
             .map_err(|e| LabError::Config(format!("identity {}: {e}", dir.display())))?;
@@ -157,12 +163,30 @@ pub fn issue_identity(run_dir: &Path, name: &str, roles: u32) -> Result<PathBuf>
     Ok(dir)
 }
 
-/// The `[security]` table of replica `n` (its identity, issued if needed).
-pub fn security_section(run_dir: &Path, n: u8) -> Result<toml::Table> {
-    let dir = issue_identity(run_dir, &format!("r{n}"), pliant_wire::role::REPLICA)?;
+/// The `[security]` table of replica `n` (its identity, issued if needed). A replica on a
+/// private host ([`crate::host`]) finds `<run>/id/r<n>` in its host directory, where
+/// [`crate::host::prepare`] issued it; the shared `<run>/id/` holds only the operators'.
+pub fn security_section(run_dir: &Path, n: u8, private: bool) -> Result<toml::Table> {
+    let dir = identity_dir(run_dir, &format!("r{n}"));
+    if private {
+        crate::host::prepare(run_dir, n)?;
+    } else {
+        issue_identity(run_dir, &format!("r{n}"), pliant_wire::role::REPLICA)?;
+    }
     let mut t = toml::Table::new();
     t.insert("identity".into(), dir.display().to_string().into());
     Ok(t)
+}
+
+/// The run directory of the lab whose replica control socket is `sock`.
+pub fn lab_run_dir_of(sock: &Path) -> Option<PathBuf> {
+    let parent = sock.parent()?;
+    match parent.parent() {
+        Some(hosts) if hosts.file_name().is_some_and(|n| n == "hosts") => {
+            hosts.parent().map(Path::to_path_buf)
+        }
+        _ => Some(parent.to_path_buf()),
+    }
 }
 
 /// Replica `n`'s FTMB logger socket: beside its control socket, `r<n>.ftmb.sock` (the
@@ -221,13 +245,18 @@ pub fn retarget_ha(table: &mut toml::Table, run_dir: &Path, n: u8) -> bool {
 /// Points a `[security]` section already in a serialised replica config at replica `n`'s own
 /// identity (issued now if needed): a new replica never runs under another's name. Returns
 /// whether the config has a `[security]` section.
-pub fn retarget_security(table: &mut toml::Table, run_dir: &Path, n: u8) -> Result<bool> {
+pub fn retarget_security(
+    table: &mut toml::Table,
+    run_dir: &Path,
+    n: u8,
+    private: bool,
+) -> Result<bool> {
     if !table.contains_key("security") {
         return Ok(false);
     }
     table.insert(
         "security".into(),
-        toml::Value::Table(security_section(run_dir, n)?),
+        toml::Value::Table(security_section(run_dir, n, private)?),
     );
     Ok(true)
 }
@@ -291,13 +320,13 @@ mod tests {
             provision_ca(&d).is_err(),
             "an existing CA is never replaced"
         );
-        let t = security_section(&d, 2).expect("issue");
+        let t = security_section(&d, 2, false).expect("issue");
         let dir = identity_dir(&d, "r2");
         assert_eq!(t["identity"].as_str(), Some(dir.to_str().unwrap()));
         let id = pliant_wire::Identity::load(&dir).expect("loads");
         assert_eq!(id.name(), "r2");
         // Issued once: asking again keeps the same key.
-        security_section(&d, 2).expect("again");
+        security_section(&d, 2, false).expect("again");
         assert_eq!(
             pliant_wire::Identity::load(&dir).unwrap().cert.key,
             id.cert.key
@@ -305,7 +334,7 @@ mod tests {
         // A scaled-out replica's config copied from r2 is pointed at its own identity.
         let mut whole = toml::Table::new();
         whole.insert("security".into(), toml::Value::Table(t));
-        assert!(retarget_security(&mut whole, &d, 5).unwrap());
+        assert!(retarget_security(&mut whole, &d, 5, false).unwrap());
         assert_eq!(
             whole["security"]["identity"].as_str(),
             Some(identity_dir(&d, "r5").to_str().unwrap())
@@ -317,7 +346,7 @@ mod tests {
             "r5"
         );
         let mut none = toml::Table::new();
-        assert!(!retarget_security(&mut none, &d, 5).unwrap());
+        assert!(!retarget_security(&mut none, &d, 5, false).unwrap());
         let _ = std::fs::remove_dir_all(&d);
     }
     #[test]

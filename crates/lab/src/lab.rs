@@ -305,6 +305,9 @@ impl Lab {
             owner,
             namespaces: Vec::new(),
             procs: Vec::new(),
+            // Replicas that talk over TCP also see no files of each other (see `host`).
+            private_hosts: spec.transport == crate::mgmt::Transport::Tcp
+                && matches!(spec.mode, ReplicaMode::Pliant { .. }),
         };
         st.save()?;
         let mut lab = Lab {
@@ -356,6 +359,12 @@ impl Lab {
     pub fn served_file(&self, name: &str) -> Option<&ServedFile> {
         self.files.iter().find(|f| f.name == name)
     }
+    /// Where the control socket of replica `n` is (or would be), whether the lab started it
+    /// or a scale-out added it: in its host directory if replicas run on private hosts.
+    pub fn control_socket_of(&self, n: u8) -> PathBuf {
+        crate::host::socket(&self.state.run_dir, n, self.state.private_hosts)
+    }
+
     /// Control socket of pliant replica `n` (1-based), if the mode runs pliant.
     pub fn replica_socket(&self, n: u8) -> Option<&Path> {
         self.replica_sockets
@@ -653,12 +662,16 @@ impl Lab {
                 Ok(())
             }
             ReplicaMode::Pliant { config } => {
-                let sock = self.state.run_dir.join(format!("r{n}.sock"));
-                let mut cfg = replica_config(n, &sock, config);
+                let private = self.state.private_hosts;
+                let run = self.state.run_dir.clone();
+                // The replica's own path (inside its host view, if private) and the lab's.
+                let own_sock = run.join(format!("r{n}.sock"));
+                let sock = crate::host::socket(&run, n, private);
+                let mut cfg = replica_config(n, &own_sock, config);
                 cfg.replica.realtime_priority = spec.realtime_priority;
                 cfg.nf_sections.insert(
                     "security".into(),
-                    toml::Value::Table(crate::ha::security_section(&self.state.run_dir, n)?),
+                    toml::Value::Table(crate::ha::security_section(&run, n, private)?),
                 );
                 if spec.ha {
                     cfg.nf_sections.insert(
@@ -675,12 +688,13 @@ impl Lab {
                 }
                 if spec.transport == crate::mgmt::Transport::Tcp {
                     crate::mgmt::tcp_endpoints(&mut cfg.nf_sections, n);
+                    cfg.replica.control_listen = Some(crate::mgmt::control_listen(n));
                 }
                 let text = toml::to_string(&cfg).map_err(|e| LabError::Config(e.to_string()))?;
-                let cfg_path = self.state.run_dir.join(format!("r{n}.toml"));
+                let cfg_path = crate::host::config(&run, n, private);
                 std::fs::write(&cfg_path, text).map_err(io_err(&cfg_path))?;
                 let log = self.replica_log(n);
-                let cfg_s = cfg_path.display().to_string();
+                let cfg_s = run.join(format!("r{n}.toml")).display().to_string();
                 let mut program: Vec<String> = match (&spec.replica_command, &spec.pliant_bin) {
                     (Some(c), _) if !c.is_empty() => c.clone(),
                     (_, Some(bin)) => vec![
@@ -692,7 +706,11 @@ impl Lab {
                 };
                 program.push(cfg_s);
                 let program: Vec<&str> = program.iter().map(String::as_str).collect();
-                let child = spawn_logged(&cmd::in_ns(&ns, &program), &log)?;
+                let argv = match private {
+                    true => crate::host::command(&ns, &run, n, &program),
+                    false => cmd::in_ns(&ns, &program),
+                };
+                let child = spawn_logged(&argv, &log)?;
                 let pid = child.id() as i32;
                 self.children.push(child);
                 self.record_proc(pid, &format!("pliant-r{n}"))?;

@@ -12,6 +12,7 @@ pub mod cmd;
 pub mod error;
 pub mod fabric;
 pub mod ha;
+pub mod host;
 mod lab;
 pub mod mgmt;
 pub mod scale;

@@ -2,8 +2,10 @@
 //! a bridge `mgmt0` in the fabric namespace and a veth `mg0` into each replica namespace
 //! with address `10.254.0.<n>/24`. Only pliant's own channels use it (replication, the
 //! migration peer channel, FTMB loggers); data traffic stays on the fabric's veths, so the
-//! steering programs never see it. The controller, in the lab creator's namespace, still
-//! reaches replicas over their control sockets.
+//! steering programs never see it. The bridge itself has [`CONTROLLER_ADDR`]: the lab's
+//! controller runs in the fabric namespace's network stack and reaches every replica's control
+//! channel over TCP too. Each replica also runs on a private host view of the run directory
+//! ([`crate::host`]): nothing between replicas goes through shared files.
 
 use crate::cmd::{self, SETUP_TIMEOUT};
 use crate::error::Result;
@@ -44,6 +46,10 @@ pub const REPLICA_IF: &str = "mg0";
 pub const REPL_PORT: u16 = 7400;
 pub const PEER_PORT: u16 = 7401;
 pub const FTMB_PORT: u16 = 7402;
+pub const CONTROL_PORT: u16 = 7403;
+/// The controller's address on the management network (the bridge's own, in the fabric
+/// namespace, where a TCP lab's controller runs: see [`controller_command`]).
+pub const CONTROLLER_ADDR: &str = "10.254.0.254";
 
 /// Replica `n`'s management address.
 pub fn addr(n: u8) -> String {
@@ -55,6 +61,36 @@ pub fn addr(n: u8) -> String {
 pub const REPL_TEMPLATE: &str = "10.254.0.{index}:7400";
 pub const PEER_TEMPLATE: &str = "10.254.0.{index}:7401";
 pub const FTMB_TEMPLATE: &str = "10.254.0.{index}:7402";
+pub const CONTROL_TEMPLATE: &str = "10.254.0.{index}:7403";
+
+/// Replica `n`'s TCP control endpoint (`[replica] control_listen`).
+pub fn control_listen(n: u8) -> String {
+    format!("{}:{CONTROL_PORT}", addr(n))
+}
+
+/// The command prefix that runs a TCP lab's controller on the management network: in the
+/// fabric namespace's network stack only (`nsenter --net`), so it keeps the host's mounts —
+/// the pinned steering maps under /sys/fs/bpf and the replicas' host directories — as an
+/// agent on the controller's host would.
+pub fn controller_command(lab: &str) -> Vec<String> {
+    vec![
+        "nsenter".into(),
+        format!("--net=/run/netns/{lab}-{}", Role::Fabric.suffix()),
+        "--".into(),
+    ]
+}
+
+/// `program` (a controller command line) as lab `state` runs it: on the management network
+/// in a TCP lab (its replicas are on private hosts), as it is otherwise.
+pub fn controller_argv(state: &crate::LabState, program: Vec<String>) -> Vec<String> {
+    match state.private_hosts {
+        true => controller_command(&state.name)
+            .into_iter()
+            .chain(program)
+            .collect(),
+        false => program,
+    }
+}
 
 fn run(args: &[&str]) -> Result<()> {
     let v: Vec<String> = args.iter().map(|s| s.to_string()).collect();
@@ -64,6 +100,8 @@ fn run(args: &[&str]) -> Result<()> {
 /// Creates the bridge in `fabric` and connects replicas `1..=replicas` of lab `lab`.
 pub fn install(fabric: &str, lab: &str, replicas: u8) -> Result<()> {
     run(&["ip", "-n", fabric, "link", "add", BRIDGE, "type", "bridge"])?;
+    let ctl = format!("{CONTROLLER_ADDR}/24");
+    run(&["ip", "-n", fabric, "addr", "add", &ctl, "dev", BRIDGE])?;
     run(&["ip", "-n", fabric, "link", "set", BRIDGE, "up"])?;
     for n in 1..=replicas {
         connect(fabric, lab, n)?;
@@ -104,7 +142,7 @@ pub fn tcp_endpoints(sections: &mut toml::Table, n: u8) {
 /// The lines a controller config needs for a TCP lab (`[controller]` and `[ha]` keys).
 pub fn controller_keys() -> (String, String) {
     (
-        format!("peer_endpoint = \"{PEER_TEMPLATE}\"\n"),
+        format!("peer_endpoint = \"{PEER_TEMPLATE}\"\ncontrol_endpoint = \"{CONTROL_TEMPLATE}\"\n"),
         format!("repl_endpoint = \"{REPL_TEMPLATE}\"\nftmb_endpoint = \"{FTMB_TEMPLATE}\"\n"),
     )
 }

@@ -120,8 +120,8 @@ fn replica_of(st: &LabState, n: u8) -> LabReplica {
     LabReplica {
         index: n,
         netns: format!("{}-r{n}", st.name),
-        socket: st.run_dir.join(format!("r{n}.sock")),
-        config: st.run_dir.join(format!("r{n}.toml")),
+        socket: crate::host::socket(&st.run_dir, n, st.private_hosts),
+        config: crate::host::config(&st.run_dir, n, st.private_hosts),
         fabric_in: fabric_in_if(n),
         fabric_out: fabric_out_if(n),
     }
@@ -222,7 +222,7 @@ pub fn add_replica(lab: &str, opts: &ScaleOptions) -> Result<AddedReplica> {
         .template
         .or_else(|| used.first().copied())
         .ok_or_else(|| LabError::Config("no replica to copy the config from".into()))?;
-    let tpath = dir.join(format!("r{template_n}.toml"));
+    let tpath = crate::host::config(&dir, template_n, st0.private_hosts);
     let template = ReplicaConfig::load(&tpath.display().to_string())
         .map_err(|e| LabError::Config(e.to_string()))?;
     let bin = pliant_command(&st0, opts)?;
@@ -298,12 +298,13 @@ fn build(
             SETUP_TIMEOUT,
         )?;
     }
-    let cfg = derive_config(template, n, &r.socket);
+    // The replica's own control socket path (inside its host view if private).
+    let cfg = derive_config(template, n, &st.run_dir.join(format!("r{n}.sock")));
     // Serialise through a table so that an `[ha]` section (HA labs) can be pointed at this
     // replica's own replication socket whichever way the config type carries it.
     let mut table = toml::Table::try_from(&cfg).map_err(|e| LabError::Config(e.to_string()))?;
     crate::ha::retarget_ha(&mut table, &st.run_dir, n);
-    crate::ha::retarget_security(&mut table, &st.run_dir, n)?;
+    crate::ha::retarget_security(&mut table, &st.run_dir, n, st.private_hosts)?;
     // A TCP lab (the template's peer channel is on the management network; `derive_config`
     // dropped that section from the copy): the new replica joins that network and listens on
     // its own address.
@@ -316,14 +317,26 @@ fn build(
     if tcp_lab {
         crate::mgmt::connect(&fab, &st.name, n)?;
         crate::mgmt::tcp_endpoints(&mut table, n);
+        if let Some(toml::Value::Table(rep)) = table.get_mut("replica") {
+            rep.insert(
+                "control_listen".into(),
+                crate::mgmt::control_listen(n).into(),
+            );
+        }
     }
     // FTMB NAT replicas own a pinned port block (the template's is another replica's).
     crate::ha::pin_ftmb_ports(&mut table, n)?;
     let text = toml::to_string(&table).map_err(|e| LabError::Config(e.to_string()))?;
     std::fs::write(&r.config, text).map_err(io_err(&r.config))?;
     let log = st.run_dir.join(format!("r{n}.log"));
-    let cfg_s = r.config.display().to_string();
-    let child = spawn_logged(&cmd::in_ns(ns, &[bin, "replica", "--config", &cfg_s]), &log)?;
+    // The path the replica opens (inside its host view if private).
+    let cfg_s = st.run_dir.join(format!("r{n}.toml")).display().to_string();
+    let program = [bin, "replica", "--config", &cfg_s];
+    let argv = match st.private_hosts {
+        true => crate::host::command(ns, &st.run_dir, n, &program),
+        false => cmd::in_ns(ns, &program),
+    };
+    let child = spawn_logged(&argv, &log)?;
     let pid = child.id() as i32;
     let mut child = child;
     let dir = st.run_dir.clone();
@@ -395,7 +408,7 @@ pub fn remove_replica(lab: &str, n: u8, opts: &ScaleOptions) -> Result<()> {
     if state::netns_exists(&ns) {
         cmd::run_ok(&argv(&["ip", "netns", "del", &ns]), SETUP_TIMEOUT)?;
     }
-    let _ = std::fs::remove_file(dir.join(format!("r{n}.sock")));
+    let _ = std::fs::remove_file(crate::host::socket(&dir, n, st.private_hosts));
     let _ = std::fs::remove_file(crate::ha::repl_socket(&dir, n));
     modify_state(&dir, |s| {
         s.namespaces.retain(|x| *x != ns);
@@ -417,6 +430,7 @@ mod tests {
             owner: None,
             namespaces: ns.iter().map(|s| s.to_string()).collect(),
             procs: vec![],
+            private_hosts: false,
         }
     }
 

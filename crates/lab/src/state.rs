@@ -39,6 +39,9 @@ pub struct LabState {
     pub owner: Option<Owner>,
     pub namespaces: Vec<String>,
     pub procs: Vec<ProcRecord>,
+    /// Each replica runs on a private host view of the run directory ([`crate::host`]).
+    #[serde(default)]
+    pub private_hosts: bool,
 }
 
 impl LabState {
@@ -275,6 +278,7 @@ mod tests {
             }),
             namespaces: vec![],
             procs: vec![],
+            private_hosts: false,
         };
         assert!(!st.is_stale());
         st.owner = Some(Owner {
@@ -314,6 +318,7 @@ mod tests {
                 "lab1-../x".into(),
             ],
             procs: vec![],
+            private_hosts: false,
         };
         let owned: Vec<&String> = st.owned_namespaces().collect();
         assert_eq!(owned, vec!["lab1-client"]);
@@ -336,6 +341,7 @@ mod tests {
                 role: "nginx".into(),
                 marker: "m".into(),
             }],
+            private_hosts: false,
         };
         st.save().expect("save");
         let back = LabState::load(&st.path()).expect("load");

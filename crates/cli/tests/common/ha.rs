@@ -151,9 +151,17 @@ impl HaRun {
         let cfg = dir.join("ctl.toml");
         std::fs::write(&cfg, ctl).expect("write ctl.toml");
         let log = std::fs::File::create(dir.join("controller.log")).expect("log");
-        let child = Command::new(pliant())
-            .args(["controller", "--config"])
-            .arg(&cfg)
+        let argv = pliant_lab::mgmt::controller_argv(
+            self.lab().state(),
+            vec![
+                pliant().to_string(),
+                "controller".into(),
+                "--config".into(),
+                cfg.display().to_string(),
+            ],
+        );
+        let child = Command::new(&argv[0])
+            .args(&argv[1..])
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log"))
@@ -426,6 +434,46 @@ pub fn control(sock: &Path, req: &Request) -> Result<Value, String> {
         .map_err(|e| e.to_string())
 }
 
+/// Asserts that each of `members` sees only its own files in the lab's run directory (a TCP
+/// lab runs replicas on private host views): read through the replica process's own mount
+/// namespace (`/proc/PID/root`), its run directory holds its config and its identity and
+/// nothing of the other replicas, the lab's CA or the operators' keys.
+pub fn assert_private_hosts(run: &HaRun, members: &[u32]) {
+    let dir = run.lab().run_dir().to_path_buf();
+    let list = |p: PathBuf| -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(&p)
+            .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    };
+    for &n in members {
+        let pid = run.lab().replica_pid(n as u8).expect("replica pid");
+        let root = PathBuf::from(format!("/proc/{pid}/root"));
+        let view = list(root.join(dir.strip_prefix("/").expect("absolute run dir")));
+        assert!(
+            view.contains(&format!("r{n}.toml")) && view.contains(&format!("r{n}.sock")),
+            "r{n} does not see its own config and socket: {view:?}"
+        );
+        for m in members.iter().filter(|m| **m != n) {
+            assert!(
+                !view.iter().any(|f| f.starts_with(&format!("r{m}."))),
+                "r{n} sees r{m}'s files: {view:?}"
+            );
+        }
+        assert!(
+            !view
+                .iter()
+                .any(|f| f == "ca" || f == "hosts" || f == "state.json"),
+            "r{n} sees the lab's own files: {view:?}"
+        );
+        let ids = list(root.join(dir.strip_prefix("/").unwrap()).join("id"));
+        assert_eq!(ids, vec![format!("r{n}")], "r{n} sees other identities");
+    }
+}
+
 pub fn ha_status(sock: &Path) -> Result<Value, String> {
     control(sock, &Request::HaStatus)
 }
@@ -496,7 +544,7 @@ pub fn standby_flows(run: &HaRun, primary: u32) -> u64 {
     run.members()
         .into_iter()
         .filter(|m| *m != primary)
-        .filter_map(|m| ha_status(&run.lab().run_dir().join(format!("r{m}.sock"))).ok())
+        .filter_map(|m| ha_status(&run.lab().control_socket_of(m as u8)).ok())
         .map(|v| {
             v["standby"]
                 .as_array()
@@ -693,7 +741,7 @@ pub fn kill_primary_mid_transfer(run: &mut HaRun, file: &str) -> Measured {
 /// done when its `acked_seq` reached that checkpoint, or when it is caught up (`acked_seq + 1 ==
 /// open_seq`, nothing shipped unacknowledged: it had nothing dirty at T).
 pub fn wait_checkpointed(run: &HaRun, r: u32, sports: &[u16], limit: Duration) {
-    let sock = run.lab().run_dir().join(format!("r{r}.sock"));
+    let sock = run.lab().control_socket_of(r as u8);
     let t = Instant::now();
     let has_all = |v: &Value| {
         let keys: Vec<&str> = v["flows"]

@@ -81,7 +81,7 @@ impl Rng {
 /// The `key` of every flow a replica lists (`flows` on its control socket), and whether the
 /// listing was complete.
 fn listed_keys(run: &HaRun, r: u32) -> Result<(BTreeSet<String>, bool), String> {
-    let sock = run.lab().run_dir().join(format!("r{r}.sock"));
+    let sock = run.lab().control_socket_of(r as u8);
     let v = control(&sock, &pliant_proto::Request::Flows)?;
     if v["ok"] != true {
         return Err(format!("r{r} flows: {v}"));
