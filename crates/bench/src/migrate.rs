@@ -70,6 +70,9 @@ pub struct MigrateOpts {
     /// orchestrating thread while it moves flows (it plays the controller); `None`: the normal
     /// scheduler everywhere.
     pub realtime_priority: Option<u8>,
+    /// How the two replicas reach each other (the peer channel): unix sockets, or TCP over the
+    /// lab's management network between private hosts.
+    pub transport: pliant_lab::mgmt::Transport,
 }
 
 impl MigrateOpts {
@@ -85,6 +88,7 @@ impl MigrateOpts {
             steering_exceptions: 10_000,
             steering_window_s: 3,
             realtime_priority: Some(DEFAULT_REALTIME_PRIORITY),
+            transport: pliant_lab::mgmt::Transport::Unix,
         }
     }
 }
@@ -140,6 +144,8 @@ pub struct Phase {
 #[derive(Clone, Debug, Default, Serialize, PartialEq)]
 pub struct MigrateReport {
     pub bench: &'static str,
+    /// The peer channel's transport: `unix` or `tcp`.
+    pub transport: &'static str,
     /// Seqs sent and never received at the server, over every generated flow.
     pub packets_lost: Option<u64>,
     /// Arrivals of a new seq below the highest one seen.
@@ -366,6 +372,7 @@ pub fn run_migrate(opts: &MigrateOpts) -> MigrateReport {
     let start = Instant::now();
     let mut r = MigrateReport {
         bench: "migrate",
+        transport: opts.transport.label(),
         rounds: opts.rounds,
         single_pps: opts.single_pps,
         batch_pps_per_flow: opts.batch_pps_per_flow,
@@ -385,6 +392,7 @@ pub fn run_migrate(opts: &MigrateOpts) -> MigrateReport {
     spec.replicas = 2;
     spec.pliant_bin = Some(opts.pliant_bin.clone());
     spec.realtime_priority = opts.realtime_priority;
+    spec.transport = opts.transport;
     // MTU-sized frames with real checksums on the user-space path (as the migration tests).
     spec.disable_offloads = true;
     spec.files.clear();
@@ -480,9 +488,14 @@ fn measure(lab: &Lab, opts: &MigrateOpts, r: &mut MigrateReport) -> Result<(), B
             .and_then(|v| v["replica"].as_str().map(str::to_string))
             .unwrap_or_default()
     });
-    let peers = [0, 1].map(|i| match socks[i].strip_suffix(".sock") {
-        Some(stem) => format!("{stem}.peer.sock"),
-        None => format!("{}.peer", socks[i]),
+    let peers = [0, 1].map(|i| match (opts.transport, socks[i].strip_suffix(".sock")) {
+        (pliant_lab::mgmt::Transport::Tcp, _) => format!(
+            "{}:{}",
+            pliant_lab::mgmt::addr(i as u8 + 1),
+            pliant_lab::mgmt::PEER_PORT
+        ),
+        (_, Some(stem)) => format!("{stem}.peer.sock"),
+        (_, None) => format!("{}.peer", socks[i]),
     });
     let maps =
         pliant_steer::SteerMaps::open_pinned(&pliant_steer::lab::pin_dir(&lab.netns(Role::Fabric)))

@@ -37,6 +37,10 @@ pub struct MigrateArgs {
     #[arg(long, default_value_t = pliant_bench::migrate::DEFAULT_REALTIME_PRIORITY as u32,
           value_parser = clap::value_parser!(u32).range(0..=99))]
     pub realtime_priority: u32,
+    /// How the two replicas reach each other: unix sockets (one host) or tcp (a management
+    /// network between private host views, as between machines).
+    #[arg(long, default_value = "unix", value_parser = ["unix", "tcp"])]
+    pub transport: String,
 }
 
 #[derive(Args)]
@@ -86,13 +90,16 @@ pub fn migrate(a: MigrateArgs) -> Result<(), String> {
     o.steering_exceptions = a.steering_exceptions;
     o.steering_window_s = a.steering_window;
     o.realtime_priority = u8::try_from(a.realtime_priority).ok().filter(|&p| p > 0);
+    o.transport = pliant_lab::mgmt::Transport::parse(&a.transport)
+        .ok_or_else(|| format!("--transport {}: unix or tcp", a.transport))?;
     pliant_lab::cmd::defer_interrupts();
     let r = run_migrate(&o);
     if !a.json {
         println!(
-            "moves {} ({} failed), flows migrated {}; pause us p50 {} p99 {} max {}; \
-             receiver gap us p50 {} p99 {}; batch of {}: {} ms; lost {:?} reordered {:?} \
-             tcp resets {:?}",
+            "[{}] moves {} ({} failed), flows migrated {}; pause us p50 {} p99 {} max {}; \
+             receiver gap us p50 {} p99 {} (baseline p99 {}); batch of {}: {} ms; lost {:?} \
+             reordered {:?} tcp resets {:?}",
+            r.transport,
             r.migrations,
             r.migrations_failed,
             r.flows_migrated,
@@ -101,6 +108,7 @@ pub fn migrate(a: MigrateArgs) -> Result<(), String> {
             opt(r.pause_us_max),
             opt(r.receiver_gap_us_p50),
             opt(r.receiver_gap_us_p99),
+            opt(r.baseline_gap_us_p99),
             r.batch_flows,
             opt(r.batch_1000_ms),
             r.packets_lost,

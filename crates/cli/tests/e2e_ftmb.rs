@@ -384,7 +384,7 @@ fn survives_kills(transport: pliant_lab::mgmt::Transport, kills: usize) {
             socks.is_empty(),
             "unix channel sockets in a TCP lab: {socks:?}"
         );
-        assert_private_hosts(&run, &run.members());
+        assert_private_hosts(run.lab(), &run.members());
     }
     let f = run.lab().served_file(FILE).expect("file").clone();
     // The long downloads bind chosen source ports from 40000 up; keep the kernel's own
@@ -588,7 +588,7 @@ fn survives_kills(transport: pliant_lab::mgmt::Transport, kills: usize) {
         let added = prot.scale_out(&run);
         if transport == pliant_lab::mgmt::Transport::Tcp {
             // The added replica is on a private host too.
-            assert_private_hosts(&run, &run.members());
+            assert_private_hosts(run.lab(), &run.members());
         }
         eprintln!(
             "kill {kill}: r{} killed: detect {:.1} ms, activate {:.2} ms (replay {:.2} ms, {} \

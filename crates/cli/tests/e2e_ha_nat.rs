@@ -49,7 +49,7 @@ fn nat_primary_killed_mid_transfer_over_tcp_channels() {
         unix_channels.is_empty(),
         "unix channel sockets: {unix_channels:?}"
     );
-    assert_private_hosts(&run, &run.members());
+    assert_private_hosts(run.lab(), &run.members());
     let sock = run
         .lab()
         .replica_socket(1)

@@ -79,6 +79,17 @@ fn flows_on(sock: &str) -> Vec<FlowKey> {
 
 #[test]
 fn iperf3_through_nat_survives_two_migrations() {
+    two_migrations(pliant_lab::mgmt::Transport::Unix);
+}
+
+/// The same between replicas on private hosts that reach each other over TCP (the peer
+/// channel on the management network, as between machines).
+#[test]
+fn iperf3_through_nat_survives_two_migrations_over_tcp() {
+    two_migrations(pliant_lab::mgmt::Transport::Tcp);
+}
+
+fn two_migrations(transport: pliant_lab::mgmt::Transport) {
     if !pliant_testkit::require_root() {
         return;
     }
@@ -86,6 +97,17 @@ fn iperf3_through_nat_survives_two_migrations() {
         config: PliantNf::nat(),
     });
     spec.replicas = 2;
+    spec.transport = transport;
+    let tcp = transport == pliant_lab::mgmt::Transport::Tcp;
+    // Where each replica's peer channel listens.
+    let peer = |i: usize, sock: &str| match tcp {
+        true => format!(
+            "{}:{}",
+            pliant_lab::mgmt::addr(i as u8 + 1),
+            pliant_lab::mgmt::PEER_PORT
+        ),
+        false => peer_of(sock),
+    };
     spec.pliant_bin = Some(PathBuf::from(env!("CARGO_BIN_EXE_pliant")));
     spec.disable_offloads = true;
     let lab = Lab::up(spec).unwrap_or_else(|e| panic!("lab up: {e}"));
@@ -97,6 +119,9 @@ fn iperf3_through_nat_survives_two_migrations() {
                 .to_string()
         })
         .collect();
+    if tcp {
+        common::ha::assert_private_hosts(&lab, &[1, 2]);
+    }
     let mut maps =
         pliant_steer::SteerMaps::open_pinned(&pliant_steer::lab::pin_dir(&lab.netns(Role::Fabric)))
             .expect("open the fabric's pinned steering maps");
@@ -175,7 +200,7 @@ fn iperf3_through_nat_survives_two_migrations() {
         let v = migrate(
             &control_of(&socks[src]),
             &control_of(&socks[dst]),
-            &peer_of(&socks[dst]),
+            &peer(dst, &socks[dst]),
             &keys,
             |all| {
                 let entries: Vec<(FlowKey, u32)> =

@@ -438,8 +438,8 @@ pub fn control(sock: &Path, req: &Request) -> Result<Value, String> {
 /// lab runs replicas on private host views): read through the replica process's own mount
 /// namespace (`/proc/PID/root`), its run directory holds its config and its identity and
 /// nothing of the other replicas, the lab's CA or the operators' keys.
-pub fn assert_private_hosts(run: &HaRun, members: &[u32]) {
-    let dir = run.lab().run_dir().to_path_buf();
+pub fn assert_private_hosts(lab: &Lab, members: &[u32]) {
+    let dir = lab.run_dir().to_path_buf();
     let list = |p: PathBuf| -> Vec<String> {
         let mut v: Vec<String> = std::fs::read_dir(&p)
             .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
@@ -450,7 +450,7 @@ pub fn assert_private_hosts(run: &HaRun, members: &[u32]) {
         v
     };
     for &n in members {
-        let pid = run.lab().replica_pid(n as u8).expect("replica pid");
+        let pid = lab.replica_pid(n as u8).expect("replica pid");
         let root = PathBuf::from(format!("/proc/{pid}/root"));
         let view = list(root.join(dir.strip_prefix("/").expect("absolute run dir")));
         assert!(
