@@ -236,6 +236,18 @@ fn start(tag: &str, policy: &str) -> Option<Run> {
 }
 
 fn start_with_file(tag: &str, policy: &str, file: &[(&str, u64)]) -> Option<Run> {
+    start_on(tag, policy, file, pliant_lab::mgmt::Transport::Unix)
+}
+
+/// A lab and its controller; with `Transport::Tcp` the replicas (those added by scale-out
+/// too) run on private hosts and every channel — control, migration — is TCP on the
+/// management network, where the controller runs.
+fn start_on(
+    tag: &str,
+    policy: &str,
+    file: &[(&str, u64)],
+    transport: pliant_lab::mgmt::Transport,
+) -> Option<Run> {
     if !pliant_testkit::require_root() {
         return None;
     }
@@ -250,6 +262,7 @@ fn start_with_file(tag: &str, policy: &str, file: &[(&str, u64)]) -> Option<Run>
     }
     let mut spec = LabSpec::new(ReplicaMode::Pliant { config: nat });
     spec.pliant_bin = Some(PathBuf::from(pliant()));
+    spec.transport = transport;
     for (name, size) in file {
         spec = spec.with_file(name, *size);
     }
@@ -278,9 +291,13 @@ fn start_with_file(tag: &str, policy: &str, file: &[(&str, u64)]) -> Option<Run>
         )
         .expect("echo server");
     run.echo = Some(echo);
+    let tcp_ctl = match transport {
+        pliant_lab::mgmt::Transport::Tcp => pliant_lab::mgmt::controller_keys().0,
+        pliant_lab::mgmt::Transport::Unix => String::new(),
+    };
     let ctl = format!(
         "[controller]\napi_socket = \"{d}/api.sock\"\ntoken_file = \"{d}/token\"\n\
-         store = \"{d}/store.json\"\nheartbeat_ms = 100\npolicy_interval_ms = 200\n\
+         store = \"{d}/store.json\"\nheartbeat_ms = 100\npolicy_interval_ms = 200\n{tcp_ctl}\
          [lab]\nname = \"{name}\"\nnat_addr = \"10.77.2.1\"\n[ports]\nper_replica = 1\n\
          [policy]\n{policy}\n",
         d = dir.display(),
@@ -289,9 +306,17 @@ fn start_with_file(tag: &str, policy: &str, file: &[(&str, u64)]) -> Option<Run>
     let cfg = dir.join("ctl.toml");
     std::fs::write(&cfg, ctl).expect("write ctl.toml");
     let log = std::fs::File::create(dir.join("controller.log")).expect("log");
-    let child = Command::new(pliant())
-        .args(["controller", "--config"])
-        .arg(&cfg)
+    let argv = pliant_lab::mgmt::controller_argv(
+        run.lab().state(),
+        vec![
+            pliant().to_string(),
+            "controller".into(),
+            "--config".into(),
+            cfg.display().to_string(),
+        ],
+    );
+    let child = Command::new(&argv[0])
+        .args(&argv[1..])
         .stdin(Stdio::null())
         .stdout(log.try_clone().expect("log"))
         .stderr(log)
@@ -341,9 +366,24 @@ fn assert_all_flows_alive(run: &Run, ports: &[u16]) {
 
 #[test]
 fn hotspot_scale_out_then_even_split() {
+    hotspot(pliant_lab::mgmt::Transport::Unix);
+}
+
+/// The same with the replicas on private hosts and the controller reaching them (and them
+/// each other) over TCP only: scale-out, then migrations between the hosts.
+#[test]
+fn hotspot_scale_out_then_even_split_over_tcp() {
+    hotspot(pliant_lab::mgmt::Transport::Tcp);
+}
+
+fn hotspot(transport: pliant_lab::mgmt::Transport) {
     let policy = "auto = true\nhigh_water_flows = 4\nlow_water_flows = 1\nmax_replicas = 2\n\
                   rebalance = false\ncooldown_ms = 300\nimbalance_flows = 1";
-    let Some(mut run) = start("hotspot", policy) else {
+    let tag = match transport {
+        pliant_lab::mgmt::Transport::Tcp => "hotspot-tcp",
+        pliant_lab::mgmt::Transport::Unix => "hotspot",
+    };
+    let Some(mut run) = start_on(tag, policy, &[], transport) else {
         return;
     };
     run.wait_for("r1 alive", Duration::from_secs(5), |r| r.loads().len() == 1);
@@ -405,6 +445,10 @@ fn hotspot_scale_out_then_even_split() {
         "{flows}"
     );
     eprintln!("loads after rebalance: {:?}", run.loads());
+    if transport == pliant_lab::mgmt::Transport::Tcp {
+        let members: Vec<u32> = run.loads().iter().map(|(i, _)| *i as u32).collect();
+        common::ha::assert_private_hosts(run.lab(), &members);
+    }
 }
 
 #[test]
