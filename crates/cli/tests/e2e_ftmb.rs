@@ -6,8 +6,8 @@
 //! sequence-numbered UDP flows and byte-pattern TCP streams on every replica (generations of
 //! `common::kill_trials`, each living through three kills) — a random replica (often one that
 //! had itself recovered an earlier victim) is SIGKILLed by PID after a random delay (seeded;
-//! seed printed, `PLIANT_TRIAL_SEED=<seed>` repeats victims and delays), five times
-//! (`PLIANT_FTMB_KILLS=N` for more, see [`kills`]); after each failover a replica is added
+//! seed printed, `PLIANT_TRIAL_SEED=<seed>` repeats victims and delays), ten times
+//! (`PLIANT_FTMB_KILLS=N` for another number, see [`kills`]); after each failover a replica is added
 //! (`pliant scale out`) so the next kill finds three again.
 //!
 //! Checks: every long download completes with the served sha256 (no reset, no corruption:
@@ -41,13 +41,13 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-/// Kills per run: 5 unless `PLIANT_FTMB_KILLS` says otherwise (each kill costs ~5 s).
+/// Kills per run: 10 (the failover acceptance asks for at least 10) unless `PLIANT_FTMB_KILLS` says otherwise (each kill costs ~5 s).
 fn kills() -> usize {
     std::env::var("PLIANT_FTMB_KILLS")
         .ok()
         .and_then(|v| v.parse().ok())
         .filter(|n| (1..=50).contains(n))
-        .unwrap_or(5)
+        .unwrap_or(10)
 }
 const FILE: &str = "32M.bin";
 /// Short-connection server port (nginx keeps 80 for the long downloads, so the server's view
