@@ -28,6 +28,12 @@ enum PgCmd {
         /// `up` prints the CA's path (`sslrootcert`).
         #[arg(long)]
         tls: bool,
+        /// A primary that stops answering the proxy's health probe while its server still
+        /// accepts connections (busy, not dead) is failed over only after this many ms
+        /// (a refused connection fails it over at once). Raise it on a loaded machine.
+        #[arg(long, default_value_t = pliant_pg::proxy::DEFAULT_PROBE_DEAD_AFTER_MS,
+              value_parser = clap::value_parser!(u64).range(250..=600_000))]
+        probe_dead_after_ms: u64,
     },
     /// Stop the proxy and servers and remove the namespaces.
     Down,
@@ -42,12 +48,14 @@ pub fn run(a: PgArgs) -> Result<(), String> {
             auth,
             async_fallback_ms,
             tls,
+            probe_dead_after_ms,
         } => pliant_pg::cmd::up(
             foreground,
             &pliant_pg::cmd::UpOpts {
                 auth,
                 async_fallback_ms,
                 tls,
+                probe_dead_after_ms,
             },
         )?,
         PgCmd::Down => pliant_pg::cmd::down()?,

@@ -70,6 +70,9 @@ pub struct UpOpts {
     pub async_fallback_ms: u64,
     /// Demo TLS: private CA + server certificate in the run directory; clients must use TLS.
     pub tls: bool,
+    /// How long a primary whose health probe is slow (but answering) may stay unanswered
+    /// before it is failed over (ms; see the proxy's health detector).
+    pub probe_dead_after_ms: u64,
 }
 
 impl Default for UpOpts {
@@ -78,6 +81,7 @@ impl Default for UpOpts {
             auth: AuthMethod::ScramSha256,
             async_fallback_ms: crate::bench::DEFAULT_ASYNC_FALLBACK_MS,
             tls: false,
+            probe_dead_after_ms: crate::proxy::DEFAULT_PROBE_DEAD_AFTER_MS,
         }
     }
 }
@@ -105,6 +109,8 @@ pub fn up(foreground: bool, opts: &UpOpts) -> Result<String, String> {
         .arg("--async-fallback-ms")
         .arg(opts.async_fallback_ms.to_string())
         .args(opts.tls.then_some("--tls"))
+        .arg("--probe-dead-after-ms")
+        .arg(opts.probe_dead_after_ms.to_string())
         .stdin(std::process::Stdio::null())
         .stdout(log.try_clone().map_err(|e| e.to_string())?)
         .stderr(log)
@@ -178,6 +184,7 @@ fn serve_cluster(
     let mut pc = proxy_config(cl, 0);
     pc.auth = opts.auth;
     pc.async_fallback_ms = Some(opts.async_fallback_ms).filter(|ms| *ms > 0);
+    pc.probe_dead_after_ms = opts.probe_dead_after_ms;
     if let Some(p) = pki {
         crate::bench::require_tls(&mut pc, p);
     }
