@@ -575,6 +575,25 @@ pub fn probe_tcp(endpoint: &str, timeout: std::time::Duration) -> Probe {
     verdict_over_addresses(verdicts)
 }
 
+/// Test helpers shared with the controller's tests.
+#[cfg(test)]
+pub(crate) mod testing {
+    use std::net::{SocketAddr, TcpListener, TcpStream};
+    use std::os::fd::AsRawFd;
+
+    /// A TCP endpoint that never answers a connect: a listener whose accept queue (backlog 0)
+    /// holds one connection already and is never accepted from, so Linux drops every further
+    /// SYN without a reset (`ListenOverflows`), as a lost SYN or a hung host would look.
+    /// Keep both values alive for as long as the endpoint must stay silent.
+    pub(crate) fn silent_tcp_endpoint(addr: SocketAddr) -> (TcpListener, TcpStream) {
+        let l = TcpListener::bind(addr).unwrap();
+        // SAFETY: listen(2) again on a listening socket we own only changes its backlog.
+        assert_eq!(unsafe { libc::listen(l.as_raw_fd(), 0) }, 0);
+        let filler = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        (l, filler)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -797,6 +816,21 @@ mod tests {
             matches!(&v, Probe::Dead(w) if w.contains("refused")),
             "{v:?}"
         );
+    }
+
+    #[test]
+    fn a_tcp_connect_that_never_completes_is_unknown_not_dead() {
+        use std::time::{Duration, Instant};
+        let (l, _filler) = testing::silent_tcp_endpoint("127.0.0.1:0".parse().unwrap());
+        let ep = l.local_addr().unwrap().to_string();
+        let t0 = Instant::now();
+        let v = probe_tcp(&ep, Duration::from_millis(300));
+        assert!(
+            matches!(&v, Probe::Unknown(w) if w.contains("did not complete in time")),
+            "{v:?}"
+        );
+        // It waited for its bound (the SYN was dropped, not answered): a causal lower bound.
+        assert!(t0.elapsed() >= Duration::from_millis(300));
     }
 
     #[test]

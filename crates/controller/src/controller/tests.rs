@@ -1363,6 +1363,61 @@ fn silent_tcp_probes_suspect_a_member_after_the_bound_and_never_kill_it() {
     assert!(!lock(&c.state).ha.silent_since.contains_key(&3));
 }
 
+/// Over TCP the watch probes every member at once and acts on each verdict as it comes: r3
+/// (nothing listens: reset) is failed over before r2's probe (a connect whose SYNs are
+/// dropped) can have reached its bound, which a round in turn cannot do (r2 is probed
+/// before r3 and its connect cannot return earlier). r2's silence is no evidence: it is
+/// not failed over. r1 listens.
+#[test]
+fn a_tcp_watch_round_fails_over_a_dead_member_without_waiting_for_a_silent_one() {
+    let bound = Duration::from_secs(3);
+    let r1 = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = r1.local_addr().unwrap().port();
+    let _r2 = crate::ha::testing::silent_tcp_endpoint(format!("127.0.0.2:{port}").parse().unwrap());
+    let statics: Vec<(u32, PathBuf)> = (1..=3)
+        .map(|i| (i, PathBuf::from(format!("/nonexistent/pliant/r{i}.sock"))))
+        .collect();
+    let c = Controller::new(
+        Settings {
+            ha: HaConfig {
+                probe_timeout_ms: bound.as_millis() as u64,
+                suspect_after_ms: 600_000,
+                ..HaConfig::default()
+            },
+            control: rc::Dialer {
+                security: None,
+                template: Some(format!("127.0.0.{{index}}:{port}")),
+            },
+            ..Settings::default()
+        },
+        Box::new(FileStore::in_memory()),
+        Box::new(MemSteering::default()),
+        None,
+        Box::new(FakeMigrator(World::default())),
+        statics,
+        Some(manual()),
+    )
+    .unwrap();
+    let failed_over = |i: u32| lock(&c.state).replicas[&i].1.failed_over;
+    std::thread::scope(|sc| {
+        let t0 = Instant::now();
+        let round = sc.spawn(|| c.ha_watch_once());
+        let seen = wait_during(&round, || failed_over(3));
+        let at = t0.elapsed();
+        assert!(seen, "r3 failed over");
+        assert!(
+            at < bound,
+            "r3 failed over {at:?} after the round started: it waited for r2's probe ({bound:?})"
+        );
+        round.join().unwrap();
+    });
+    assert!(!failed_over(1) && !failed_over(2));
+    assert_eq!(c.counters.ha.probes_dead.load(Ordering::Relaxed), 1);
+    assert_eq!(c.counters.ha.probes_unknown.load(Ordering::Relaxed), 1);
+    assert!(lock(&c.state).ha.silent_since.contains_key(&2));
+    assert!(lock(&c.state).ha.last_seen.contains_key(&1));
+}
+
 #[test]
 fn ha_off_protects_nothing_and_death_is_not_a_failover() {
     let (w, steer, c) = setup("ha-off", 2, manual());
