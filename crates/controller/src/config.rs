@@ -41,6 +41,11 @@ pub struct ControllerSection {
     pub dead_after_missed: u32,
     #[serde(default = "d_rpc_timeout_ms")]
     pub rpc_timeout_ms: u64,
+    /// Bound on one heartbeat (`stats`) and one HA status poll of a replica, connect and
+    /// handshake included (capped at `rpc_timeout_ms`). A replica that does not answer in
+    /// time misses that heartbeat; `dead_after_missed` misses in a row make it dead.
+    #[serde(default = "d_heartbeat_timeout_ms")]
+    pub heartbeat_timeout_ms: u64,
     /// How often the policy is evaluated (when `policy.auto`).
     #[serde(default = "d_policy_interval_ms")]
     pub policy_interval_ms: u64,
@@ -69,7 +74,17 @@ pub struct ControllerSection {
     pub control_endpoint: Option<String>,
 }
 
+/// Least heartbeat bound over TCP: one minimum retransmission timeout (200 ms) plus room for
+/// the round trips of connect, handshake and answer.
+pub const MIN_TCP_HEARTBEAT_TIMEOUT_MS: u64 = 300;
+
 impl ControllerSection {
+    /// The bound each heartbeat actually gets: `heartbeat_timeout_ms`, at most
+    /// `rpc_timeout_ms`.
+    pub fn heartbeat_ms_bound(&self) -> u64 {
+        self.heartbeat_timeout_ms.min(self.rpc_timeout_ms)
+    }
+
     /// How the controller reaches replicas' control channels (loads the identity).
     pub fn dialer(&self) -> Result<crate::replica_client::Dialer, String> {
         let security = self
@@ -144,6 +159,9 @@ fn d_dead_after() -> u32 {
 fn d_rpc_timeout_ms() -> u64 {
     2000
 }
+fn d_heartbeat_timeout_ms() -> u64 {
+    500
+}
 fn d_policy_interval_ms() -> u64 {
     500
 }
@@ -213,6 +231,39 @@ impl ControllerConfig {
         }
         if c.controller.dead_after_missed == 0 {
             return Err(bad("controller.dead_after_missed must be >= 1".into()));
+        }
+        if c.controller.rpc_timeout_ms == 0 || c.controller.rpc_timeout_ms > 600_000 {
+            return Err(bad("controller.rpc_timeout_ms must be 1..=600000".into()));
+        }
+        if c.controller.heartbeat_timeout_ms == 0 || c.controller.heartbeat_timeout_ms > 60_000 {
+            return Err(bad(
+                "controller.heartbeat_timeout_ms must be 1..=60000".into()
+            ));
+        }
+        if c.controller.control_endpoint.is_some() {
+            // Over TCP, one lost segment must never kill a replica: a heartbeat must outlast
+            // one retransmission of its request or answer (>= the 200 ms minimum RTO plus the
+            // round trip), and a lost SYN (retransmitted after 1 s, longer than any heartbeat
+            // bound) costs one whole heartbeat, so death needs more than one miss.
+            let hb = c.controller.heartbeat_ms_bound();
+            if hb < MIN_TCP_HEARTBEAT_TIMEOUT_MS {
+                return Err(bad(format!(
+                    "controller.heartbeat_timeout_ms = {} (capped at rpc_timeout_ms = {}): \
+                     with control_endpoint (TCP) it must be >= {MIN_TCP_HEARTBEAT_TIMEOUT_MS} \
+                     ms, so a heartbeat outlasts one TCP retransmission (minimum RTO {} ms)",
+                    c.controller.heartbeat_timeout_ms,
+                    c.controller.rpc_timeout_ms,
+                    crate::ha::TCP_MIN_RTO_MS
+                )));
+            }
+            if c.controller.dead_after_missed < 2 {
+                return Err(bad(format!(
+                    "controller.dead_after_missed = {}: with control_endpoint (TCP) it must be \
+                     >= 2 (a lost SYN is retransmitted after 1 s and costs one heartbeat by \
+                     itself)",
+                    c.controller.dead_after_missed
+                )));
+            }
         }
         if let Some(p) = &c.policy {
             p.check().map_err(|e| bad(e.to_string()))?;
@@ -333,6 +384,68 @@ low_water_flows = 10
             let e = p(text).expect_err(text).to_string();
             assert!(e.contains(needle), "{text:?}: {e}");
         }
+    }
+
+    #[test]
+    fn heartbeat_bounds_are_validated_and_tcp_control_needs_lan_safe_ones() {
+        let c = p("[controller]\n").unwrap().controller;
+        assert_eq!((c.heartbeat_timeout_ms, c.heartbeat_ms_bound()), (500, 500));
+        // Capped at the RPC bound, as before the knob existed.
+        let c = p("[controller]\nrpc_timeout_ms = 200\n")
+            .unwrap()
+            .controller;
+        assert_eq!(c.heartbeat_ms_bound(), 200);
+        // Unix sockets: any bound, even one miss = dead (unchanged).
+        p("[controller]\nheartbeat_timeout_ms = 20\ndead_after_missed = 1\n").unwrap();
+        let tcp = "[controller]\nidentity = \"/etc/pliant/ctl\"\n\
+                   control_endpoint = \"10.254.0.{index}:7403\"\n";
+        let c = p(tcp).unwrap().controller;
+        assert_eq!((c.heartbeat_ms_bound(), c.dead_after_missed), (500, 5));
+        p(&format!(
+            "{tcp}heartbeat_timeout_ms = 300\ndead_after_missed = 2\n"
+        ))
+        .unwrap();
+        for (extra, needle) in [
+            (
+                "heartbeat_timeout_ms = 0\n",
+                "heartbeat_timeout_ms must be 1..=60000",
+            ),
+            (
+                "heartbeat_timeout_ms = 60001\n",
+                "heartbeat_timeout_ms must be 1..=60000",
+            ),
+            ("rpc_timeout_ms = 0\n", "rpc_timeout_ms must be"),
+            (
+                "heartbeat_timeout_ms = 250\n",
+                "heartbeat_timeout_ms = 250 (capped at rpc_timeout_ms = 2000): with \
+                 control_endpoint (TCP) it must be >= 300",
+            ),
+            (
+                "rpc_timeout_ms = 250\n",
+                "capped at rpc_timeout_ms = 250): with control_endpoint (TCP)",
+            ),
+            (
+                "dead_after_missed = 1\n",
+                "dead_after_missed = 1: with control_endpoint",
+            ),
+        ] {
+            let text = format!("{tcp}{extra}");
+            let e = p(&text).expect_err(&text).to_string();
+            assert!(e.contains(needle), "{text:?}: {e}");
+        }
+        for text in [
+            "[controller]\nheartbeat_timeout_ms = 0\n",
+            "[controller]\n[ha]\nprobe_timeout_ms = 0\n",
+            "[controller]\n[ha]\nsuspect_after_ms = 100\n",
+        ] {
+            let e = p(text).expect_err(text).to_string();
+            assert!(e.contains("ctl.toml"), "{e}");
+        }
+        let h = p("[controller]\n[ha]\nprobe_timeout_ms = 250\nsuspect_after_ms = 2000\n")
+            .unwrap()
+            .ha
+            .unwrap();
+        assert_eq!((h.probe_timeout_ms, h.suspect_after_ms), (250, 2000));
     }
 
     #[test]

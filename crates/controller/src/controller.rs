@@ -87,6 +87,8 @@ pub struct Settings {
     pub dead_after_missed: u32,
     /// Bound on one control request to a replica.
     pub rpc_timeout: Duration,
+    /// Bound on one heartbeat or HA status poll (capped at `rpc_timeout`).
+    pub heartbeat_timeout: Duration,
     /// NAT port blocks: (pool, blocks per replica); None when the NF needs none.
     pub port_blocks: Option<(PortBlocks, usize)>,
     /// High availability (`[ha]`); `HaConfig::off()` without one.
@@ -101,6 +103,7 @@ impl Default for Settings {
             heartbeat: Duration::from_millis(100),
             dead_after_missed: 5,
             rpc_timeout: Duration::from_secs(2),
+            heartbeat_timeout: Duration::from_millis(500),
             port_blocks: None,
             ha: HaConfig::off(),
             control: rc::Dialer::default(),
@@ -193,6 +196,42 @@ fn now_ms() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
+}
+
+/// Most threads one probe round runs at once (replica slots are 1..=63, so every replica of
+/// a round gets its own).
+pub const MAX_ROUND_THREADS: usize = 64;
+
+/// `f` over every item, all at once when `parallel` (a scoped thread each, at most
+/// [`MAX_ROUND_THREADS`] at a time), so a round of probes takes about its slowest probe, not
+/// their sum; in order on the calling thread otherwise (or where a thread cannot be started).
+/// Results in the items' order.
+fn fan_out<I: Sync, R: Send>(items: &[I], parallel: bool, f: impl Fn(&I) -> R + Sync) -> Vec<R> {
+    if !parallel || items.len() < 2 {
+        return items.iter().map(&f).collect();
+    }
+    let f = &f;
+    let mut out = Vec::with_capacity(items.len());
+    for chunk in items.chunks(MAX_ROUND_THREADS) {
+        std::thread::scope(|sc| {
+            let started: Vec<std::result::Result<std::thread::ScopedJoinHandle<'_, R>, &I>> = chunk
+                .iter()
+                .map(|it| {
+                    std::thread::Builder::new()
+                        .name("ctl-probe".into())
+                        .spawn_scoped(sc, move || f(it))
+                        .map_err(|_| it)
+                })
+                .collect();
+            for s in started {
+                out.push(match s {
+                    Ok(h) => h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
+                    Err(it) => f(it),
+                });
+            }
+        });
+    }
+    out
 }
 
 /// Locks, recovering from a poisoned mutex: a panicked API thread must not wedge the daemon
@@ -449,7 +488,9 @@ impl Controller {
 
     // ---------------------------------------------------------------- heartbeats
 
-    /// One heartbeat round over every replica (I/O without the state lock).
+    /// One heartbeat round over every replica, all at once (I/O without the state lock):
+    /// the round takes about one heartbeat bound when a replica does not answer, whatever
+    /// the number of replicas.
     pub fn heartbeat_once(&self) {
         let targets: Vec<(u32, PathBuf)> = lock(&self.state)
             .replicas
@@ -457,50 +498,28 @@ impl Controller {
             .filter(|(_, (_, h))| !h.failed_over)
             .map(|(i, (r, _))| (*i, r.socket.clone()))
             .collect();
-        let timeout = self.settings.rpc_timeout.min(Duration::from_millis(500));
+        let timeout = self.poll_timeout();
         let ha_on = self.ha_enabled();
-        let mut died = Vec::new();
-        let mut revived = Vec::new();
-        for (i, sock) in targets {
-            let res = self.settings.control.heartbeat(&sock, timeout);
-            self.counters.heartbeats.fetch_add(1, Ordering::Relaxed);
-            let now = Instant::now();
-            let mut st = lock(&self.state);
-            let Some((_, h)) = st.replicas.get_mut(&i) else {
-                continue;
-            };
-            match res {
-                Ok(b) => {
-                    if !h.alive {
-                        revived.push(i);
-                    }
-                    h.alive = true;
-                    h.missed = 0;
-                    h.beats += 1;
-                    h.flows = b.flows;
-                    h.last_error = None;
-                    if let Some((t0, rx0)) = h.last_rx {
-                        let dt = now.saturating_duration_since(t0).as_secs_f64();
-                        if dt > 0.0 {
-                            h.pps = (b.rx_frames.saturating_sub(rx0) as f64 / dt) as u64;
-                        }
-                    }
-                    h.last_rx = Some((now, b.rx_frames));
-                }
-                Err(e) => {
-                    self.counters
-                        .heartbeat_failures
-                        .fetch_add(1, Ordering::Relaxed);
-                    h.missed = h.missed.saturating_add(1);
-                    h.last_error = Some(e.to_string());
-                    if h.alive && h.missed >= self.settings.dead_after_missed {
-                        h.alive = false;
-                        h.pps = 0;
-                        died.push(i);
-                    }
-                }
-            }
-        }
+        // Every replica at once, each answer recorded as it comes (a short state lock, no
+        // I/O under it): a replica that does not answer delays no other's heartbeat.
+        let outcomes = fan_out(&targets, true, |(i, sock)| {
+            let res = self.settings.control.heartbeat(sock, timeout);
+            self.record_beat(*i, res)
+        });
+        let died: Vec<u32> = outcomes
+            .iter()
+            .filter_map(|o| match o {
+                Some((i, false)) => Some(*i),
+                _ => None,
+            })
+            .collect();
+        let revived: Vec<u32> = outcomes
+            .iter()
+            .filter_map(|o| match o {
+                Some((i, true)) => Some(*i),
+                _ => None,
+            })
+            .collect();
         for i in died {
             if ha_on {
                 // Unanswered heartbeats are evidence too (a hung replica still accepts
@@ -542,6 +561,59 @@ impl Controller {
                     "steering_error",
                     json!({"replica": i, "error": e.to_string()}),
                 );
+            }
+        }
+    }
+
+    /// The bound on each heartbeat and status poll.
+    fn poll_timeout(&self) -> Duration {
+        self.settings
+            .heartbeat_timeout
+            .min(self.settings.rpc_timeout)
+            .max(Duration::from_millis(1))
+    }
+
+    /// Records one heartbeat's outcome. `Some((i, true))`: `i` answered again after being
+    /// dead; `Some((i, false))`: this miss made `i` dead.
+    fn record_beat(
+        &self,
+        i: u32,
+        res: std::result::Result<rc::Beat, rc::ReplicaError>,
+    ) -> Option<(u32, bool)> {
+        self.counters.heartbeats.fetch_add(1, Ordering::Relaxed);
+        let now = Instant::now();
+        let mut st = lock(&self.state);
+        let (_, h) = st.replicas.get_mut(&i)?;
+        match res {
+            Ok(b) => {
+                let revived = !h.alive;
+                h.alive = true;
+                h.missed = 0;
+                h.beats += 1;
+                h.flows = b.flows;
+                h.last_error = None;
+                if let Some((t0, rx0)) = h.last_rx {
+                    let dt = now.saturating_duration_since(t0).as_secs_f64();
+                    if dt > 0.0 {
+                        h.pps = (b.rx_frames.saturating_sub(rx0) as f64 / dt) as u64;
+                    }
+                }
+                h.last_rx = Some((now, b.rx_frames));
+                revived.then_some((i, true))
+            }
+            Err(e) => {
+                self.counters
+                    .heartbeat_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                h.missed = h.missed.saturating_add(1);
+                h.last_error = Some(e.to_string());
+                if h.alive && h.missed >= self.settings.dead_after_missed {
+                    h.alive = false;
+                    h.pps = 0;
+                    Some((i, false))
+                } else {
+                    None
+                }
             }
         }
     }

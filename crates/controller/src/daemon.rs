@@ -74,6 +74,7 @@ pub fn build(
         heartbeat: Duration::from_millis(c.heartbeat_ms),
         dead_after_missed: c.dead_after_missed,
         rpc_timeout: Duration::from_millis(c.rpc_timeout_ms),
+        heartbeat_timeout: Duration::from_millis(c.heartbeat_timeout_ms),
         port_blocks,
         ha: cfg.ha.clone().unwrap_or_else(crate::ha::HaConfig::off),
         control: dialer(cfg).map_err(DaemonError::Setup)?,

@@ -12,6 +12,13 @@
 //! queues them), so it is caught by the heartbeats instead (`dead_after_missed` * `heartbeat_ms`).
 //! Non-blocking, because a blocking connect to a hung replica whose backlog is full would block
 //! the watcher (for unix sockets that is `EAGAIN`, which is *not* evidence of death).
+//!
+//! Over TCP (`[controller] control_endpoint`: the replica on another host) the probe is a
+//! connect to its control endpoint bounded by `probe_timeout_ms`: a reset (`ECONNREFUSED`:
+//! the host is up, nothing listens) is death as above; a connect that does not complete in
+//! time is *no evidence* (a lost SYN, a full accept queue, a slow path) — it can only make a
+//! replica suspected after `suspect_after_ms` of silence, never dead. [`connect_verdict`] is
+//! that decision.
 
 use pliant_proto::{reply, Request};
 use serde::{Deserialize, Serialize};
@@ -56,6 +63,10 @@ impl PolicyKind {
     }
 }
 
+/// Linux's minimum TCP retransmission timeout (`TCP_RTO_MIN`, 200 ms): a segment lost once
+/// arrives this late at best, so no failure-detection bound over TCP may be shorter.
+pub const TCP_MIN_RTO_MS: u64 = 200;
+
 /// Most checkpoints per second a group may be asked for (the goal is >= 10 kHz).
 pub const MAX_HZ: u32 = 100_000;
 /// Bound on virtual nodes per backup in the chords ring.
@@ -87,6 +98,17 @@ pub struct HaConfig {
     /// Liveness probe interval (failure detection takes about one interval).
     #[serde(default = "d_watch_ms")]
     pub watch_ms: u64,
+    /// Bound on one TCP liveness probe's connect (replicas reached over TCP, `[controller]
+    /// control_endpoint`). A connect still pending then is *no evidence* (`Unknown`: a lost
+    /// SYN is retransmitted only after 1 s), never death. Unix probes never wait.
+    #[serde(default = "d_probe_timeout_ms")]
+    pub probe_timeout_ms: u64,
+    /// A replica whose TCP probes have given no answer at all (neither accepted nor refused)
+    /// for this long is *suspected*: named as nobody's backup and protections wait, until a
+    /// probe sees it listening again. Not death: that takes a refused connection or
+    /// `dead_after_missed` missed heartbeats.
+    #[serde(default = "d_suspect_after_ms")]
+    pub suspect_after_ms: u64,
     /// Bound on each `activate` / `protect` request during a failover.
     #[serde(default = "d_ha_rpc_ms")]
     pub rpc_timeout_ms: u64,
@@ -128,6 +150,12 @@ fn d_streams_default_hz() -> u32 {
 fn d_watch_ms() -> u64 {
     10
 }
+fn d_probe_timeout_ms() -> u64 {
+    100
+}
+fn d_suspect_after_ms() -> u64 {
+    1000
+}
 fn d_ha_rpc_ms() -> u64 {
     2000
 }
@@ -146,6 +174,8 @@ impl Default for HaConfig {
             streams_ports: d_streams_ports(),
             streams_default_hz: d_streams_default_hz(),
             watch_ms: d_watch_ms(),
+            probe_timeout_ms: d_probe_timeout_ms(),
+            suspect_after_ms: d_suspect_after_ms(),
             rpc_timeout_ms: d_ha_rpc_ms(),
             reprotect_min_ms: d_reprotect_ms(),
             repl_endpoint: None,
@@ -189,6 +219,23 @@ impl HaConfig {
         }
         if self.rpc_timeout_ms == 0 {
             return bad("rpc_timeout_ms must be >= 1".into());
+        }
+        if self.probe_timeout_ms == 0 || self.probe_timeout_ms > 10_000 {
+            return bad(format!(
+                "probe_timeout_ms = {}: must be 1..=10000",
+                self.probe_timeout_ms
+            ));
+        }
+        // Suspicion must need more than one lost segment: at least one minimum TCP
+        // retransmission timeout, and several probes' worth of silence.
+        let least = TCP_MIN_RTO_MS.max(2 * self.probe_timeout_ms);
+        if self.suspect_after_ms < least || self.suspect_after_ms > 600_000 {
+            return bad(format!(
+                "suspect_after_ms = {}: must be {least}..=600000 (at least the {TCP_MIN_RTO_MS} \
+                 ms minimum TCP retransmission timeout and twice probe_timeout_ms = {}, so one \
+                 lost segment or one slow probe never suspects a replica)",
+                self.suspect_after_ms, self.probe_timeout_ms
+            ));
         }
         if self.streams_ports.is_empty() || self.streams_ports.len() > 64 {
             return bad("streams_ports: 1..=64 ranges".into());
@@ -422,8 +469,70 @@ pub enum Probe {
     Listening,
     /// No listener (`ECONNREFUSED`) or no socket file (`ENOENT`): the process is gone.
     Dead(String),
-    /// Anything else (a full backlog, a transient error): no evidence either way.
+    /// Anything else (a full backlog, a transient error, a TCP connect still pending at its
+    /// bound): no evidence either way.
     Unknown(String),
+}
+
+/// How a probe reached the replica.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    /// Its control socket on this host.
+    Unix,
+    /// Its TCP control endpoint (maybe on another host).
+    Tcp,
+}
+
+/// What one connect's outcome says about the replica (pure: the whole failure-detection
+/// decision of a probe).
+/// - Accepted: `Listening`.
+/// - Unix: `ECONNREFUSED` (the file is there, nothing listens: what SIGKILL leaves) or
+///   `ENOENT` (no file) is `Dead`. A unix connect completes or fails at once; `EAGAIN` means
+///   a full backlog (alive but busy): `Unknown`.
+/// - TCP: `ECONNREFUSED` is `Dead`: the replica's host answered the SYN with a reset, so
+///   its kernel is up and nothing listens on the port (the process died). Everything else
+///   is `Unknown`: a connect that did not complete within its bound (`TimedOut`; a lost SYN
+///   is retransmitted only after 1 s, and a full accept queue drops SYNs silently), an
+///   unreachable host or network (an ARP or routing failure, maybe transient), a local
+///   error. Silence is never death.
+pub fn connect_verdict(transport: Transport, outcome: &std::io::Result<()>) -> Probe {
+    let err = match outcome {
+        Ok(()) => return Probe::Listening,
+        Err(e) => e,
+    };
+    let dead = matches!(
+        (transport, err.raw_os_error()),
+        (_, Some(libc::ECONNREFUSED)) | (Transport::Unix, Some(libc::ENOENT))
+    );
+    let what = match (transport, err.kind()) {
+        (Transport::Tcp, std::io::ErrorKind::TimedOut) => "connect did not complete in time",
+        _ => "connect",
+    };
+    if dead {
+        Probe::Dead(format!("{what}: {err}"))
+    } else {
+        Probe::Unknown(format!("{what}: {err}"))
+    }
+}
+
+/// The verdict over every address an endpoint resolved to (pure): listening at any is
+/// `Listening`; `Dead` only when every address was (none is not); else `Unknown`.
+pub fn verdict_over_addresses(verdicts: Vec<Probe>) -> Probe {
+    let (mut dead, mut unknown) = (None, None);
+    for v in verdicts {
+        match v {
+            Probe::Listening => return Probe::Listening,
+            Probe::Dead(_) => {
+                dead.get_or_insert(v);
+            }
+            Probe::Unknown(_) => {
+                unknown.get_or_insert(v);
+            }
+        }
+    }
+    unknown
+        .or(dead)
+        .unwrap_or_else(|| Probe::Unknown("no address".into()))
 }
 
 /// Non-blocking connect to `path`, closed at once (see the module doc).
@@ -432,14 +541,56 @@ pub fn probe(path: &Path) -> Probe {
     let Ok(p) = std::str::from_utf8(path.as_os_str().as_bytes()) else {
         return Probe::Unknown(format!("socket path not UTF-8: {}", path.display()));
     };
-    match pliant_runtime::peer::connect_nonblocking(p) {
-        Ok(_closed_at_once) => Probe::Listening,
-        Err(err) => match err.raw_os_error() {
-            Some(libc::ECONNREFUSED) | Some(libc::ENOENT) => Probe::Dead(format!("connect: {err}")),
-            // A unix stream connect completes or fails at once; EINPROGRESS does not happen,
-            // and EAGAIN means the listener's backlog is full (alive but busy).
-            _ => Probe::Unknown(format!("connect: {err}")),
-        },
+    let outcome = pliant_runtime::peer::connect_nonblocking(p).map(|_closed_at_once| ());
+    connect_verdict(Transport::Unix, &outcome)
+}
+
+/// TCP connect to `endpoint` (`host:port`), bounded by `timeout` in all, closed at once
+/// (the replica counts it as an aborted handshake). See [`connect_verdict`].
+pub fn probe_tcp(endpoint: &str, timeout: std::time::Duration) -> Probe {
+    use std::net::ToSocketAddrs;
+    let deadline = std::time::Instant::now() + timeout;
+    let addrs: Vec<std::net::SocketAddr> = match endpoint.to_socket_addrs() {
+        Ok(a) => a.collect(),
+        Err(e) => return Probe::Unknown(format!("resolve {endpoint}: {e}")),
+    };
+    let mut verdicts = Vec::with_capacity(addrs.len());
+    for a in addrs {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            verdicts.push(Probe::Unknown(format!("{a}: no time left")));
+            break;
+        }
+        let outcome = std::net::TcpStream::connect_timeout(&a, left).map(|_closed_at_once| ());
+        let v = connect_verdict(Transport::Tcp, &outcome);
+        if v == Probe::Listening {
+            return v;
+        }
+        verdicts.push(match v {
+            Probe::Dead(w) => Probe::Dead(format!("{a}: {w}")),
+            Probe::Unknown(w) => Probe::Unknown(format!("{a}: {w}")),
+            Probe::Listening => Probe::Listening,
+        });
+    }
+    verdict_over_addresses(verdicts)
+}
+
+/// Test helpers shared with the controller's tests.
+#[cfg(test)]
+pub(crate) mod testing {
+    use std::net::{SocketAddr, TcpListener, TcpStream};
+    use std::os::fd::AsRawFd;
+
+    /// A TCP endpoint that never answers a connect: a listener whose accept queue (backlog 0)
+    /// holds one connection already and is never accepted from, so Linux drops every further
+    /// SYN without a reset (`ListenOverflows`), as a lost SYN or a hung host would look.
+    /// Keep both values alive for as long as the endpoint must stay silent.
+    pub(crate) fn silent_tcp_endpoint(addr: SocketAddr) -> (TcpListener, TcpStream) {
+        let l = TcpListener::bind(addr).unwrap();
+        // SAFETY: listen(2) again on a listening socket we own only changes its backlog.
+        assert_eq!(unsafe { libc::listen(l.as_raw_fd(), 0) }, 0);
+        let filler = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        (l, filler)
     }
 }
 
@@ -580,6 +731,134 @@ mod tests {
         assert_eq!((d.policy, d.hz), (PolicyKind::Single, 10_000));
         assert!(c.with(Some("raid"), None).is_err());
         assert!(c.with(Some("single"), Some(0)).is_err());
+    }
+
+    #[test]
+    fn a_connect_outcome_is_death_only_when_refused_and_silence_never_is() {
+        use std::io::{Error, ErrorKind};
+        let os = Error::from_raw_os_error;
+        let v = |t, o: std::io::Result<()>| connect_verdict(t, &o);
+        for t in [Transport::Unix, Transport::Tcp] {
+            assert_eq!(v(t, Ok(())), Probe::Listening);
+            // Nothing listens (unix: the file SIGKILL leaves; TCP: a reset from the host).
+            assert!(matches!(v(t, Err(os(libc::ECONNREFUSED))), Probe::Dead(_)));
+        }
+        assert!(matches!(
+            v(Transport::Unix, Err(os(libc::ENOENT))),
+            Probe::Dead(_)
+        ));
+        // A full unix backlog: alive but busy.
+        assert!(matches!(
+            v(Transport::Unix, Err(os(libc::EAGAIN))),
+            Probe::Unknown(_)
+        ));
+        // TCP: no answer within the bound (std's connect_timeout, or the kernel's own), an
+        // unreachable host or network, a local shortage: no evidence, never death.
+        for e in [
+            Error::new(ErrorKind::TimedOut, "connection timed out"),
+            os(libc::ETIMEDOUT),
+            os(libc::EHOSTUNREACH),
+            os(libc::ENETUNREACH),
+            os(libc::EADDRNOTAVAIL),
+            os(libc::EMFILE),
+            os(libc::ENOENT),
+        ] {
+            let s = e.to_string();
+            assert!(
+                matches!(v(Transport::Tcp, Err(e)), Probe::Unknown(_)),
+                "{s}"
+            );
+        }
+        let Probe::Unknown(why) = v(
+            Transport::Tcp,
+            Err(Error::new(ErrorKind::TimedOut, "connection timed out")),
+        ) else {
+            unreachable!()
+        };
+        assert!(why.contains("did not complete in time"), "{why}");
+    }
+
+    #[test]
+    fn an_endpoint_is_dead_only_when_every_address_refused() {
+        let dead = || Probe::Dead("refused".into());
+        let unknown = || Probe::Unknown("timed out".into());
+        assert_eq!(
+            verdict_over_addresses(vec![dead(), Probe::Listening]),
+            Probe::Listening
+        );
+        assert_eq!(verdict_over_addresses(vec![dead(), dead()]), dead());
+        assert_eq!(verdict_over_addresses(vec![dead(), unknown()]), unknown());
+        assert_eq!(verdict_over_addresses(vec![unknown(), dead()]), unknown());
+        assert!(matches!(verdict_over_addresses(vec![]), Probe::Unknown(_)));
+    }
+
+    #[test]
+    fn with_a_control_endpoint_the_probe_connects_over_tcp() {
+        use crate::replica_client::Dialer;
+        use std::time::Duration;
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let d = Dialer {
+            security: None,
+            template: Some(format!("127.0.0.1:{port}")),
+        };
+        // The unix socket does not exist: only the TCP endpoint can answer.
+        let sock = Path::new("/nonexistent/pliant/r1.sock");
+        assert_eq!(d.probe(sock, Duration::from_secs(5)), Probe::Listening);
+        assert!(matches!(
+            Dialer::default().probe(sock, Duration::from_secs(5)),
+            Probe::Dead(_)
+        ));
+        drop(l);
+        // Nothing listens on the port now: the kernel answers the SYN with a reset.
+        let v = d.probe(sock, Duration::from_secs(5));
+        assert!(
+            matches!(&v, Probe::Dead(w) if w.contains("refused")),
+            "{v:?}"
+        );
+    }
+
+    #[test]
+    fn a_tcp_connect_that_never_completes_is_unknown_not_dead() {
+        use std::time::{Duration, Instant};
+        let (l, _filler) = testing::silent_tcp_endpoint("127.0.0.1:0".parse().unwrap());
+        let ep = l.local_addr().unwrap().to_string();
+        let t0 = Instant::now();
+        let v = probe_tcp(&ep, Duration::from_millis(300));
+        assert!(
+            matches!(&v, Probe::Unknown(w) if w.contains("did not complete in time")),
+            "{v:?}"
+        );
+        // It waited for its bound (the SYN was dropped, not answered): a causal lower bound.
+        assert!(t0.elapsed() >= Duration::from_millis(300));
+    }
+
+    #[test]
+    fn probe_timeouts_and_suspicion_are_validated() {
+        let d = HaConfig::default();
+        assert_eq!((d.probe_timeout_ms, d.suspect_after_ms), (100, 1000));
+        assert_eq!(d.check(), Ok(()));
+        let with = |p: u64, s: u64| {
+            HaConfig {
+                probe_timeout_ms: p,
+                suspect_after_ms: s,
+                ..HaConfig::default()
+            }
+            .check()
+        };
+        assert_eq!(with(300, 600), Ok(()));
+        for (p, s, needle) in [
+            (0, 1000, "probe_timeout_ms = 0"),
+            (10_001, 30_000, "probe_timeout_ms = 10001"),
+            // One minimum RTO (200 ms) of silence must never suspect.
+            (50, 150, "suspect_after_ms = 150: must be 200..=600000"),
+            // Nor one slow probe.
+            (600, 1000, "suspect_after_ms = 1000: must be 1200..=600000"),
+            (100, 600_001, "suspect_after_ms = 600001"),
+        ] {
+            let e = with(p, s).unwrap_err().0;
+            assert!(e.contains(needle), "{p}/{s}: {e}");
+        }
     }
 
     #[test]

@@ -23,15 +23,34 @@ pub struct Dialer {
 }
 
 impl Dialer {
-    /// A client of the replica whose control socket is `socket`.
-    pub fn client(&self, socket: &Path, timeout: Duration) -> Client {
-        let ep = match &self.template {
+    /// Where the replica whose control socket is `socket` serves control.
+    pub fn endpoint(&self, socket: &Path) -> Endpoint {
+        match &self.template {
             Some(t) => crate::ha::endpoint_of(Some(t), socket, "control")
                 .parse()
                 .unwrap_or_else(|_| Endpoint::Unix(socket.to_path_buf())),
             None => Endpoint::Unix(socket.to_path_buf()),
-        };
-        let c = Client::new(ep, self.security.clone()).with_timeout(timeout);
+        }
+    }
+
+    /// Whether replicas are reached over TCP (their probes and answers may then take time).
+    pub fn is_tcp(&self) -> bool {
+        self.template.is_some()
+    }
+
+    /// Liveness probe of the replica at `socket` where its control is served: a non-blocking
+    /// connect to its unix socket (never waits), or a TCP connect bounded by `tcp_timeout`
+    /// (see [`crate::ha::connect_verdict`]).
+    pub fn probe(&self, socket: &Path, tcp_timeout: Duration) -> crate::ha::Probe {
+        match self.endpoint(socket) {
+            Endpoint::Unix(p) => crate::ha::probe(&p),
+            Endpoint::Tcp(a) => crate::ha::probe_tcp(&a, tcp_timeout),
+        }
+    }
+
+    /// A client of the replica whose control socket is `socket`.
+    pub fn client(&self, socket: &Path, timeout: Duration) -> Client {
+        let c = Client::new(self.endpoint(socket), self.security.clone()).with_timeout(timeout);
         // Over TCP the replica must prove it is the one the record names (its socket's stem,
         // as the templates use it); on its unix socket the path names it already.
         match (&self.template, socket.file_stem()) {

@@ -58,6 +58,10 @@ const K_HA_FAILED: &str = "ha/failed";
 pub struct HaCounters {
     pub probes: AtomicU64,
     pub probes_dead: AtomicU64,
+    /// TCP probes that gave no evidence (no connection, no reset within `probe_timeout_ms`).
+    pub probes_unknown: AtomicU64,
+    /// Replicas suspected because their TCP probes stayed silent for `suspect_after_ms`.
+    pub silent_suspected: AtomicU64,
     pub failovers: AtomicU64,
     pub flows_activated: AtomicU64,
     pub flows_failed_activation: AtomicU64,
@@ -96,6 +100,8 @@ pub(super) struct HaState {
     pub protected: BTreeMap<u32, Vec<String>>,
     pub brief: BTreeMap<u32, HaBrief>,
     pub last_seen: BTreeMap<u32, Instant>,
+    /// TCP members whose probes have found nothing since then (cleared when one listens).
+    pub silent_since: BTreeMap<u32, Instant>,
     pub last_protect: BTreeMap<u32, Instant>,
     /// Last re-protection a replica asked for (rate limit: a replica stuck in `needs_backup`
     /// must not make the controller send `protect` at the heartbeat rate).
@@ -120,8 +126,13 @@ impl HaState {
         Ok(HaState {
             // The config file decides the mode; the policy/hz the API last set survive a
             // restart.
+            // Only those: timeouts and intervals always come from the file.
             cfg: match store::get_json::<HaConfig>(s, K_HA_CONFIG)? {
-                Some(c) if c.mode == configured.mode => c,
+                Some(c) if c.mode == configured.mode => HaConfig {
+                    policy: c.policy,
+                    hz: c.hz,
+                    ..configured.clone()
+                },
                 _ => configured.clone(),
             },
             // Start at the old ceiling: above every token issued before a restart.
@@ -178,6 +189,8 @@ impl Controller {
             "last_failover": st.ha.failovers.back(),
             "counters": {
                 "probes": g(&c.probes), "probes_dead": g(&c.probes_dead),
+                "probes_unknown": g(&c.probes_unknown),
+                "silent_suspected": g(&c.silent_suspected),
                 "failovers": g(&c.failovers), "flows_activated": g(&c.flows_activated),
                 "flows_failed_activation": g(&c.flows_failed_activation),
                 "activate_errors": g(&c.activate_errors), "fence_errors": g(&c.fence_errors),
@@ -206,49 +219,114 @@ impl Controller {
 
     /// One liveness round: a non-blocking connect to every live replica's control socket
     /// (`ha::probe`); a refused connection fails the replica over at once.
+    ///
+    /// Over TCP every member is probed at once (each probe may wait up to
+    /// `probe_timeout_ms`; a silent host must not delay the detection of another's death),
+    /// and each verdict is acted on as it comes. Unix probes never wait: in turn, on this
+    /// thread.
     pub fn ha_watch_once(&self) {
         if !self.ha_enabled() {
             return;
         }
-        for (i, sock) in self.ha_members() {
+        let (tcp_timeout, suspect_after) = {
+            let st = lock(&self.state);
+            (
+                Duration::from_millis(st.ha.cfg.probe_timeout_ms.max(1)),
+                Duration::from_millis(st.ha.cfg.suspect_after_ms),
+            )
+        };
+        let tcp = self.settings.control.is_tcp();
+        fan_out(&self.ha_members(), tcp, |(i, sock)| {
             self.counters.ha.probes.fetch_add(1, Ordering::Relaxed);
-            match ha::probe(&sock) {
-                Probe::Listening => {
-                    lock(&self.state).ha.last_seen.insert(i, Instant::now());
+            let verdict = self.settings.control.probe(sock, tcp_timeout);
+            self.note_probe(*i, &verdict, tcp, suspect_after);
+            if let Probe::Dead(why) = verdict {
+                self.counters.ha.probes_dead.fetch_add(1, Ordering::Relaxed);
+                if let Err(e) = self.failover(*i, &why) {
+                    self.event(
+                        "failover_error",
+                        json!({"replica": i, "error": e.to_string()}),
+                    );
                 }
-                Probe::Dead(why) => {
-                    self.counters.ha.probes_dead.fetch_add(1, Ordering::Relaxed);
-                    if let Err(e) = self.failover(i, &why) {
-                        self.event(
-                            "failover_error",
-                            json!({"replica": i, "error": e.to_string()}),
-                        );
-                    }
-                }
-                Probe::Unknown(_) => {}
             }
-        }
+        });
+    }
+
+    /// What a probe's verdict changes in the state (no I/O under the lock). Listening: seen
+    /// now, no longer suspected, silence forgotten. Unknown over TCP: the replica has been
+    /// silent since its first unanswered probe; after `suspect_after` of that it is
+    /// suspected (never dead: death needs a refused connect or missed heartbeats).
+    pub(super) fn note_probe(&self, i: u32, verdict: &Probe, tcp: bool, suspect_after: Duration) {
+        let now = Instant::now();
+        let silent_for = {
+            let mut st = lock(&self.state);
+            match verdict {
+                Probe::Listening => {
+                    st.ha.last_seen.insert(i, now);
+                    st.ha.silent_since.remove(&i);
+                    st.ha.suspects.remove(&i);
+                    return;
+                }
+                Probe::Dead(_) => return,
+                Probe::Unknown(_) if !tcp => return,
+                Probe::Unknown(_) => {
+                    self.counters
+                        .ha
+                        .probes_unknown
+                        .fetch_add(1, Ordering::Relaxed);
+                    let since = *st.ha.silent_since.entry(i).or_insert(now);
+                    let silent_for = now.saturating_duration_since(since);
+                    if silent_for < suspect_after || !st.ha.suspects.insert(i) {
+                        return;
+                    }
+                    silent_for
+                }
+            }
+        };
+        self.counters
+            .ha
+            .silent_suspected
+            .fetch_add(1, Ordering::Relaxed);
+        let why = match verdict {
+            Probe::Unknown(w) => w.as_str(),
+            _ => "",
+        };
+        self.event(
+            "replica_silent",
+            json!({"replica": i, "silent_ms": ms(silent_for), "last_probe": why}),
+        );
     }
 
     /// `ha_status` of every member (with the heartbeat): caches what it learns and re-protects
     /// replicas that lost a backup (`needs_backup`) or were never protected.
+    ///
+    /// The statuses are fetched from every member at once (a member that does not answer
+    /// delays no other's), then acted on in index order. Members that missed their last
+    /// heartbeat are not asked: they would most likely hold the round for a whole timeout.
     pub(super) fn ha_poll(&self) {
         let members = self.ha_members();
-        let timeout = self.settings.rpc_timeout.min(Duration::from_millis(500));
+        let timeout = self.poll_timeout();
         let min_gap = Duration::from_millis(lock(&self.state).ha.cfg.reprotect_min_ms);
         if self.ftmb_mode() {
             self.ftmb_poll(&members, timeout, min_gap);
             return;
         }
-        for (i, sock) in &members {
+        let answers = fan_out(&self.answering(&members), true, |(i, sock)| {
             let fetched = Instant::now();
-            let b = match self.settings.control.client(sock, timeout).ha_status() {
-                Ok(v) => HaBrief::from(&v),
+            let r = self.settings.control.client(sock, timeout).ha_status();
+            (*i, fetched, r)
+        });
+        for (i, fetched, r) in &answers {
+            let b = match r {
+                Ok(v) => HaBrief::from(v),
                 Err(e) => {
-                    self.note_bad_answer(*i, &e);
+                    self.note_bad_answer(*i, e);
                     continue;
                 }
             };
+            if self.failed_over_now(*i) {
+                continue; // failed over since its status was read (by an earlier member's)
+            }
             // A backup the replica lost its link to may be dead: suspect it (never named as a
             // backup meanwhile) and probe it now rather than wait for the watch loop.
             if self.suspect_backups(*i, &b.dead_backups) {
@@ -271,16 +349,35 @@ impl Controller {
             };
             if due {
                 self.counters.ha.reprotects.fetch_add(1, Ordering::Relaxed);
-                let r = self.protect_from_poll(*i, fetched);
+                let r = self.protect_from_poll(*i, *fetched);
                 self.event("reprotect", json!({"replica": i, "answer": r}));
             }
         }
+    }
+
+    /// Whether `i` is gone or failed over by now.
+    fn failed_over_now(&self, i: u32) -> bool {
+        lock(&self.state)
+            .replicas
+            .get(&i)
+            .is_none_or(|(_, h)| h.failed_over)
+    }
+
+    /// The members that answered their last heartbeat (the ones worth polling now).
+    fn answering(&self, members: &[(u32, PathBuf)]) -> Vec<(u32, PathBuf)> {
+        let st = lock(&self.state);
+        members
+            .iter()
+            .filter(|(i, _)| st.replicas.get(i).is_some_and(|(_, h)| h.missed == 0))
+            .cloned()
+            .collect()
     }
 
     /// Suspects every replica `reporter` says its replication link to died, and probes each
     /// at once: refused -> failed over now (true: a failover ran); listening -> cleared.
     fn suspect_backups(&self, reporter: u32, names: &[String]) -> bool {
         let mut failed_over = false;
+        let tcp_timeout = Duration::from_millis(lock(&self.state).ha.cfg.probe_timeout_ms.max(1));
         for name in names {
             let Some(x) = name.strip_prefix('r').and_then(|n| n.parse::<u32>().ok()) else {
                 continue;
@@ -302,7 +399,7 @@ impl Controller {
                 }
                 sock
             };
-            match ha::probe(&sock) {
+            match self.settings.control.probe(&sock, tcp_timeout) {
                 Probe::Dead(why) => {
                     let evidence = format!("r{reporter}'s replication link to it died; {why}");
                     if let Err(e) = self.failover(x, &evidence) {
@@ -398,16 +495,25 @@ impl Controller {
     /// logger) is left alone: re-sending would restart its full snapshot.
     fn ftmb_poll(&self, members: &[(u32, PathBuf)], timeout: Duration, min_gap: Duration) {
         let cfg = self.ha_config();
-        for (i, sock) in members {
+        // Fetched from every answering member at once, acted on in order (as `ha_poll`).
+        let answers = fan_out(&self.answering(members), true, |(i, sock)| {
             let fetched = Instant::now();
-            let b = match self.settings.control.client(sock, timeout).ftmb_status() {
-                Ok(v) => FtmbBrief::from(&v),
+            let r = self.settings.control.client(sock, timeout).ftmb_status();
+            (*i, fetched, r)
+        });
+        for (i, fetched, r) in &answers {
+            let (i, fetched) = (i, *fetched);
+            let b = match r {
+                Ok(v) => FtmbBrief::from(v),
                 Err(e) => {
-                    self.note_bad_answer(*i, &e);
+                    self.note_bad_answer(*i, e);
                     continue;
                 }
             };
             let want = ha::ftmb_successor(*i, members).map(|(_, s)| ha::ftmb_endpoint(&cfg, &s));
+            if self.failed_over_now(*i) {
+                continue; // failed over since its status was read
+            }
             let due = {
                 let mut st = lock(&self.state);
                 let unprotected = !st.ha.ftmb_logger.contains_key(i);
@@ -486,6 +592,7 @@ impl Controller {
         let mut st = lock(&self.state);
         st.ha.failing_over.remove(&a);
         st.ha.suspects.remove(&a);
+        st.ha.silent_since.remove(&a);
         r
     }
 
@@ -1028,6 +1135,7 @@ impl Controller {
             st.ha.protected.remove(&v);
             st.ha.brief.remove(&v);
             st.ha.last_seen.remove(&v);
+            st.ha.silent_since.remove(&v);
             st.ha.last_protect.remove(&v);
             st.ha.last_reprotect.remove(&v);
             st.ha.ftmb_logger.remove(&v);

@@ -34,6 +34,32 @@ struct FakeState {
     ftmb_protects: Vec<String>,
     ftmb_hosted: BTreeMap<String, Vec<FlowEntry>>,
     ftmb_activations: Vec<String>,
+    /// Requests (by name) taken and never answered: the connection stays open (a hung
+    /// replica, or a lost answer) until the client gives up.
+    hang: Vec<&'static str>,
+    /// The connections of those requests, as the fake holds them.
+    held: Vec<std::os::unix::net::UnixStream>,
+    /// Requests answered, by name, in order.
+    served: Vec<&'static str>,
+}
+
+impl FakeState {
+    /// Whether the client of held request `n` still waits for its answer (its side of the
+    /// connection open), rather than having given up and closed it.
+    fn held_open(&self, n: usize) -> bool {
+        use std::os::fd::AsRawFd;
+        let mut b = [0u8; 1];
+        // SAFETY: recv(2) into a 1-byte buffer on a socket this state owns.
+        let n = unsafe {
+            libc::recv(
+                self.held[n].as_raw_fd(),
+                b.as_mut_ptr().cast(),
+                1,
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
+        n != 0 // 0: end of stream (the client closed); -1 EAGAIN: open, nothing sent
+    }
 }
 
 type Shared = Arc<Mutex<FakeState>>;
@@ -66,6 +92,7 @@ impl FakeReplica {
                 continue;
             };
             s.set_nonblocking(false).unwrap();
+            let peer = s.try_clone().unwrap();
             // The runtime's local mode of the control protocol: one typed request per frame.
             let mut link = Link::local(pliant_wire::Stream::Unix(s), MAX_REQUEST);
             let req = match link.recv().map(Request::parse) {
@@ -80,6 +107,11 @@ impl FakeReplica {
             if g.down {
                 continue; // drop the connection: a missed heartbeat
             }
+            if g.hang.contains(&req.name()) {
+                g.held.push(peer); // never answered, kept open
+                continue;
+            }
+            g.served.push(req.name());
             let ans = match req {
                 Request::Stats => reply::ok(&reply::Stats {
                     replica: format!("r{index}"),
@@ -434,6 +466,16 @@ fn setup(tag: &str, n: u32, policy: Policy) -> (World, SharedSteer, Controller) 
 }
 
 fn setup_with(tag: &str, n: u32, policy: Policy, ha: HaConfig) -> (World, SharedSteer, Controller) {
+    setup_tuned(tag, n, policy, ha, |_| {})
+}
+
+fn setup_tuned(
+    tag: &str,
+    n: u32,
+    policy: Policy,
+    ha: HaConfig,
+    tune: impl FnOnce(&mut Settings),
+) -> (World, SharedSteer, Controller) {
     let w = World::new(tag);
     let statics: Vec<(u32, PathBuf)> = (1..=n).map(|i| (i, w.add(i))).collect();
     let steer = SharedSteer::default();
@@ -441,10 +483,13 @@ fn setup_with(tag: &str, n: u32, policy: Policy, ha: HaConfig) -> (World, Shared
         heartbeat: Duration::from_millis(10),
         dead_after_missed: 3,
         rpc_timeout: Duration::from_secs(2),
+        heartbeat_timeout: Duration::from_millis(500),
         port_blocks: Some((PortBlocks::new(20000, 59999, 4000).unwrap(), 1)),
         ha,
         control: rc::Dialer::default(),
     };
+    let mut settings = settings;
+    tune(&mut settings);
     let c = Controller::new(
         settings,
         Box::new(FileStore::in_memory()),
@@ -513,6 +558,114 @@ fn missed_heartbeats_kill_a_replica_and_take_it_out_of_the_ring() {
     c.heartbeat_once();
     assert_eq!(steer.0.lock().unwrap().ring, vec![1, 2]);
     assert_eq!(c.counters.replicas_died.load(Ordering::Relaxed), 1);
+}
+
+/// Waits (bounded: a huge margin, never reached when things work) until `ready`, or until
+/// `round` ended; returns whether `ready` held.
+fn wait_during(round: &std::thread::ScopedJoinHandle<'_, ()>, ready: impl Fn() -> bool) -> bool {
+    let limit = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < limit {
+        if ready() {
+            return true;
+        }
+        if round.is_finished() {
+            return ready();
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    false
+}
+
+fn beats(c: &Controller, i: u32) -> (u64, u32) {
+    let st = lock(&c.state);
+    let h = &st.replicas[&i].1;
+    (h.beats, h.missed)
+}
+
+/// One heartbeat round asks every replica at once. r1 and r3 take the request and never
+/// answer; r2's and r4's heartbeats are recorded while both silent requests still wait for
+/// their answers (their connections open: no timeout has expired), so the round lasts about
+/// one heartbeat bound however many replicas are silent. Asked in turn, r2 would be asked only
+/// after r1's request timed out and its connection was closed, r4 after r3's.
+#[test]
+fn a_heartbeat_round_asks_every_replica_at_once_so_silent_ones_delay_no_other() {
+    let (w, _s, c) = setup_tuned("hb-parallel", 4, manual(), HaConfig::off(), |s| {
+        s.heartbeat_timeout = Duration::from_secs(2);
+    });
+    for i in [1, 3] {
+        w.state(i).lock().unwrap().hang = vec!["stats"];
+    }
+    let held = |i: u32| w.state(i).lock().unwrap().held.len();
+    std::thread::scope(|sc| {
+        let round = sc.spawn(|| c.heartbeat_once());
+        let ready = wait_during(&round, || {
+            beats(&c, 2).0 == 1 && beats(&c, 4).0 == 1 && held(1) == 1 && held(3) == 1
+        });
+        assert!(
+            ready,
+            "r2 and r4 recorded, r1 and r3 asked, before the round ended"
+        );
+        for i in [1, 3] {
+            assert!(
+                w.state(i).lock().unwrap().held_open(0),
+                "r{i}'s request still waits for its answer while r2 and r4 are recorded"
+            );
+        }
+        round.join().unwrap();
+    });
+    assert_eq!((beats(&c, 2), beats(&c, 4)), ((1, 0), (1, 0)));
+    assert_eq!((beats(&c, 1), beats(&c, 3)), ((0, 1), (0, 1)));
+    for i in [1, 3] {
+        assert!(
+            !w.state(i).lock().unwrap().held_open(0),
+            "r{i}: the round ended when its heartbeat gave up"
+        );
+    }
+}
+
+/// The HA status poll (with the heartbeats) asks every member at once too: r1 takes its
+/// `ha_status` and never answers, r2 and r3 have answered theirs while r1's still waits.
+#[test]
+fn the_ha_status_poll_asks_every_member_at_once() {
+    let ha = HaConfig {
+        reprotect_min_ms: 600_000,
+        ..HaConfig::default()
+    };
+    let (w, _s, c) = setup_tuned("poll-parallel", 3, manual(), ha, |s| {
+        s.heartbeat_timeout = Duration::from_secs(2);
+    });
+    w.state(1).lock().unwrap().hang = vec!["ha_status"];
+    let polled = |i: u32| w.state(i).lock().unwrap().served.contains(&"ha_status");
+    std::thread::scope(|sc| {
+        let round = sc.spawn(|| c.heartbeat_once());
+        let ready = wait_during(&round, || {
+            polled(2) && polled(3) && w.state(1).lock().unwrap().held.len() == 1
+        });
+        assert!(ready, "r2 and r3 polled, r1 asked, before the round ended");
+        assert!(
+            w.state(1).lock().unwrap().held_open(0),
+            "r1's poll still waits for its answer while r2 and r3 have answered"
+        );
+        round.join().unwrap();
+    });
+    // The heartbeats themselves were answered: nobody missed one.
+    assert_eq!((beats(&c, 1).1, beats(&c, 2).1, beats(&c, 3).1), (0, 0, 0));
+}
+
+/// A member that missed its last heartbeat is not polled (it would hold the round for a
+/// whole bound); it is again once it answers.
+#[test]
+fn a_member_that_missed_its_heartbeat_is_not_polled() {
+    let (w, _s, c) = setup_with("poll-skip", 2, manual(), HaConfig::default());
+    w.state(2).lock().unwrap().hang = vec!["stats"];
+    c.heartbeat_once();
+    assert_eq!(beats(&c, 2), (0, 1));
+    let g = w.state(2);
+    assert!(!g.lock().unwrap().served.contains(&"ha_status"));
+    assert!(w.state(1).lock().unwrap().served.contains(&"ha_status"));
+    g.lock().unwrap().hang.clear();
+    c.heartbeat_once();
+    assert!(g.lock().unwrap().served.contains(&"ha_status"));
 }
 
 #[test]
@@ -1135,6 +1288,134 @@ fn tokens_are_leased_so_a_restart_never_reuses_one() {
     assert!(
         c.status()["ha"]["token"].as_u64().unwrap() > 2 * crate::controller::failover::TOKEN_LEASE
     );
+}
+
+/// The policy and hz the API set survive a restart; the failure-detection knobs come from
+/// the config file (a stored copy used to override them all, so a new `watch_ms` or probe
+/// bound in ctl.toml was ignored after the first `ha protect --policy`).
+#[test]
+fn a_restart_keeps_the_api_policy_and_takes_detection_knobs_from_the_file() {
+    let w = World::new("ha-knobs");
+    let statics: Vec<(u32, PathBuf)> = (1..=2).map(|i| (i, w.add(i))).collect();
+    let path = w.dir.join("store.json");
+    let mk = |ha: HaConfig| {
+        Controller::new(
+            Settings {
+                ha,
+                ..Settings::default()
+            },
+            Box::new(FileStore::open(&path).unwrap()),
+            Box::new(MemSteering::default()),
+            None,
+            Box::new(FakeMigrator(w.clone())),
+            statics.clone(),
+            Some(manual()),
+        )
+        .unwrap()
+    };
+    let c = mk(HaConfig::default());
+    c.ha_protect(Some("single"), Some(2000), None).unwrap();
+    drop(c);
+    let c = mk(HaConfig {
+        watch_ms: 25,
+        probe_timeout_ms: 300,
+        suspect_after_ms: 3000,
+        ..HaConfig::default()
+    });
+    let cfg = c.ha_config();
+    assert_eq!((cfg.policy, cfg.hz), (crate::ha::PolicyKind::Single, 2000));
+    assert_eq!(
+        (cfg.watch_ms, cfg.probe_timeout_ms, cfg.suspect_after_ms),
+        (25, 300, 3000)
+    );
+}
+
+/// What probe verdicts do to a member: a TCP probe that finds nothing is no evidence, and
+/// only `suspect_after_ms` of such silence makes it suspected (never failed over); a
+/// listening probe clears that; unix probes keep their old meaning (Unknown changes nothing).
+#[test]
+fn silent_tcp_probes_suspect_a_member_after_the_bound_and_never_kill_it() {
+    let (_w, _s, c) = setup_with("silent", 3, manual(), HaConfig::default());
+    use crate::ha::Probe;
+    let unknown = Probe::Unknown("connect did not complete in time".into());
+    let suspected = |i: u32| lock(&c.state).ha.suspects.contains(&i);
+    // Silent for less than the bound: nothing yet, however many probes.
+    for _ in 0..50 {
+        c.note_probe(2, &unknown, true, Duration::from_secs(3600));
+    }
+    assert!(!suspected(2));
+    assert!(lock(&c.state).ha.silent_since.contains_key(&2));
+    // Past the bound: suspected (once: one event, one count).
+    c.note_probe(2, &unknown, true, Duration::ZERO);
+    c.note_probe(2, &unknown, true, Duration::ZERO);
+    assert!(suspected(2));
+    assert_eq!(c.counters.ha.silent_suspected.load(Ordering::Relaxed), 1);
+    assert_eq!(c.counters.ha.probes_unknown.load(Ordering::Relaxed), 52);
+    assert_eq!(c.counters.ha.failovers.load(Ordering::Relaxed), 0);
+    assert!(lock(&c.state).replicas[&2].1.alive);
+    // It listens again: cleared, silence forgotten.
+    c.note_probe(2, &Probe::Listening, true, Duration::ZERO);
+    assert!(!suspected(2));
+    assert!(!lock(&c.state).ha.silent_since.contains_key(&2));
+    // Unix: an Unknown (a full backlog) is no evidence and starts no suspicion.
+    c.note_probe(3, &unknown, false, Duration::ZERO);
+    assert!(!suspected(3));
+    assert!(!lock(&c.state).ha.silent_since.contains_key(&3));
+}
+
+/// Over TCP the watch probes every member at once and acts on each verdict as it comes: r3
+/// (nothing listens: reset) is failed over before r2's probe (a connect whose SYNs are
+/// dropped) can have reached its bound, which a round in turn cannot do (r2 is probed
+/// before r3 and its connect cannot return earlier). r2's silence is no evidence: it is
+/// not failed over. r1 listens.
+#[test]
+fn a_tcp_watch_round_fails_over_a_dead_member_without_waiting_for_a_silent_one() {
+    let bound = Duration::from_secs(3);
+    let r1 = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = r1.local_addr().unwrap().port();
+    let _r2 = crate::ha::testing::silent_tcp_endpoint(format!("127.0.0.2:{port}").parse().unwrap());
+    let statics: Vec<(u32, PathBuf)> = (1..=3)
+        .map(|i| (i, PathBuf::from(format!("/nonexistent/pliant/r{i}.sock"))))
+        .collect();
+    let c = Controller::new(
+        Settings {
+            ha: HaConfig {
+                probe_timeout_ms: bound.as_millis() as u64,
+                suspect_after_ms: 600_000,
+                ..HaConfig::default()
+            },
+            control: rc::Dialer {
+                security: None,
+                template: Some(format!("127.0.0.{{index}}:{port}")),
+            },
+            ..Settings::default()
+        },
+        Box::new(FileStore::in_memory()),
+        Box::new(MemSteering::default()),
+        None,
+        Box::new(FakeMigrator(World::default())),
+        statics,
+        Some(manual()),
+    )
+    .unwrap();
+    let failed_over = |i: u32| lock(&c.state).replicas[&i].1.failed_over;
+    std::thread::scope(|sc| {
+        let t0 = Instant::now();
+        let round = sc.spawn(|| c.ha_watch_once());
+        let seen = wait_during(&round, || failed_over(3));
+        let at = t0.elapsed();
+        assert!(seen, "r3 failed over");
+        assert!(
+            at < bound,
+            "r3 failed over {at:?} after the round started: it waited for r2's probe ({bound:?})"
+        );
+        round.join().unwrap();
+    });
+    assert!(!failed_over(1) && !failed_over(2));
+    assert_eq!(c.counters.ha.probes_dead.load(Ordering::Relaxed), 1);
+    assert_eq!(c.counters.ha.probes_unknown.load(Ordering::Relaxed), 1);
+    assert!(lock(&c.state).ha.silent_since.contains_key(&2));
+    assert!(lock(&c.state).ha.last_seen.contains_key(&1));
 }
 
 #[test]
