@@ -95,7 +95,10 @@ impl Client {
             name: self.expect_name.clone(),
             roles: role::REPLICA,
         };
-        let o = sec.options(&self.ep, expect, MAX_ANSWER);
+        let mut o = sec.options(&self.ep, expect, MAX_ANSWER);
+        // The handshake is part of the request's time: a hung replica (its kernel still
+        // accepts) must cost a heartbeat its own timeout, not the handshake's default.
+        o.handshake_timeout = o.handshake_timeout.min(self.timeout);
         let c = pliant_wire::Conn::connect(&self.ep, &sec.identity, &o, self.timeout, &sec.tcp)
             .map_err(|e| {
                 self.io(format!(
@@ -202,5 +205,36 @@ impl Client {
                 Err(_) => std::thread::sleep(Duration::from_millis(10)),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pliant_wire::{role, Ca};
+
+    /// A hung replica's kernel still accepts the connection; the handshake then never answers.
+    /// The request must end with the client's own timeout, not the handshake's longer default
+    /// (a heartbeat would otherwise take seconds to see a hung replica).
+    #[test]
+    fn a_replica_that_accepts_but_never_answers_costs_the_clients_timeout() {
+        let dir = std::env::temp_dir().join(format!("pliant-proto-hung-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("r1.sock");
+        let _ = std::fs::remove_file(&path);
+        let l = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let held = std::thread::spawn(move || l.accept().map(|(s, _)| s));
+        let ca = Ca::generate(None).unwrap();
+        let sec = Security::new(ca.issue("ctl", role::CONTROLLER, 3600).unwrap());
+        assert!(sec.handshake_timeout >= Duration::from_secs(3));
+        let c =
+            Client::new(Endpoint::Unix(path), Some(sec)).with_timeout(Duration::from_millis(100));
+        let t = Instant::now();
+        let e = c.call(&Request::Stats).unwrap_err();
+        assert!(matches!(e, ControlError::Io { .. }), "{e:?}");
+        // Far below the handshake's own 3 s default: the client's bound applied.
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        drop(held.join());
+        let _ = std::fs::remove_dir_all(dir);
     }
 }

@@ -1108,6 +1108,12 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             .map_or(0, |c| c.conns_refused.load(Ordering::Relaxed))
     }
 
+    fn control_handshakes_aborted(&self) -> u64 {
+        self.control
+            .as_ref()
+            .map_or(0, |c| c.handshakes_aborted.load(Ordering::Relaxed))
+    }
+
     pub fn stats_json(&self, now: Instant) -> Value {
         let port = |s: Side| {
             let p = self.ports[idx(s)].stats();
@@ -1136,6 +1142,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
         let mut engine = serde_json::to_value(&self.stats).unwrap_or(Value::Null);
         engine["control_errors"] = json!(self.stats.control_errors + self.control_errors());
         engine["control_conns_refused"] = json!(self.control_conns_refused());
+        engine["control_handshakes_aborted"] = json!(self.control_handshakes_aborted());
         // Called on the packet thread: the policy it actually runs under (`realtime_priority`).
         let (policy, priority) = crate::sched::current();
         engine["sched"] = json!({"policy": policy, "priority": priority});
@@ -1169,6 +1176,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
         let mut engine = self.stats.clone();
         engine.control_errors += self.control_errors();
         engine.control_conns_refused = self.control_conns_refused();
+        engine.control_handshakes_aborted = self.control_handshakes_aborted();
         let mut text = metrics::render(&Snapshot {
             replica: &self.name,
             nf: N::NAME,

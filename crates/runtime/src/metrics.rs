@@ -44,6 +44,8 @@ pub struct EngineStats {
     /// Control connections refused because the bound of those served at once was reached
     /// (counted by the control socket's threads; filled in when reported).
     pub control_conns_refused: u64,
+    /// Sealed control connections closed before their handshake finished (liveness probes).
+    pub control_handshakes_aborted: u64,
 }
 
 /// Everything `metrics` renders, gathered by the packet thread.
@@ -216,7 +218,7 @@ pub fn render(s: &Snapshot<'_>) -> String {
         o.header(name, "gauge", help);
         o.sample(name, &[("nf", s.nf)], v);
     }
-    let counters: [(&str, &str, u64); 10] = [
+    let counters: [(&str, &str, u64); 11] = [
         (
             "pliant_flows_created_total",
             "Flows created",
@@ -266,6 +268,11 @@ pub fn render(s: &Snapshot<'_>) -> String {
             "pliant_control_connections_refused_total",
             "Control connections refused: too many served at once",
             s.engine.control_conns_refused,
+        ),
+        (
+            "pliant_control_handshakes_aborted_total",
+            "Sealed control connections closed before their handshake finished (probes)",
+            s.engine.control_handshakes_aborted,
         ),
     ];
     for (name, help, v) in counters {
