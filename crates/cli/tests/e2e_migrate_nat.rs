@@ -161,12 +161,13 @@ fn two_migrations(transport: pliant_lab::mgmt::Transport) {
         .expect("iperf3 client");
     let mut client = ChildGuard(client);
 
-    // The UDP stream starts on the replica the iperf3 connections landed on (steered there
-    // before its first datagram), so every move carries both.
-    let (first, _) = wait_for("iperf3 flows", Duration::from_secs(10), || {
-        (0..2)
-            .map(|i| (i, flows_on(&socks[i])))
-            .find(|(_, k)| !k.is_empty())
+    // The UDP stream starts on the replica most iperf3 connections landed on (steered there
+    // before its first datagram), so every move carries it and the data connection. iperf3
+    // opens its control connection first and the data connection after it: wait for both,
+    // they may land on different replicas.
+    let first = wait_for("iperf3 flows", Duration::from_secs(10), || {
+        let per: Vec<usize> = (0..2).map(|i| flows_on(&socks[i]).len()).collect();
+        (per.iter().sum::<usize>() >= 2).then(|| usize::from(per[1] > per[0]))
     });
     let udp_key = common::migration::udp_key(UDP_SPORT, UDP_DPORT);
     maps.set_exceptions(&[(udp_key, first as u32 + 1)])
@@ -184,17 +185,17 @@ fn two_migrations(transport: pliant_lab::mgmt::Transport) {
     let mut held_released = Vec::new();
     for round in 0..2 {
         std::thread::sleep(Duration::from_millis(1500));
-        let (src, mut keys) = wait_for("iperf3 flows", Duration::from_secs(10), || {
-            (0..2)
-                .map(|i| (i, flows_on(&socks[i])))
-                .find(|(_, k)| !k.is_empty())
+        // The replica holding the UDP stream moves it with the TCP flows it holds.
+        let src = wait_for("the UDP flow", Duration::from_secs(10), || {
+            (0..2).find(|i| holds(&socks[*i], &udp_key))
         });
-        let dst = 1 - src;
+        let mut keys = flows_on(&socks[src]);
         assert!(
-            holds(&socks[src], &udp_key),
-            "move {round}: UDP flow not on r{}",
+            !keys.is_empty(),
+            "move {round}: no iperf3 connection on r{} with the UDP flow",
             src + 1
         );
+        let dst = 1 - src;
         keys.push(udp_key);
         let sent_before = udp.sent();
         let v = migrate(
