@@ -5,7 +5,6 @@
 
 use pliant_lab::{Lab, LabSpec, PliantNf, ReplicaMode, Role, SERVER_IP};
 use serde_json::Value;
-use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -32,12 +31,10 @@ for _ in range(10):\n\
 \x20   sys.exit(0)\n\
 print('no reply')\n";
 
-fn stats(sock: &str) -> Value {
-    let mut s = std::os::unix::net::UnixStream::connect(sock).expect("control socket");
-    s.write_all(b"{\"cmd\":\"stats\"}\n").expect("write");
-    let mut line = String::new();
-    BufReader::new(s).read_line(&mut line).expect("read");
-    serde_json::from_str(&line).expect("json")
+fn stats(sock: &std::path::Path) -> Value {
+    pliant_lab::ha::control_client(sock)
+        .call(&pliant_proto::Request::Stats)
+        .expect("stats")
 }
 
 /// Round trip on a fresh lab; the pliant replica's reassembly stats (Null for the kernel).
@@ -67,7 +64,7 @@ fn round_trip(mode: ReplicaMode) -> (String, Value) {
         .expect("client");
     let st = lab
         .replica_socket(1)
-        .map(|s| stats(&s.display().to_string())["reassembly"].clone())
+        .map(|s| stats(s)["reassembly"].clone())
         .unwrap_or(Value::Null);
     let verdict = format!("{}{}", out.stdout.trim(), out.stderr.trim());
     echo_server.kill().ok();
