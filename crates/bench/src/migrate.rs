@@ -270,6 +270,14 @@ impl Pair {
         // Only for the move: threads this thread spawns later must not inherit the policy.
         let _rt = pliant_runtime::sched::RealtimeGuard::new(self.realtime).map_err(lab_err)?;
         let all: Vec<FlowKey> = primaries.iter().chain(aliases).copied().collect();
+        // The source's connection is opened (and authenticated) before the switch, as the
+        // controller's migration client does: the handshake is not part of the pause.
+        let source = pliant_lab::ha::control_client(std::path::Path::new(&self.socks[src]))
+            .with_timeout(Duration::from_secs(10));
+        let src_link = source.connect().map_err(|e| BenchError::Tool {
+            tool: "replica control",
+            reason: e.to_string(),
+        })?;
         let t0 = Instant::now();
         ask(
             &self.socks[dst],
@@ -288,13 +296,19 @@ impl Pair {
             .set_exceptions(&entries)
             .map_err(|e| BenchError::Lab(format!("steering update: {e}")))?;
         let t2 = Instant::now();
-        let r = ask(
-            &self.socks[src],
-            &Request::MigrateOut {
-                to: self.peers[dst].clone(),
-                keys: primaries.to_vec(),
-            },
-        )?;
+        let r = source
+            .call_on(
+                src_link,
+                &Request::MigrateOut {
+                    to: self.peers[dst].clone(),
+                    keys: primaries.to_vec(),
+                },
+                t2,
+            )
+            .map_err(|e| BenchError::Tool {
+                tool: "replica control",
+                reason: e.to_string(),
+            })?;
         let t3 = Instant::now();
         let failed = r["failed"].as_array().map_or(0, Vec::len);
         if failed > 0 {

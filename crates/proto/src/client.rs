@@ -113,7 +113,19 @@ impl Client {
     /// [`ControlError::Refused`]).
     pub fn call(&self, req: &Request) -> Result<Value, ControlError> {
         let started = Instant::now();
-        let mut link = self.connect()?;
+        let link = self.connect()?;
+        self.call_on(link, req, started)
+    }
+
+    /// [`Client::call`] on a link [`Client::connect`] opened earlier (at `started`): a caller
+    /// whose request is on a critical path — `migrate_out` after the steering switch, while
+    /// the destination holds the flow's packets — connects and authenticates before it.
+    pub fn call_on(
+        &self,
+        mut link: Link,
+        req: &Request,
+        started: Instant,
+    ) -> Result<Value, ControlError> {
         let wait = if req.is_slow() {
             SLOW_TIMEOUT
         } else {

@@ -62,15 +62,24 @@ pub fn migrate(
         }
     }
     let from = src.stats().map_err(|e| e.to_string())?.replica;
+    // Connected (and authenticated) to the source before the switch: from the switch on the
+    // destination holds the flows' packets until their state arrives, so the handshake must
+    // not be part of that pause.
+    let t = std::time::Instant::now();
+    let src_link = src.connect().map_err(|e| e.to_string())?;
     dst.call(&Request::MigrateIn {
         from,
         keys: all.clone(),
     })
     .map_err(|e| e.to_string())?;
     steer_update(&all);
-    src.call(&Request::MigrateOut {
-        to: dst_peer.to_string(),
-        keys: keys.to_vec(),
-    })
+    src.call_on(
+        src_link,
+        &Request::MigrateOut {
+            to: dst_peer.to_string(),
+            keys: keys.to_vec(),
+        },
+        t,
+    )
     .map_err(|e| e.to_string())
 }
