@@ -1071,17 +1071,7 @@ fn pliant_up(opts: &HaOpts, sys: &str) -> Result<PliantSys, String> {
     std::fs::write(&cfg, ctl).map_err(|e| format!("write {}: {e}", cfg.display()))?;
     let log = std::fs::File::create(dir.join("controller.log")).map_err(|e| e.to_string())?;
     let log2 = log.try_clone().map_err(|e| e.to_string())?;
-    let argv = pliant_lab::mgmt::controller_argv(
-        sys_.lab().state(),
-        vec![
-            bin.display().to_string(),
-            "controller".into(),
-            "--config".into(),
-            cfg.display().to_string(),
-        ],
-    );
-    let child = Command::new(&argv[0])
-        .args(&argv[1..])
+    let child = pliant_lab::mgmt::controller_process(sys_.lab().state(), &bin, &cfg)
         .stdin(Stdio::null())
         .stdout(log)
         .stderr(log2)

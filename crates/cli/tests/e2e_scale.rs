@@ -18,7 +18,7 @@ mod common;
 use pliant_lab::{cmd, Lab, LabSpec, PliantNf, ReplicaMode, Role, CLIENT_IP, SERVER_IP};
 use pliant_state::FlowKey;
 use serde_json::Value;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -306,17 +306,7 @@ fn start_on(
     let cfg = dir.join("ctl.toml");
     std::fs::write(&cfg, ctl).expect("write ctl.toml");
     let log = std::fs::File::create(dir.join("controller.log")).expect("log");
-    let argv = pliant_lab::mgmt::controller_argv(
-        run.lab().state(),
-        vec![
-            pliant().to_string(),
-            "controller".into(),
-            "--config".into(),
-            cfg.display().to_string(),
-        ],
-    );
-    let child = Command::new(&argv[0])
-        .args(&argv[1..])
+    let child = pliant_lab::mgmt::controller_process(run.lab().state(), Path::new(pliant()), &cfg)
         .stdin(Stdio::null())
         .stdout(log.try_clone().expect("log"))
         .stderr(log)

@@ -80,6 +80,27 @@ pub fn controller_command(lab: &str) -> Vec<String> {
     ]
 }
 
+/// The command that runs `bin controller --config cfg` as lab `state` runs its controller
+/// ([`controller_argv`]); the caller sets its output and starts it.
+pub fn controller_process(
+    state: &crate::LabState,
+    bin: &std::path::Path,
+    cfg: &std::path::Path,
+) -> std::process::Command {
+    let argv = controller_argv(
+        state,
+        vec![
+            bin.display().to_string(),
+            "controller".into(),
+            "--config".into(),
+            cfg.display().to_string(),
+        ],
+    );
+    let mut c = std::process::Command::new(&argv[0]);
+    c.args(&argv[1..]);
+    c
+}
+
 /// `program` (a controller command line) as lab `state` runs it: on the management network
 /// in a TCP lab (its replicas are on private hosts), as it is otherwise.
 pub fn controller_argv(state: &crate::LabState, program: Vec<String>) -> Vec<String> {

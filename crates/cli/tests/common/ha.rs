@@ -151,23 +151,14 @@ impl HaRun {
         let cfg = dir.join("ctl.toml");
         std::fs::write(&cfg, ctl).expect("write ctl.toml");
         let log = std::fs::File::create(dir.join("controller.log")).expect("log");
-        let argv = pliant_lab::mgmt::controller_argv(
-            self.lab().state(),
-            vec![
-                pliant().to_string(),
-                "controller".into(),
-                "--config".into(),
-                cfg.display().to_string(),
-            ],
-        );
-        let child = Command::new(&argv[0])
-            .args(&argv[1..])
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("log"))
-            .stderr(log)
-            .spawn()
-            .expect("start controller");
+        let child =
+            pliant_lab::mgmt::controller_process(self.lab().state(), Path::new(pliant()), &cfg)
+                .env("RUST_LOG", "info")
+                .stdin(Stdio::null())
+                .stdout(log.try_clone().expect("log"))
+                .stderr(log)
+                .spawn()
+                .expect("start controller");
         self.controller = Some(child);
         let t = Instant::now();
         while !dir.join("api.sock").exists() || !dir.join("token").exists() {
