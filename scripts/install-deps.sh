@@ -19,12 +19,15 @@ set -euo pipefail
 #   postgresql-15            primary/standby servers, pg_rewind and pgbench for `pliant pg` and its tests
 #   postgresql-client-15     psql sessions in the pg session-survival test
 #   conntrackd, keepalived   the kernel NAT HA peer (conntrack state sync + VRRP) in `pliant bench ha`
-#   patroni, etcd-server, etcd-client  the PostgreSQL HA peer measured by `pliant bench pg`
+#   patroni, etcd-server, etcd-client  the PostgreSQL HA peer measured by `pliant bench pg`; etcd
+#                            is also the controller's shared store (`[store] backend = "etcd"`)
+#   protobuf-compiler (protoc)  builds the etcd gRPC client crate (it compiles etcd's .proto files)
 #   default-jdk-headless, libpostgresql-jdbc-java  a JDBC client (pgJDBC) through the pg proxy in the e2e test
 #   pgbouncer                the pooler a user would put in front of PostgreSQL instead, in `pliant bench pg`
 pkgs=(iproute2 nftables iperf3 nginx-light netsniff-ng curl iputils-ping traceroute cbindgen clang llvm ethtool
       conntrackd keepalived patroni etcd-server etcd-client default-jdk-headless libpostgresql-jdbc-java
-      tcpdump fonts-dejavu-core gcc g++ make pkg-config postgresql-15 postgresql-client-15 pgbouncer)
+      tcpdump fonts-dejavu-core gcc g++ make pkg-config postgresql-15 postgresql-client-15 pgbouncer
+      protobuf-compiler)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -219,6 +219,21 @@ pub fn status(a: StatusArgs) -> Result<(), String> {
         return print_json(&v);
     }
     println!("epoch {}", v["epoch"]);
+    let st = &v["store"];
+    if st["ok"] == true {
+        println!(
+            "store {} ok (revision {})",
+            st["backend"].as_str().unwrap_or("?"),
+            st["revision"]
+        );
+    } else {
+        println!(
+            "WARNING: store {} unavailable: {} ({})",
+            st["backend"].as_str().unwrap_or("?"),
+            st["error"].as_str().unwrap_or("?"),
+            st["note"].as_str().unwrap_or("")
+        );
+    }
     println!(
         "{:<6} {:<6} {:>8} {:>10} {:<14} note",
         "name", "alive", "flows", "pps", "ports"

@@ -20,6 +20,61 @@ pub struct ControllerConfig {
     /// High availability (Pico replication); absent = off.
     #[serde(default)]
     pub ha: Option<crate::ha::HaConfig>,
+    /// Where the controller keeps its state; absent = the embedded file store.
+    #[serde(default)]
+    pub store: Option<StoreSection>,
+}
+
+/// Which store backend holds the controller's state.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum StoreBackend {
+    /// One JSON file (`[controller] store`): one controller on one host.
+    #[default]
+    File,
+    /// An etcd cluster: controllers on several hosts share it.
+    Etcd,
+}
+
+/// `[store]`: the controller's state backend.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct StoreSection {
+    #[serde(default)]
+    pub backend: StoreBackend,
+    /// etcd client URLs (`http://10.0.0.5:2379`); etcd only.
+    #[serde(default)]
+    pub endpoints: Vec<String>,
+    /// Prefix of every key in etcd, ending in `/`: one etcd can hold several pliant clusters.
+    #[serde(default = "d_store_prefix")]
+    pub prefix: String,
+    /// Bound on each etcd request. A store that does not answer in time is unavailable: the
+    /// controller then changes no placement and `pliant status` says so.
+    #[serde(default = "d_store_request_timeout_ms")]
+    pub request_timeout_ms: u64,
+    /// Bound on connecting to one etcd endpoint.
+    #[serde(default = "d_store_connect_timeout_ms")]
+    pub connect_timeout_ms: u64,
+}
+
+fn d_store_prefix() -> String {
+    "/pliant/default/".into()
+}
+fn d_store_request_timeout_ms() -> u64 {
+    2000
+}
+fn d_store_connect_timeout_ms() -> u64 {
+    2000
+}
+
+impl StoreSection {
+    /// The etcd client options this section describes.
+    pub fn etcd_options(&self) -> crate::store::EtcdOptions {
+        let mut o = crate::store::EtcdOptions::new(self.endpoints.clone(), &self.prefix);
+        o.request_timeout = std::time::Duration::from_millis(self.request_timeout_ms);
+        o.connect_timeout = std::time::Duration::from_millis(self.connect_timeout_ms);
+        o
+    }
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -265,6 +320,41 @@ impl ControllerConfig {
                 )));
             }
         }
+        if let Some(s) = &c.store {
+            match s.backend {
+                StoreBackend::File if !s.endpoints.is_empty() => {
+                    return Err(bad(
+                        "store.endpoints is set but store.backend is \"file\": set backend = \
+                         \"etcd\" to use them"
+                            .into(),
+                    ))
+                }
+                StoreBackend::Etcd if s.endpoints.is_empty() => {
+                    return Err(bad(
+                        "store.backend = \"etcd\" needs store.endpoints (client URLs like \
+                         \"http://10.0.0.5:2379\")"
+                            .into(),
+                    ))
+                }
+                _ => {}
+            }
+            if s.prefix.is_empty() || !s.prefix.ends_with('/') {
+                return Err(bad(format!(
+                    "store.prefix = {:?}: must be non-empty and end with '/'",
+                    s.prefix
+                )));
+            }
+            for (name, v) in [
+                ("request_timeout_ms", s.request_timeout_ms),
+                ("connect_timeout_ms", s.connect_timeout_ms),
+            ] {
+                // A LAN round trip plus an etcd commit (fsync) must fit; minutes would hang
+                // every operation behind a dead etcd.
+                if !(100..=60_000).contains(&v) {
+                    return Err(bad(format!("store.{name} = {v}: must be 100..=60000")));
+                }
+            }
+        }
         if let Some(p) = &c.policy {
             p.check().map_err(|e| bad(e.to_string()))?;
         }
@@ -449,6 +539,23 @@ low_water_flows = 10
     }
 
     #[test]
+    fn the_store_section_chooses_the_backend() {
+        assert_eq!(
+            p("[controller]\n").unwrap().store,
+            None,
+            "file store by default"
+        );
+        let c = p(
+            "[controller]\n[store]\nbackend = \"etcd\"\nendpoints = [\"http://10.0.0.5:2379\"]\n",
+        )
+        .unwrap();
+        let o = c.store.unwrap().etcd_options();
+        assert_eq!(o.endpoints, vec!["http://10.0.0.5:2379".to_string()]);
+        assert_eq!(o.prefix, "/pliant/default/");
+        assert_eq!(o.request_timeout, std::time::Duration::from_millis(2000));
+    }
+
+    #[test]
     fn bad_configs_are_refused_with_the_reason() {
         for (text, needle) in [
             ("[controller]\nheartbeat_msx = 1\n", "unknown field"),
@@ -466,6 +573,20 @@ low_water_flows = 10
                 "index",
             ),
             ("[controller]\n[ports]\nlo = 100\nhi = 50\n", "port range"),
+            ("[controller]\n[store]\nbackend = \"etcd\"\n", "needs store.endpoints"),
+            (
+                "[controller]\n[store]\nendpoints = [\"http://127.0.0.1:2379\"]\n",
+                "backend = \"etcd\"",
+            ),
+            (
+                "[controller]\n[store]\nbackend = \"etcd\"\nendpoints = [\"http://e:2379\"]\nprefix = \"/p\"\n",
+                "end with '/'",
+            ),
+            (
+                "[controller]\n[store]\nbackend = \"etcd\"\nendpoints = [\"http://e:2379\"]\nrequest_timeout_ms = 0\n",
+                "request_timeout_ms",
+            ),
+            ("[controller]\n[store]\nbackend = \"zookeeper\"\n", "unknown variant"),
         ] {
             let e = p(text).expect_err(text).to_string();
             assert!(e.contains(needle), "{text:?}: {e}");

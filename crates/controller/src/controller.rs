@@ -158,6 +158,8 @@ pub struct Counters {
     /// was truncated or failed (absence not provable).
     pub exceptions_collected: AtomicU64,
     pub gc_skipped: AtomicU64,
+    /// Placement changes refused because the store did not answer.
+    pub store_refusals: AtomicU64,
     pub ha: HaCounters,
 }
 
@@ -634,7 +636,37 @@ impl Controller {
 
     // ---------------------------------------------------------------- queries
 
+    /// Placement changes (scale, migration, rebalance, exception GC) start only while the store
+    /// answers: one begun without it could not record what it did, and a controller that
+    /// cannot reach the store cannot know it is still the one in charge. Replicas keep
+    /// forwarding and replicating meanwhile; nothing here touches them.
+    fn store_gate(&self, what: &str) -> Result<()> {
+        let r = lock(&self.store).health();
+        if let Err(e) = r {
+            self.counters.store_refusals.fetch_add(1, Ordering::Relaxed);
+            self.event(
+                "store_unavailable",
+                json!({"refused": what, "error": e.to_string()}),
+            );
+            return Err(e.into());
+        }
+        Ok(())
+    }
+
+    /// Whether the store serves now (etcd is asked; bounded by its request timeout).
+    pub fn store_status(&self) -> Value {
+        let s = lock(&self.store);
+        match s.health() {
+            Ok(rev) => json!({"backend": s.backend(), "ok": true, "revision": rev}),
+            Err(e) => json!({"backend": s.backend(), "ok": false, "error": e.to_string(),
+                "revision": s.revision(),
+                "note": "no placement change (scale, migration, failover) until the store answers; \
+                         replicas keep forwarding and replicating"}),
+        }
+    }
+
     pub fn status(&self) -> Value {
+        let store = self.store_status();
         let steer = lock(&self.steering).stats();
         let st = lock(&self.state);
         let replicas: Vec<Value> = st
@@ -670,8 +702,10 @@ impl Controller {
                 "malformed_answers": g(&c.malformed_answers),
                 "exceptions_collected": g(&c.exceptions_collected),
                 "gc_skipped": g(&c.gc_skipped),
+                "store_refusals": g(&c.store_refusals),
             },
             "steering": steer,
+            "store": store,
             "ha": self.ha_summary(&st),
             "events": st.events.iter().rev().take(20).collect::<Vec<_>>(),
         })
@@ -895,6 +929,7 @@ impl Controller {
     }
 
     fn migrate_count_locked(&self, from: u32, to: u32, count: u64) -> Result<Value> {
+        self.store_gate("migrate")?;
         let (_, mut list) = self.list_flows(from)?;
         // Move the most recently listed first: the listing order is the replica's, and taking
         // from the end keeps the choice deterministic for a given listing.
@@ -909,6 +944,7 @@ impl Controller {
             ControllerError::BadRequest(e.to_string())
         })?;
         let _ops = lock(&self.ops);
+        self.store_gate("migrate")?;
         let candidates: Vec<u32> = lock(&self.state)
             .replicas
             .iter()
@@ -970,6 +1006,7 @@ impl Controller {
 
     fn scale_out_locked(&self) -> Result<Value> {
         let t0 = Instant::now();
+        self.store_gate("scale_out")?;
         let max = self.policy().max_replicas as usize;
         if lock(&self.state).replicas.len() >= max {
             return Err(ControllerError::Refused(format!(
@@ -994,11 +1031,20 @@ impl Controller {
             }
             return Err(e.into());
         }
-        store::put_json(
+        let recorded = store::put_json(
             lock(&self.store).as_mut(),
             &format!("{P_REPLICAS}{}", rec.index),
             &rec,
-        )?;
+        );
+        if let Err(e) = recorded {
+            // The store went away after the gate: a replica nobody recorded would be an orphan
+            // after a restart or a change of controller. Undo; the ring never saw it.
+            let _ = lock(&self.steering).set_live(rec.index, false);
+            if let Some(a) = lock(&self.agent).as_mut() {
+                let _ = a.remove_replica(rec.index);
+            }
+            return Err(e.into());
+        }
         lock(&self.state).replicas.insert(
             rec.index,
             (
@@ -1040,6 +1086,7 @@ impl Controller {
 
     fn scale_in_locked(&self, victim: Option<u32>) -> Result<Value> {
         let t0 = Instant::now();
+        self.store_gate("scale_in")?;
         let loads = self.loads();
         if loads.len() <= 1 {
             return Err(ControllerError::Refused(
@@ -1256,6 +1303,7 @@ impl Controller {
     /// whose owner is still the one seen before the listing.
     pub fn gc_exceptions(&self) -> Result<usize> {
         let _ops = lock(&self.ops);
+        self.store_gate("gc")?;
         let n = match self.gc_listing()? {
             Some((saved, present)) => {
                 let _ha = lock(&self.ha_lock);

@@ -8,7 +8,7 @@ use crate::http::{Listen, Server};
 use crate::migrator::Migrator;
 use crate::ports::PortBlocks;
 use crate::steering::{FabricSteering, LabLinkSteering, MemSteering, Steering};
-use crate::store::FileStore;
+use crate::store::{EtcdStore, FileStore, Store};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -52,17 +52,33 @@ pub fn dialer(cfg: &ControllerConfig) -> Result<crate::replica_client::Dialer, S
     Ok(d)
 }
 
+/// Opens the store `[store]` names (the file at `[controller] store` by default). An etcd that
+/// does not answer is an error here: a controller must read its state before it acts.
+pub fn open_store(cfg: &ControllerConfig) -> Result<Box<dyn Store>, DaemonError> {
+    match &cfg.store {
+        Some(s) if s.backend == crate::config::StoreBackend::Etcd => {
+            let store = EtcdStore::connect(&s.etcd_options())?;
+            store.health()?;
+            Ok(Box::new(store))
+        }
+        _ => {
+            let path = &cfg.controller.store;
+            if let Some(dir) = path.parent() {
+                std::fs::create_dir_all(dir)
+                    .map_err(|e| DaemonError::Setup(format!("{}: {e}", dir.display())))?;
+            }
+            Ok(Box::new(FileStore::open(path)?))
+        }
+    }
+}
+
 /// Builds a controller from a parsed config (steering attached, store opened, replicas found).
 pub fn build(
     cfg: &ControllerConfig,
     migrator: Box<dyn Migrator>,
 ) -> Result<Controller, DaemonError> {
     let c = &cfg.controller;
-    if let Some(dir) = c.store.parent() {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| DaemonError::Setup(format!("{}: {e}", dir.display())))?;
-    }
-    let store = FileStore::open(&c.store)?;
+    let store = open_store(cfg)?;
     let port_blocks = match &cfg.ports {
         Some(p) => Some((
             PortBlocks::new(p.lo, p.hi, p.block).map_err(|e| DaemonError::Setup(e.to_string()))?,
@@ -121,7 +137,7 @@ pub fn build(
     };
     Ok(Controller::new(
         settings,
-        Box::new(store),
+        store,
         steering,
         agent,
         migrator,

@@ -5,7 +5,8 @@
 //!   socket), load (flows, packets/s), migrations (replica protocol + steering exceptions for
 //!   every key and alias), scale-out/in (agent + fabric + NAT port blocks + ring), policies.
 //! - [`policy`]: pure, deterministic decisions over a load snapshot.
-//! - [`store`]: the [`store::Store`] trait (etcd-shaped) and the embedded [`store::FileStore`].
+//! - [`store`]: the `pliant-store` crate: the [`store::Store`] trait (etcd-shaped), the embedded
+//!   [`store::FileStore`] and [`store::EtcdStore`] (`[store] backend = "etcd"`).
 //! - [`http`] + [`auth`] + [`api`]: the authenticated HTTP/JSON API (unix socket 0600,
 //!   optional TCP), bearer token from a 0600 file.
 //! - [`agent`]: starting/stopping replicas (`LabAgent`: namespaces of a running lab).
@@ -30,6 +31,6 @@ pub mod ports;
 pub mod protection;
 pub mod replica_client;
 pub mod steering;
-pub mod store;
+pub use pliant_store as store;
 
 pub use controller::{Controller, ControllerError, Settings};

@@ -10,6 +10,7 @@
 
 pub mod cmd;
 pub mod error;
+pub mod etcd;
 pub mod fabric;
 pub mod ha;
 pub mod host;

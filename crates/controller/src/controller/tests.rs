@@ -476,6 +476,17 @@ fn setup_tuned(
     ha: HaConfig,
     tune: impl FnOnce(&mut Settings),
 ) -> (World, SharedSteer, Controller) {
+    setup_on(tag, n, policy, ha, tune, Box::new(FileStore::in_memory()))
+}
+
+fn setup_on(
+    tag: &str,
+    n: u32,
+    policy: Policy,
+    ha: HaConfig,
+    tune: impl FnOnce(&mut Settings),
+    store: Box<dyn crate::store::Store>,
+) -> (World, SharedSteer, Controller) {
     let w = World::new(tag);
     let statics: Vec<(u32, PathBuf)> = (1..=n).map(|i| (i, w.add(i))).collect();
     let steer = SharedSteer::default();
@@ -492,7 +503,7 @@ fn setup_tuned(
     tune(&mut settings);
     let c = Controller::new(
         settings,
-        Box::new(FileStore::in_memory()),
+        store,
         Box::new(steer.clone()),
         Some(Box::new(FakeAgent(w.clone(), n))),
         Box::new(FakeMigrator(w.clone())),
@@ -1767,4 +1778,96 @@ fn exception_gc_keeps_a_key_a_failover_re_pointed_after_the_listing() {
     // An owner that did not change is collected as before.
     let (saved, _) = c.gc_listing().unwrap().expect("exceptions to collect");
     assert_eq!(c.gc_apply(&saved, &present).unwrap(), 12);
+}
+
+fn test_etcd(tag: &str) -> Option<pliant_lab::etcd::EtcdServer> {
+    if !pliant_testkit::require_tool("etcd", "etcd-server")
+        || !pliant_testkit::require_tool("etcdctl", "etcd-client")
+    {
+        return None;
+    }
+    Some(pliant_lab::etcd::EtcdServer::scratch(&format!("ctl-{tag}")).unwrap())
+}
+
+fn etcd_client(e: &pliant_lab::etcd::EtcdServer) -> crate::store::EtcdStore {
+    let mut o = crate::store::EtcdOptions::new(vec![e.spec.client_url()], "/pliant/t/");
+    o.request_timeout = Duration::from_millis(500);
+    o.connect_timeout = Duration::from_millis(300);
+    crate::store::EtcdStore::connect(&o).unwrap()
+}
+
+#[test]
+fn without_its_etcd_the_controller_changes_no_placement_and_resumes_when_it_returns() {
+    let Some(mut etcd) = test_etcd("outage") else {
+        return;
+    };
+    let (w, steer, c) = setup_on(
+        "etcd-outage",
+        2,
+        manual(),
+        HaConfig::off(),
+        |_| {},
+        Box::new(etcd_client(&etcd)),
+    );
+    w.fill(1, 0..9);
+    c.heartbeat_once();
+    c.migrate_count(1, 2, 2).unwrap();
+    assert_eq!((w.flows(1), w.flows(2)), (7, 2));
+    assert_eq!(c.status()["store"]["ok"], true);
+    assert_eq!(c.status()["store"]["backend"], "etcd");
+
+    etcd.kill();
+    assert!(c.scale_out().is_err(), "no scale-out without the store");
+    assert!(
+        c.migrate_count(1, 2, 2).is_err(),
+        "no migration without the store"
+    );
+    assert!(
+        c.scale_in(Some(2)).is_err(),
+        "no scale-in without the store"
+    );
+    assert_eq!(steer.0.lock().unwrap().ring, vec![1, 2], "ring unchanged");
+    assert!(
+        !w.by_index.lock().unwrap().contains_key(&3),
+        "no replica started"
+    );
+    assert_eq!((w.flows(1), w.flows(2)), (7, 2), "no flow moved");
+    // Heartbeats need no store: replicas stay alive and are still watched.
+    c.heartbeat_once();
+    let st = c.status();
+    assert!(st["replicas"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|r| r["alive"] == true));
+    assert_eq!(
+        st["store"]["ok"], false,
+        "status says the store is gone: {}",
+        st["store"]
+    );
+    assert!(st["counters"]["store_refusals"].as_u64().unwrap() >= 3);
+
+    etcd.restart().unwrap();
+    let t0 = Instant::now();
+    while c.status()["store"]["ok"] != true {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "store back, status still down"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    c.migrate_count(1, 2, 2).unwrap();
+    assert_eq!((w.flows(1), w.flows(2)), (5, 4));
+    c.scale_out().unwrap();
+    assert_eq!(steer.0.lock().unwrap().ring, vec![1, 2, 3]);
+    // What the controller did is in etcd, for another controller to read.
+    let other = etcd_client(&etcd);
+    use crate::store::Store as _;
+    let recorded: Vec<String> = other
+        .list("replicas/")
+        .unwrap()
+        .into_iter()
+        .map(|(k, _)| k)
+        .collect();
+    assert!(recorded.contains(&"replicas/3".to_string()), "{recorded:?}");
 }

@@ -1,102 +1,17 @@
-//! The controller's store: a small key/value space with revisions, behind the [`Store`] trait.
-//!
-//! The trait follows etcd's data model on purpose (string keys, opaque values, one global
-//! revision that every write increments, per-key `mod_revision`, compare-and-swap on it, a watch
-//! as "changes since revision R under prefix P"), so an etcd backend can implement it later
-//! without touching the controller. [`FileStore`] is the embedded single-host backend: the whole
-//! map in memory, persisted as one JSON file written to a temp file, fsynced and renamed over
-//! the old one, so a crash leaves either the old or the new state, never half of one.
+//! The embedded single-host backend: the whole map in memory, persisted as one JSON file written
+//! to a temp file, fsynced and renamed over the old one, so a crash leaves either the old or the
+//! new state, never half of one. History (for watchers) is kept in memory only: a reopened store
+//! starts its history at its current revision.
 
+use crate::{
+    check_key, watch_channel, Event, Result, Store, StoreError, Versioned, Watch, WatchSender,
+    MAX_EVENTS, MAX_KEYS, MAX_VALUE_BYTES,
+};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, VecDeque};
 use std::io::Write;
 use std::path::{Path, PathBuf};
-
-/// Longest key accepted.
-pub const MAX_KEY_BYTES: usize = 256;
-/// Largest value accepted (the replica set, ring summary, exceptions are far smaller).
-pub const MAX_VALUE_BYTES: usize = 4 << 20;
-/// Keys the store holds at most.
-pub const MAX_KEYS: usize = 100_000;
-/// Change events kept for watchers; older ones are compacted away.
-pub const MAX_EVENTS: usize = 4096;
-
-/// What went wrong, and with which key or file.
-#[derive(Debug, thiserror::Error, PartialEq)]
-pub enum StoreError {
-    #[error("key {0:?}: empty or longer than {MAX_KEY_BYTES} bytes")]
-    BadKey(String),
-    #[error("value of {key:?} is {len} bytes, more than {MAX_VALUE_BYTES}")]
-    TooLarge { key: String, len: usize },
-    #[error("store full: {MAX_KEYS} keys")]
-    Full,
-    #[error("store file {path}: {reason}")]
-    File { path: PathBuf, reason: String },
-    #[error("watch from revision {asked}: compacted, oldest kept is {oldest}")]
-    Compacted { asked: u64, oldest: u64 },
-}
-
-pub type Result<T> = std::result::Result<T, StoreError>;
-
-/// A value with the revision of its last write.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Versioned {
-    pub value: String,
-    pub mod_revision: u64,
-}
-
-/// One change, for watchers. `value: None` is a delete.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Event {
-    pub key: String,
-    pub value: Option<String>,
-    pub revision: u64,
-}
-
-/// The controller's view of a store (etcd-shaped; see the module doc).
-pub trait Store: Send {
-    fn get(&self, key: &str) -> Result<Option<Versioned>>;
-    /// Unconditional write; returns the new revision.
-    fn put(&mut self, key: &str, value: &str) -> Result<u64>;
-    /// Deletes `key`; `Ok(None)` if it was absent, else the new revision.
-    fn delete(&mut self, key: &str) -> Result<Option<u64>>;
-    /// Keys under `prefix`, in key order.
-    fn list(&self, prefix: &str) -> Result<Vec<(String, Versioned)>>;
-    /// Writes only if `key`'s `mod_revision` equals `expected` (0 = key must be absent).
-    /// `Ok(Err(current))` when the comparison failed, with the current revision (0 if absent).
-    fn compare_and_swap(
-        &mut self,
-        key: &str,
-        expected: u64,
-        value: &str,
-    ) -> Result<std::result::Result<u64, u64>>;
-    /// Changes under `prefix` with revision > `since`, oldest first ("watch" as a poll; an etcd
-    /// backend maps it onto a watch stream with start_revision = since + 1).
-    fn changes_since(&self, prefix: &str, since: u64) -> Result<Vec<Event>>;
-    /// The store's current revision.
-    fn revision(&self) -> u64;
-}
-
-/// Typed helpers over any [`Store`]: values are JSON.
-pub fn get_json<T: serde::de::DeserializeOwned>(s: &dyn Store, key: &str) -> Result<Option<T>> {
-    match s.get(key)? {
-        None => Ok(None),
-        Some(v) => serde_json::from_str(&v.value)
-            .map(Some)
-            .map_err(|e| StoreError::File {
-                path: PathBuf::from(key),
-                reason: format!("undecodable value: {e}"),
-            }),
-    }
-}
-
-pub fn put_json<T: Serialize>(s: &mut dyn Store, key: &str, v: &T) -> Result<u64> {
-    let text = serde_json::to_string(v).map_err(|e| StoreError::File {
-        path: PathBuf::from(key),
-        reason: format!("unencodable value: {e}"),
-    })?;
-    s.put(key, &text)
-}
+use std::sync::Mutex;
 
 #[derive(Default, Serialize, Deserialize)]
 struct Image {
@@ -111,14 +26,8 @@ pub struct FileStore {
     events: VecDeque<Event>,
     /// Revision of the oldest change dropped from `events` (watchers before it must re-list).
     compacted_through: u64,
-}
-
-fn check_key(key: &str) -> Result<()> {
-    if key.is_empty() || key.len() > MAX_KEY_BYTES {
-        Err(StoreError::BadKey(key.chars().take(64).collect()))
-    } else {
-        Ok(())
-    }
+    /// Live watches: (prefix, sender). Pruned when their watcher is gone.
+    watchers: Mutex<Vec<(String, WatchSender)>>,
 }
 
 impl FileStore {
@@ -128,6 +37,7 @@ impl FileStore {
             image: Image::default(),
             events: VecDeque::new(),
             compacted_through: 0,
+            watchers: Mutex::new(Vec::new()),
         }
     }
 
@@ -149,7 +59,25 @@ impl FileStore {
             events: VecDeque::new(),
             // History before this process is not kept: watchers start from the current revision.
             compacted_through: rev,
+            watchers: Mutex::new(Vec::new()),
         })
+    }
+
+    /// Changes under `prefix` with revision > `since` kept in this process's history, oldest
+    /// first.
+    pub fn changes_since(&self, prefix: &str, since: u64) -> Result<Vec<Event>> {
+        if since < self.compacted_through {
+            return Err(StoreError::Compacted {
+                asked: since,
+                oldest: self.compacted_through,
+            });
+        }
+        Ok(self
+            .events
+            .iter()
+            .filter(|e| e.revision > since && e.key.starts_with(prefix))
+            .cloned()
+            .collect())
     }
 
     fn persist(&self) -> Result<()> {
@@ -184,11 +112,16 @@ impl FileStore {
                 self.compacted_through = old.revision;
             }
         }
-        self.events.push_back(Event {
+        let ev = Event {
             key: key.to_string(),
             value,
             revision,
-        });
+        };
+        let mut w = self.watchers.lock().unwrap_or_else(|p| p.into_inner());
+        w.retain(|(prefix, tx)| !ev.key.starts_with(prefix.as_str()) || tx.send(Ok(ev.clone())));
+        w.retain(|(_, tx)| !tx.is_closed());
+        drop(w);
+        self.events.push_back(ev);
     }
 
     fn write(&mut self, key: &str, value: &str) -> Result<u64> {
@@ -197,6 +130,7 @@ impl FileStore {
             return Err(StoreError::TooLarge {
                 key: key.to_string(),
                 len: value.len(),
+                max: MAX_VALUE_BYTES,
             });
         }
         if !self.image.entries.contains_key(key) && self.image.entries.len() >= MAX_KEYS {
@@ -239,6 +173,10 @@ impl Mode0600 for std::fs::OpenOptions {
 }
 
 impl Store for FileStore {
+    fn backend(&self) -> &'static str {
+        "file"
+    }
+
     fn get(&self, key: &str) -> Result<Option<Versioned>> {
         check_key(key)?;
         Ok(self.image.entries.get(key).cloned())
@@ -287,23 +225,26 @@ impl Store for FileStore {
         self.write(key, value).map(Ok)
     }
 
-    fn changes_since(&self, prefix: &str, since: u64) -> Result<Vec<Event>> {
-        if since < self.compacted_through {
-            return Err(StoreError::Compacted {
-                asked: since,
-                oldest: self.compacted_through,
-            });
+    fn watch(&self, prefix: &str, since: u64) -> Result<Watch> {
+        // History and registration under one borrow of self: no write can fall between them.
+        let backlog = self.changes_since(prefix, since)?;
+        let (tx, watch) = watch_channel();
+        for ev in backlog {
+            tx.send(Ok(ev));
         }
-        Ok(self
-            .events
-            .iter()
-            .filter(|e| e.revision > since && e.key.starts_with(prefix))
-            .cloned()
-            .collect())
+        self.watchers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((prefix.to_string(), tx));
+        Ok(watch)
     }
 
     fn revision(&self) -> u64 {
         self.image.revision
+    }
+
+    fn health(&self) -> Result<u64> {
+        Ok(self.image.revision)
     }
 }
 
@@ -316,63 +257,6 @@ mod tests {
         let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d).expect("mkdir");
         d
-    }
-
-    #[test]
-    fn put_get_list_delete_and_revisions() {
-        let mut s = FileStore::in_memory();
-        assert_eq!(s.put("replicas/1", "a"), Ok(1));
-        assert_eq!(s.put("replicas/2", "b"), Ok(2));
-        assert_eq!(s.put("policy", "p"), Ok(3));
-        assert_eq!(s.put("replicas/1", "a2"), Ok(4));
-        let v = s.get("replicas/1").unwrap().unwrap();
-        assert_eq!(v.value, "a2");
-        assert_eq!(v.mod_revision, 4);
-        let l = s.list("replicas/").unwrap();
-        assert_eq!(
-            l.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>(),
-            vec!["replicas/1", "replicas/2"]
-        );
-        assert_eq!(s.delete("replicas/2"), Ok(Some(5)));
-        assert_eq!(s.delete("replicas/2"), Ok(None));
-        assert_eq!(s.list("replicas/").unwrap().len(), 1);
-        assert_eq!(s.revision(), 5);
-    }
-
-    #[test]
-    fn compare_and_swap_only_on_matching_revision() {
-        let mut s = FileStore::in_memory();
-        assert_eq!(s.compare_and_swap("epoch", 0, "1"), Ok(Ok(1)));
-        // Key exists now: "must be absent" fails and reports the current revision.
-        assert_eq!(s.compare_and_swap("epoch", 0, "x"), Ok(Err(1)));
-        assert_eq!(s.compare_and_swap("epoch", 7, "x"), Ok(Err(1)));
-        assert_eq!(s.compare_and_swap("epoch", 1, "2"), Ok(Ok(2)));
-        assert_eq!(s.get("epoch").unwrap().unwrap().value, "2");
-    }
-
-    #[test]
-    fn bad_keys_and_values_are_refused() {
-        let mut s = FileStore::in_memory();
-        assert!(matches!(s.put("", "v"), Err(StoreError::BadKey(_))));
-        let long = "k".repeat(MAX_KEY_BYTES + 1);
-        assert!(matches!(s.put(&long, "v"), Err(StoreError::BadKey(_))));
-        let big = "v".repeat(MAX_VALUE_BYTES + 1);
-        assert!(matches!(s.put("k", &big), Err(StoreError::TooLarge { .. })));
-        assert_eq!(s.revision(), 0, "refused writes do not bump the revision");
-    }
-
-    #[test]
-    fn changes_since_filters_by_prefix_and_revision() {
-        let mut s = FileStore::in_memory();
-        s.put("a/1", "x").unwrap();
-        s.put("b/1", "y").unwrap();
-        s.put("a/2", "z").unwrap();
-        s.delete("a/1").unwrap();
-        let ev = s.changes_since("a/", 1).unwrap();
-        assert_eq!(ev.len(), 2);
-        assert_eq!(ev[0].key, "a/2");
-        assert_eq!(ev[1].value, None);
-        assert_eq!(ev[1].revision, 4);
     }
 
     #[test]
