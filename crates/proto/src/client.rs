@@ -41,6 +41,9 @@ pub struct Client {
     /// The replica's certified name, if the caller knows which replica it dials.
     expect_name: Option<String>,
     timeout: Duration,
+    /// The sending controller's leadership term, sent with every request (see
+    /// [`crate::request::term_of`]); `None` for clients that are not a leading controller.
+    term: Option<u64>,
 }
 
 impl Client {
@@ -52,7 +55,15 @@ impl Client {
             security,
             expect_name: None,
             timeout: Duration::from_secs(10),
+            term: None,
         }
+    }
+
+    /// Sends `term` with every request: the replica refuses requests of a term lower than the
+    /// highest it has seen (a deposed controller's).
+    pub fn with_term(mut self, term: u64) -> Client {
+        self.term = Some(term);
+        self
     }
 
     /// The replica must prove this name in the handshake (sealed mode).
@@ -138,7 +149,7 @@ impl Client {
             .set_read_timeout(Some(left))
             .and_then(|_| link.stream().set_write_timeout(Some(left)))
             .map_err(|e| self.io(e.to_string()))?;
-        let body = serde_json::to_vec(req).map_err(|e| self.io(format!("encode: {e}")))?;
+        let body = crate::request::encode(req, self.term).map_err(|e| self.io(e))?;
         link.send(&body)
             .map_err(|e| self.io(format!("send {}: {e}", req.name())))?;
         let local = matches!(link, Link::Local { .. });

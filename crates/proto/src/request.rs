@@ -89,6 +89,35 @@ pub enum Request {
     },
 }
 
+/// The request body on the wire: the request's JSON object, with the sending controller's
+/// leadership term as a `"term"` field when it has one.
+pub fn encode(req: &Request, term: Option<u64>) -> Result<Vec<u8>, String> {
+    let body = serde_json::to_vec(req).map_err(|e| format!("encode: {e}"))?;
+    let Some(t) = term else { return Ok(body) };
+    // An internally tagged enum always serialises as a non-empty object (`{"cmd":...}`), so
+    // the term goes in as its first field without re-encoding the (maybe large) rest.
+    debug_assert!(body.starts_with(b"{\"cmd\""));
+    let mut out = Vec::with_capacity(body.len() + 32);
+    out.extend_from_slice(format!("{{\"term\":{t},").as_bytes());
+    out.extend_from_slice(&body[1..]);
+    Ok(out)
+}
+
+/// The `"term"` of a request body, if it has one: the sender's leadership term. The replica
+/// remembers the highest term it has seen and refuses requests of a lower one, so a controller
+/// that lost its leadership (and may not know it yet) cannot act on replicas any more. A
+/// second, skipping pass over the body: [`Request::parse`] ignores the field.
+pub fn term_of(body: &[u8]) -> Result<Option<u64>, String> {
+    #[derive(Deserialize)]
+    struct TermOnly {
+        #[serde(default)]
+        term: Option<u64>,
+    }
+    serde_json::from_slice::<TermOnly>(body)
+        .map(|t| t.term)
+        .map_err(|_| "bad request: \"term\" must be a non-negative integer".to_string())
+}
+
 impl Request {
     /// Decodes and checks one request body.
     pub fn parse(body: &[u8]) -> Result<Request, String> {
@@ -264,6 +293,41 @@ mod tests {
 
     fn p(s: &str) -> Result<Request, String> {
         Request::parse(s.as_bytes())
+    }
+
+    #[test]
+    fn the_term_travels_beside_the_request_and_is_read_back() {
+        let big = Request::MigrateIn {
+            from: "r1".into(),
+            keys: (0..500u16)
+                .map(|p| {
+                    format!("tcp 10.0.0.1:{} <-> 10.0.1.1:80", 1000 + p)
+                        .parse()
+                        .unwrap()
+                })
+                .collect(),
+        };
+        for req in [Request::Stats, big] {
+            let plain = encode(&req, None).unwrap();
+            assert_eq!(term_of(&plain), Ok(None));
+            assert_eq!(Request::parse(&plain).unwrap(), req);
+            for t in [0, 7, u64::MAX] {
+                let with = encode(&req, Some(t)).unwrap();
+                assert_eq!(term_of(&with), Ok(Some(t)));
+                assert_eq!(
+                    Request::parse(&with).unwrap(),
+                    req,
+                    "the term is not the request's"
+                );
+            }
+        }
+        for bad in [
+            &br#"{"term":-1,"cmd":"stats"}"#[..],
+            br#"{"term":"7","cmd":"stats"}"#,
+            br#"{"term":1.5,"cmd":"stats"}"#,
+        ] {
+            assert!(term_of(bad).is_err(), "{}", String::from_utf8_lossy(bad));
+        }
     }
 
     #[test]

@@ -82,6 +82,35 @@ pub struct ControlHandle {
     /// Sealed connections that went away, stalled or spoke garbage before their handshake
     /// finished (a liveness probe connects and closes at once): not refusals, not errors.
     pub handshakes_aborted: Arc<AtomicU64>,
+    /// The controller leadership fence (highest term seen, refusals).
+    pub fence: Arc<TermFence>,
+}
+
+/// Controllers take turns leading (one at a time, by an etcd lease); each leader's requests
+/// carry its term, which only grows. The replica keeps the highest term it has seen and refuses
+/// any request of a lower one: a controller that was deposed (partitioned, paused) and still
+/// believes it leads cannot migrate, protect or activate anything once its successor has
+/// spoken. Requests without a term (the CLI, a single controller without elections) pass.
+#[derive(Debug, Default)]
+pub struct TermFence {
+    pub term: AtomicU64,
+    /// Requests refused for a lower term (counted, and each answered with both terms).
+    pub refused: AtomicU64,
+}
+
+impl TermFence {
+    /// Admits a request of `term` (and raises the fence to it), or says why not.
+    pub fn admit(&self, term: Option<u64>) -> Result<(), String> {
+        let Some(t) = term else { return Ok(()) };
+        let seen = self.term.fetch_max(t, Ordering::AcqRel);
+        if seen > t {
+            self.refused.fetch_add(1, Ordering::Relaxed);
+            return Err(format!(
+                "deposed controller: request of term {t}, this replica follows term {seen}"
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl ControlHandle {
@@ -135,6 +164,7 @@ pub(crate) struct Shared {
     active: Arc<AtomicUsize>,
     conns_refused: Arc<AtomicU64>,
     handshakes_aborted: Arc<AtomicU64>,
+    fence: Arc<TermFence>,
     /// The replica's identity (sealed mode), if it has one.
     security: Option<Arc<Security>>,
 }
@@ -286,6 +316,7 @@ pub(crate) fn channel() -> Result<(Shared, ControlHandle), String> {
     let errors = Arc::new(AtomicU64::new(0));
     let conns_refused = Arc::new(AtomicU64::new(0));
     let handshakes_aborted = Arc::new(AtomicU64::new(0));
+    let fence = Arc::new(TermFence::default());
     let shared = Shared {
         tx,
         wake_tx: Arc::new(wake_tx),
@@ -294,6 +325,7 @@ pub(crate) fn channel() -> Result<(Shared, ControlHandle), String> {
         active: Arc::new(AtomicUsize::new(0)),
         conns_refused: conns_refused.clone(),
         handshakes_aborted: handshakes_aborted.clone(),
+        fence: fence.clone(),
         security: None,
     };
     let handle = ControlHandle {
@@ -302,6 +334,7 @@ pub(crate) fn channel() -> Result<(Shared, ControlHandle), String> {
         errors,
         conns_refused,
         handshakes_aborted,
+        fence,
     };
     Ok((shared, handle))
 }
@@ -382,8 +415,14 @@ fn open_link(stream: Stream, sh: &Shared) -> Option<Link> {
 fn serve_conn(mut link: Link, sh: &Shared) {
     loop {
         let answer = match link.recv() {
-            Ok(body) => match Cmd::parse(body) {
-                Ok(cmd) => sh.ask(cmd),
+            Ok(body) => match Cmd::parse(body).and_then(|cmd| {
+                let term = pliant_proto::request::term_of(body)?;
+                Ok((cmd, term))
+            }) {
+                Ok((cmd, term)) => match sh.fence.admit(term) {
+                    Ok(()) => sh.ask(cmd),
+                    Err(msg) => sh.error(&msg),
+                },
                 Err(msg) => sh.error(&msg),
             },
             Err(pliant_wire::FrameError::Closed) => return,
@@ -571,6 +610,67 @@ mod tests {
         assert!(e.contains("in use"), "{e}");
         drop(server);
         let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// A controller's term only grows: once a request of term 5 was served, requests of term 4
+    /// (a deposed leader's) are refused, counted and never reach the packet thread; requests of
+    /// term 5 and up, and those without a term (the CLI), are served.
+    #[test]
+    fn requests_of_a_deposed_controllers_term_are_refused() {
+        let (dir, path) = test_socket(line!());
+        let (server, handle) = start(&opts(&path)).expect("start");
+        let fence = handle.fence.clone();
+        let t = answering(handle, 4);
+        let c = local(&path);
+        assert_eq!(
+            c.clone().with_term(4).call(&Request::Stats).unwrap()["cmd"],
+            "stats"
+        );
+        assert_eq!(
+            c.clone().with_term(5).call(&Request::Flows).unwrap()["cmd"],
+            "flows"
+        );
+        let e = c.clone().with_term(4).call(&Request::Shutdown).unwrap_err();
+        assert!(
+            matches!(&e, ControlError::Refused { error, .. }
+                if error.contains("deposed controller") && error.contains("term 4")
+                    && error.contains("term 5")),
+            "{e:?}"
+        );
+        assert_eq!(
+            c.call(&Request::Query).unwrap()["cmd"],
+            "query",
+            "no term: served"
+        );
+        assert_eq!(
+            c.clone().with_term(9).call(&Request::Stats).unwrap()["cmd"],
+            "stats"
+        );
+        let e = c.clone().with_term(5).call(&Request::Stats);
+        assert!(e.is_err(), "5 < 9 now");
+        // Exactly the four admitted requests reached the packet thread.
+        let handle = t.join().unwrap();
+        assert_eq!(fence.term.load(Ordering::Relaxed), 9);
+        assert_eq!(fence.refused.load(Ordering::Relaxed), 2);
+        assert_eq!(handle.errors.load(Ordering::Relaxed), 2);
+        drop(server);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn the_term_fence_only_rises() {
+        let f = TermFence::default();
+        assert!(f.admit(None).is_ok());
+        assert!(f.admit(Some(3)).is_ok());
+        assert!(f.admit(Some(3)).is_ok(), "the same leader again");
+        assert!(f.admit(Some(2)).is_err());
+        assert!(f.admit(None).is_ok());
+        assert_eq!(
+            f.term.load(Ordering::Relaxed),
+            3,
+            "a refusal never lowers it"
+        );
+        assert_eq!(f.refused.load(Ordering::Relaxed), 1);
     }
 
     /// With an identity the control channel is sealed on the unix socket and on TCP alike, and

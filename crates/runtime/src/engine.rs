@@ -1108,6 +1108,15 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             .map_or(0, |c| c.conns_refused.load(Ordering::Relaxed))
     }
 
+    fn control_fence(&self) -> (u64, u64) {
+        self.control.as_ref().map_or((0, 0), |c| {
+            (
+                c.fence.term.load(Ordering::Relaxed),
+                c.fence.refused.load(Ordering::Relaxed),
+            )
+        })
+    }
+
     fn control_handshakes_aborted(&self) -> u64 {
         self.control
             .as_ref()
@@ -1143,6 +1152,9 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
         engine["control_errors"] = json!(self.stats.control_errors + self.control_errors());
         engine["control_conns_refused"] = json!(self.control_conns_refused());
         engine["control_handshakes_aborted"] = json!(self.control_handshakes_aborted());
+        let (term, deposed) = self.control_fence();
+        engine["control_term"] = json!(term);
+        engine["control_deposed_refused"] = json!(deposed);
         // Called on the packet thread: the policy it actually runs under (`realtime_priority`).
         let (policy, priority) = crate::sched::current();
         engine["sched"] = json!({"policy": policy, "priority": priority});
@@ -1177,6 +1189,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
         engine.control_errors += self.control_errors();
         engine.control_conns_refused = self.control_conns_refused();
         engine.control_handshakes_aborted = self.control_handshakes_aborted();
+        (engine.control_term, engine.control_deposed_refused) = self.control_fence();
         let mut text = metrics::render(&Snapshot {
             replica: &self.name,
             nf: N::NAME,

@@ -46,6 +46,10 @@ pub struct EngineStats {
     pub control_conns_refused: u64,
     /// Sealed control connections closed before their handshake finished (liveness probes).
     pub control_handshakes_aborted: u64,
+    /// Highest controller leadership term seen on the control channel (0: none).
+    pub control_term: u64,
+    /// Control requests refused because their term was lower (a deposed controller's).
+    pub control_deposed_refused: u64,
 }
 
 /// Everything `metrics` renders, gathered by the packet thread.
@@ -218,7 +222,7 @@ pub fn render(s: &Snapshot<'_>) -> String {
         o.header(name, "gauge", help);
         o.sample(name, &[("nf", s.nf)], v);
     }
-    let counters: [(&str, &str, u64); 11] = [
+    let counters: [(&str, &str, u64); 12] = [
         (
             "pliant_flows_created_total",
             "Flows created",
@@ -274,11 +278,26 @@ pub fn render(s: &Snapshot<'_>) -> String {
             "Sealed control connections closed before their handshake finished (probes)",
             s.engine.control_handshakes_aborted,
         ),
+        (
+            "pliant_control_deposed_refused_total",
+            "Control requests refused for a controller term lower than one already seen",
+            s.engine.control_deposed_refused,
+        ),
     ];
     for (name, help, v) in counters {
         o.header(name, "counter", help);
         o.sample(name, &[("nf", s.nf)], v);
     }
+    o.header(
+        "pliant_control_term",
+        "gauge",
+        "Highest controller leadership term seen (0: none)",
+    );
+    o.sample(
+        "pliant_control_term",
+        &[("nf", s.nf)],
+        s.engine.control_term,
+    );
     o.header(
         "pliant_neighbours",
         "gauge",
