@@ -1870,3 +1870,35 @@ fn with_ha_on_policy_set_refuses_min_replicas_below_the_floor_naming_both() {
     c.set_policy(&[("min_replicas".into(), "1".into())])
         .unwrap();
 }
+
+#[test]
+fn a_policy_stored_without_ha_is_raised_to_the_floor_when_ha_is_turned_on() {
+    let w = World::new("ha-stored");
+    let statics: Vec<(u32, PathBuf)> = (1..=2).map(|i| (i, w.add(i))).collect();
+    let path = w.dir.join("store.json");
+    let mk = |ha: HaConfig| {
+        Controller::new(
+            Settings {
+                ha,
+                ..Settings::default()
+            },
+            Box::new(FileStore::open(&path).unwrap()),
+            Box::new(MemSteering::default()),
+            None,
+            Box::new(FakeMigrator(w.clone())),
+            statics.clone(),
+            Some(manual()),
+        )
+        .unwrap()
+    };
+    let c = mk(HaConfig::off());
+    c.set_policy(&[("min_replicas".into(), "1".into())])
+        .unwrap();
+    drop(c);
+    let c = mk(HaConfig::default());
+    assert_eq!(c.policy().min_replicas, 2);
+    drop(c);
+    // Stored raised: the next start reads 2 back even with HA off again.
+    let c = mk(HaConfig::off());
+    assert_eq!(c.policy().min_replicas, 2);
+}
