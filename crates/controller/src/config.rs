@@ -280,9 +280,10 @@ impl ControllerConfig {
                 p.min_replicas = p.floor(ha_floor);
             }
             p.check(ha_floor).map_err(|e| match &c.ha {
-                Some(h) if p.min_replicas.min(p.max_replicas) < ha_floor => {
-                    bad(format!("policy: {e} ([ha] mode = {:?})", h.mode))
-                }
+                Some(h) if p.min_replicas.min(p.max_replicas) < ha_floor => bad(format!(
+                    "policy: {e} ([ha] mode = {})",
+                    serde_json::to_string(&h.mode).unwrap_or_default()
+                )),
                 _ => bad(e.to_string()),
             })?;
         }
@@ -509,6 +510,10 @@ low_water_flows = 10
             (
                 "[controller]\n[policy]\nmin_replicas = 1\n[ha]\nmode = \"pico\"\n",
                 "min_replicas = 1 is below 2",
+            ),
+            (
+                "[controller]\n[policy]\nmin_replicas = 1\n[ha]\nmode = \"ftmb\"\n",
+                "[ha] mode = \"ftmb\"",
             ),
             (
                 "[controller]\n[policy]\nmin_replicas = 1\n[ha]\nmode = \"ftmb\"\n",
