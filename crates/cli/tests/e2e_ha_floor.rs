@@ -1,7 +1,8 @@
 //! End-to-end: the elasticity policy with HA on. A 3-replica HA lab (NAT) and the controller
 //! with the example ctl.toml's `[policy]` (auto on, no `min_replicas`) and no traffic: the
 //! policy scales in while the replicas are idle, but never below the 2 replicas Pico
-//! protection needs, and each one left is protected by the other. Then one of them is
+//! protection needs, and each one left is protected by the other; `policy set
+//! min_replicas=1` is refused. Then one of them is
 //! SIGKILLed: the survivor is failed over to and runs alone, and `pliant status` /
 //! `pliant ha status` warn that it is unprotected.
 //!
@@ -69,6 +70,18 @@ fn idle_ha_lab_keeps_two_protected_replicas_and_warns_when_one_is_left_alone() {
         run.cli(&["status"])["unprotected"] == json!([])
     });
     assert!(!text(&run, &["status"]).contains("WARNING"));
+    // Asking for fewer through the API is refused, naming both numbers.
+    let out = Command::new(common::pliant())
+        .args(["policy", "set", "min_replicas=1", "--api"])
+        .arg(run.dir.join("api.sock"))
+        .arg("--token-file")
+        .arg(run.dir.join("token"))
+        .output()
+        .expect("run pliant");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "policy set min_replicas=1 accepted");
+    assert!(err.contains("min_replicas = 1 is below 2"), "{err}");
+    assert_eq!(run.cli(&["policy", "show"])["policy"]["min_replicas"], 2);
 
     // The survivor's only backup dies: it is failed over to and left alone.
     let (alone, victim) = (members[0], members[1]);
