@@ -30,6 +30,7 @@ const DEFAULT_TOKEN: &str = "/run/pliant/controller/token";
         [policy]\n\
         high_water_flows = 60\n\
         low_water_flows = 40\n\
+        # min_replicas: never scale in below it; with [ha] on at least 2 (the default then)\n\
         [ha]                   # high availability (Pico replication); absent = off\n\
         mode = \"pico\"          # pico | remus | ftmb | off\n\
         policy = \"chords\"      # chords | single | streams\n\
@@ -139,7 +140,8 @@ pub enum PolicyOp {
     #[command(
         after_help = "Keys: auto, high_water_flows, low_water_flows, high_water_pps, \
         min_replicas, max_replicas, rebalance, imbalance_flows, cooldown_ms, max_batch. \
-        All assignments apply together or not at all."
+        All assignments apply together or not at all. With HA on, min_replicas below what \
+        protection needs (2) is refused."
     )]
     Set {
         /// key=value pairs.
@@ -262,6 +264,9 @@ pub fn status(a: StatusArgs) -> Result<(), String> {
             ports
         );
     }
+    if let Some(w) = unprotected_warning(&v["unprotected"], &v["ha"]["min_replicas"]) {
+        println!("{w}");
+    }
     let c = &v["counters"];
     println!(
         "migrated {} flows ({} failed batches), scale-outs {}, scale-ins {}, rebalances {}",
@@ -278,6 +283,37 @@ pub fn status(a: StatusArgs) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// The line `status` and `ha status` print when HA is on and some serving replica has no
+/// backup (or FTMB logger) on another live replica: it loses its flows if it dies now.
+fn unprotected_warning(unprotected: &Value, ha_min_replicas: &Value) -> Option<String> {
+    let names: Vec<String> = unprotected
+        .as_array()?
+        .iter()
+        .filter_map(Value::as_u64)
+        .map(|i| format!("r{i}"))
+        .collect();
+    if names.is_empty() {
+        return None;
+    }
+    Some(format!(
+        "WARNING: HA is on but {} {} unprotected (no live backup or logger on another \
+         replica): {} if {} now; HA needs at least {} live replicas",
+        names.join(", "),
+        if names.len() == 1 { "runs" } else { "run" },
+        if names.len() == 1 {
+            "its flows are lost"
+        } else {
+            "their flows are lost"
+        },
+        if names.len() == 1 {
+            "it dies"
+        } else {
+            "they die"
+        },
+        ha_min_replicas.as_u64().unwrap_or(2)
+    ))
 }
 
 pub fn flows(a: FlowsArgs) -> Result<(), String> {
@@ -452,6 +488,9 @@ pub fn ha(a: HaArgs) -> Result<(), String> {
                     s["counters"]["failovers"]
                 );
             }
+            if let Some(w) = unprotected_warning(&v["unprotected"], &s["min_replicas"]) {
+                println!("{w}");
+            }
             for r in v["replicas"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
                 let name = r["name"].as_str().unwrap_or("?");
                 if r["failed_over"] == true {
@@ -583,5 +622,24 @@ pub fn ha(a: HaArgs) -> Result<(), String> {
             }
             Ok(())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_unprotected_warning_names_each_replica_and_the_floor() {
+        assert_eq!(unprotected_warning(&json!([]), &json!(2)), None);
+        assert_eq!(unprotected_warning(&Value::Null, &json!(2)), None);
+        let w = unprotected_warning(&json!([3]), &json!(2)).unwrap();
+        assert!(
+            w.starts_with("WARNING: ") && w.contains("r3 runs unprotected"),
+            "{w}"
+        );
+        assert!(w.contains("at least 2 live replicas"), "{w}");
+        let w = unprotected_warning(&json!([1, 4]), &json!(2)).unwrap();
+        assert!(w.contains("r1, r4 run unprotected"), "{w}");
     }
 }

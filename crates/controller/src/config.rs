@@ -255,7 +255,7 @@ pub enum ConfigError {
 
 impl ControllerConfig {
     pub fn parse(text: &str, path: &Path) -> Result<ControllerConfig, ConfigError> {
-        let c: ControllerConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
+        let mut c: ControllerConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
             path: path.to_path_buf(),
             reason: e.to_string(),
         })?;
@@ -355,8 +355,27 @@ impl ControllerConfig {
                 }
             }
         }
-        if let Some(p) = &c.policy {
-            p.check().map_err(|e| bad(e.to_string()))?;
+        // With HA on the policy may not scale in below what protection needs. A
+        // `min_replicas` the file does not set is raised to that floor (the default, 1, was
+        // never a choice); one it sets lower is refused: the operator asked for something HA
+        // cannot give.
+        let ha_floor = c.ha.as_ref().map_or(1, crate::ha::ha_min_replicas);
+        if let Some(p) = &mut c.policy {
+            let explicit = toml::from_str::<toml::Table>(text).is_ok_and(|t| {
+                t.get("policy")
+                    .and_then(|p| p.as_table())
+                    .is_some_and(|p| p.contains_key("min_replicas"))
+            });
+            if !explicit {
+                p.min_replicas = p.floor(ha_floor);
+            }
+            p.check(ha_floor).map_err(|e| match &c.ha {
+                Some(h) if p.min_replicas.min(p.max_replicas) < ha_floor => bad(format!(
+                    "policy: {e} ([ha] mode = {})",
+                    serde_json::to_string(&h.mode).unwrap_or_default()
+                )),
+                _ => bad(e.to_string()),
+            })?;
         }
         if let Some(h) = &c.ha {
             h.check().map_err(|e| bad(format!("ha: {e}")))?;
@@ -556,6 +575,28 @@ low_water_flows = 10
     }
 
     #[test]
+    fn min_replicas_not_set_is_raised_to_the_ha_floor_and_a_set_one_is_kept() {
+        let min = |text: &str| p(text).unwrap().policy.unwrap().min_replicas;
+        // The example's shape: [policy] without min_replicas, HA on.
+        assert_eq!(
+            min("[controller]\n[policy]\nhigh_water_flows = 60\n[ha]\nmode = \"pico\"\n"),
+            2
+        );
+        assert_eq!(min("[controller]\n[policy]\nauto = true\n[ha]\n"), 2);
+        assert_eq!(min("[controller]\n[policy]\nauto = true\n"), 1);
+        assert_eq!(
+            min("[controller]\n[policy]\nauto = true\n[ha]\nmode = \"off\"\n"),
+            1
+        );
+        assert_eq!(
+            min("[controller]\n[policy]\nmin_replicas = 3\n[ha]\nmode = \"pico\"\n"),
+            3
+        );
+        // An explicit 1 with HA off is fine.
+        assert_eq!(min("[controller]\n[policy]\nmin_replicas = 1\n"), 1);
+    }
+
+    #[test]
     fn bad_configs_are_refused_with_the_reason() {
         for (text, needle) in [
             ("[controller]\nheartbeat_msx = 1\n", "unknown field"),
@@ -587,6 +628,22 @@ low_water_flows = 10
                 "request_timeout_ms",
             ),
             ("[controller]\n[store]\nbackend = \"zookeeper\"\n", "unknown variant"),
+            (
+                "[controller]\n[policy]\nmin_replicas = 1\n[ha]\nmode = \"pico\"\n",
+                "min_replicas = 1 is below 2",
+            ),
+            (
+                "[controller]\n[policy]\nmin_replicas = 1\n[ha]\nmode = \"ftmb\"\n",
+                "[ha] mode = \"ftmb\"",
+            ),
+            (
+                "[controller]\n[policy]\nmin_replicas = 1\n[ha]\nmode = \"ftmb\"\n",
+                "min_replicas = 1 is below 2",
+            ),
+            (
+                "[controller]\n[policy]\nmax_replicas = 1\n[ha]\nmode = \"remus\"\n",
+                "max_replicas = 1 is below 2",
+            ),
         ] {
             let e = p(text).expect_err(text).to_string();
             assert!(e.contains(needle), "{text:?}: {e}");

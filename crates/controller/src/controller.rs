@@ -8,7 +8,7 @@
 //! Lock order when both are needed: ops -> steering -> store -> state.
 
 use crate::agent::Agent;
-use crate::ha::HaConfig;
+use crate::ha::{self, HaConfig};
 use crate::migrator::{MigrateError, Migrator};
 use crate::policy::{self, Decision, Move, Policy, ReplicaLoad};
 use crate::ports::PortBlocks;
@@ -265,11 +265,24 @@ impl Controller {
         static_replicas: Vec<(u32, PathBuf)>,
         initial_policy: Option<Policy>,
     ) -> Result<Controller> {
+        // With HA on, a `min_replicas` under the HA floor here is taken as "not set" and
+        // raised to it: a stored policy from before HA was on, the default, or a caller's
+        // policy that never named it. An explicit lower value in ctl.toml is refused earlier
+        // (`ControllerConfig::parse`), one through the API by `set_policy`.
+        let ha_floor = ha::ha_min_replicas(&settings.ha);
         let policy = match store::get_json::<Policy>(store.as_ref(), K_POLICY)? {
-            Some(p) => p,
+            Some(mut p) => {
+                if p.min_replicas < ha_floor {
+                    p.min_replicas = ha_floor;
+                    p.check(ha_floor)?;
+                    store::put_json(store.as_mut(), K_POLICY, &p)?;
+                }
+                p
+            }
             None => {
-                let p = initial_policy.unwrap_or_default();
-                p.check()?;
+                let mut p = initial_policy.unwrap_or_default();
+                p.min_replicas = p.floor(ha_floor);
+                p.check(ha_floor)?;
                 store::put_json(store.as_mut(), K_POLICY, &p)?;
                 p
             }
@@ -551,6 +564,7 @@ impl Controller {
         }
         if ha_on {
             self.ha_poll();
+            self.note_unprotected();
         }
         for i in revived {
             self.event("replica_alive", json!({"replica": i}));
@@ -707,6 +721,8 @@ impl Controller {
             "steering": steer,
             "store": store,
             "ha": self.ha_summary(&st),
+            // Serving replicas with HA on that would lose their flows if they died now.
+            "unprotected": Self::unprotected_of(&st),
             "events": st.events.iter().rev().take(20).collect::<Vec<_>>(),
         })
     }
@@ -756,7 +772,8 @@ impl Controller {
         for (k, v) in assignments {
             p.set(k, v)?;
         }
-        p.check()?;
+        // An explicit `min_replicas` below what HA needs is refused here, naming both.
+        p.check(self.ha_floor())?;
         store::put_json(lock(&self.store).as_mut(), K_POLICY, &p)?;
         lock(&self.state).policy = p.clone();
         self.event("policy_set", json!(assignments));
@@ -1274,7 +1291,7 @@ impl Controller {
             return Ok(json!({"ok": true, "decision": Decision::Nothing, "auto": false}));
         }
         let loads = self.loads();
-        let d = policy::decide(&p, &loads, since);
+        let d = policy::decide(&p, self.ha_floor(), &loads, since);
         let _ops = lock(&self.ops);
         let result = match &d {
             Decision::Nothing => Value::Null,

@@ -262,6 +262,19 @@ impl HaConfig {
     }
 }
 
+/// The fewest replicas HA protection needs: 1 with HA off; otherwise 2, because every mode
+/// protects a primary only with *another* replica ([`build_policy`] answers `{"kind":"off"}`
+/// for a primary with no other live replica, in every Pico/Remus policy kind, streams
+/// included, which falls back to one backup for both classes; [`ftmb_successor`] finds no
+/// logger host for a replica alone). No mode needs more than one other replica, so 2 is
+/// enough for each. The elasticity policy never scales in below this (`Policy::floor`).
+pub fn ha_min_replicas(cfg: &HaConfig) -> u32 {
+    match cfg.mode {
+        HaMode::Off => 1,
+        HaMode::Pico | HaMode::Remus | HaMode::Ftmb => 2,
+    }
+}
+
 /// Replica `control_socket`'s channel endpoint: `template` with `{name}` replaced by the
 /// control socket's stem (`r2` for `/run/pliant/lab/r2.sock`) and `{index}` by the number
 /// that stem ends with (`2`): the replica's channels may be on TCP at another host
@@ -603,6 +616,39 @@ mod tests {
         n.iter()
             .map(|i| (*i, PathBuf::from(format!("/run/pliant/lab/r{i}.sock"))))
             .collect()
+    }
+
+    /// `ha_min_replicas` is what the placement code needs, not a guess: with that many live
+    /// replicas every primary gets a backup (or logger host) on another replica in every mode
+    /// and policy kind, and with one fewer it gets none.
+    #[test]
+    fn ha_min_replicas_is_the_fewest_with_which_every_primary_is_protected() {
+        let protected = |cfg: &HaConfig, members: &[(u32, PathBuf)]| {
+            members.iter().all(|(i, _)| match cfg.mode {
+                HaMode::Off => true,
+                HaMode::Ftmb => ftmb_successor(*i, members).is_some_and(|(h, _)| h != *i),
+                HaMode::Pico | HaMode::Remus => build_policy(cfg, *i, members)["kind"] != "off",
+            })
+        };
+        assert_eq!(ha_min_replicas(&HaConfig::off()), 1);
+        for mode in [HaMode::Pico, HaMode::Remus, HaMode::Ftmb] {
+            for policy in [PolicyKind::Chords, PolicyKind::Single, PolicyKind::Streams] {
+                let cfg = HaConfig {
+                    mode,
+                    policy,
+                    ..HaConfig::default()
+                };
+                let n = ha_min_replicas(&cfg);
+                let members = live(&(1..=n).collect::<Vec<_>>());
+                assert!(protected(&cfg, &members), "{mode:?}/{policy:?} with {n}");
+                let fewer = live(&(1..n).collect::<Vec<_>>());
+                assert!(
+                    !protected(&cfg, &fewer),
+                    "{mode:?}/{policy:?}: {} replicas suffice, the floor says {n}",
+                    n - 1
+                );
+            }
+        }
     }
 
     #[test]

@@ -5,6 +5,11 @@
 //! scale in (average below the low-water mark, and merging one replica would not push the
 //! survivors over the high-water mark: hysteresis), which beats hotspot rebalancing (move flows
 //! from the hottest to the coldest replicas until the spread is within `imbalance_flows`).
+//!
+//! High availability sets a floor under scale-in: a protected primary needs its backup (or
+//! FTMB logger) on another replica, so with HA on the policy never merges below
+//! `ha::ha_min_replicas` replicas whatever `min_replicas` says ([`Policy::floor`]), and
+//! [`Policy::check`] refuses a `min_replicas` below it.
 
 use serde::{Deserialize, Serialize};
 
@@ -21,6 +26,7 @@ pub struct Policy {
     /// Scale out when the replicas receive more packets per second than this each on average
     /// (0 = off).
     pub high_water_pps: u64,
+    /// Never scale in below this many replicas (raised to the HA floor when HA is on).
     pub min_replicas: u32,
     pub max_replicas: u32,
     /// Rebalance hotspots automatically.
@@ -106,13 +112,32 @@ impl Policy {
         Ok(())
     }
 
-    pub fn check(&self) -> Result<(), PolicyError> {
+    /// Whether the policy is consistent, with `ha_floor` the fewest replicas HA protection
+    /// needs (`ha::ha_min_replicas`; 1 with HA off). A `min_replicas` or `max_replicas` below
+    /// the floor is refused rather than silently raised: it says the operator expects the
+    /// policy to go where HA cannot follow.
+    pub fn check(&self, ha_floor: u32) -> Result<(), PolicyError> {
         let inc = |m: &str| Err(PolicyError::Inconsistent(m.to_string()));
         if self.min_replicas == 0 {
             return inc("min_replicas must be >= 1");
         }
+        if self.max_replicas < ha_floor {
+            return Err(PolicyError::Inconsistent(format!(
+                "max_replicas = {} is below {ha_floor}, the fewest replicas HA needs (every \
+                 primary needs its backup or logger on another replica)",
+                self.max_replicas
+            )));
+        }
         if self.max_replicas < self.min_replicas {
             return inc("max_replicas < min_replicas");
+        }
+        if self.min_replicas < ha_floor {
+            return Err(PolicyError::Inconsistent(format!(
+                "min_replicas = {} is below {ha_floor}, the fewest replicas HA needs (every \
+                 primary needs its backup or logger on another replica); set min_replicas >= \
+                 {ha_floor} or turn HA off",
+                self.min_replicas
+            )));
         }
         if self.max_replicas > 63 {
             return inc("max_replicas > 63 (steering has 64 replica slots)");
@@ -127,6 +152,13 @@ impl Policy {
             return inc("max_batch must be >= 1");
         }
         Ok(())
+    }
+
+    /// The fewest replicas the policy may leave: `min_replicas`, raised to the HA floor
+    /// (`ha_floor`, 1 with HA off). [`decide`] uses this, so a stored policy from before HA
+    /// was turned on cannot take the replicas below what protection needs either.
+    pub fn floor(&self, ha_floor: u32) -> u32 {
+        self.min_replicas.max(ha_floor).max(1)
     }
 }
 
@@ -250,9 +282,16 @@ pub fn plan_merge(victim: &ReplicaLoad, survivors: &[ReplicaLoad], max_batch: u6
     moves
 }
 
-/// The decision for this snapshot. `since_last_action_ms` is the time since the controller last
-/// changed the replica set or moved flows (None: never).
-pub fn decide(p: &Policy, loads: &[ReplicaLoad], since_last_action_ms: Option<u64>) -> Decision {
+/// The decision for this snapshot. `ha_floor` is the fewest replicas HA protection needs
+/// (`ha::ha_min_replicas`; 1 with HA off): never scaled in below, whatever `min_replicas`
+/// says. `since_last_action_ms` is the time since the controller last changed the replica
+/// set or moved flows (None: never).
+pub fn decide(
+    p: &Policy,
+    ha_floor: u32,
+    loads: &[ReplicaLoad],
+    since_last_action_ms: Option<u64>,
+) -> Decision {
     if loads.is_empty() {
         return Decision::Nothing;
     }
@@ -285,7 +324,7 @@ pub fn decide(p: &Policy, loads: &[ReplicaLoad], since_last_action_ms: Option<u6
     }
     // Scale in: average under the low-water mark, and the survivors would stay under the
     // high-water mark (otherwise the next tick would scale straight back out).
-    if n as u32 > p.min_replicas && n >= 2 && total < p.low_water_flows * n {
+    if n as u32 > p.floor(ha_floor) && n >= 2 && total < p.low_water_flows * n {
         let survivors_avg_ceil = total.div_ceil(n - 1);
         if survivors_avg_ceil <= p.high_water_flows {
             // Victim: fewest flows (cheapest to merge); ties to the highest index, so the
@@ -344,20 +383,20 @@ mod tests {
 
     #[test]
     fn scale_out_above_high_water_only() {
-        assert_eq!(decide(&p(), &[l(1, 100)], None), Decision::Nothing);
+        assert_eq!(decide(&p(), 1, &[l(1, 100)], None), Decision::Nothing);
         assert!(matches!(
-            decide(&p(), &[l(1, 101)], None),
+            decide(&p(), 1, &[l(1, 101)], None),
             Decision::ScaleOut { .. }
         ));
         // At max_replicas: no scale-out, rebalance instead.
         let full = [l(1, 200), l(2, 101), l(3, 101), l(4, 101)];
         assert!(matches!(
-            decide(&p(), &full, None),
+            decide(&p(), 1, &full, None),
             Decision::Rebalance { .. }
         ));
         // One hot replica while the average is fine: a hotspot, rebalanced, no new replica.
         assert!(matches!(
-            decide(&p(), &[l(1, 150), l(2, 10)], None),
+            decide(&p(), 1, &[l(1, 150), l(2, 10)], None),
             Decision::Rebalance { .. }
         ));
     }
@@ -371,12 +410,12 @@ mod tests {
             pps: 50_000,
         };
         assert_eq!(
-            decide(&pol, std::slice::from_ref(&hot), None),
+            decide(&pol, 1, std::slice::from_ref(&hot), None),
             Decision::Nothing
         );
         pol.high_water_pps = 10_000;
         assert!(matches!(
-            decide(&pol, &[hot], None),
+            decide(&pol, 1, &[hot], None),
             Decision::ScaleOut { .. }
         ));
     }
@@ -384,7 +423,7 @@ mod tests {
     #[test]
     fn hotspot_after_scale_out_rebalances_to_even_split() {
         // The seed's hotspot: 100 flows on r1, the new replica got 1.
-        let d = decide(&p(), &[l(1, 100), l(2, 1)], None);
+        let d = decide(&p(), 1, &[l(1, 100), l(2, 1)], None);
         assert_eq!(
             d,
             Decision::Rebalance {
@@ -396,12 +435,15 @@ mod tests {
             }
         );
         // After the move: 51/50 is within the tolerance.
-        assert_eq!(decide(&p(), &[l(1, 51), l(2, 50)], None), Decision::Nothing);
+        assert_eq!(
+            decide(&p(), 1, &[l(1, 51), l(2, 50)], None),
+            Decision::Nothing
+        );
     }
 
     #[test]
     fn scale_in_below_low_water_merges_the_emptiest() {
-        let d = decide(&p(), &[l(1, 30), l(2, 10), l(3, 20)], None);
+        let d = decide(&p(), 1, &[l(1, 30), l(2, 10), l(3, 20)], None);
         assert_eq!(
             d,
             Decision::ScaleIn {
@@ -414,7 +456,7 @@ mod tests {
                 }]
             }
         );
-        let d = decide(&p(), &[l(1, 10), l(2, 10), l(3, 10)], None);
+        let d = decide(&p(), 1, &[l(1, 10), l(2, 10), l(3, 10)], None);
         assert_eq!(
             d,
             Decision::ScaleIn {
@@ -434,29 +476,32 @@ mod tests {
             }
         );
         // Never below min_replicas.
-        assert_eq!(decide(&p(), &[l(1, 0)], None), Decision::Nothing);
+        assert_eq!(decide(&p(), 1, &[l(1, 0)], None), Decision::Nothing);
     }
 
     #[test]
     fn scale_in_has_hysteresis() {
         // Average 39 < 40, but merging two replicas of 39 gives 78 <= 100: allowed.
         assert!(matches!(
-            decide(&p(), &[l(1, 39), l(2, 39)], None),
+            decide(&p(), 1, &[l(1, 39), l(2, 39)], None),
             Decision::ScaleIn { .. }
         ));
         // With a high-water mark of 60, merging would overflow the survivor: refused.
         let mut pol = p();
         pol.high_water_flows = 60;
-        assert_eq!(decide(&pol, &[l(1, 39), l(2, 39)], None), Decision::Nothing);
+        assert_eq!(
+            decide(&pol, 1, &[l(1, 39), l(2, 39)], None),
+            Decision::Nothing
+        );
     }
 
     #[test]
     fn cooldown_suppresses_actions() {
         let mut pol = p();
         pol.cooldown_ms = 1000;
-        assert_eq!(decide(&pol, &[l(1, 500)], Some(999)), Decision::Nothing);
+        assert_eq!(decide(&pol, 1, &[l(1, 500)], Some(999)), Decision::Nothing);
         assert!(matches!(
-            decide(&pol, &[l(1, 500)], Some(1000)),
+            decide(&pol, 1, &[l(1, 500)], Some(1000)),
             Decision::ScaleOut { .. }
         ));
     }
@@ -505,8 +550,118 @@ mod tests {
             Err(PolicyError::BadValue { .. })
         ));
         pol.set("low_water_flows", "100").unwrap();
-        assert!(pol.check().is_err());
+        assert!(pol.check(1).is_err());
         pol.set("low_water_flows", "10").unwrap();
-        assert!(pol.check().is_ok());
+        assert!(pol.check(1).is_ok());
+    }
+
+    #[test]
+    fn the_ha_floor_stops_scale_in_where_min_replicas_alone_would_not() {
+        // Idle: with min_replicas = 1 and HA off the policy merges down to one replica.
+        let idle2 = [l(1, 0), l(2, 0)];
+        assert!(matches!(
+            decide(&p(), 1, &idle2, None),
+            Decision::ScaleIn { .. }
+        ));
+        // With an HA floor of 2 the same snapshot is left alone...
+        assert_eq!(decide(&p(), 2, &idle2, None), Decision::Nothing);
+        // ...but a third replica above the floor may still go.
+        assert!(matches!(
+            decide(&p(), 2, &[l(1, 0), l(2, 0), l(3, 0)], None),
+            Decision::ScaleIn { victim: 3, .. }
+        ));
+        // A higher min_replicas still wins over a lower floor.
+        let pol = Policy {
+            min_replicas: 3,
+            ..p()
+        };
+        assert_eq!(pol.floor(2), 3);
+        assert_eq!(
+            decide(&pol, 2, &[l(1, 0), l(2, 0), l(3, 0)], None),
+            Decision::Nothing
+        );
+    }
+
+    /// Property: for any snapshot, policy and floor, a scale-in leaves at least
+    /// `max(min_replicas, ha_floor)` replicas.
+    #[test]
+    fn no_snapshot_scales_in_below_the_floor() {
+        use pliant_testkit::XorShift as Rng;
+        let (mut scale_ins, mut to_the_floor, mut held_by_ha) = (0, 0, 0);
+        for seed in 1..=20_000u64 {
+            let mut r = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+            let high = 1 + r.below(200);
+            let pol = Policy {
+                auto: true,
+                high_water_flows: high,
+                low_water_flows: r.below(high),
+                high_water_pps: r.below(3) * 1000,
+                min_replicas: 1 + r.below(4) as u32,
+                max_replicas: 4 + r.below(6) as u32,
+                rebalance: r.below(2) == 0,
+                imbalance_flows: r.below(5),
+                cooldown_ms: 0,
+                max_batch: 1 + r.below(50),
+            };
+            let ha_floor = 1 + r.below(3) as u32;
+            let n = 1 + r.below(8) as u32;
+            let loads: Vec<ReplicaLoad> = (1..=n)
+                .map(|i| ReplicaLoad {
+                    index: i,
+                    flows: r.below(2 * high),
+                    pps: r.below(5000),
+                })
+                .collect();
+            let d = decide(&pol, ha_floor, &loads, None);
+            let floor = pol.min_replicas.max(ha_floor);
+            if !matches!(d, Decision::ScaleIn { .. })
+                && matches!(decide(&pol, 1, &loads, None), Decision::ScaleIn { .. })
+            {
+                held_by_ha += 1;
+            }
+            if let Decision::ScaleIn { victim, moves } = d {
+                scale_ins += 1;
+                if n - 1 == floor {
+                    to_the_floor += 1;
+                }
+                assert!(
+                    n > floor,
+                    "seed {seed}: {n} -> {} replicas, floor {floor} (min_replicas {}, HA {ha_floor})",
+                    n - 1,
+                    pol.min_replicas
+                );
+                assert!(moves.iter().all(|m| m.from == victim && m.to != victim));
+            }
+        }
+        // The property is not vacuous: many snapshots did scale in, some down to the floor
+        // exactly, and the HA floor (not min_replicas) stopped others.
+        assert!(scale_ins > 200, "{scale_ins}");
+        assert!(to_the_floor > 20, "{to_the_floor}");
+        assert!(held_by_ha > 20, "{held_by_ha}");
+    }
+
+    #[test]
+    fn check_refuses_min_replicas_below_the_ha_floor_naming_both() {
+        let pol = Policy::default();
+        assert_eq!(pol.check(1), Ok(()));
+        let e = pol.check(2).unwrap_err().to_string();
+        assert!(
+            e.contains("min_replicas = 1") && e.contains("below 2"),
+            "{e}"
+        );
+        let pol = Policy {
+            min_replicas: 2,
+            ..Policy::default()
+        };
+        assert_eq!(pol.check(2), Ok(()));
+        // max_replicas below the floor cannot pass either (max >= min >= floor).
+        let pol = Policy {
+            min_replicas: 1,
+            max_replicas: 1,
+            ..Policy::default()
+        };
+        assert!(pol.check(1).is_ok());
+        let e = pol.check(2).unwrap_err().to_string();
+        assert!(e.contains("max_replicas = 1 is below 2"), "{e}");
     }
 }

@@ -137,6 +137,38 @@ pub fn decide(f: &Facts, r: u32, caller: Caller) -> Decision {
     Decision::Protect { backups }
 }
 
+/// What the controller last learnt of one member's protection.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Cover {
+    /// The replicas its state is protected to: its backups as its last `protect` answer named
+    /// them (Pico, Remus), or the host of its FTMB logger. Empty: none.
+    pub backups: Vec<u32>,
+    /// Its last `ha_status` had a group that lost its backup (`needs_backup`).
+    pub lost_backup: bool,
+}
+
+/// The members running unprotected (index order): serving (live or suspected, not failing
+/// over or gone) yet with no backup, a backup that is no longer a member (failed over, gone,
+/// leaving), or a group that reported its backup lost. With HA on each of these loses flows
+/// if it dies, so the controller warns about them (status, `ha status`). A suspected backup
+/// still counts: suspicion is not death, and warning on every missed heartbeat would flap.
+pub fn unprotected(members: &BTreeMap<u32, Liveness>, cover: &BTreeMap<u32, Cover>) -> Vec<u32> {
+    let serving = |i: &u32| matches!(members.get(i), Some(Liveness::Live | Liveness::Suspected));
+    members
+        .keys()
+        .filter(|i| serving(i))
+        .filter(|i| match cover.get(i) {
+            None => true,
+            Some(c) => {
+                c.lost_backup
+                    || c.backups.is_empty()
+                    || c.backups.iter().any(|b| *b == **i || !serving(b))
+            }
+        })
+        .copied()
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -357,5 +389,44 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn unprotected_members_are_those_without_a_serving_backup() {
+        use Liveness::*;
+        let members: BTreeMap<u32, Liveness> = [
+            (1, Live),
+            (2, Live),
+            (3, Suspected),
+            (4, Gone),
+            (5, Live),
+            (6, Live),
+        ]
+        .into_iter()
+        .collect();
+        let c = |backups: &[u32], lost_backup: bool| Cover {
+            backups: backups.to_vec(),
+            lost_backup,
+        };
+        let cover: BTreeMap<u32, Cover> = [
+            (1, c(&[2, 3], false)), // a suspected backup is not a dead one
+            (2, c(&[4], false)),    // its only backup failed over
+            (3, c(&[], false)),     // alone when last protected
+            (4, c(&[], false)),     // gone: not serving, not reported
+            (5, c(&[1], true)),     // a group lost its backup
+                                    // 6: never protected
+        ]
+        .into_iter()
+        .collect();
+        assert_eq!(unprotected(&members, &cover), vec![2, 3, 5, 6]);
+        // A lone member is unprotected whatever it was protected to before.
+        let alone: BTreeMap<u32, Liveness> = [(1, Live)].into_iter().collect();
+        assert_eq!(unprotected(&alone, &cover), vec![1]);
+        // Everyone covered by a serving other member: no warning.
+        let pair: BTreeMap<u32, Liveness> = [(1, Live), (2, Live)].into_iter().collect();
+        let both: BTreeMap<u32, Cover> = [(1, c(&[2], false)), (2, c(&[1], false))]
+            .into_iter()
+            .collect();
+        assert!(unprotected(&pair, &both).is_empty());
     }
 }

@@ -94,6 +94,24 @@ pub fn ha_up_on(
     files: &[(&str, u64)],
     transport: pliant_lab::mgmt::Transport,
 ) -> Option<HaRun> {
+    // The policy off: these tests place flows on chosen replicas and must not see them move.
+    ha_up_with(
+        tag,
+        nf,
+        files,
+        transport,
+        "auto = false\nmax_replicas = 60\n",
+    )
+}
+
+/// [`ha_up_on`] with `policy` as the body of the controller's `[policy]` section.
+pub fn ha_up_with(
+    tag: &str,
+    nf: PliantNf,
+    files: &[(&str, u64)],
+    transport: pliant_lab::mgmt::Transport,
+    policy: &str,
+) -> Option<HaRun> {
     if !pliant_testkit::require_root() {
         return None;
     }
@@ -134,7 +152,7 @@ pub fn ha_up_on(
         "[controller]\napi_socket = \"{d}/api.sock\"\ntoken_file = \"{d}/token\"\n\
          store = \"{d}/store.json\"\nheartbeat_ms = 100\ndead_after_missed = 5\n{tcp_ctl}\
          [lab]\nname = \"{name}\"\n{nat_cfg}\
-         [policy]\nauto = false\nmax_replicas = 60\n\
+         [policy]\n{policy}\
          [ha]\nmode = \"pico\"\npolicy = \"chords\"\nhz = 1000\nwatch_ms = 10\n{tcp_ha}",
         d = dir.display(),
         name = run.lab().name(),

@@ -119,6 +119,9 @@ pub(super) struct HaState {
     /// Replicas whose failover has started and not finished.
     pub failing_over: BTreeSet<u32>,
     pub failovers: VecDeque<Value>,
+    /// The unprotected members as last logged (an event when the set changes, not every
+    /// heartbeat).
+    pub unprotected_logged: Vec<u32>,
 }
 
 impl HaState {
@@ -172,6 +175,65 @@ impl Controller {
         lock(&self.state).ha.cfg.mode == ha::HaMode::Ftmb
     }
 
+    /// The fewest replicas HA protection needs (1 with HA off): the policy's floor.
+    pub fn ha_floor(&self) -> u32 {
+        ha::ha_min_replicas(&lock(&self.state).ha.cfg)
+    }
+
+    /// The serving members that run unprotected with HA on ([`protection::unprotected`] over
+    /// what the controller learnt from `protect` answers and status polls). Empty with HA off:
+    /// nothing is protected then, by configuration, and that is no news.
+    pub(super) fn unprotected_of(st: &State) -> Vec<u32> {
+        if st.ha.cfg.mode == ha::HaMode::Off {
+            return Vec::new();
+        }
+        let f = Self::protection_facts(st);
+        let ftmb = st.ha.cfg.mode == ha::HaMode::Ftmb;
+        let index = |name: &String| name.strip_prefix('r').and_then(|n| n.parse::<u32>().ok());
+        let cover: BTreeMap<u32, protection::Cover> = f
+            .members
+            .keys()
+            .map(|i| {
+                let backups: Vec<u32> = if ftmb {
+                    st.ha.ftmb_logger.get(i).copied().into_iter().collect()
+                } else {
+                    st.ha
+                        .protected
+                        .get(i)
+                        .map(|b| b.iter().filter_map(index).collect())
+                        .unwrap_or_default()
+                };
+                let lost_backup = !ftmb && st.ha.brief.get(i).is_some_and(|b| b.needs_backup);
+                (
+                    *i,
+                    protection::Cover {
+                        backups,
+                        lost_backup,
+                    },
+                )
+            })
+            .collect();
+        protection::unprotected(&f.members, &cover)
+    }
+
+    /// An event (and a log line) when the set of unprotected members changes.
+    pub(super) fn note_unprotected(&self) {
+        let changed = {
+            let mut st = lock(&self.state);
+            let now = Self::unprotected_of(&st);
+            (now != st.ha.unprotected_logged).then(|| {
+                st.ha.unprotected_logged = now.clone();
+                now
+            })
+        };
+        if let Some(now) = changed {
+            if !now.is_empty() {
+                tracing::warn!(replicas = ?now, "HA on, replicas running unprotected");
+            }
+            self.event("unprotected", json!({"replicas": now}));
+        }
+    }
+
     pub(super) fn ha_summary(&self, st: &State) -> Value {
         let c = &self.counters.ha;
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -181,9 +243,14 @@ impl Controller {
             .iter()
             .map(|(p, h)| (format!("r{p}"), format!("r{h}")))
             .collect();
+        let unprotected = Self::unprotected_of(st);
         json!({
             "mode": st.ha.cfg.mode, "policy": st.ha.cfg.policy, "hz": st.ha.cfg.hz,
             "token": st.ha.token,
+            "min_replicas": ha::ha_min_replicas(&st.ha.cfg),
+            // A gauge: serving replicas that would lose their flows if they died now.
+            "unprotected_replicas": unprotected.len(),
+            "unprotected": unprotected,
             "ftmb_loggers": loggers,
             "failed_over": st.ha.failed.keys().collect::<Vec<_>>(),
             "last_failover": st.ha.failovers.back(),
@@ -1266,6 +1333,7 @@ impl Controller {
         json!({
             "ok": true,
             "config": st.ha.cfg,
+            "unprotected": Self::unprotected_of(&st),
             "summary": self.ha_summary(&st),
             "replicas": replicas,
             "failovers": st.ha.failovers.iter().rev().take(16).collect::<Vec<_>>(),

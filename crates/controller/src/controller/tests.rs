@@ -1871,3 +1871,137 @@ fn without_its_etcd_the_controller_changes_no_placement_and_resumes_when_it_retu
         .collect();
     assert!(recorded.contains(&"replicas/3".to_string()), "{recorded:?}");
 }
+
+#[test]
+fn an_idle_ha_controller_keeps_the_ha_floor_and_warns_about_an_unprotected_replica() {
+    // The default policy (auto, min_replicas 1) with HA on and no traffic: the seed's report
+    // was a scale-in to one replica, with no backup and no warning.
+    let policy = Policy {
+        cooldown_ms: 0,
+        ..Policy::default()
+    };
+    let (w, _s, c) = setup_with("ha-floor", 3, policy, HaConfig::default());
+    assert_eq!(c.ha_floor(), 2);
+    assert_eq!(
+        c.policy().min_replicas,
+        2,
+        "an unset min_replicas is the HA floor"
+    );
+    c.protect_all();
+    c.heartbeat_once();
+    for _ in 0..5 {
+        c.policy_tick(false).unwrap();
+    }
+    let live = c.loads();
+    assert_eq!(live.len(), 2, "{live:?}");
+    assert_eq!(c.counters.scale_ins.load(Ordering::Relaxed), 1);
+    c.heartbeat_once();
+    let st = c.status();
+    assert_eq!(st["unprotected"], json!([]), "{st}");
+    assert_eq!(st["ha"]["unprotected_replicas"], 0);
+    assert_eq!(st["ha"]["min_replicas"], 2);
+    // The other survivor dies: the one left has no backup.
+    let (a, b) = (live[0].index, live[1].index);
+    w.kill(b);
+    c.ha_watch_once();
+    c.heartbeat_once();
+    assert_eq!(c.counters.ha.failovers.load(Ordering::Relaxed), 1);
+    let st = c.status();
+    assert_eq!(st["unprotected"], json!([a]), "{st}");
+    assert_eq!(st["ha"]["unprotected_replicas"], 1);
+    assert_eq!(st["ha"]["unprotected"], json!([a]));
+    assert_eq!(c.ha_view()["unprotected"], json!([a]));
+    let ev: Vec<&Value> = st["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["event"] == "unprotected")
+        .collect();
+    assert_eq!(ev[0]["detail"]["replicas"], json!([a]), "{st}");
+    // Alone: nothing to merge into, and the policy does not try.
+    assert_eq!(
+        c.policy_tick(false).unwrap()["decision"]["action"],
+        "nothing"
+    );
+}
+
+#[test]
+fn a_replica_that_reports_a_lost_backup_is_unprotected_until_reprotected() {
+    let (w, _s, c) = ha3("ha-lost");
+    c.heartbeat_once();
+    assert_eq!(c.status()["unprotected"], json!([]));
+    // r1's group lost its backup (the rate limit keeps the poll from re-protecting it).
+    w.state(1).lock().unwrap().needs_backup = true;
+    c.heartbeat_once();
+    assert_eq!(c.status()["unprotected"], json!([1]));
+    c.ha_protect(None, None, Some(1)).unwrap();
+    c.heartbeat_once();
+    assert_eq!(c.status()["unprotected"], json!([]));
+}
+
+#[test]
+fn ftmb_a_replica_alone_has_no_logger_and_is_unprotected() {
+    let (w, _s, c) = ftmb3("ftmb-alone");
+    c.heartbeat_once();
+    assert_eq!(c.status()["unprotected"], json!([]));
+    w.kill(2);
+    c.ha_watch_once();
+    w.kill(3);
+    c.ha_watch_once();
+    c.heartbeat_once();
+    assert_eq!(c.status()["unprotected"], json!([1]));
+}
+
+#[test]
+fn with_ha_on_policy_set_refuses_min_replicas_below_the_floor_naming_both() {
+    let (_w, _s, c) = setup_with("ha-policy", 2, manual(), HaConfig::default());
+    assert_eq!(c.policy().min_replicas, 2);
+    let e = c
+        .set_policy(&[("min_replicas".into(), "1".into())])
+        .unwrap_err();
+    assert_eq!(e.status(), 400);
+    assert!(e.to_string().contains("min_replicas = 1 is below 2"), "{e}");
+    assert_eq!(c.policy().min_replicas, 2, "a refused set changes nothing");
+    // Other keys are set as before (the floor was applied at start, not demanded of them).
+    c.set_policy(&[("high_water_flows".into(), "500".into())])
+        .unwrap();
+    c.set_policy(&[("min_replicas".into(), "3".into())])
+        .unwrap();
+    assert_eq!(c.policy().min_replicas, 3);
+    // HA off: 1 is fine.
+    let (_w, _s, c) = setup("noha-policy", 2, manual());
+    c.set_policy(&[("min_replicas".into(), "1".into())])
+        .unwrap();
+}
+
+#[test]
+fn a_policy_stored_without_ha_is_raised_to_the_floor_when_ha_is_turned_on() {
+    let w = World::new("ha-stored");
+    let statics: Vec<(u32, PathBuf)> = (1..=2).map(|i| (i, w.add(i))).collect();
+    let path = w.dir.join("store.json");
+    let mk = |ha: HaConfig| {
+        Controller::new(
+            Settings {
+                ha,
+                ..Settings::default()
+            },
+            Box::new(FileStore::open(&path).unwrap()),
+            Box::new(MemSteering::default()),
+            None,
+            Box::new(FakeMigrator(w.clone())),
+            statics.clone(),
+            Some(manual()),
+        )
+        .unwrap()
+    };
+    let c = mk(HaConfig::off());
+    c.set_policy(&[("min_replicas".into(), "1".into())])
+        .unwrap();
+    drop(c);
+    let c = mk(HaConfig::default());
+    assert_eq!(c.policy().min_replicas, 2);
+    drop(c);
+    // Stored raised: the next start reads 2 back even with HA off again.
+    let c = mk(HaConfig::off());
+    assert_eq!(c.policy().min_replicas, 2);
+}
