@@ -64,6 +64,9 @@ pub struct EtcdStore {
     timeout: Duration,
     /// Highest etcd revision seen in any answer.
     revision: AtomicU64,
+    /// Writes are fenced by this leadership term: (leader key, term). See
+    /// [`EtcdStore::fence_writes`].
+    fence: Option<(String, u64)>,
 }
 
 fn unavailable(reason: String) -> StoreError {
@@ -75,7 +78,7 @@ fn unavailable(reason: String) -> StoreError {
 
 /// Transport trouble and "no leader / deadline" answers are unavailability; anything else is
 /// etcd refusing the request.
-fn map_err(e: etcd_client::Error) -> StoreError {
+pub(crate) fn map_err(e: etcd_client::Error) -> StoreError {
     use etcd_client::Error as E;
     match e {
         E::TransportError(_) | E::IoError(_) => unavailable(e.to_string()),
@@ -150,7 +153,66 @@ impl EtcdStore {
             prefix: o.prefix.clone(),
             timeout: o.request_timeout,
             revision: AtomicU64::new(0),
+            fence: None,
         })
+    }
+
+    /// From now on every write (put, delete, compare-and-swap) succeeds only while the leader
+    /// key was created at revision `term`, i.e. while this leadership lasts; otherwise it is
+    /// refused by etcd as [`StoreError::Deposed`].
+    pub fn fence_writes(&mut self, term: u64) {
+        self.fence = Some((
+            format!("{}{}", self.prefix, crate::leader::LEADER_KEY),
+            term,
+        ));
+    }
+
+    fn fence_compare(&self) -> Vec<Compare> {
+        self.fence
+            .iter()
+            .map(|(k, t)| Compare::create_revision(k.clone(), CompareOp::Equal, *t as i64))
+            .collect()
+    }
+
+    /// The read that shows who leads, last in a fenced transaction's failure branch.
+    fn fence_reads(&self) -> Vec<TxnOp> {
+        self.fence
+            .iter()
+            .map(|(k, _)| TxnOp::get(k.clone(), None))
+            .collect()
+    }
+
+    /// After a fenced transaction failed: [`StoreError::Deposed`] if the fence is what failed
+    /// (the last read, of the leader key, shows another creation revision or none).
+    fn check_fence(&self, reads: &[TxnOpResponse]) -> Result<()> {
+        let Some((_, term)) = &self.fence else {
+            return Ok(());
+        };
+        if let Some(TxnOpResponse::Get(g)) = reads.last() {
+            let now = g
+                .kvs()
+                .first()
+                .map_or(0, |kv| kv.create_revision().max(0) as u64);
+            if now != *term {
+                return Err(StoreError::Deposed {
+                    term: *term,
+                    current: now,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    pub(crate) fn client(&self) -> Client {
+        self.client.clone()
+    }
+
+    pub(crate) fn spawn(&self, f: impl Future<Output = ()> + Send + 'static) {
+        self.rt.spawn(f);
     }
 
     fn full(&self, key: &str) -> Result<String> {
@@ -163,7 +225,7 @@ impl EtcdStore {
     }
 
     /// Runs one request on the runtime, bounded by the request timeout.
-    fn call<T, F>(&self, f: impl FnOnce(Client) -> F) -> Result<T>
+    pub(crate) fn call<T, F>(&self, f: impl FnOnce(Client) -> F) -> Result<T>
     where
         F: Future<Output = std::result::Result<T, etcd_client::Error>>,
     {
@@ -213,6 +275,23 @@ impl Store for EtcdStore {
     fn put(&mut self, key: &str, value: &str) -> Result<u64> {
         let full = self.full(key)?;
         check_value(key, value)?;
+        if self.fence.is_some() {
+            let txn = Txn::new()
+                .when(self.fence_compare())
+                .and_then(vec![TxnOp::put(full, value, None)])
+                .or_else(self.fence_reads());
+            let resp = self.call(|mut c| async move { c.txn(txn).await })?;
+            let rev = self.saw(resp.header());
+            if !resp.succeeded() {
+                // Only the fence can fail this transaction.
+                self.check_fence(&resp.op_responses())?;
+                return Err(StoreError::Backend {
+                    backend: BACKEND,
+                    reason: "fenced write not applied".into(),
+                });
+            }
+            return Ok(rev);
+        }
         let value = value.to_string();
         let resp = self.call(|mut c| async move { c.put(full, value, None).await })?;
         Ok(self.saw(resp.header()))
@@ -220,6 +299,27 @@ impl Store for EtcdStore {
 
     fn delete(&mut self, key: &str) -> Result<Option<u64>> {
         let full = self.full(key)?;
+        if self.fence.is_some() {
+            let txn = Txn::new()
+                .when(self.fence_compare())
+                .and_then(vec![TxnOp::delete(full, None)])
+                .or_else(self.fence_reads());
+            let resp = self.call(|mut c| async move { c.txn(txn).await })?;
+            let rev = self.saw(resp.header());
+            if !resp.succeeded() {
+                // Only the fence can fail this transaction.
+                self.check_fence(&resp.op_responses())?;
+                return Err(StoreError::Backend {
+                    backend: BACKEND,
+                    reason: "fenced write not applied".into(),
+                });
+            }
+            let deleted = resp
+                .op_responses()
+                .into_iter()
+                .any(|r| matches!(r, TxnOpResponse::Delete(d) if d.deleted() > 0));
+            return Ok(deleted.then_some(rev));
+        }
         let resp = self.call(|mut c| async move { c.delete(full, None).await })?;
         let rev = self.saw(resp.header());
         Ok((resp.deleted() > 0).then_some(rev))
@@ -254,21 +354,27 @@ impl Store for EtcdStore {
     ) -> Result<std::result::Result<u64, u64>> {
         let full = self.full(key)?;
         check_value(key, value)?;
+        let mut when = vec![Compare::mod_revision(
+            full.clone(),
+            CompareOp::Equal,
+            expected as i64,
+        )];
+        when.extend(self.fence_compare());
+        // The key's own read comes first: `current` below is the first Get.
+        let mut otherwise = vec![TxnOp::get(full.clone(), None)];
+        otherwise.extend(self.fence_reads());
         let txn = Txn::new()
-            .when(vec![Compare::mod_revision(
-                full.clone(),
-                CompareOp::Equal,
-                expected as i64,
-            )])
+            .when(when)
             .and_then(vec![TxnOp::put(full.clone(), value, None)])
-            .or_else(vec![TxnOp::get(full, None)]);
+            .or_else(otherwise);
         let resp = self.call(|mut c| async move { c.txn(txn).await })?;
         let rev = self.saw(resp.header());
         if resp.succeeded() {
             return Ok(Ok(rev));
         }
-        let current = resp
-            .op_responses()
+        let reads = resp.op_responses();
+        self.check_fence(&reads)?;
+        let current = reads
             .into_iter()
             .find_map(|r| match r {
                 TxnOpResponse::Get(g) => Some(g.kvs().first().map_or(0, |kv| kv.mod_revision())),

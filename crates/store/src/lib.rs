@@ -15,9 +15,11 @@
 
 pub mod etcd;
 pub mod file;
+pub mod leader;
 
 pub use etcd::{EtcdOptions, EtcdStore};
 pub use file::FileStore;
+pub use leader::{Candidate, Leader, Leadership, Verdict};
 
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -59,6 +61,10 @@ pub enum StoreError {
         backend: &'static str,
         reason: String,
     },
+    /// A write of a leader whose leadership (term) has ended: another controller leads now
+    /// (`current` is its term, 0 if nobody leads). Nothing was written.
+    #[error("deposed: this controller led in term {term}, the leader key now has term {current}")]
+    Deposed { term: u64, current: u64 },
     /// The backend answered with something the trait cannot express (a non-UTF-8 value, a
     /// refused request).
     #[error("store backend ({backend}): {reason}")]
