@@ -159,14 +159,9 @@ pub fn run(a: ControllerArgs) -> Result<(), String> {
         println!("{}: ok", a.config.display());
         return Ok(());
     }
-    let migrator = pliant_controller::migrator::RuntimeMigrator {
-        peer_endpoint: cfg.controller.peer_endpoint.clone(),
-        control: pliant_controller::daemon::dialer(&cfg)?,
-        timeout: std::time::Duration::from_millis(cfg.controller.rpc_timeout_ms),
-    };
     drop(cfg);
     pliant_runtime::logging::init();
-    pliant_controller::daemon::run(&a.config, Box::new(migrator)).map_err(|e| e.to_string())
+    pliant_controller::daemon::run(&a.config).map_err(|e| e.to_string())
 }
 
 fn call(c: &Conn, method: &str, path: &str, body: Option<Value>) -> Result<Value, String> {

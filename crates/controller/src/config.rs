@@ -127,6 +127,26 @@ pub struct ControllerSection {
     /// Needs `identity`.
     #[serde(default)]
     pub control_endpoint: Option<String>,
+    /// This controller's name among the controllers sharing one etcd (shown as the leader);
+    /// default `<hostname>-<pid>`.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// With `[store] backend = "etcd"`: the leadership lease's TTL (whole seconds; etcd's
+    /// minimum with default flags is 2 s). A leader cut off from etcd stops acting within it;
+    /// a standby takes over after it unless it sees the leader's process gone first (its
+    /// `api_tcp` refusing connections), which takes `leader_poll_ms`.
+    #[serde(default = "d_leader_ttl_ms")]
+    pub leader_ttl_ms: u64,
+    /// How often a standby looks at the leader (etcd read + a probe of its `api_tcp`).
+    #[serde(default = "d_leader_poll_ms")]
+    pub leader_poll_ms: u64,
+}
+
+fn d_leader_ttl_ms() -> u64 {
+    2000
+}
+fn d_leader_poll_ms() -> u64 {
+    25
 }
 
 /// Least heartbeat bound over TCP: one minimum retransmission timeout (200 ms) plus room for
@@ -153,6 +173,7 @@ impl ControllerSection {
         Ok(crate::replica_client::Dialer {
             security,
             template: self.control_endpoint.clone(),
+            term: Default::default(),
         })
     }
 }
@@ -319,6 +340,18 @@ impl ControllerConfig {
                     c.controller.dead_after_missed
                 )));
             }
+        }
+        if !(1000..=60_000).contains(&c.controller.leader_ttl_ms) {
+            return Err(bad(format!(
+                "controller.leader_ttl_ms = {}: must be 1000..=60000",
+                c.controller.leader_ttl_ms
+            )));
+        }
+        if !(5..=5_000).contains(&c.controller.leader_poll_ms) {
+            return Err(bad(format!(
+                "controller.leader_poll_ms = {}: must be 5..=5000",
+                c.controller.leader_poll_ms
+            )));
         }
         if let Some(s) = &c.store {
             match s.backend {

@@ -187,6 +187,8 @@ pub struct Controller {
     /// migration); the exception GC, under `ops`, takes it only for its short decision step
     /// (no RPC under it), so neither deadlocks nor waits long for the other.
     ha_lock: Mutex<()>,
+    /// This controller's role among several (leader and term), shown by `status`.
+    role: Mutex<Value>,
 }
 
 /// What the exception GC lists: the saved exceptions (key -> owner) and every key and alias
@@ -341,6 +343,7 @@ impl Controller {
             migrator,
             counters: Counters::default(),
             ha_lock: Mutex::new(()),
+            role: Mutex::new(json!({"role": "only"})),
         };
         c.install_initial()?;
         if c.ha_enabled() {
@@ -679,8 +682,14 @@ impl Controller {
         }
     }
 
+    /// Records this controller's role (the daemon, once it leads).
+    pub fn set_role(&self, v: Value) {
+        *lock(&self.role) = v;
+    }
+
     pub fn status(&self) -> Value {
         let store = self.store_status();
+        let role = lock(&self.role).clone();
         let steer = lock(&self.steering).stats();
         let st = lock(&self.state);
         let replicas: Vec<Value> = st
@@ -720,6 +729,7 @@ impl Controller {
             },
             "steering": steer,
             "store": store,
+            "controller": role,
             "ha": self.ha_summary(&st),
             // Serving replicas with HA on that would lose their flows if they died now.
             "unprotected": Self::unprotected_of(&st),

@@ -77,8 +77,19 @@ pub fn build(
     cfg: &ControllerConfig,
     migrator: Box<dyn Migrator>,
 ) -> Result<Controller, DaemonError> {
+    let control = dialer(cfg).map_err(DaemonError::Setup)?;
+    build_on(cfg, open_store(cfg)?, control, migrator)
+}
+
+/// [`build`] on a store already opened (a leader's, fenced by its term) and a dialer already
+/// made (its term shared with the migrator's copy).
+pub fn build_on(
+    cfg: &ControllerConfig,
+    store: Box<dyn Store>,
+    control: crate::replica_client::Dialer,
+    migrator: Box<dyn Migrator>,
+) -> Result<Controller, DaemonError> {
     let c = &cfg.controller;
-    let store = open_store(cfg)?;
     let port_blocks = match &cfg.ports {
         Some(p) => Some((
             PortBlocks::new(p.lo, p.hi, p.block).map_err(|e| DaemonError::Setup(e.to_string()))?,
@@ -93,7 +104,7 @@ pub fn build(
         heartbeat_timeout: Duration::from_millis(c.heartbeat_timeout_ms),
         port_blocks,
         ha: cfg.ha.clone().unwrap_or_else(crate::ha::HaConfig::off),
-        control: dialer(cfg).map_err(DaemonError::Setup)?,
+        control,
     };
     let statics: Vec<(u32, std::path::PathBuf)> = cfg
         .replica
@@ -203,8 +214,42 @@ pub fn spawn_loops(
     v
 }
 
-/// Runs the daemon until SIGINT/SIGTERM.
-pub fn run(config: &Path, migrator: Box<dyn Migrator>) -> Result<(), DaemonError> {
+/// This controller's name among candidates: `[controller] name`, or `<hostname>-<pid>`.
+fn candidate_name(cfg: &ControllerConfig) -> String {
+    cfg.controller.name.clone().unwrap_or_else(|| {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_else(|_| "controller".into());
+        format!("{host}-{}", std::process::id())
+    })
+}
+
+/// A standby's look at the leader: only a TCP API can be probed from another host, and only a
+/// refused connection is proof that nothing listens there any more (the leader binds its API
+/// before it campaigns and keeps it until it exits). Anything else — silence, a timeout, a
+/// unix path — is no evidence: wait for the lease.
+fn probe_leader(l: &crate::store::Leader, refusals: &mut u32) -> crate::store::Verdict {
+    use crate::store::Verdict;
+    let Ok(addr) = l.candidate.api.parse::<std::net::SocketAddr>() else {
+        return Verdict::Wait;
+    };
+    match std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)) {
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => *refusals += 1,
+        _ => *refusals = 0,
+    }
+    // Two refusals in a row: one stray RST is not a death.
+    if *refusals >= 2 {
+        *refusals = 0;
+        Verdict::Depose
+    } else {
+        Verdict::Wait
+    }
+}
+
+/// Runs the daemon until SIGINT/SIGTERM. With `[store] backend = "etcd"` it first campaigns
+/// for leadership (serving the API as a standby meanwhile) and exits when its leadership
+/// ends, so a supervisor restarts it as a standby.
+pub fn run(config: &Path) -> Result<(), DaemonError> {
     let cfg = ControllerConfig::load(config)?;
     // Before any thread is spawned (API server, loops), so that all of them inherit it.
     if let Some(p) = cfg.controller.realtime_priority {
@@ -212,8 +257,18 @@ pub fn run(config: &Path, migrator: Box<dyn Migrator>) -> Result<(), DaemonError
             .map_err(|e| DaemonError::Setup(format!("controller.realtime_priority: {e}")))?;
     }
     let token = crate::auth::load_or_create_token(&cfg.controller.token_file)?;
-    let ctl = Arc::new(build(&cfg, migrator)?);
-    let handler_ctl = Arc::clone(&ctl);
+    // One dialer: the migrator's clone shares its term.
+    let control = dialer(&cfg).map_err(DaemonError::Setup)?;
+    let migrator = crate::migrator::RuntimeMigrator {
+        peer_endpoint: cfg.controller.peer_endpoint.clone(),
+        control: control.clone(),
+        timeout: Duration::from_millis(cfg.controller.rpc_timeout_ms),
+    };
+    // The API is bound before anything else (and before a campaign): a standby that finds it
+    // refusing connections may depose this controller.
+    let serving: Arc<std::sync::OnceLock<Arc<Controller>>> = Arc::default();
+    let leader_seen: Arc<std::sync::Mutex<serde_json::Value>> = Arc::default();
+    let (h_serving, h_seen) = (serving.clone(), leader_seen.clone());
     if let Some(dir) = cfg.controller.api_socket.parent() {
         std::fs::create_dir_all(dir)
             .map_err(|e| DaemonError::Setup(format!("{}: {e}", dir.display())))?;
@@ -224,7 +279,24 @@ pub fn run(config: &Path, migrator: Box<dyn Migrator>) -> Result<(), DaemonError
             tcp: cfg.controller.api_tcp.clone(),
         },
         token,
-        Box::new(move |r| crate::api::handle(&handler_ctl, r)),
+        Box::new(move |r| match h_serving.get() {
+            Some(c) => crate::api::handle(c, r),
+            None => {
+                let seen = h_seen.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                let error = match seen["name"].as_str() {
+                    Some(name) => format!(
+                        "standby controller: {name:?} leads in term {} (API {}); ask it",
+                        seen["term"], seen["api"]
+                    ),
+                    None => "standby controller: no leader seen yet".to_string(),
+                };
+                crate::http::Response::json(
+                    503,
+                    &serde_json::json!({"ok": false, "role": "standby", "error": error,
+                        "leader": seen}),
+                )
+            }
+        }),
     )?;
     // SAFETY: installing handlers that only perform an atomic store.
     unsafe {
@@ -232,6 +304,60 @@ pub fn run(config: &Path, migrator: Box<dyn Migrator>) -> Result<(), DaemonError
         libc::signal(libc::SIGINT, h);
         libc::signal(libc::SIGTERM, h);
     }
+    let etcd = cfg
+        .store
+        .as_ref()
+        .filter(|s| s.backend == crate::config::StoreBackend::Etcd);
+    let (store, leadership): (Box<dyn Store>, Option<crate::store::Leadership>) = match etcd {
+        None => (open_store(&cfg)?, None),
+        Some(s) => {
+            let mut store = EtcdStore::connect(&s.etcd_options())?;
+            let me = crate::store::Candidate {
+                name: candidate_name(&cfg),
+                api: cfg
+                    .controller
+                    .api_tcp
+                    .clone()
+                    .unwrap_or_else(|| cfg.controller.api_socket.display().to_string()),
+            };
+            eprintln!("pliant controller {}: campaigning for leadership", me.name);
+            let mut refusals = 0;
+            let t_wait = Instant::now();
+            let won = store.campaign(
+                &me,
+                Duration::from_millis(cfg.controller.leader_ttl_ms),
+                Duration::from_millis(cfg.controller.leader_poll_ms),
+                &STOP,
+                |l| {
+                    *leader_seen.lock().unwrap_or_else(|p| p.into_inner()) = serde_json::json!(
+                        {"name": l.candidate.name, "api": l.candidate.api, "term": l.term});
+                    probe_leader(l, &mut refusals)
+                },
+            )?;
+            let Some(l) = won else {
+                server.stop();
+                return Ok(());
+            };
+            store.fence_writes(l.term);
+            control.set_term(l.term);
+            eprintln!(
+                "pliant controller {}: leading in term {} (waited {} ms)",
+                me.name,
+                l.term,
+                t_wait.elapsed().as_millis()
+            );
+            tracing::info!(term = l.term, name = %me.name, "leading");
+            (Box::new(store), Some(l))
+        }
+    };
+    let ctl = Arc::new(build_on(&cfg, store, control, Box::new(migrator))?);
+    if let Some(l) = &leadership {
+        ctl.set_role(
+            serde_json::json!({"role": "leader", "name": candidate_name(&cfg),
+            "term": l.term}),
+        );
+    }
+    let _ = serving.set(Arc::clone(&ctl));
     let stop = Arc::new(AtomicBool::new(false));
     let loops = spawn_loops(&ctl, &cfg, &stop);
     tracing::info!(api = %cfg.controller.api_socket.display(), "controller serving");
@@ -241,12 +367,34 @@ pub fn run(config: &Path, migrator: Box<dyn Migrator>) -> Result<(), DaemonError
         cfg.controller.token_file.display()
     );
     while !STOP.load(Ordering::SeqCst) {
-        std::thread::sleep(Duration::from_millis(50));
+        std::thread::sleep(Duration::from_millis(10));
+        if let Some(l) = &leadership {
+            if !l.valid() {
+                // Another controller may lead now, or will once the lease expires: stop
+                // acting at once (replicas and etcd refuse this term anyway once the successor
+                // has spoken), and leave; a supervisor starts this process again as a standby.
+                eprintln!(
+                    "pliant controller: leadership of term {} ended (lease lost or revoked); exiting",
+                    l.term
+                );
+                tracing::warn!(term = l.term, "leadership lost, exiting");
+                std::process::exit(LOST_LEADERSHIP_EXIT);
+            }
+        }
     }
     stop.store(true, Ordering::SeqCst);
     server.stop();
     for l in loops {
         let _ = l.join();
     }
+    if let (Some(l), Some(s)) = (leadership, etcd) {
+        // A clean stop hands over at once instead of after the TTL.
+        if let Ok(store) = EtcdStore::connect(&s.etcd_options()) {
+            let _ = store.resign(l);
+        }
+    }
     Ok(())
 }
+
+/// Exit status of a controller whose leadership ended under it.
+pub const LOST_LEADERSHIP_EXIT: i32 = 75;

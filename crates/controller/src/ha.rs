@@ -847,6 +847,7 @@ mod tests {
         let d = Dialer {
             security: None,
             template: Some(format!("127.0.0.1:{port}")),
+            ..Default::default()
         };
         // The unix socket does not exist: only the TCP endpoint can answer.
         let sock = Path::new("/nonexistent/pliant/r1.sock");

@@ -20,6 +20,9 @@ pub struct Dialer {
     /// `[controller] control_endpoint`: where replica `{name}`/`{index}` serves control on
     /// TCP (see `ha::endpoint_of`); without it, the replica's unix socket.
     pub template: Option<String>,
+    /// The leadership term this controller acts under (0: none, a controller without
+    /// elections). Shared by clones, so the migrator's copy follows the daemon's.
+    pub term: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Dialer {
@@ -49,8 +52,17 @@ impl Dialer {
     }
 
     /// A client of the replica whose control socket is `socket`.
+    /// Acts under leadership `term` from now on (every request carries it).
+    pub fn set_term(&self, term: u64) {
+        self.term.store(term, std::sync::atomic::Ordering::Release);
+    }
+
     pub fn client(&self, socket: &Path, timeout: Duration) -> Client {
-        let c = Client::new(self.endpoint(socket), self.security.clone()).with_timeout(timeout);
+        let mut c = Client::new(self.endpoint(socket), self.security.clone()).with_timeout(timeout);
+        let term = self.term.load(std::sync::atomic::Ordering::Acquire);
+        if term > 0 {
+            c = c.with_term(term);
+        }
         // Over TCP the replica must prove it is the one the record names (its socket's stem,
         // as the templates use it); on its unix socket the path names it already.
         match (&self.template, socket.file_stem()) {
@@ -146,6 +158,7 @@ mod tests {
         let d = Dialer {
             security: None,
             template: Some("10.254.0.{index}:7403".into()),
+            ..Default::default()
         };
         let c = d.client(Path::new("/run/pliant/lab/r3.sock"), Duration::from_secs(1));
         assert_eq!(c.endpoint().to_string(), "tcp:10.254.0.3:7403");

@@ -112,6 +112,20 @@ pub fn ha_up_with(
     transport: pliant_lab::mgmt::Transport,
     policy: &str,
 ) -> Option<HaRun> {
+    ha_up_full(tag, nf, files, transport, policy, "", "")
+}
+
+/// [`ha_up_with`] with `ctl_extra` added to the controller's `[controller]` section and
+/// `sections` (whole TOML sections, e.g. `[store]`) appended to its config.
+pub fn ha_up_full(
+    tag: &str,
+    nf: PliantNf,
+    files: &[(&str, u64)],
+    transport: pliant_lab::mgmt::Transport,
+    policy: &str,
+    ctl_extra: &str,
+    sections: &str,
+) -> Option<HaRun> {
     if !pliant_testkit::require_root() {
         return None;
     }
@@ -150,10 +164,10 @@ pub fn ha_up_with(
     };
     let ctl = format!(
         "[controller]\napi_socket = \"{d}/api.sock\"\ntoken_file = \"{d}/token\"\n\
-         store = \"{d}/store.json\"\nheartbeat_ms = 100\ndead_after_missed = 5\n{tcp_ctl}\
+         store = \"{d}/store.json\"\nheartbeat_ms = 100\ndead_after_missed = 5\n{tcp_ctl}{ctl_extra}\
          [lab]\nname = \"{name}\"\n{nat_cfg}\
          [policy]\n{policy}\
-         [ha]\nmode = \"pico\"\npolicy = \"chords\"\nhz = 1000\nwatch_ms = 10\n{tcp_ha}",
+         [ha]\nmode = \"pico\"\npolicy = \"chords\"\nhz = 1000\nwatch_ms = 10\n{tcp_ha}{sections}",
         d = dir.display(),
         name = run.lab().name(),
     );
@@ -183,6 +197,23 @@ impl HaRun {
             assert!(
                 t.elapsed() < Duration::from_secs(15),
                 "controller did not start: {}",
+                self.log_tail()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // A controller on etcd serves its API before it leads (a standby answers 503): wait
+        // until it answers as the one in charge.
+        while !Command::new(pliant())
+            .args(["status", "--json", "--api"])
+            .arg(dir.join("api.sock"))
+            .arg("--token-file")
+            .arg(dir.join("token"))
+            .output()
+            .is_ok_and(|o| o.status.success())
+        {
+            assert!(
+                t.elapsed() < Duration::from_secs(15),
+                "controller does not answer: {}",
                 self.log_tail()
             );
             std::thread::sleep(Duration::from_millis(20));

@@ -1398,6 +1398,7 @@ fn a_tcp_watch_round_fails_over_a_dead_member_without_waiting_for_a_silent_one()
             control: rc::Dialer {
                 security: None,
                 template: Some(format!("127.0.0.{{index}}:{port}")),
+                ..Default::default()
             },
             ..Settings::default()
         },

@@ -1,0 +1,273 @@
+//! End-to-end: two controllers share one etcd (a real one), one leads. A 3-replica HA lab (NAT)
+//! with a download through it:
+//!
+//! 1. controller `a` leads, `b` waits as a standby (its API answers 503 naming the leader);
+//! 2. `a` is SIGKILLed mid-download: `b` sees `a`'s API refuse connections, revokes its lease
+//!    and leads in a higher term well inside the lease's TTL; the replicas keep forwarding (the
+//!    download completes intact) and follow the new term: a request of `a`'s term is refused
+//!    and counted by the replica;
+//! 3. `a` comes back as a standby; `b` is SIGSTOPped (alive but silent: no proof of death), so
+//!    `a` leads only once `b`'s lease expired; on SIGCONT, `b` finds its leadership over and
+//!    exits (status 75) without acting.
+//!
+//! Needs root and etcd (`pliant_testkit`). Run in release:
+//! `cargo test --release -p pliant-cli --test e2e_controller_ha -- --nocapture`.
+
+mod common;
+use common::ha::*;
+use pliant_lab::etcd::EtcdServer;
+use pliant_lab::PliantNf;
+use pliant_proto::{ControlError, Request};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A controller process this test started (SIGKILLed by PID when dropped).
+struct Ctl {
+    child: Option<Child>,
+    dir: PathBuf,
+}
+
+impl Ctl {
+    fn pid(&self) -> i32 {
+        self.child.as_ref().expect("running").id() as i32
+    }
+    fn signal(&self, sig: i32) {
+        // SAFETY: a signal to a controller process this test spawned and has not reaped.
+        unsafe {
+            libc::kill(self.pid(), sig);
+        }
+    }
+}
+
+impl Drop for Ctl {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Starts `pliant controller` with the config `text` in `dir` (the lab's way of running it).
+fn start(run: &HaRun, dir: &Path, text: &str) -> Ctl {
+    std::fs::create_dir_all(dir).expect("mkdir");
+    let cfg = dir.join("ctl.toml");
+    std::fs::write(&cfg, text).expect("write config");
+    let log = std::fs::File::create(dir.join("controller.log")).expect("log");
+    let child =
+        pliant_lab::mgmt::controller_process(run.lab().state(), Path::new(common::pliant()), &cfg)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("start controller");
+    Ctl {
+        child: Some(child),
+        dir: dir.to_path_buf(),
+    }
+}
+
+/// `pliant status --json` against the controller whose API socket and token are in `dir`:
+/// the status, or the error text (a standby answers 503).
+fn status(dir: &Path) -> Result<Value, String> {
+    let out = Command::new(common::pliant())
+        .args(["status", "--json", "--api"])
+        .arg(dir.join("api.sock"))
+        .arg("--token-file")
+        .arg(dir.join("token"))
+        .output()
+        .expect("run pliant");
+    if out.status.success() {
+        serde_json::from_slice(&out.stdout).map_err(|e| e.to_string())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).into_owned())
+    }
+}
+
+/// Waits until the controller in `dir` leads; returns its status and how long that took.
+fn wait_leading(dir: &Path, limit: Duration) -> (Value, Duration) {
+    let t = Instant::now();
+    loop {
+        if let Ok(v) = status(dir) {
+            if v["controller"]["role"] == "leader" {
+                return (v, t.elapsed());
+            }
+        }
+        assert!(
+            t.elapsed() < limit,
+            "{} does not lead after {limit:?}: {:?}\n{}",
+            dir.display(),
+            status(dir),
+            pliant_lab::log_tail(&dir.join("controller.log"), 20)
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("port")
+        .port()
+}
+
+fn term_of(v: &Value) -> u64 {
+    v["controller"]["term"].as_u64().expect("a leader's term")
+}
+
+#[test]
+fn a_standby_controller_takes_over_and_a_deposed_leader_is_refused() {
+    if !pliant_testkit::require_root()
+        || !pliant_testkit::require_tool("etcd", "etcd-server")
+        || !pliant_testkit::require_tool("etcdctl", "etcd-client")
+    {
+        return;
+    }
+    let etcd = EtcdServer::scratch("e2e-ctlha").expect("etcd");
+    let (port_a, port_b) = (free_port(), free_port());
+    let store = format!(
+        "[store]\nbackend = \"etcd\"\nendpoints = [\"{}\"]\nprefix = \"/pliant/e2e-{}/\"\n",
+        etcd.spec.client_url(),
+        std::process::id()
+    );
+    let Some(mut run) = ha_up_full(
+        "ctlha",
+        PliantNf::nat(),
+        &[("16M.bin", 16 << 20)],
+        pliant_lab::mgmt::Transport::Unix,
+        "auto = false\nmax_replicas = 60\n",
+        &format!("name = \"a\"\napi_tcp = \"127.0.0.1:{port_a}\"\n"),
+        &store,
+    ) else {
+        return;
+    };
+    // 1. a leads, on etcd.
+    let (st, _) = wait_leading(&run.dir, Duration::from_secs(10));
+    assert_eq!(st["controller"]["name"], "a", "{st}");
+    assert_eq!(st["store"]["backend"], "etcd", "{st}");
+    assert_eq!(st["store"]["ok"], true, "{st}");
+    let term_a = term_of(&st);
+    let cfg_a = std::fs::read_to_string(run.dir.join("ctl.toml")).expect("a's config");
+    let dir_b = run.dir.join("b");
+    let cfg_b = cfg_a
+        .replace(
+            &format!("{}/api.sock", run.dir.display()),
+            &format!("{}/api.sock", dir_b.display()),
+        )
+        .replace(
+            &format!("{}/token", run.dir.display()),
+            &format!("{}/token", dir_b.display()),
+        )
+        .replace("name = \"a\"", "name = \"b\"")
+        .replace(&format!(":{port_a}\""), &format!(":{port_b}\""));
+    assert_ne!(cfg_a, cfg_b);
+    let b = start(&run, &dir_b, &cfg_b);
+    common::wait_for("b's API", Duration::from_secs(10), || {
+        dir_b.join("token").exists() && dir_b.join("api.sock").exists()
+    });
+    // The standby answers, and says who leads.
+    common::wait_for(
+        "b reports a as leader",
+        Duration::from_secs(5),
+        || matches!(status(&dir_b), Err(e) if e.contains("standby") && e.contains("\"a\"")),
+    );
+
+    // 2. a dies mid-download.
+    let f = run.lab().served_file("16M.bin").expect("file").clone();
+    let rate = format!("{}", f.size_bytes / 6);
+    let mut dl = run.curl(&f.url, 41_000, &rate, "ctlha");
+    std::thread::sleep(Duration::from_millis(1500));
+    let mut a = run.controller.take().expect("a runs");
+    let killed = Instant::now();
+    a.kill().expect("SIGKILL a");
+    let _ = a.wait();
+    let (st, took) = wait_leading(&dir_b, Duration::from_secs(10));
+    let takeover = killed.elapsed().min(took);
+    let term_b = term_of(&st);
+    eprintln!(
+        "takeover: b leads {} ms after a's SIGKILL (term {term_a} -> {term_b})",
+        takeover.as_millis()
+    );
+    assert!(term_b > term_a, "terms only grow: {term_a} -> {term_b}");
+    // The lease's TTL is 2 s: well before it, b acted on the proof that a was gone.
+    assert!(
+        takeover < Duration::from_millis(1500),
+        "takeover took {takeover:?}: waited for the lease instead of deposing"
+    );
+    let alive = |v: &Value| {
+        v["replicas"]
+            .as_array()
+            .map(|rs| rs.iter().filter(|r| r["alive"] == true).count())
+            .unwrap_or(0)
+    };
+    assert_eq!(alive(&st), 3, "b took over the replica set: {st}");
+    dl.finish(&f.sha256, "download across the controller takeover");
+
+    // The replicas follow b's term; a request of a's term is refused and counted.
+    let sock = run.lab().control_socket_of(1);
+    let client = pliant_lab::ha::control_client(&sock);
+    common::wait_for("r1 follows b's term", Duration::from_secs(5), || {
+        client
+            .call(&Request::Stats)
+            .map(|v| v["engine"]["control_term"].as_u64() == Some(term_b))
+            .unwrap_or(false)
+    });
+    match client.clone().with_term(term_a).call(&Request::Stats) {
+        Err(ControlError::Refused { error, .. }) => {
+            assert!(error.contains("deposed"), "{error}")
+        }
+        other => panic!("a request of the deposed term {term_a}: {other:?}"),
+    }
+    let v = client.call(&Request::Stats).expect("stats");
+    assert!(
+        v["engine"]["control_deposed_refused"].as_u64() >= Some(1),
+        "{}",
+        v["engine"]
+    );
+
+    // 3. b alive but frozen: a (back as a standby) must wait for b's lease.
+    let a2 = start(
+        &run,
+        &run.dir.join("a2"),
+        &cfg_a.replace(
+            &run.dir.display().to_string(),
+            &run.dir.join("a2").display().to_string(),
+        ),
+    );
+    common::wait_for(
+        "a2 waits as a standby",
+        Duration::from_secs(10),
+        || matches!(status(&a2.dir), Err(e) if e.contains("standby")),
+    );
+    b.signal(libc::SIGSTOP);
+    let frozen = Instant::now();
+    let (st, _) = wait_leading(&a2.dir, Duration::from_secs(10));
+    let waited = frozen.elapsed();
+    let term_a2 = term_of(&st);
+    eprintln!(
+        "b frozen: a leads again after {} ms (lease expiry), term {term_a2}",
+        waited.as_millis()
+    );
+    assert!(term_a2 > term_b);
+    assert!(
+        waited >= Duration::from_millis(1000),
+        "a frozen leader is no proof of death: a2 must wait for the lease ({waited:?})"
+    );
+    b.signal(libc::SIGCONT);
+    let mut b = b;
+    let mut bc = b.child.take().expect("b");
+    let code = pliant_lab::cmd::wait_bounded(&mut bc, Duration::from_secs(5));
+    assert_eq!(
+        code,
+        Some(Some(pliant_controller::daemon::LOST_LEADERSHIP_EXIT)),
+        "b must leave once it finds its leadership over: {}",
+        pliant_lab::log_tail(&dir_b.join("controller.log"), 10)
+    );
+    // a2 (the leader now) still sees every replica.
+    assert_eq!(alive(&status(&a2.dir).expect("a2 status")), 3);
+    drop(a2);
+    drop(etcd);
+}
