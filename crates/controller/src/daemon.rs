@@ -246,9 +246,9 @@ fn probe_leader(l: &crate::store::Leader, refusals: &mut u32) -> crate::store::V
     }
 }
 
-/// Runs the daemon until SIGINT/SIGTERM. With `[store] backend = "etcd"` it first campaigns
-/// for leadership (serving the API as a standby meanwhile) and exits when its leadership
-/// ends, so a supervisor restarts it as a standby.
+/// Runs the daemon until SIGINT/SIGTERM. With `[store] backend = "etcd"` it campaigns for
+/// leadership (serving the API as a standby meanwhile), leads, and when its leadership ends
+/// under it stops acting at once and becomes a standby again.
 pub fn run(config: &Path) -> Result<(), DaemonError> {
     let cfg = ControllerConfig::load(config)?;
     // Before any thread is spawned (API server, loops), so that all of them inherit it.
@@ -257,16 +257,9 @@ pub fn run(config: &Path) -> Result<(), DaemonError> {
             .map_err(|e| DaemonError::Setup(format!("controller.realtime_priority: {e}")))?;
     }
     let token = crate::auth::load_or_create_token(&cfg.controller.token_file)?;
-    // One dialer: the migrator's clone shares its term.
-    let control = dialer(&cfg).map_err(DaemonError::Setup)?;
-    let migrator = crate::migrator::RuntimeMigrator {
-        peer_endpoint: cfg.controller.peer_endpoint.clone(),
-        control: control.clone(),
-        timeout: Duration::from_millis(cfg.controller.rpc_timeout_ms),
-    };
     // The API is bound before anything else (and before a campaign): a standby that finds it
     // refusing connections may depose this controller.
-    let serving: Arc<std::sync::OnceLock<Arc<Controller>>> = Arc::default();
+    let serving: Arc<std::sync::RwLock<Option<Arc<Controller>>>> = Arc::default();
     let leader_seen: Arc<std::sync::Mutex<serde_json::Value>> = Arc::default();
     let (h_serving, h_seen) = (serving.clone(), leader_seen.clone());
     if let Some(dir) = cfg.controller.api_socket.parent() {
@@ -279,22 +272,11 @@ pub fn run(config: &Path) -> Result<(), DaemonError> {
             tcp: cfg.controller.api_tcp.clone(),
         },
         token,
-        Box::new(move |r| match h_serving.get() {
-            Some(c) => crate::api::handle(c, r),
-            None => {
-                let seen = h_seen.lock().unwrap_or_else(|p| p.into_inner()).clone();
-                let error = match seen["name"].as_str() {
-                    Some(name) => format!(
-                        "standby controller: {name:?} leads in term {} (API {}); ask it",
-                        seen["term"], seen["api"]
-                    ),
-                    None => "standby controller: no leader seen yet".to_string(),
-                };
-                crate::http::Response::json(
-                    503,
-                    &serde_json::json!({"ok": false, "role": "standby", "error": error,
-                        "leader": seen}),
-                )
+        Box::new(move |r| {
+            let current = h_serving.read().unwrap_or_else(|p| p.into_inner()).clone();
+            match current {
+                Some(c) => crate::api::handle(&c, r),
+                None => standby_answer(&h_seen.lock().unwrap_or_else(|p| p.into_inner())),
             }
         }),
     )?;
@@ -308,93 +290,126 @@ pub fn run(config: &Path) -> Result<(), DaemonError> {
         .store
         .as_ref()
         .filter(|s| s.backend == crate::config::StoreBackend::Etcd);
-    let (store, leadership): (Box<dyn Store>, Option<crate::store::Leadership>) = match etcd {
-        None => (open_store(&cfg)?, None),
-        Some(s) => {
-            let mut store = EtcdStore::connect(&s.etcd_options())?;
-            let me = crate::store::Candidate {
-                name: candidate_name(&cfg),
-                api: cfg
-                    .controller
-                    .api_tcp
-                    .clone()
-                    .unwrap_or_else(|| cfg.controller.api_socket.display().to_string()),
-            };
-            eprintln!("pliant controller {}: campaigning for leadership", me.name);
-            let mut refusals = 0;
-            let t_wait = Instant::now();
-            let won = store.campaign(
-                &me,
-                Duration::from_millis(cfg.controller.leader_ttl_ms),
-                Duration::from_millis(cfg.controller.leader_poll_ms),
-                &STOP,
-                |l| {
-                    *leader_seen.lock().unwrap_or_else(|p| p.into_inner()) = serde_json::json!(
-                        {"name": l.candidate.name, "api": l.candidate.api, "term": l.term});
-                    probe_leader(l, &mut refusals)
-                },
-            )?;
-            let Some(l) = won else {
-                server.stop();
-                return Ok(());
-            };
-            store.fence_writes(l.term);
-            control.set_term(l.term);
-            eprintln!(
-                "pliant controller {}: leading in term {} (waited {} ms)",
-                me.name,
-                l.term,
-                t_wait.elapsed().as_millis()
-            );
-            tracing::info!(term = l.term, name = %me.name, "leading");
-            (Box::new(store), Some(l))
-        }
-    };
-    let ctl = Arc::new(build_on(&cfg, store, control, Box::new(migrator))?);
-    if let Some(l) = &leadership {
-        ctl.set_role(
-            serde_json::json!({"role": "leader", "name": candidate_name(&cfg),
-            "term": l.term}),
-        );
-    }
-    let _ = serving.set(Arc::clone(&ctl));
-    let stop = Arc::new(AtomicBool::new(false));
-    let loops = spawn_loops(&ctl, &cfg, &stop);
-    tracing::info!(api = %cfg.controller.api_socket.display(), "controller serving");
-    eprintln!(
-        "pliant controller: serving on {} (token in {})",
-        cfg.controller.api_socket.display(),
-        cfg.controller.token_file.display()
-    );
-    while !STOP.load(Ordering::SeqCst) {
-        std::thread::sleep(Duration::from_millis(10));
-        if let Some(l) = &leadership {
-            if !l.valid() {
-                // Another controller may lead now, or will once the lease expires: stop
-                // acting at once (replicas and etcd refuse this term anyway once the successor
-                // has spoken), and leave; a supervisor starts this process again as a standby.
+    let name = candidate_name(&cfg);
+    let r = loop {
+        // One dialer per term: the migrator's clone shares it.
+        let control = dialer(&cfg).map_err(DaemonError::Setup)?;
+        let (store, leadership): (Box<dyn Store>, Option<crate::store::Leadership>) = match etcd {
+            None => (open_store(&cfg)?, None),
+            Some(s) => {
+                let mut store = EtcdStore::connect(&s.etcd_options())?;
+                let me = crate::store::Candidate {
+                    name: name.clone(),
+                    api: cfg
+                        .controller
+                        .api_tcp
+                        .clone()
+                        .unwrap_or_else(|| cfg.controller.api_socket.display().to_string()),
+                };
+                eprintln!("pliant controller {name}: standby, campaigning for leadership");
+                let mut refusals = 0;
+                let t_wait = Instant::now();
+                let won = store.campaign(
+                    &me,
+                    Duration::from_millis(cfg.controller.leader_ttl_ms),
+                    Duration::from_millis(cfg.controller.leader_poll_ms),
+                    &STOP,
+                    |l| {
+                        *leader_seen.lock().unwrap_or_else(|p| p.into_inner()) = serde_json::json!(
+                            {"name": l.candidate.name, "api": l.candidate.api, "term": l.term});
+                        probe_leader(l, &mut refusals)
+                    },
+                )?;
+                let Some(l) = won else { break Ok(()) };
+                store.fence_writes(l.term);
+                control.set_term(l.term);
                 eprintln!(
-                    "pliant controller: leadership of term {} ended (lease lost or revoked); exiting",
-                    l.term
+                    "pliant controller {name}: leading in term {} (waited {} ms)",
+                    l.term,
+                    t_wait.elapsed().as_millis()
                 );
-                tracing::warn!(term = l.term, "leadership lost, exiting");
-                std::process::exit(LOST_LEADERSHIP_EXIT);
+                tracing::info!(term = l.term, name = %name, "leading");
+                (Box::new(store), Some(l))
+            }
+        };
+        let migrator = crate::migrator::RuntimeMigrator {
+            peer_endpoint: cfg.controller.peer_endpoint.clone(),
+            control: control.clone(),
+            timeout: Duration::from_millis(cfg.controller.rpc_timeout_ms),
+        };
+        let ctl = match build_on(&cfg, store, control, Box::new(migrator)) {
+            Ok(c) => Arc::new(c),
+            // A leader that cannot build (etcd gone between the election and the reads)
+            // tries again as a candidate; without elections it is fatal as before.
+            Err(e) if leadership.is_some() => {
+                eprintln!("pliant controller {name}: cannot take over: {e}; standing by");
+                std::thread::sleep(Duration::from_millis(cfg.controller.leader_poll_ms));
+                continue;
+            }
+            Err(e) => break Err(e),
+        };
+        if let Some(l) = &leadership {
+            ctl.set_role(serde_json::json!({"role": "leader", "name": name, "term": l.term}));
+        }
+        *serving.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::clone(&ctl));
+        let stop = Arc::new(AtomicBool::new(false));
+        let loops = spawn_loops(&ctl, &cfg, &stop);
+        tracing::info!(api = %cfg.controller.api_socket.display(), "controller serving");
+        eprintln!(
+            "pliant controller: serving on {} (token in {})",
+            cfg.controller.api_socket.display(),
+            cfg.controller.token_file.display()
+        );
+        let mut lost = false;
+        while !STOP.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(10));
+            if leadership.as_ref().is_some_and(|l| !l.valid()) {
+                lost = true;
+                break;
             }
         }
-    }
-    stop.store(true, Ordering::SeqCst);
-    server.stop();
-    for l in loops {
-        let _ = l.join();
-    }
-    if let (Some(l), Some(s)) = (leadership, etcd) {
-        // A clean stop hands over at once instead of after the TTL.
-        if let Ok(store) = EtcdStore::connect(&s.etcd_options()) {
-            let _ = store.resign(l);
+        // Stop acting: the API answers as a standby from now on, the loops end after the
+        // step they are in (anything they still send carries the old term, which etcd and
+        // the replicas refuse once the successor has spoken).
+        *serving.write().unwrap_or_else(|p| p.into_inner()) = None;
+        stop.store(true, Ordering::SeqCst);
+        if lost {
+            let term = leadership.as_ref().map_or(0, |l| l.term);
+            eprintln!(
+                "pliant controller {name}: leadership of term {term} ended (lease lost or \
+                 revoked): standing by"
+            );
+            tracing::warn!(term, "leadership lost, standing by");
         }
-    }
-    Ok(())
+        for l in loops {
+            let _ = l.join();
+        }
+        drop(ctl);
+        if !lost {
+            if let (Some(l), Some(s)) = (leadership, etcd) {
+                // A clean stop hands over at once instead of after the TTL.
+                if let Ok(store) = EtcdStore::connect(&s.etcd_options()) {
+                    let _ = store.resign(l);
+                }
+            }
+            break Ok(());
+        }
+    };
+    server.stop();
+    r
 }
 
-/// Exit status of a controller whose leadership ended under it.
-pub const LOST_LEADERSHIP_EXIT: i32 = 75;
+/// What a standby's API answers: 503, naming the leader it last saw.
+fn standby_answer(seen: &serde_json::Value) -> crate::http::Response {
+    let error = match seen["name"].as_str() {
+        Some(name) => format!(
+            "standby controller: {name:?} leads in term {} (API {}); ask it",
+            seen["term"], seen["api"]
+        ),
+        None => "standby controller: no leader seen yet".to_string(),
+    };
+    crate::http::Response::json(
+        503,
+        &serde_json::json!({"ok": false, "role": "standby", "error": error, "leader": seen}),
+    )
+}
