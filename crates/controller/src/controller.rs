@@ -246,6 +246,21 @@ fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 const K_POLICY: &str = "policy";
 const K_EPOCH: &str = "epoch";
+/// The migration under way (see [`MigrationIntent`]); absent when none is.
+const K_MIGRATION_INTENT: &str = "intent/migration";
+
+/// What a controller writes before it moves flows, and removes once the move is settled
+/// (steering and exceptions recorded), so that a controller taking over after its death
+/// finishes or rolls back the move ([`Controller::resolve_intents`]). One store write before
+/// the migration, none inside its pause: whether the move got past its steering switch is read
+/// back from the fabric, whose exceptions outlive the controller.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct MigrationIntent {
+    from: u32,
+    to: u32,
+    flows: Vec<FlowEntry>,
+    started_unix_ms: u64,
+}
 const K_PORTS: &str = "ports";
 const K_EXCEPTIONS: &str = "exceptions";
 const K_RING: &str = "ring";
@@ -349,6 +364,12 @@ impl Controller {
         if c.ha_enabled() {
             // Lease ownership tokens now, so no failover waits for a store write.
             c.lease_tokens()?;
+        }
+        // A move the previous controller left half done (it died): finish or undo it before
+        // anything else moves. If that fails now (a replica not answering yet), the intent
+        // stays for the next start; the controller still runs.
+        if let Err(e) = c.resolve_intents() {
+            c.event("intent_unresolved", json!({"error": e.to_string()}));
         }
         Ok(c)
     }
@@ -834,6 +855,31 @@ impl Controller {
                 }
             }
         }
+        let intent = MigrationIntent {
+            from,
+            to,
+            flows: flows.to_vec(),
+            started_unix_ms: now_ms(),
+        };
+        store::put_json(lock(&self.store).as_mut(), K_MIGRATION_INTENT, &intent)?;
+        let r = self.move_flows_recorded(from, to, flows, &src, &dst, keys);
+        // Settled either way (moved and recorded, or steered back): nothing left to resolve. A
+        // failure to delete is harmless: the successor finds every flow where steering says.
+        if let Err(e) = lock(&self.store).delete(K_MIGRATION_INTENT) {
+            self.event("intent_not_cleared", json!({"error": e.to_string()}));
+        }
+        r
+    }
+
+    fn move_flows_recorded(
+        &self,
+        from: u32,
+        to: u32,
+        flows: &[FlowEntry],
+        src: &ReplicaRecord,
+        dst: &ReplicaRecord,
+        keys: Vec<FlowKey>,
+    ) -> Result<Value> {
         let mut switched = false;
         let mut steered: BTreeSet<FlowKey> = keys.iter().copied().collect();
         let started = Instant::now();
@@ -925,6 +971,95 @@ impl Controller {
                 Err(e.into())
             }
         }
+    }
+
+    /// Finishes or rolls back a migration a previous controller left under way (it died
+    /// between writing its intent and settling the move). Called once at start-up, before any
+    /// loop runs:
+    /// - if the fabric steers any of its keys to the destination, the move got past its switch:
+    ///   flows still live at the source are moved again (the destination's holds are still
+    ///   there, the source exports them as usual); flows live at the destination get their
+    ///   exceptions recorded; steering of the rest follows where each flow lives;
+    /// - otherwise nothing ever went to the destination: its holds are ended (`migrate_abort`)
+    ///   and the flows stay where they are.
+    pub fn resolve_intents(&self) -> Result<Option<Value>> {
+        let Some(i) =
+            store::get_json::<MigrationIntent>(lock(&self.store).as_ref(), K_MIGRATION_INTENT)?
+        else {
+            return Ok(None);
+        };
+        let keys_of = |f: &FlowEntry| -> Vec<FlowKey> {
+            std::iter::once(&f.key)
+                .chain(f.aliases.iter())
+                .filter_map(|s| s.parse::<FlowKey>().ok())
+                .collect()
+        };
+        let all: Vec<FlowKey> = i.flows.iter().flat_map(keys_of).collect();
+        let steered_to_dst = {
+            let ex = lock(&self.steering).exceptions()?;
+            let set: BTreeSet<FlowKey> = all.iter().copied().collect();
+            ex.iter().any(|(k, o)| *o == i.to && set.contains(k))
+        };
+        let (src, dst) = (self.alive_target(i.from), self.alive_target(i.to));
+        let timeout = self.settings.rpc_timeout;
+        let outcome = match (steered_to_dst, &src, &dst) {
+            (false, _, Ok(d)) => {
+                let r = self.settings.control.call(
+                    &d.socket,
+                    &Request::MigrateAbort { keys: all.clone() },
+                    timeout,
+                );
+                json!({"resolved": "rolled_back", "from": i.from, "to": i.to,
+                    "flows": i.flows.len(), "abort": r.map_err(|e| e.to_string()).err()})
+            }
+            (true, Ok(s), Ok(d)) => {
+                let (mut at_src, mut at_dst, mut gone) = (Vec::new(), Vec::new(), 0u64);
+                for f in &i.flows {
+                    let Ok(k) = f.key.parse::<FlowKey>() else {
+                        continue;
+                    };
+                    if self
+                        .settings
+                        .control
+                        .flow(&s.socket, &k, timeout)?
+                        .is_some()
+                    {
+                        at_src.push(f.clone());
+                    } else if self
+                        .settings
+                        .control
+                        .flow(&d.socket, &k, timeout)?
+                        .is_some()
+                    {
+                        at_dst.push(f.clone());
+                    } else {
+                        gone += 1;
+                    }
+                }
+                let dst_keys: Vec<FlowKey> = at_dst.iter().flat_map(keys_of).collect();
+                if !dst_keys.is_empty() {
+                    let entries: Vec<(FlowKey, u32)> =
+                        dst_keys.iter().map(|k| (*k, i.to)).collect();
+                    lock(&self.steering).set_exceptions(&entries)?;
+                    self.save_exceptions(&dst_keys, Some(i.to))?;
+                }
+                let moved_again = if at_src.is_empty() {
+                    Value::Null
+                } else {
+                    self.move_flows(i.from, i.to, &at_src)?
+                };
+                json!({"resolved": "completed", "from": i.from, "to": i.to,
+                    "at_destination": at_dst.len(), "moved_again": at_src.len(),
+                    "ended": gone, "move": moved_again})
+            }
+            // A replica of the move is gone: its flows are the failover's business (or lost
+            // with it); the intent has nothing left to do.
+            _ => json!({"resolved": "abandoned", "from": i.from, "to": i.to,
+                "source_alive": src.is_ok(), "destination_alive": dst.is_ok()}),
+        };
+        lock(&self.store).delete(K_MIGRATION_INTENT)?;
+        self.event("intent_resolved", outcome.clone());
+        Ok(Some(outcome))
     }
 
     fn save_exceptions(&self, keys: &[FlowKey], owner: Option<u32>) -> Result<()> {

@@ -36,6 +36,12 @@ pub enum Request {
         #[serde(with = "key_strs")]
         keys: Vec<FlowKey>,
     },
+    /// Destination side: stop holding `keys`, for a migration that never switched over (its
+    /// controller died before the steering switch and the successor rolls it back).
+    MigrateAbort {
+        #[serde(with = "key_strs")]
+        keys: Vec<FlowKey>,
+    },
     /// Source side: export `keys` and ship them to the peer endpoint `to` (answered when the
     /// destination acknowledged).
     MigrateOut {
@@ -140,7 +146,9 @@ impl Request {
     /// The bounds serde does not express.
     pub fn check(&self) -> Result<(), String> {
         match self {
-            Request::MigrateIn { keys, .. } | Request::MigrateOut { keys, .. }
+            Request::MigrateIn { keys, .. }
+            | Request::MigrateOut { keys, .. }
+            | Request::MigrateAbort { keys }
                 if keys.len() > MAX_KEYS_PER_REQUEST =>
             {
                 Err(format!(
@@ -173,6 +181,7 @@ impl Request {
             Request::Flow { .. } => "flow",
             Request::Shutdown => "shutdown",
             Request::MigrateIn { .. } => "migrate_in",
+            Request::MigrateAbort { .. } => "migrate_abort",
             Request::MigrateOut { .. } => "migrate_out",
             Request::SetPortBlocks { .. } => "set_port_blocks",
             Request::SharedExport => "shared_export",

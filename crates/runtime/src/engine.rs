@@ -1038,6 +1038,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             }
             Cmd::Flow { key } => self.flow_json(&key),
             Cmd::MigrateIn { from, keys } => self.migrate_in(&from, &keys, now),
+            Cmd::MigrateAbort { keys } => self.migrate_abort(&keys),
             Cmd::MigrateOut { .. } => {
                 json!({"ok": false, "error": "migrate_out is answered asynchronously: use submit"})
             }

@@ -200,6 +200,8 @@ pub struct MigrateStats {
     pub held_packets: u64,
     pub released_packets: u64,
     pub returned_packets: u64,
+    /// Holds ended by `migrate_abort` (a migration rolled back before its switch).
+    pub aborted_holds: u64,
     /// Packets refused because [`MAX_HELD_PACKETS`] were held (dropped, counted).
     pub hold_overflow: u64,
     pub forwarded_late: u64,

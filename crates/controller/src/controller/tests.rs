@@ -264,6 +264,7 @@ impl FakeReplica {
                     g.standby.remove(&p);
                     json!({"ok": true})
                 }
+                Request::MigrateAbort { keys } => json!({"ok": true, "aborted": keys.len()}),
                 other => reply::error(format!("the fake does not serve {}", other.name())),
             };
             drop(g);
@@ -490,16 +491,7 @@ fn setup_on(
     let w = World::new(tag);
     let statics: Vec<(u32, PathBuf)> = (1..=n).map(|i| (i, w.add(i))).collect();
     let steer = SharedSteer::default();
-    let settings = Settings {
-        heartbeat: Duration::from_millis(10),
-        dead_after_missed: 3,
-        rpc_timeout: Duration::from_secs(2),
-        heartbeat_timeout: Duration::from_millis(500),
-        port_blocks: Some((PortBlocks::new(20000, 59999, 4000).unwrap(), 1)),
-        ha,
-        control: rc::Dialer::default(),
-    };
-    let mut settings = settings;
+    let mut settings = test_settings(ha);
     tune(&mut settings);
     let c = Controller::new(
         settings,
@@ -512,6 +504,18 @@ fn setup_on(
     )
     .unwrap();
     (w, steer, c)
+}
+
+fn test_settings(ha: HaConfig) -> Settings {
+    Settings {
+        heartbeat: Duration::from_millis(10),
+        dead_after_missed: 3,
+        rpc_timeout: Duration::from_secs(2),
+        heartbeat_timeout: Duration::from_millis(500),
+        port_blocks: Some((PortBlocks::new(20000, 59999, 4000).unwrap(), 1)),
+        ha,
+        control: rc::Dialer::default(),
+    }
 }
 
 fn manual() -> Policy {
@@ -2005,4 +2009,135 @@ fn a_policy_stored_without_ha_is_raised_to_the_floor_when_ha_is_turned_on() {
     // Stored raised: the next start reads 2 back even with HA off again.
     let c = mk(HaConfig::off());
     assert_eq!(c.policy().min_replicas, 2);
+}
+
+/// A migrator whose controller dies in the middle of a move: before the steering switch, or
+/// right after it (before the source was told to export).
+struct DyingMigrator {
+    after_switch: bool,
+}
+
+impl Migrator for DyingMigrator {
+    fn migrate(
+        &self,
+        _src: &Path,
+        _dst: &Path,
+        _flows: &[FlowEntry],
+        steer: &mut SteerUpdate<'_>,
+    ) -> std::result::Result<Outcome, MigrateError> {
+        if self.after_switch {
+            steer(&[]).map_err(MigrateError)?;
+        }
+        panic!("the controller dies here");
+    }
+}
+
+/// Two controllers on one store file, fake replicas and steering: the first dies in a move
+/// (`after_switch` or before it), the second starts and must settle it.
+fn die_mid_migration(tag: &str, after_switch: bool) -> (World, SharedSteer, Controller, Value) {
+    let dir = std::env::temp_dir().join(format!("pliant-ctl-intent-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("store.json");
+    let w = World::new(tag);
+    let statics: Vec<(u32, PathBuf)> = (1..=2).map(|i| (i, w.add(i))).collect();
+    let steer = SharedSteer::default();
+    let first = Controller::new(
+        test_settings(HaConfig::off()),
+        Box::new(FileStore::open(&path).unwrap()),
+        Box::new(steer.clone()),
+        None,
+        Box::new(DyingMigrator { after_switch }),
+        statics.clone(),
+        Some(manual()),
+    )
+    .unwrap();
+    w.fill(1, 0..6);
+    first.heartbeat_once();
+    let died = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _ = first.migrate_count(1, 2, 3);
+    }));
+    assert!(died.is_err(), "the first controller died mid-move");
+    std::mem::forget(first); // dead: nothing of it runs any more (no drop, no cleanup)
+    let moved: Vec<FlowEntry> = w.state(1).lock().unwrap().flows[3..].to_vec();
+    let to_dst = steer
+        .0
+        .lock()
+        .unwrap()
+        .exceptions
+        .values()
+        .filter(|o| **o == 2)
+        .count();
+    assert_eq!(
+        to_dst > 0,
+        after_switch,
+        "the fabric shows how far the move got"
+    );
+    let second = Controller::new(
+        test_settings(HaConfig::off()),
+        Box::new(FileStore::open(&path).unwrap()),
+        Box::new(steer.clone()),
+        None,
+        Box::new(FakeMigrator(w.clone())),
+        statics,
+        Some(manual()),
+    )
+    .unwrap();
+    let events = second.status()["events"].clone();
+    let resolved = events
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["event"] == "intent_resolved")
+        .cloned()
+        .unwrap_or_else(|| panic!("no intent_resolved event: {events}"));
+    let saved: Option<Value> =
+        crate::store::get_json(&FileStore::open(&path).unwrap(), K_MIGRATION_INTENT).unwrap();
+    assert_eq!(saved, None, "the intent is settled");
+    let _ = std::fs::remove_dir_all(&dir);
+    // Every flow of the move is on exactly one replica, and steering agrees.
+    let (s1, s2) = (w.state(1), w.state(2));
+    for f in &moved {
+        let on = (
+            s1.lock().unwrap().flows.contains(f),
+            s2.lock().unwrap().flows.contains(f),
+        );
+        let owner = if after_switch { 2 } else { 1 };
+        assert_eq!(on, (owner == 1, owner == 2), "{} after the takeover", f.key);
+        for k in std::iter::once(&f.key).chain(f.aliases.iter()) {
+            let ex = steer
+                .0
+                .lock()
+                .unwrap()
+                .exceptions
+                .get(&k.parse::<FlowKey>().unwrap())
+                .copied();
+            assert!(
+                ex.is_none() || ex == Some(owner),
+                "{k} steered to {ex:?}, lives on r{owner}"
+            );
+        }
+    }
+    (w, steer, second, resolved)
+}
+
+#[test]
+fn a_move_cut_short_after_its_switch_is_finished_by_the_next_controller() {
+    let (w, _steer, _c, resolved) = die_mid_migration("after", true);
+    assert_eq!(resolved["detail"]["resolved"], "completed", "{resolved}");
+    assert_eq!(resolved["detail"]["moved_again"], 3, "{resolved}");
+    assert_eq!((w.flows(1), w.flows(2)), (3, 3));
+    assert!(!w.state(2).lock().unwrap().served.contains(&"migrate_abort"));
+}
+
+#[test]
+fn a_move_cut_short_before_its_switch_is_rolled_back_by_the_next_controller() {
+    let (w, steer, _c, resolved) = die_mid_migration("before", false);
+    assert_eq!(resolved["detail"]["resolved"], "rolled_back", "{resolved}");
+    assert_eq!((w.flows(1), w.flows(2)), (6, 0));
+    assert!(
+        w.state(2).lock().unwrap().served.contains(&"migrate_abort"),
+        "the destination's holds are ended"
+    );
+    assert!(steer.0.lock().unwrap().exceptions.values().all(|o| *o != 2));
 }

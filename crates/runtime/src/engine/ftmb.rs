@@ -174,6 +174,7 @@ fn refused_in_ftmb(cmd: &Cmd) -> Option<&'static str> {
         // only through migration, which does not apply either.
         Cmd::Flow { .. } => "flow",
         Cmd::MigrateIn { .. } => "migrate_in",
+        Cmd::MigrateAbort { .. } => "migrate_abort",
         Cmd::MigrateOut { .. } => "migrate_out",
         Cmd::SetPortBlocks { .. } => "set_port_blocks",
         Cmd::SharedExport => "shared_export",

@@ -103,6 +103,37 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
         json!({"ok": true, "from": from, "holding": keys.len(), "held_keys": self.mig.holds.len()})
     }
 
+    /// `migrate_abort`: ends the holds of `keys` for a migration that never switched over
+    /// (rolled back by the controller that took over from the one that started it). Packets
+    /// held for them — none, if the fabric never sent any here — go to the NF in arrival order,
+    /// as a release would send them; keys not held are ignored (the abort is idempotent).
+    pub(super) fn migrate_abort(&mut self, keys: &[FlowKey]) -> Value {
+        let set: HashSet<FlowKey> = keys.iter().copied().collect();
+        let mut ended = 0u64;
+        for k in keys {
+            if self.mig.holds.remove(k).is_some() {
+                ended += 1;
+            }
+        }
+        let mut to_nf = Vec::new();
+        let held = std::mem::take(&mut self.mig.held);
+        for (arrival, p) in held {
+            if set.contains(&p.meta.key) {
+                to_nf.push(p);
+            } else {
+                self.mig.held.push_back((arrival, p));
+            }
+        }
+        let released = to_nf.len() as u64;
+        self.mig.stats.aborted_holds += ended;
+        self.mig.stats.released_packets += released;
+        for p in to_nf {
+            self.nf.process(&mut self.ctx, p);
+        }
+        json!({"ok": true, "aborted": ended, "released_packets": released,
+            "held_keys": self.mig.holds.len()})
+    }
+
     /// `migrate_out`: registers the migration; it advances in `step_out_migrations`.
     pub(super) fn start_migrate_out(
         &mut self,

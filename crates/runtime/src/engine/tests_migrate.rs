@@ -447,6 +447,41 @@ fn a_flow_busy_too_long_stays_and_its_held_packets_come_back() {
     assert_eq!(p.e[1].migrate_stats().returned_packets, 2);
 }
 
+/// A migration rolled back before its switch: the destination stops holding the keys, and
+/// what it held (here: packets that reached it anyway) goes to its NF in order instead of
+/// waiting for state that will never come.
+#[test]
+fn an_aborted_migration_ends_its_holds_and_releases_what_was_held() {
+    let mut p = Pair::new(64);
+    let (k1, k2) = (key(6100), key(6101));
+    p.migrate_in(1, &[k1, k2]);
+    for seq in 0..3 {
+        p.send(1, 6100, seq);
+    }
+    p.round();
+    assert_eq!(p.e[1].held_packets(), 3);
+    let v = p.e[1].answer(Cmd::MigrateAbort { keys: vec![k1, k2] }, p.now);
+    assert_eq!(v["ok"], true, "{v}");
+    assert_eq!(
+        (v["aborted"].as_u64(), v["released_packets"].as_u64()),
+        (Some(2), Some(3))
+    );
+    assert_eq!(v["held_keys"], 0);
+    assert_eq!(p.e[1].held_packets(), 0);
+    assert_eq!(
+        p.state(1, 6100).map(|s| s.packets),
+        Some(3),
+        "processed here, in order"
+    );
+    // Later packets are not held any more; aborting again changes nothing.
+    p.send(1, 6100, 3);
+    p.round();
+    assert_eq!(p.state(1, 6100).map(|s| s.packets), Some(4));
+    let v = p.e[1].answer(Cmd::MigrateAbort { keys: vec![k1] }, p.now);
+    assert_eq!(v["aborted"], 0);
+    assert_eq!(p.e[1].migrate_stats().aborted_holds, 2);
+}
+
 #[test]
 fn hold_overflow_is_counted_and_nothing_else_is_lost() {
     let mut p = Pair::new(8);
