@@ -1,4 +1,4 @@
-//! End-to-end: two controllers share one etcd (a real one), one leads. A 3-replica HA lab (NAT)
+//! End-to-end: two controllers share one etcd (a real one, mutual TLS), one leads. A 3-replica HA lab (NAT)
 //! with a download through it:
 //!
 //! 1. controller `a` leads, `b` waits as a standby (its API answers 503 naming the leader);
@@ -129,12 +129,18 @@ fn a_standby_controller_takes_over_and_a_deposed_leader_is_refused() {
     {
         return;
     }
-    let etcd = EtcdServer::scratch("e2e-ctlha").expect("etcd");
+    // etcd as across hosts: mutual TLS, only certified clients served.
+    let etcd = EtcdServer::scratch_tls("e2e-ctlha").expect("etcd");
+    let pki = etcd.spec.tls.clone().expect("pki");
     let (port_a, port_b) = (free_port(), free_port());
     let store = format!(
-        "[store]\nbackend = \"etcd\"\nendpoints = [\"{}\"]\nprefix = \"/pliant/e2e-{}/\"\n",
+        "[store]\nbackend = \"etcd\"\nendpoints = [\"{}\"]\nprefix = \"/pliant/e2e-{}/\"\n\
+         ca_file = \"{}\"\ncert_file = \"{}\"\nkey_file = \"{}\"\n",
         etcd.spec.client_url(),
-        std::process::id()
+        std::process::id(),
+        pki.ca.display(),
+        pki.client_cert.display(),
+        pki.client_key.display()
     );
     let Some(mut run) = ha_up_full(
         "ctlha",

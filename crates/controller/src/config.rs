@@ -55,6 +55,33 @@ pub struct StoreSection {
     /// Bound on connecting to one etcd endpoint.
     #[serde(default = "d_store_connect_timeout_ms")]
     pub connect_timeout_ms: u64,
+    /// Mutual TLS towards etcd (`https://` endpoints): the CA of etcd's certificate, and this
+    /// controller's client certificate and key (mode 0600, owned by the controller's user).
+    #[serde(default)]
+    pub ca_file: Option<PathBuf>,
+    #[serde(default)]
+    pub cert_file: Option<PathBuf>,
+    #[serde(default)]
+    pub key_file: Option<PathBuf>,
+    /// Allows `http://` endpoints that are not loopback (unauthenticated, unencrypted etcd
+    /// traffic between hosts). Off: such a config is refused.
+    #[serde(default)]
+    pub insecure_plaintext: bool,
+}
+
+/// Whether an etcd client URL names this host's loopback (`http://127.0.0.1:2379`,
+/// `http://[::1]:2379`, `http://localhost:2379`).
+fn is_loopback_url(url: &str) -> bool {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let hostport = rest.split('/').next().unwrap_or(rest);
+    let host = match hostport.strip_prefix('[') {
+        Some(v6) => v6.split(']').next().unwrap_or(""),
+        None => hostport.rsplit_once(':').map_or(hostport, |(h, _)| h),
+    };
+    host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
 }
 
 fn d_store_prefix() -> String {
@@ -73,6 +100,14 @@ impl StoreSection {
         let mut o = crate::store::EtcdOptions::new(self.endpoints.clone(), &self.prefix);
         o.request_timeout = std::time::Duration::from_millis(self.request_timeout_ms);
         o.connect_timeout = std::time::Duration::from_millis(self.connect_timeout_ms);
+        if let (Some(ca), Some(cert), Some(key)) = (&self.ca_file, &self.cert_file, &self.key_file)
+        {
+            o.tls = Some(crate::store::etcd::EtcdTls {
+                ca: ca.clone(),
+                cert: cert.clone(),
+                key: key.clone(),
+            });
+        }
         o
     }
 }
@@ -371,6 +406,44 @@ impl ControllerConfig {
                 }
                 _ => {}
             }
+            let tls_files = [&s.ca_file, &s.cert_file, &s.key_file]
+                .iter()
+                .filter(|f| f.is_some())
+                .count();
+            if tls_files != 0 && tls_files != 3 {
+                return Err(bad(
+                    "store.ca_file, store.cert_file and store.key_file go together (mutual TLS \
+                     towards etcd)"
+                        .into(),
+                ));
+            }
+            for e in &s.endpoints {
+                let https = e.starts_with("https://");
+                if !https && !e.starts_with("http://") {
+                    return Err(bad(format!(
+                        "store.endpoints: {e:?} is not an http:// or https:// URL"
+                    )));
+                }
+                if https && tls_files == 0 {
+                    return Err(bad(format!(
+                        "store.endpoints: {e:?} is https but store.ca_file/cert_file/key_file \
+                         are not set"
+                    )));
+                }
+                if !https && tls_files == 3 {
+                    return Err(bad(format!(
+                        "store.endpoints: {e:?} is plain http but TLS files are set: use https://"
+                    )));
+                }
+                if !https && !s.insecure_plaintext && !is_loopback_url(e) {
+                    return Err(bad(format!(
+                        "store.endpoints: {e:?} would carry the controller's state unauthenticated \
+                         and unencrypted between hosts: use https:// with store.ca_file, \
+                         cert_file and key_file (etcd with --client-cert-auth), or set \
+                         store.insecure_plaintext = true"
+                    )));
+                }
+            }
             if s.prefix.is_empty() || !s.prefix.ends_with('/') {
                 return Err(bad(format!(
                     "store.prefix = {:?}: must be non-empty and end with '/'",
@@ -598,13 +671,30 @@ low_water_flows = 10
             "file store by default"
         );
         let c = p(
-            "[controller]\n[store]\nbackend = \"etcd\"\nendpoints = [\"http://10.0.0.5:2379\"]\n",
+            "[controller]\n[store]\nbackend = \"etcd\"\nendpoints = [\"http://10.0.0.5:2379\"]\ninsecure_plaintext = true\n",
         )
         .unwrap();
         let o = c.store.unwrap().etcd_options();
         assert_eq!(o.endpoints, vec!["http://10.0.0.5:2379".to_string()]);
         assert_eq!(o.prefix, "/pliant/default/");
         assert_eq!(o.request_timeout, std::time::Duration::from_millis(2000));
+        assert_eq!(o.tls, None);
+        let c = p(
+            "[controller]\n[store]\nbackend = \"etcd\"\nendpoints = [\"https://10.0.0.5:2379\"]\n\
+                   ca_file = \"/k/ca.crt\"\ncert_file = \"/k/c.crt\"\nkey_file = \"/k/c.key\"\n",
+        )
+        .unwrap();
+        let t = c.store.unwrap().etcd_options().tls.expect("tls");
+        assert_eq!(t.key, PathBuf::from("/k/c.key"));
+        for (url, lo) in [
+            ("http://127.0.0.1:2379", true),
+            ("http://[::1]:2379", true),
+            ("http://localhost:2379", true),
+            ("http://10.0.0.5:2379", false),
+            ("http://[fd00::1]:2379", false),
+        ] {
+            assert_eq!(is_loopback_url(url), lo, "{url}");
+        }
     }
 
     #[test]
@@ -653,14 +743,26 @@ low_water_flows = 10
                 "backend = \"etcd\"",
             ),
             (
-                "[controller]\n[store]\nbackend = \"etcd\"\nendpoints = [\"http://e:2379\"]\nprefix = \"/p\"\n",
+                "[controller]\n[store]\nbackend = \"etcd\"\nendpoints = [\"http://127.0.0.1:2379\"]\nprefix = \"/p\"\n",
                 "end with '/'",
             ),
             (
-                "[controller]\n[store]\nbackend = \"etcd\"\nendpoints = [\"http://e:2379\"]\nrequest_timeout_ms = 0\n",
+                "[controller]\n[store]\nbackend = \"etcd\"\nendpoints = [\"http://127.0.0.1:2379\"]\nrequest_timeout_ms = 0\n",
                 "request_timeout_ms",
             ),
             ("[controller]\n[store]\nbackend = \"zookeeper\"\n", "unknown variant"),
+            (
+                "[controller]\n[store]\nbackend = \"etcd\"\nendpoints = [\"http://10.0.0.5:2379\"]\n",
+                "unauthenticated",
+            ),
+            (
+                "[controller]\n[store]\nbackend = \"etcd\"\nendpoints = [\"https://10.0.0.5:2379\"]\n",
+                "are not set",
+            ),
+            (
+                "[controller]\n[store]\nbackend = \"etcd\"\nendpoints = [\"https://e:2379\"]\nca_file = \"/ca\"\n",
+                "go together",
+            ),
             (
                 "[controller]\n[policy]\nmin_replicas = 1\n[ha]\nmode = \"pico\"\n",
                 "min_replicas = 1 is below 2",

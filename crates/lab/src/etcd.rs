@@ -17,6 +17,90 @@ pub const ETCD_BIN: &str = "/usr/bin/etcd";
 /// How long a start may take before it is an error (first start creates the WAL: ~1 s here).
 const START_TIMEOUT: Duration = Duration::from_secs(20);
 
+/// An X.509 PKI for one etcd: a CA, etcd's server certificate (for its addresses) and one
+/// client certificate (for the controllers), ECDSA P-256; keys mode 0600 from creation.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EtcdPki {
+    pub ca: PathBuf,
+    pub server_cert: PathBuf,
+    pub server_key: PathBuf,
+    pub client_cert: PathBuf,
+    pub client_key: PathBuf,
+}
+
+impl EtcdPki {
+    /// Issues the PKI into `dir` (created 0700) for a server reached at `ips`. The CA's key is
+    /// never written: nothing else can be signed by it later.
+    pub fn issue(dir: &Path, ips: &[IpAddr]) -> Result<EtcdPki> {
+        use rcgen::{
+            BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair,
+            KeyUsagePurpose, SanType,
+        };
+        use std::os::unix::fs::DirBuilderExt;
+        let err = |e: rcgen::Error| LabError::Config(format!("etcd certificates: {e}"));
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(io_err(dir))?;
+        let ca_key = KeyPair::generate().map_err(err)?;
+        let mut ca = CertificateParams::new(Vec::<String>::new()).map_err(err)?;
+        ca.distinguished_name = rcgen::DistinguishedName::new();
+        ca.distinguished_name.push(
+            DnType::CommonName,
+            format!("pliant etcd CA {}", dir.display()),
+        );
+        ca.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+        ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        let ca_cert = ca.self_signed(&ca_key).map_err(err)?;
+        let leaf = |cn: &str, sans: Vec<SanType>, usage: ExtendedKeyUsagePurpose| {
+            let mut p = CertificateParams::new(Vec::<String>::new()).map_err(err)?;
+            p.distinguished_name = rcgen::DistinguishedName::new();
+            p.distinguished_name.push(DnType::CommonName, cn);
+            p.subject_alt_names = sans;
+            p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+            p.extended_key_usages = vec![usage];
+            let key = KeyPair::generate().map_err(err)?;
+            let cert = p.signed_by(&key, &ca_cert, &ca_key).map_err(err)?;
+            Ok::<_, LabError>((cert.pem(), key.serialize_pem()))
+        };
+        let mut sans: Vec<SanType> = ips.iter().map(|i| SanType::IpAddress(*i)).collect();
+        sans.push(SanType::DnsName("localhost".try_into().map_err(err)?));
+        let (server_pem, server_key) = leaf("etcd", sans, ExtendedKeyUsagePurpose::ServerAuth)?;
+        let (client_pem, client_key) = leaf(
+            "pliant controller",
+            vec![],
+            ExtendedKeyUsagePurpose::ClientAuth,
+        )?;
+        let pki = EtcdPki {
+            ca: dir.join("ca.crt"),
+            server_cert: dir.join("server.crt"),
+            server_key: dir.join("server.key"),
+            client_cert: dir.join("client.crt"),
+            client_key: dir.join("client.key"),
+        };
+        write_file(&pki.ca, ca_cert.pem().as_bytes(), false)?;
+        write_file(&pki.server_cert, server_pem.as_bytes(), false)?;
+        write_file(&pki.server_key, server_key.as_bytes(), true)?;
+        write_file(&pki.client_cert, client_pem.as_bytes(), false)?;
+        write_file(&pki.client_key, client_key.as_bytes(), true)?;
+        Ok(pki)
+    }
+}
+
+/// Writes a new file, mode 0600 from creation if `private` (a key is never briefly readable).
+fn write_file(path: &Path, bytes: &[u8], private: bool) -> Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(if private { 0o600 } else { 0o644 })
+        .open(path)
+        .map_err(io_err(path))?;
+    f.write_all(bytes).map_err(io_err(path))
+}
+
 /// Where and how to run one etcd member.
 #[derive(Clone, Debug)]
 pub struct EtcdSpec {
@@ -28,6 +112,8 @@ pub struct EtcdSpec {
     pub addr: IpAddr,
     pub client_port: u16,
     pub peer_port: u16,
+    /// Mutual TLS on the client port (`--client-cert-auth`: only clients the PKI's CA signed).
+    pub tls: Option<EtcdPki>,
 }
 
 impl EtcdSpec {
@@ -39,11 +125,16 @@ impl EtcdSpec {
             addr: IpAddr::from([127, 0, 0, 1]),
             client_port: free_port()?,
             peer_port: free_port()?,
+            tls: None,
         })
     }
 
     pub fn client_url(&self) -> String {
-        format!("http://{}", SocketAddr::new(self.addr, self.client_port))
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!(
+            "{scheme}://{}",
+            SocketAddr::new(self.addr, self.client_port)
+        )
     }
 
     fn peer_url(&self) -> String {
@@ -80,9 +171,22 @@ impl EtcdServer {
     /// A throwaway member on loopback for a test: its directory under the temp dir, named by
     /// `tag` and the PID, removed with the server.
     pub fn scratch(tag: &str) -> Result<EtcdServer> {
+        EtcdServer::scratch_with(tag, false)
+    }
+
+    /// [`EtcdServer::scratch`] serving mutual TLS (the PKI under its directory, `pki/`).
+    pub fn scratch_tls(tag: &str) -> Result<EtcdServer> {
+        EtcdServer::scratch_with(tag, true)
+    }
+
+    fn scratch_with(tag: &str, tls: bool) -> Result<EtcdServer> {
         let dir = std::env::temp_dir().join(format!("pliant-etcd-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        let mut s = EtcdServer::start(EtcdSpec::loopback(&dir)?)?;
+        let mut spec = EtcdSpec::loopback(&dir)?;
+        if tls {
+            spec.tls = Some(EtcdPki::issue(&dir.join("pki"), &[spec.addr])?);
+        }
+        let mut s = EtcdServer::start(spec)?;
         s.scratch = true;
         Ok(s)
     }
@@ -118,7 +222,19 @@ impl EtcdServer {
         let (client, peer) = (s.client_url(), s.peer_url());
         let data_s = data.to_string_lossy().to_string();
         let initial = format!("p1={peer}");
-        let args: Vec<&str> = vec![
+        let tls_args: Vec<String> = match &s.tls {
+            Some(p) => vec![
+                "--cert-file".into(),
+                p.server_cert.display().to_string(),
+                "--key-file".into(),
+                p.server_key.display().to_string(),
+                "--trusted-ca-file".into(),
+                p.ca.display().to_string(),
+                "--client-cert-auth".into(),
+            ],
+            None => Vec::new(),
+        };
+        let mut args: Vec<&str> = vec![
             ETCD_BIN,
             "--name",
             "p1",
@@ -141,6 +257,7 @@ impl EtcdServer {
             "--logger",
             "zap",
         ];
+        args.extend(tls_args.iter().map(String::as_str));
         let argv = match &s.netns {
             Some(ns) => cmd::in_ns(ns, &args),
             None => args.iter().map(|a| a.to_string()).collect(),
@@ -175,7 +292,15 @@ impl EtcdServer {
                     });
                 }
             }
-            let args = [
+            let tls: Vec<String> = match &self.spec.tls {
+                Some(p) => vec![
+                    format!("--cacert={}", p.ca.display()),
+                    format!("--cert={}", p.client_cert.display()),
+                    format!("--key={}", p.client_key.display()),
+                ],
+                None => Vec::new(),
+            };
+            let mut args = vec![
                 "etcdctl",
                 "--endpoints",
                 url.as_str(),
@@ -183,9 +308,9 @@ impl EtcdServer {
                 "1s",
                 "--command-timeout",
                 "1s",
-                "endpoint",
-                "health",
             ];
+            args.extend(tls.iter().map(String::as_str));
+            args.extend(["endpoint", "health"]);
             let argv = match &self.spec.netns {
                 Some(ns) => cmd::in_ns(ns, &args),
                 None => args.iter().map(|a| a.to_string()).collect(),

@@ -32,6 +32,16 @@ pub const MAX_VALUE_BYTES: usize = 1 << 20;
 pub const MAX_LIST: i64 = crate::MAX_KEYS as i64;
 const BACKEND: &str = "etcd";
 
+/// TLS towards etcd: the CA that signed etcd's server certificate, and this client's
+/// certificate and key (etcd run with `--client-cert-auth` serves only clients its CA signed).
+#[derive(Clone, Debug, PartialEq)]
+pub struct EtcdTls {
+    pub ca: std::path::PathBuf,
+    pub cert: std::path::PathBuf,
+    /// Read only if mode 0600 (or stricter) and owned by this user.
+    pub key: std::path::PathBuf,
+}
+
 /// Where the cluster is and how long to wait for it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct EtcdOptions {
@@ -43,6 +53,8 @@ pub struct EtcdOptions {
     pub connect_timeout: Duration,
     /// Bound on each request (a LAN round trip plus an etcd commit, with margin).
     pub request_timeout: Duration,
+    /// Mutual TLS (endpoints must then be `https://`); `None`: plain HTTP/2.
+    pub tls: Option<EtcdTls>,
 }
 
 impl EtcdOptions {
@@ -52,6 +64,7 @@ impl EtcdOptions {
             prefix: prefix.to_string(),
             connect_timeout: Duration::from_secs(2),
             request_timeout: Duration::from_secs(2),
+            tls: None,
         }
     }
 }
@@ -138,7 +151,31 @@ impl EtcdStore {
                 backend: BACKEND,
                 reason: format!("runtime: {e}"),
             })?;
-        let opts = ConnectOptions::new()
+        let mut opts = ConnectOptions::new();
+        if let Some(t) = &o.tls {
+            let read = |p: &std::path::Path, private: bool| {
+                let r = if private {
+                    pliant_wire::keyfile::read_private_text(p)
+                } else {
+                    pliant_wire::keyfile::read_public_text(p)
+                };
+                r.map_err(|e| StoreError::Backend {
+                    backend: BACKEND,
+                    reason: format!("TLS file {}: {e}", p.display()),
+                })
+            };
+            let (ca, cert, key) = (
+                read(&t.ca, false)?,
+                read(&t.cert, false)?,
+                read(&t.key, true)?,
+            );
+            opts = opts.with_tls(
+                etcd_client::TlsOptions::new()
+                    .ca_certificate(etcd_client::Certificate::from_pem(ca))
+                    .identity(etcd_client::Identity::from_pem(cert, key)),
+            );
+        }
+        let opts = opts
             .with_connect_timeout(o.connect_timeout)
             .with_timeout(o.request_timeout)
             // Detects a silently dead connection (host gone) while a watch is idle.

@@ -251,3 +251,58 @@ fn etcd_outage_is_reported_and_the_watch_resumes_without_gaps() {
     );
     assert!(s.health().is_ok());
 }
+
+#[test]
+fn etcd_over_mutual_tls_serves_only_certified_clients() {
+    if !pliant_testkit::require_tool("etcd", "etcd-server")
+        || !pliant_testkit::require_tool("etcdctl", "etcd-client")
+    {
+        return;
+    }
+    let e = EtcdServer::scratch_tls("store-tls").expect("etcd over TLS");
+    let pki = e.spec.tls.clone().expect("pki");
+    let url = e.spec.client_url();
+    assert!(url.starts_with("https://"), "{url}");
+    let opts = |tls: Option<pliant_store::etcd::EtcdTls>| {
+        let mut o = EtcdOptions::new(vec![url.clone()], "/t/tls/");
+        o.request_timeout = Duration::from_millis(1500);
+        o.connect_timeout = Duration::from_millis(500);
+        o.tls = tls;
+        o
+    };
+    let certified = pliant_store::etcd::EtcdTls {
+        ca: pki.ca.clone(),
+        cert: pki.client_cert.clone(),
+        key: pki.client_key.clone(),
+    };
+    let mut s = EtcdStore::connect(&opts(Some(certified.clone()))).expect("client");
+    let r = s.put("k", "over tls").unwrap();
+    assert_eq!(s.get("k").unwrap().unwrap().mod_revision, r);
+    // A client whose certificate etcd's CA did not sign (the server's own pair presented as a
+    // client: wrong usage) is refused; so is one without any certificate (plain HTTP/2 on a
+    // TLS port).
+    let wrong = pliant_store::etcd::EtcdTls {
+        cert: pki.server_cert.clone(),
+        key: pki.server_key.clone(),
+        ..certified.clone()
+    };
+    let s2 = EtcdStore::connect(&opts(Some(wrong))).expect("client");
+    assert!(
+        s2.get("k").is_err(),
+        "a certificate without client usage is refused"
+    );
+    let mut plain = opts(None);
+    plain.endpoints = vec![url.replace("https://", "http://")];
+    let s3 = EtcdStore::connect(&plain).expect("client");
+    assert!(s3.get("k").is_err(), "no certificate, no answer");
+    // The key file must be private.
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&pki.client_key, std::fs::Permissions::from_mode(0o644)).unwrap();
+    match EtcdStore::connect(&opts(Some(certified))) {
+        Err(StoreError::Backend { reason, .. }) => {
+            assert!(reason.contains("client.key"), "{reason}")
+        }
+        Err(other) => panic!("{other}"),
+        Ok(_) => panic!("a world-readable key was used"),
+    }
+}

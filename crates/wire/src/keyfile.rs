@@ -31,6 +31,14 @@ pub enum KeyFileError {
 }
 
 fn read_bounded(path: &Path, private: bool) -> Result<Vec<u8>, KeyFileError> {
+    let text = read_text_bounded(path, private)?;
+    decode_hex(text.trim()).map_err(|reason| KeyFileError::Bad {
+        path: path.to_path_buf(),
+        reason,
+    })
+}
+
+fn read_text_bounded(path: &Path, private: bool) -> Result<String, KeyFileError> {
     let io = |source| KeyFileError::Io {
         path: path.to_path_buf(),
         source,
@@ -69,10 +77,18 @@ fn read_bounded(path: &Path, private: bool) -> Result<Vec<u8>, KeyFileError> {
             path: path.to_path_buf(),
             reason: format!("not text: {e}"),
         })?;
-    decode_hex(text.trim()).map_err(|reason| KeyFileError::Bad {
-        path: path.to_path_buf(),
-        reason,
-    })
+    Ok(text)
+}
+
+/// Reads a private text file as it is (a PEM key for another program's protocol, e.g. etcd's
+/// TLS), with the same checks as [`read_private`]: mode and owner on the open file, bounded.
+pub fn read_private_text(path: &Path) -> Result<String, KeyFileError> {
+    read_text_bounded(path, true)
+}
+
+/// Reads a public text file as it is (a PEM certificate), bounded.
+pub fn read_public_text(path: &Path) -> Result<String, KeyFileError> {
+    read_text_bounded(path, false)
 }
 
 /// Reads a private hex file (mode and owner checked on the open file).
