@@ -533,7 +533,10 @@ fn nat_e2e(offloads: bool) {
         &["bash", "-c", "echo other > /dev/udp/10.201.2.2/9998"],
     );
     wait_for("port shared", Duration::from_secs(5), || {
-        stats()["nf_counters"]["nat_port_shared"].as_u64().unwrap_or(0) >= 1
+        stats()["nf_counters"]["nat_port_shared"]
+            .as_u64()
+            .unwrap_or(0)
+            >= 1
     });
     wait_for("udp server report", Duration::from_secs(10), || {
         seen.exists()

@@ -6,6 +6,10 @@
 //!
 //! State lives in the Split/Merge flow table (one flow per mapping, keyed by the inside tuple,
 //! plus one alias for the external tuple) so that a mapping can later be moved or replicated.
+//! Because replies are looked up by the whole external tuple, one external port can back
+//! several mappings whose remote endpoints differ (as Linux masquerade does); the pool counts
+//! references per port. An inside endpoint keeps its external port for all its destinations
+//! while its mappings live (endpoint-independent mapping), and its source port when free.
 //! The port pool is per-replica: with `port_blocks` (config or the `set_port_blocks` control
 //! request) each replica allocates only from its own blocks, and the fabric steers return
 //! traffic by destination port to the block's owner. A migrated mapping keeps its external port
