@@ -920,13 +920,21 @@ impl NetworkFunction for Nat {
             return;
         };
         let (p, port, host, ep) = (m.proto, m.external_port, m.inside_addr, m.endpoint());
-        // One more reference: the port may already back local mappings to other remotes
-        // (the importer's table refused the import if the outside tuple were taken).
-        if self.pool(p).reserve(port) {
-            ctx.count("nat_imported_ports_reserved", 1);
+        if self.tracked + 1 != ctx.flows.len() {
+            // Mappings left unseen since the last count (say this one, exported earlier and
+            // back now: its old reference is still counted). The resync counts the imported
+            // mapping from the table, so that reference is not counted twice (which would
+            // keep the port lent after the mapping ends).
+            self.resync(ctx);
+        } else {
+            // One more reference: the port may already back local mappings to other remotes
+            // (the importer's table refused the import if the outside tuple were taken).
+            if self.pool(p).reserve(port) {
+                ctx.count("nat_imported_ports_reserved", 1);
+            }
+            self.tracked += 1;
+            self.eim_add(ep, port);
         }
-        self.tracked += 1;
-        self.eim_add(ep, port);
         // Evictable imported mappings queue behind local ones of the same age class.
         self.guard.created(ctx, key, p, host);
     }

@@ -1172,3 +1172,35 @@ fn randomized_open_close_keeps_tuples_unique_and_pools_exact() {
         assert!(h.counter("nat_port_shared") > 0, "seed {seed}");
     }
 }
+
+/// A mapping that migrates away and straight back (no new flow in between) and then ends
+/// frees its port: its reference is counted once, not lent forever.
+#[test]
+fn a_mapping_that_migrates_back_and_ends_frees_its_port() {
+    let mut h1 = one_port_nat(30000);
+    let mut h2 = one_port_nat(30010);
+    assert_eq!(
+        out_port(&mut h1, &udp_from(CLIENT, 1111, SERVER, 53)),
+        30000
+    );
+    let k = FlowKey::v4(proto::UDP, CLIENT, 1111, SERVER, 53).0;
+    let rec = h1.ctx.flows.export_flow(&k, h1.now()).expect("export");
+    let key = h2.ctx.flows.import_flow(&rec, h2.now()).expect("import");
+    h2.nf.on_import(&mut h2.ctx, key);
+    let rec = h2.ctx.flows.export_flow(&k, h2.now()).expect("export back");
+    let key = h1
+        .ctx
+        .flows
+        .import_flow(&rec, h1.now())
+        .expect("import back");
+    h1.nf.on_import(&mut h1.ctx, key);
+    check_pools(&h1);
+    h1.advance(Duration::from_secs(31));
+    assert_eq!(h1.ctx.flows.len(), 0);
+    let pool = h1.nf.port_pool(proto::UDP);
+    assert_eq!(
+        (pool.in_use(), pool.refs(30000), pool.lent(30000)),
+        (0, 0, 0)
+    );
+    assert_eq!(out_port(&mut h1, &udp_from(HOST_B, 5, SERVER, 53)), 30000);
+}
