@@ -520,24 +520,30 @@ fn nat_e2e(offloads: bool) {
         );
         serde_json::from_str::<serde_json::Value>(v.trim()).unwrap_or_default()
     };
-    t.ns(
-        &t.client,
-        &["bash", "-c", "echo extra > /dev/udp/10.201.2.2/9999"],
+    // Each probe is re-sent every second until counted (a datagram may be lost at a ring on
+    // a loaded machine; every copy is a new flow from a new source port, which only adds to
+    // the counts).
+    let probe = |what: &str, cmd: &str, counted: &dyn Fn(&serde_json::Value) -> bool| {
+        let mut tries = 0;
+        wait_for(what, Duration::from_secs(10), || {
+            if tries % 20 == 0 {
+                t.ns(&t.client, &["bash", "-c", cmd]);
+            }
+            tries += 1;
+            counted(&stats())
+        });
+    };
+    probe(
+        "exhaustion counted",
+        "echo extra > /dev/udp/10.201.2.2/9999",
+        &|v| v["drops"]["nat_port_exhausted"].as_u64().unwrap_or(0) >= 1,
     );
-    wait_for("exhaustion counted", Duration::from_secs(5), || {
-        stats()["drops"]["nat_port_exhausted"].as_u64().unwrap_or(0) >= 1
-    });
     // Another destination is another tuple: it shares a port in use.
-    t.ns(
-        &t.client,
-        &["bash", "-c", "echo other > /dev/udp/10.201.2.2/9998"],
+    probe(
+        "port shared",
+        "echo other > /dev/udp/10.201.2.2/9998",
+        &|v| v["nf_counters"]["nat_port_shared"].as_u64().unwrap_or(0) >= 1,
     );
-    wait_for("port shared", Duration::from_secs(5), || {
-        stats()["nf_counters"]["nat_port_shared"]
-            .as_u64()
-            .unwrap_or(0)
-            >= 1
-    });
     wait_for("udp server report", Duration::from_secs(10), || {
         seen.exists()
     });
