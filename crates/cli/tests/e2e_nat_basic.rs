@@ -510,20 +510,40 @@ fn nat_e2e(offloads: bool) {
         "{q}"
     );
     // The pool (1000 ports) is full now (for the 15 s UDP timeout: long enough that a loaded
-    // machine finishes the 1000 echoes before the first mapping expires): one more flow is a
-    // counted refusal, and the replica keeps running.
-    t.ns(
-        &t.client,
-        &["bash", "-c", "echo extra > /dev/udp/10.201.2.2/9998"],
-    );
-    wait_for("exhaustion counted", Duration::from_secs(5), || {
+    // machine finishes the 1000 echoes before the first mapping expires), every port with a
+    // mapping to 10.201.2.2:9999: one more flow there is a counted refusal, and the replica
+    // keeps running.
+    let stats = || {
         let v = t.ns(
             &t.replica,
             &[pliant(), "stats", "--socket", &sock, "--json"],
         );
-        let v: serde_json::Value = serde_json::from_str(v.trim()).unwrap_or_default();
-        v["drops"]["nat_port_exhausted"].as_u64().unwrap_or(0) >= 1
-    });
+        serde_json::from_str::<serde_json::Value>(v.trim()).unwrap_or_default()
+    };
+    // Each probe is re-sent every second until counted (a datagram may be lost at a ring on
+    // a loaded machine; every copy is a new flow from a new source port, which only adds to
+    // the counts).
+    let probe = |what: &str, cmd: &str, counted: &dyn Fn(&serde_json::Value) -> bool| {
+        let mut tries = 0;
+        wait_for(what, Duration::from_secs(10), || {
+            if tries % 20 == 0 {
+                t.ns(&t.client, &["bash", "-c", cmd]);
+            }
+            tries += 1;
+            counted(&stats())
+        });
+    };
+    probe(
+        "exhaustion counted",
+        "echo extra > /dev/udp/10.201.2.2/9999",
+        &|v| v["drops"]["nat_port_exhausted"].as_u64().unwrap_or(0) >= 1,
+    );
+    // Another destination is another tuple: it shares a port in use.
+    probe(
+        "port shared",
+        "echo other > /dev/udp/10.201.2.2/9998",
+        &|v| v["nf_counters"]["nat_port_shared"].as_u64().unwrap_or(0) >= 1,
+    );
     wait_for("udp server report", Duration::from_secs(10), || {
         seen.exists()
     });

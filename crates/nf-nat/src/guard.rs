@@ -33,7 +33,7 @@ pub(crate) struct Guard {
     rebuilds: u64,
 }
 
-fn qi(p: u8) -> usize {
+pub(crate) fn qi(p: u8) -> usize {
     match p {
         proto::TCP => 0,
         proto::UDP => 1,

@@ -6,6 +6,10 @@
 //!
 //! State lives in the Split/Merge flow table (one flow per mapping, keyed by the inside tuple,
 //! plus one alias for the external tuple) so that a mapping can later be moved or replicated.
+//! Because replies are looked up by the whole external tuple, one external port can back
+//! several mappings whose remote endpoints differ (as Linux masquerade does); the pool counts
+//! references per port. An inside endpoint keeps its external port for all its destinations
+//! while its mappings live (endpoint-independent mapping), and its source port when free.
 //! The port pool is per-replica: with `port_blocks` (config or the `set_port_blocks` control
 //! request) each replica allocates only from its own blocks, and the fabric steers return
 //! traffic by destination port to the block's owner. A migrated mapping keeps its external port
@@ -38,6 +42,7 @@ use pliant_net::{proto, FlowKey};
 use pliant_runtime::{Ctx, NetworkFunction, Packet, Side};
 use pliant_state::{StateError, TimerId};
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::{Duration, Instant};
 
@@ -280,6 +285,11 @@ impl Mapping {
         }
     }
 
+    /// The inside endpoint (protocol, address, port or echo identifier).
+    pub(crate) fn endpoint(&self) -> Endpoint {
+        (self.proto, self.inside_addr, self.inside_port)
+    }
+
     /// The inside key (what the mapping's inside packets are keyed by).
     pub(crate) fn inside_key(&self) -> FlowKey {
         FlowKey::v4(
@@ -296,19 +306,13 @@ impl Mapping {
     /// ICMP echo keys carry the identifier as both "ports", so the reply's key has the
     /// translated identifier on the remote side too.
     pub(crate) fn outside_key(&self, ext: Ipv4Addr) -> FlowKey {
-        let remote_port = if self.proto == proto::ICMP {
-            self.external_port
-        } else {
-            self.remote_port
-        };
-        FlowKey::v4(
+        outside_key(
             self.proto,
             ext,
             self.external_port,
             self.remote_addr,
-            remote_port,
+            self.remote_port,
         )
-        .0
     }
 
     /// An inside packet (source `src`:`sport`, TCP flags `flags`) of this mapping at `now_ms`:
@@ -348,6 +352,14 @@ impl Mapping {
     }
 }
 
+/// The outside key of a mapping of protocol `p` on external endpoint `ext`:`port` towards
+/// remote `remote`:`remote_port`; see [`Mapping::outside_key`]. Two mappings may share an
+/// external port exactly when these keys differ.
+fn outside_key(p: u8, ext: Ipv4Addr, port: u16, remote: Ipv4Addr, remote_port: u16) -> FlowKey {
+    let remote_port = if p == proto::ICMP { port } else { remote_port };
+    FlowKey::v4(p, ext, port, remote, remote_port).0
+}
+
 /// Whether an inside packet without a mapping may open one; Err is the drop reason.
 pub(crate) fn opens_mapping(pkt: &Packet) -> Result<(), &'static str> {
     if pkt.meta.proto == proto::ICMP && pkt.meta.icmp_type != ICMP_ECHO_REQUEST {
@@ -367,6 +379,14 @@ const TCP_ACK: u8 = 0x10;
 const ICMP_ECHO_REPLY: u8 = 0;
 const ICMP_ECHO_REQUEST: u8 = 8;
 
+/// In-use ports the sharing scan looks at for one new mapping before falling back to
+/// eviction: bounds the work a flood towards one remote endpoint (which holds a tuple on
+/// every port) can cause per packet, like conntrack's bounded tuple search.
+const SHARE_SCAN: usize = 128;
+
+/// An inside endpoint: protocol, address, port (ICMP: echo identifier).
+type Endpoint = (u8, Ipv4Addr, u16);
+
 pub struct Nat {
     cfg: Config,
     epoch: Instant,
@@ -378,6 +398,13 @@ pub struct Nat {
     icmp: PortPool,
     /// Abuse defences: evictable mappings in creation order, per-host mapping counts.
     guard: guard::Guard,
+    /// Endpoint-independent mapping: an inside endpoint's external port and how many of its
+    /// live mappings use it. Its next destinations get that port too while the tuple is free.
+    eim: HashMap<Endpoint, (u16, u32)>,
+    /// Mappings counted in the pools and `eim` (created + imported - ended). It differs from
+    /// the flow table's size after mappings left it unseen (exported by a migration); the
+    /// next new mapping then resyncs both from the table first.
+    tracked: usize,
 }
 
 impl Nat {
@@ -394,6 +421,8 @@ impl Nat {
             udp: PortPool::from_blocks(&blocks),
             icmp: PortPool::from_blocks(&blocks),
             guard: guard::Guard::default(),
+            eim: HashMap::new(),
+            tracked: 0,
             cfg,
             epoch,
             epoch_wall_ms: wall_ms,
@@ -403,34 +432,101 @@ impl Nat {
     /// Replaces the port blocks. Ports in use (live mappings, and ports lent to mappings that
     /// migrated away) stay reserved when the new blocks contain them, so no port is handed
     /// to a second flow.
-    fn replace_blocks(&mut self, ctx: &Ctx<Mapping>, blocks: &[(u16, u16)]) {
-        let live: Vec<(u8, u16)> = ctx
-            .flows
-            .keys()
-            .iter()
-            .filter_map(|k| ctx.flows.peek(k))
-            .map(|m| (m.proto, m.external_port))
-            .collect();
-        for p in [proto::TCP, proto::UDP, proto::ICMP] {
+    fn replace_blocks(&mut self, ctx: &mut Ctx<Mapping>, blocks: &[(u16, u16)]) {
+        // First make the old pools' lent counts exact (mappings exported since).
+        let live = self.resync(ctx);
+        for (i, p) in [proto::TCP, proto::UDP, proto::ICMP]
+            .into_iter()
+            .enumerate()
+        {
             let mut fresh = PortPool::from_blocks(blocks);
+            fresh.resync(&live[i]);
             let old = self.pool(p);
-            for port in old.in_use_ports() {
-                fresh.reserve(port);
+            let lent: Vec<(u16, u32)> = old
+                .in_use_ports()
+                .map(|port| (port, old.lent(port)))
+                .filter(|&(_, n)| n > 0)
+                .collect();
+            for (port, n) in lent {
+                fresh.lend(port, n);
             }
             fresh.exhausted = old.exhausted;
             fresh.bad_release = old.bad_release;
             fresh.foreign_release = old.foreign_release;
             *self.pool(p) = fresh;
         }
-        // Imported mappings whose ports the new blocks contain.
-        for (p, port) in live {
-            self.pool(p).reserve(port);
-        }
         self.cfg.port_blocks = blocks.to_vec();
+    }
+
+    /// Rebuilds the pools' reference counts and the endpoint index from the flow table (after
+    /// mappings left it unseen: references beyond the live mappings become lent, see
+    /// [`PortPool::resync`]). O(mappings); returns the live mappings per port, TCP/UDP/ICMP.
+    fn resync(&mut self, ctx: &mut Ctx<Mapping>) -> [Vec<u32>; 3] {
+        let mut live = [
+            vec![0u32; 1 << 16],
+            vec![0u32; 1 << 16],
+            vec![0u32; 1 << 16],
+        ];
+        self.eim.clear();
+        self.tracked = 0;
+        for k in ctx.flows.keys() {
+            if let Some(m) = ctx.flows.peek(&k) {
+                live[guard::qi(m.proto)][usize::from(m.external_port)] += 1;
+                let (ep, port) = (m.endpoint(), m.external_port);
+                self.eim_add(ep, port);
+                self.tracked += 1;
+            }
+        }
+        self.tcp.resync(&live[0]);
+        self.udp.resync(&live[1]);
+        self.icmp.resync(&live[2]);
+        ctx.count("nat_pool_resyncs", 1);
+        live
+    }
+
+    fn eim_add(&mut self, ep: Endpoint, port: u16) {
+        let e = self.eim.entry(ep).or_insert((port, 0));
+        // A mapping that could not get the endpoint's port (its tuple was taken) is not
+        // counted: the entry ends with the mappings on the endpoint's port.
+        if e.0 == port {
+            e.1 += 1;
+        }
+    }
+
+    fn eim_remove(&mut self, ep: Endpoint, port: u16) {
+        if let Some(e) = self.eim.get_mut(&ep) {
+            if e.0 == port {
+                e.1 -= 1;
+                if e.1 == 0 {
+                    self.eim.remove(&ep);
+                }
+            }
+        }
+    }
+
+    /// Whether external `port` may take a mapping towards `dst`:`dport`: no live mapping
+    /// has that outside tuple, nor one that migrated away from here (its tombstone).
+    fn tuple_free(&self, ctx: &Ctx<Mapping>, p: u8, port: u16, dst: Ipv4Addr, dport: u16) -> bool {
+        let k = outside_key(p, self.cfg.external_ip, port, dst, dport);
+        !ctx.flows.contains(&k) && ctx.flows.migrated_version(&k).is_none()
+    }
+
+    /// Whether a new mapping towards `dst`:`dport` may take one more reference on `port`.
+    fn usable(&mut self, ctx: &Ctx<Mapping>, p: u8, port: u16, dst: Ipv4Addr, dport: u16) -> bool {
+        self.pool(p).shareable(port) && self.tuple_free(ctx, p, port, dst, dport)
     }
 
     pub fn config(&self) -> &Config {
         &self.cfg
+    }
+
+    /// The pool of protocol `p` (for tests and queries).
+    pub fn port_pool(&self, p: u8) -> &PortPool {
+        match p {
+            proto::TCP => &self.tcp,
+            proto::UDP => &self.udp,
+            _ => &self.icmp,
+        }
     }
 
     fn pool(&mut self, p: u8) -> &mut PortPool {
@@ -541,11 +637,12 @@ impl Nat {
         if quota > 0 && self.guard.host_count(ctx, src) >= quota {
             return Err("nat_host_quota");
         }
-        let ext = match self.pool(p).alloc() {
-            Some(port) => port,
-            None => self.evict_for(ctx, p).ok_or("nat_port_exhausted")?,
-        };
+        if self.tracked != ctx.flows.len() {
+            self.resync(ctx);
+        }
+        let ext = self.pick_port(ctx, p, src, pkt.meta.sport, dst, pkt.meta.dport)?;
         let m = Mapping::opened_by(pkt, src, dst, ext, now_ms);
+        let ep = m.endpoint();
         let timeout = self.timeout(&m);
         let alias = m.outside_key(self.cfg.external_ip);
         if let Err(e) = ctx.flows.create_flow(key, m) {
@@ -569,27 +666,115 @@ impl Nat {
             return Err("nat_alias_conflict");
         }
         ctx.count("nat_mappings_created", 1);
+        self.tracked += 1;
+        self.eim_add(ep, ext);
         self.guard.created(ctx, key, p, src);
         Ok(ext)
     }
 
-    /// The pool of protocol `p` is empty: evicts the oldest evictable mapping of `p` (see
-    /// [`Mapping::evictable`]) and allocates its port again. None if there is none.
-    fn evict_for(&mut self, ctx: &mut Ctx<Mapping>, p: u8) -> Option<u16> {
+    /// The external port of a new mapping from inside endpoint `src`:`sport` to remote
+    /// `dst`:`dport` (protocol `p`), with one reference taken, or the drop reason. A port may
+    /// back several mappings whose remote endpoints differ (the outside tuples differ, and
+    /// replies are looked up by the whole tuple), but it is shared between inside endpoints
+    /// only when no port is free: a shared port breaks endpoint-independence as soon as both
+    /// endpoints talk to the same remote, so sharing is kept for when the only alternative is
+    /// refusing the flow. In order:
+    /// 1. the endpoint's own port, if it has live mappings (endpoint-independent mapping);
+    /// 2. the inside source port, if ours and free (port preservation);
+    /// 3. a free port from the FIFO;
+    /// 4. no port free: the source port, then up to [`SHARE_SCAN`] in-use ports, whose tuple
+    ///    towards this remote is free (sharing);
+    /// 5. evicting embryonic mappings ([`Nat::evict_for`]).
+    fn pick_port(
+        &mut self,
+        ctx: &mut Ctx<Mapping>,
+        p: u8,
+        src: Ipv4Addr,
+        sport: u16,
+        dst: Ipv4Addr,
+        dport: u16,
+    ) -> Result<u16, &'static str> {
+        if let Some(&(port, _)) = self.eim.get(&(p, src, sport)) {
+            if self.usable(ctx, p, port, dst, dport) {
+                self.pool(p).acquire(port);
+                return Ok(port);
+            }
+            if self.pool(p).owns(port) {
+                // Another endpoint shares the port and already talks to this remote.
+                ctx.count("nat_eim_conflict", 1);
+            }
+        }
+        if self.pool(p).is_free(sport) {
+            self.pool(p).acquire(sport);
+            ctx.count("nat_port_preserved", 1);
+            return Ok(sport);
+        }
+        if let Some(port) = self.pool(p).alloc() {
+            return Ok(port);
+        }
+        if self.usable(ctx, p, sport, dst, dport) {
+            self.pool(p).acquire(sport);
+            ctx.count("nat_port_preserved", 1);
+            ctx.count("nat_port_shared", 1);
+            return Ok(sport);
+        }
+        for _ in 0..SHARE_SCAN {
+            let Some(port) = self.pool(p).scan_next() else {
+                continue;
+            };
+            if self.tuple_free(ctx, p, port, dst, dport) {
+                self.pool(p).acquire(port);
+                ctx.count("nat_port_shared", 1);
+                return Ok(port);
+            }
+        }
+        if let Some(port) = self.evict_for(ctx, p, dst, dport) {
+            return Ok(port);
+        }
+        self.pool(p).exhausted += 1;
+        Err("nat_port_exhausted")
+    }
+
+    /// No port can take a mapping towards `dst`:`dport`: evicts the oldest evictable mappings
+    /// of `p` (see [`Mapping::evictable`]) until one frees a port, or a tuple on a shared
+    /// port, this mapping can use; returns it with a reference taken. None if none is left.
+    fn evict_for(
+        &mut self,
+        ctx: &mut Ctx<Mapping>,
+        p: u8,
+        dst: Ipv4Addr,
+        dport: u16,
+    ) -> Option<u16> {
         while let Some(key) = self.guard.pop_evictable(ctx, p) {
             let Ok(m) = ctx.flows.delete_flow(&key) else {
                 continue;
             };
-            self.guard.ended(m.inside_addr);
-            self.pool(p).release(m.external_port);
+            self.ended(ctx, &m);
             ctx.count("nat_evicted_embryonic", 1);
             if let Some(port) = self.pool(p).alloc() {
-                // The refusal the eviction avoided is not an exhaustion.
-                self.pool(p).exhausted = self.pool(p).exhausted.saturating_sub(1);
                 return Some(port);
+            }
+            // The evicted mapping's port is still shared by others.
+            if self.usable(ctx, p, m.external_port, dst, dport) {
+                self.pool(p).acquire(m.external_port);
+                ctx.count("nat_port_shared", 1);
+                return Some(m.external_port);
             }
         }
         None
+    }
+
+    /// Bookkeeping of mapping `m` that the NAT removed (expired or evicted): quota, endpoint
+    /// index, and its port reference.
+    fn ended(&mut self, ctx: &mut Ctx<Mapping>, m: &Mapping) {
+        self.guard.ended(m.inside_addr);
+        self.eim_remove(m.endpoint(), m.external_port);
+        self.tracked = self.tracked.saturating_sub(1);
+        if !self.pool(m.proto).release(m.external_port) && !self.pool(m.proto).owns(m.external_port)
+        {
+            // A migrated mapping whose port belongs to another replica's block.
+            ctx.count("nat_foreign_port_ended", 1);
+        }
     }
 
     fn inbound(&mut self, ctx: &mut Ctx<Mapping>, mut pkt: Packet) {
@@ -677,13 +862,7 @@ impl Nat {
         }
         match ctx.flows.delete_flow(&key) {
             Ok(m) => {
-                self.guard.ended(m.inside_addr);
-                if !self.pool(m.proto).release(m.external_port)
-                    && !self.pool(m.proto).owns(m.external_port)
-                {
-                    // A migrated mapping whose port belongs to another replica's block.
-                    ctx.count("nat_foreign_port_ended", 1);
-                }
+                self.ended(ctx, &m);
                 ctx.count("nat_mappings_expired", 1);
             }
             Err(_) => ctx.count("nat_expire_failed", 1),
@@ -740,10 +919,21 @@ impl NetworkFunction for Nat {
         let Some(m) = ctx.flows.peek(&key) else {
             return;
         };
-        let (p, port, host) = (m.proto, m.external_port, m.inside_addr);
-        let pool = self.pool(p);
-        if pool.owns(port) && pool.reserve(port) {
-            ctx.count("nat_imported_ports_reserved", 1);
+        let (p, port, host, ep) = (m.proto, m.external_port, m.inside_addr, m.endpoint());
+        if self.tracked + 1 != ctx.flows.len() {
+            // Mappings left unseen since the last count (say this one, exported earlier and
+            // back now: its old reference is still counted). The resync counts the imported
+            // mapping from the table, so that reference is not counted twice (which would
+            // keep the port lent after the mapping ends).
+            self.resync(ctx);
+        } else {
+            // One more reference: the port may already back local mappings to other remotes
+            // (the importer's table refused the import if the outside tuple were taken).
+            if self.pool(p).reserve(port) {
+                ctx.count("nat_imported_ports_reserved", 1);
+            }
+            self.tracked += 1;
+            self.eim_add(ep, port);
         }
         // Evictable imported mappings queue behind local ones of the same age class.
         self.guard.created(ctx, key, p, host);
@@ -771,7 +961,8 @@ impl NetworkFunction for Nat {
         const SAMPLE: usize = 16;
         let pool = |p: &PortPool| {
             serde_json::json!({
-                "in_use": p.in_use(), "capacity": p.capacity(), "exhausted": p.exhausted,
+                "in_use": p.in_use(), "mappings": p.mappings(), "capacity": p.capacity(),
+                "exhausted": p.exhausted,
                 "foreign_release": p.foreign_release, "blocks": p.blocks(),
             })
         };

@@ -1,8 +1,14 @@
 //! Per-protocol pool of external ports (or ICMP echo identifiers).
 //!
-//! FIFO free list: allocation and release are O(1), and a released port goes to the back of the
-//! queue so it is reused as late as possible (a remote host may still hold TIME_WAIT state for
-//! the old mapping). A bitmap guards against double release.
+//! A port may back several mappings at once, as long as their remote endpoints differ (the
+//! NAT checks that: the reverse lookup is keyed by the whole outside tuple), so the pool
+//! keeps a reference count per port and a port returns to the free list only when its last
+//! mapping ends.
+//!
+//! FIFO free list: allocation and release are O(1), and a port whose last mapping ended goes
+//! to the back of the queue so it is reused as late as possible (a remote host may still hold
+//! TIME_WAIT state for the old mapping). A port taken out of turn (preserved, imported) stays
+//! queued where it was and is skipped while in use; `queued` keeps it in the list at most once.
 
 use std::collections::VecDeque;
 
@@ -10,11 +16,26 @@ use std::collections::VecDeque;
 pub struct PortPool {
     /// The blocks this replica allocates from (inclusive ranges), sorted.
     blocks: Vec<(u16, u16)>,
+    /// Every owned port once, in block order: what the sharing scan walks.
+    ports: Vec<u16>,
+    /// Position of the sharing scan in `ports` (rotates, so repeated scans spread).
+    cursor: usize,
     free: VecDeque<u16>,
-    /// Indexed by port: allocated (or reserved) right now. 64 KiB; three pools per NAT.
-    in_use: Vec<bool>,
+    /// Indexed by port: sits in `free`.
+    queued: Vec<bool>,
+    /// Indexed by port: live mappings of this replica on it.
+    refs: Vec<u32>,
+    /// Indexed by port: mappings on it that live on another replica (migrated away, noticed by
+    /// [`PortPool::resync`]). Their remote endpoints are unknown here, so a lent port takes no
+    /// new mapping at all (it might collide with a lent tuple) and stays in use while any is
+    /// out.
+    lent: Vec<u32>,
+    /// Ports with `refs + lent > 0`.
     used: usize,
-    /// Allocations refused because the pool was empty.
+    /// Sum of `refs`: local mappings holding a port of this pool.
+    mappings: usize,
+    /// New mappings refused for want of a port (counted by the caller: an empty free list is
+    /// not exhaustion while a port can still be shared).
     pub exhausted: u64,
     /// Releases of ports that were not allocated (a bug elsewhere; counted, ignored).
     pub bad_release: u64,
@@ -35,19 +56,24 @@ impl PortPool {
         blocks.sort_unstable();
         let mut pool = PortPool {
             blocks: Vec::new(),
+            ports: Vec::new(),
+            cursor: 0,
             free: VecDeque::new(),
-            in_use: vec![false; 1 << 16],
+            queued: vec![false; 1 << 16],
+            refs: vec![0; 1 << 16],
+            lent: vec![0; 1 << 16],
             used: 0,
+            mappings: 0,
             exhausted: 0,
             bad_release: 0,
             foreign_release: 0,
         };
-        let mut owned = vec![false; 1 << 16];
         for &(lo, hi) in &blocks {
             for p in lo..=hi {
-                if !owned[usize::from(p)] {
-                    owned[usize::from(p)] = true;
+                if !pool.queued[usize::from(p)] {
+                    pool.queued[usize::from(p)] = true;
                     pool.free.push_back(p);
+                    pool.ports.push(p);
                 }
             }
         }
@@ -66,67 +92,174 @@ impl PortPool {
         &self.blocks
     }
 
+    /// A port no mapping holds (taken with one reference), or None if every port is in use.
     pub fn alloc(&mut self) -> Option<u16> {
         while let Some(p) = self.free.pop_front() {
-            let used = &mut self.in_use[usize::from(p)];
-            // A port reserved while it sat in the free list is skipped (lazy removal).
-            if !*used {
-                *used = true;
-                self.used += 1;
+            let i = usize::from(p);
+            self.queued[i] = false;
+            // A port taken out of turn while it sat in the free list is skipped.
+            if self.refs[i] == 0 && self.lent[i] == 0 {
+                self.take(p);
                 return Some(p);
             }
         }
-        self.exhausted += 1;
         None
     }
 
-    /// Marks an owned `port` as in use without allocating it (a port already taken by a
-    /// mapping when the blocks changed). False if it is not ours or already in use.
-    pub fn reserve(&mut self, port: u16) -> bool {
-        if !self.owns(port) || self.in_use[usize::from(port)] {
+    /// Whether `port` is ours and held by nothing.
+    pub fn is_free(&self, port: u16) -> bool {
+        self.owns(port) && self.refs[usize::from(port)] == 0 && self.lent[usize::from(port)] == 0
+    }
+
+    /// Whether `port` is ours and may take one more mapping (free, or held only by local
+    /// mappings whose remote endpoints the caller has checked).
+    pub fn shareable(&self, port: u16) -> bool {
+        self.owns(port) && self.lent[usize::from(port)] == 0
+    }
+
+    /// Adds a mapping to a [`PortPool::shareable`] `port`; false (nothing changed) otherwise.
+    pub fn acquire(&mut self, port: u16) -> bool {
+        if !self.shareable(port) {
             return false;
         }
-        self.in_use[usize::from(port)] = true;
-        self.used += 1;
+        self.take(port);
         true
     }
 
-    /// Returns `port` to the pool; false (and counted) if it was not allocated here.
+    fn take(&mut self, port: u16) {
+        let i = usize::from(port);
+        if self.refs[i] == 0 && self.lent[i] == 0 {
+            self.used += 1;
+        }
+        self.refs[i] += 1;
+        self.mappings += 1;
+    }
+
+    /// An imported mapping holds owned `port` (lent ports included: a mapping coming back
+    /// takes the place of one that was lent). False if the port is not ours or was in use
+    /// already.
+    pub fn reserve(&mut self, port: u16) -> bool {
+        if !self.owns(port) {
+            return false;
+        }
+        let i = usize::from(port);
+        let was_free = self.refs[i] == 0 && self.lent[i] == 0;
+        if self.lent[i] > 0 {
+            self.lent[i] -= 1;
+            self.refs[i] += 1;
+            self.mappings += 1;
+        } else {
+            self.take(port);
+        }
+        was_free
+    }
+
+    /// A mapping on `port` ended here; the port returns to the pool with its last mapping.
+    /// False (and counted) if it was not held here.
     pub fn release(&mut self, port: u16) -> bool {
         if !self.owns(port) {
             self.foreign_release += 1;
             return false;
         }
-        let used = &mut self.in_use[usize::from(port)];
-        if !*used {
+        let i = usize::from(port);
+        if self.refs[i] == 0 {
             self.bad_release += 1;
             return false;
         }
-        *used = false;
-        self.used -= 1;
-        self.free.push_back(port);
+        self.refs[i] -= 1;
+        self.mappings -= 1;
+        if self.refs[i] == 0 && self.lent[i] == 0 {
+            self.used -= 1;
+            self.enqueue(port);
+        }
         true
     }
 
-    /// Ports in use (allocated or reserved) that `self` would hand out again if forgotten:
-    /// carried over to a pool with new blocks.
+    fn enqueue(&mut self, port: u16) {
+        let i = usize::from(port);
+        if !self.queued[i] {
+            self.queued[i] = true;
+            self.free.push_back(port);
+        }
+    }
+
+    /// Sets the local reference counts to `live` (indexed by port: mappings in the flow table
+    /// now), after mappings left or arrived without the NAT seeing it (migration export):
+    /// references beyond `live` belong to mappings now living elsewhere and become lent;
+    /// mappings beyond the references (imported unseen) take lent ones back first.
+    pub fn resync(&mut self, live: &[u32]) {
+        self.used = 0;
+        self.mappings = 0;
+        for k in 0..self.ports.len() {
+            let port = self.ports[k];
+            let i = usize::from(port);
+            let (refs, now) = (self.refs[i], live[i]);
+            if refs > now {
+                self.lent[i] += refs - now;
+            } else {
+                self.lent[i] -= (now - refs).min(self.lent[i]);
+            }
+            self.refs[i] = now;
+            self.mappings += now as usize;
+            if now > 0 || self.lent[i] > 0 {
+                self.used += 1;
+            } else {
+                self.enqueue(port);
+            }
+        }
+    }
+
+    /// Adds `n` lent mappings to owned `port` (carried over to new blocks); ignored if not ours.
+    pub fn lend(&mut self, port: u16, n: u32) {
+        let i = usize::from(port);
+        if n == 0 || !self.owns(port) {
+            return;
+        }
+        if self.refs[i] == 0 && self.lent[i] == 0 {
+            self.used += 1;
+        }
+        self.lent[i] += n;
+    }
+
+    /// The next port of the sharing scan if it is held by local mappings only (a candidate to
+    /// share, once the caller has checked the tuple), else None; one step per call.
+    pub fn scan_next(&mut self) -> Option<u16> {
+        if self.ports.is_empty() {
+            return None;
+        }
+        self.cursor = (self.cursor + 1) % self.ports.len();
+        let port = self.ports[self.cursor];
+        let i = usize::from(port);
+        (self.refs[i] > 0 && self.lent[i] == 0).then_some(port)
+    }
+
+    /// Local mappings on `port`.
+    pub fn refs(&self, port: u16) -> u32 {
+        self.refs[usize::from(port)]
+    }
+
+    /// Mappings on `port` living on another replica.
+    pub fn lent(&self, port: u16) -> u32 {
+        self.lent[usize::from(port)]
+    }
+
+    /// Owned ports in use (by local or lent mappings), ascending.
     pub fn in_use_ports(&self) -> impl Iterator<Item = u16> + '_ {
-        self.in_use
-            .iter()
-            .enumerate()
-            .filter(|(_, u)| **u)
-            .map(|(p, _)| p as u16)
+        (0..=u16::MAX).filter(|&p| self.refs[usize::from(p)] > 0 || self.lent[usize::from(p)] > 0)
     }
 
     pub fn capacity(&self) -> usize {
-        self.blocks
-            .iter()
-            .map(|&(lo, hi)| usize::from(hi - lo) + 1)
-            .sum()
+        self.ports.len()
     }
 
+    /// Ports in use (by one mapping or several, or lent).
     pub fn in_use(&self) -> usize {
         self.used
+    }
+
+    /// Local mappings holding ports of this pool (>= ports in use when ports are shared).
+    pub fn mappings(&self) -> usize {
+        self.mappings
     }
 }
 
@@ -397,7 +530,6 @@ mod tests {
         got.sort_unstable();
         assert_eq!(got, vec![100, 101, 102, 103]);
         assert_eq!(p.alloc(), None);
-        assert_eq!(p.exhausted, 1);
         assert_eq!(p.in_use(), 4);
     }
 
@@ -426,12 +558,55 @@ mod tests {
         let mut got: Vec<u16> = std::iter::from_fn(|| p.alloc()).collect();
         got.sort_unstable();
         assert_eq!(got, vec![1000, 2001], "the reserved port is skipped");
-        assert_eq!(p.in_use(), 3);
+        assert_eq!((p.in_use(), p.mappings()), (3, 4));
         assert!(!p.release(7));
         assert_eq!((p.foreign_release, p.bad_release), (1, 0));
         assert!(p.release(2000));
+        assert_eq!(p.alloc(), None, "2000 still holds the second reservation");
+        assert!(p.release(2000));
         assert_eq!(p.alloc(), Some(2000));
         assert_eq!(p.in_use_ports().count(), 3);
+    }
+
+    #[test]
+    fn a_shared_port_returns_with_its_last_mapping_only() {
+        let mut p = PortPool::new(10, 11);
+        let a = p.alloc().unwrap();
+        assert!(p.acquire(a) && p.acquire(a));
+        assert_eq!((p.refs(a), p.in_use(), p.mappings()), (3, 1, 3));
+        assert!(p.release(a) && p.release(a));
+        assert_eq!(p.alloc(), Some(11), "a still has a mapping");
+        assert_eq!(p.alloc(), None);
+        assert!(p.release(a));
+        assert_eq!(p.alloc(), Some(a));
+        assert!(!p.acquire(500), "not ours");
+        // A preserved port (taken out of turn) and released is queued once, not twice.
+        let mut q = PortPool::new(20, 21);
+        assert!(q.acquire(21) && q.release(21) && q.acquire(21) && q.release(21));
+        let got: Vec<u16> = std::iter::from_fn(|| q.alloc()).collect();
+        assert_eq!(got, vec![20, 21]);
+    }
+
+    #[test]
+    fn resync_lends_references_that_left_and_lent_ports_take_nothing_new() {
+        let mut p = PortPool::new(10, 12);
+        let (a, b) = (p.alloc().unwrap(), p.alloc().unwrap());
+        assert!(p.acquire(a));
+        // One mapping on `a` and the one on `b` migrated away unseen.
+        let mut live = vec![0u32; 1 << 16];
+        live[usize::from(a)] = 1;
+        p.resync(&live);
+        assert_eq!((p.refs(a), p.lent(a), p.refs(b), p.lent(b)), (1, 1, 0, 1));
+        assert!(!p.shareable(a) && !p.acquire(b), "lent ports are exclusive");
+        assert_eq!(p.in_use(), 2);
+        assert!(p.release(a));
+        assert_eq!(p.alloc(), Some(12));
+        assert_eq!(p.alloc(), None, "a and b stay lent");
+        // The mapping on b comes back and ends here: b is free again.
+        assert!(!p.reserve(b), "b was in use (lent)");
+        assert_eq!((p.refs(b), p.lent(b)), (1, 0));
+        assert!(p.release(b));
+        assert_eq!(p.alloc(), Some(b));
     }
 
     #[test]

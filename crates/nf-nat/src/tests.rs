@@ -661,3 +661,546 @@ fn a_per_host_quota_refuses_only_that_host() {
     assert_eq!(h.take_output().len(), 3);
     assert_eq!(h.query()["abuse"]["host_counts_rebuilt"], 1);
 }
+
+// ---- External ports shared across remote endpoints, port preservation, EIM ----
+
+const HOST_B: Ipv4Addr = Ipv4Addr::new(10, 77, 1, 3);
+const SERVER_2: Ipv4Addr = Ipv4Addr::new(10, 77, 2, 3);
+
+/// UDP from inside `src`:`sport` to `dst`:`dport`.
+fn udp_from(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16) -> Vec<u8> {
+    build::udp(MAC_A, MAC_B, v4(src), sport, v4(dst), dport, b"q")
+}
+
+/// UDP reply from `remote`:`rport` to the external address's `ext`.
+fn udp_reply(remote: Ipv4Addr, rport: u16, ext: u16) -> Vec<u8> {
+    build::udp(MAC_B, MAC_A, v4(remote), rport, v4(EXT), ext, b"a")
+}
+
+/// Sends `frame` from inside and returns the external source port it left with.
+fn out_port(h: &mut Harness<Nat>, frame: &[u8]) -> u16 {
+    h.inject(Side::Inside, frame).unwrap();
+    let (side, f) = one_output(h);
+    assert_eq!(side, Side::Outside);
+    let p = check(&f);
+    assert_eq!(p.src, v4(EXT));
+    p.sport
+}
+
+/// Sends a reply from outside and returns where it was delivered (inside address, port).
+fn delivered_to(h: &mut Harness<Nat>, frame: &[u8]) -> (IpAddr, u16) {
+    h.inject(Side::Outside, frame).unwrap();
+    let (side, f) = one_output(h);
+    assert_eq!(side, Side::Inside);
+    let p = check(&f);
+    (p.dst, p.dport)
+}
+
+fn one_port_nat(port: u16) -> Harness<Nat> {
+    let mut cfg = Config::with_external_ip(EXT);
+    cfg.port_blocks = vec![(port, port)];
+    nat(cfg)
+}
+
+/// Checks the pools against the table: no two live mappings share an outside tuple, and each
+/// owned port's reference count is the number of live mappings on it.
+fn check_pools(h: &Harness<Nat>) {
+    let mut tuples = HashSet::new();
+    let mut per_port: std::collections::HashMap<(u8, u16), u32> = Default::default();
+    for k in h.ctx.flows.keys() {
+        let m = h.ctx.flows.peek(&k).expect("listed key");
+        assert!(
+            tuples.insert((m.proto, m.external_port, m.remote_addr, m.remote_port)),
+            "two live mappings share {m:?}'s outside tuple"
+        );
+        *per_port.entry((m.proto, m.external_port)).or_default() += 1;
+    }
+    for p in [proto::TCP, proto::UDP, proto::ICMP] {
+        let pool = h.nf.port_pool(p);
+        let mut ports = 0;
+        let mut mappings = 0;
+        for port in pool.in_use_ports() {
+            let n = per_port.get(&(p, port)).copied().unwrap_or(0);
+            assert_eq!(pool.refs(port), n, "proto {p} port {port}");
+            ports += 1;
+            mappings += n as usize;
+        }
+        let owned_live: u32 = per_port
+            .iter()
+            .filter(|((q, port), _)| *q == p && pool.owns(*port))
+            .map(|(_, n)| *n)
+            .sum();
+        assert_eq!(
+            mappings, owned_live as usize,
+            "proto {p}: every mapping counted"
+        );
+        assert_eq!(pool.in_use(), ports, "proto {p}: ports in use");
+        assert_eq!(pool.mappings(), mappings, "proto {p}: pool mapping count");
+    }
+}
+
+#[test]
+fn more_flows_than_ports_succeed_towards_distinct_destinations() {
+    let mut cfg = Config::with_external_ip(EXT);
+    cfg.port_blocks = vec![(30000, 30003)];
+    let mut h = nat(cfg);
+    let mut ext = Vec::new();
+    for i in 0..12u16 {
+        ext.push(out_port(
+            &mut h,
+            &udp_from(CLIENT, 1000 + i, SERVER, 5000 + i),
+        ));
+    }
+    assert_eq!(h.ctx.flows.len(), 12);
+    assert_eq!(h.drop_count("nat_port_exhausted"), 0);
+    assert_eq!(h.counter("nat_port_shared"), 8);
+    let q = h.query();
+    assert_eq!(q["pools"]["udp"]["in_use"], 4, "{q}");
+    assert_eq!(q["pools"]["udp"]["mappings"], 12, "{q}");
+    // Each reply reaches its own flow through the shared ports.
+    for (i, e) in ext.iter().enumerate() {
+        let i = i as u16;
+        assert_eq!(
+            delivered_to(&mut h, &udp_reply(SERVER, 5000 + i, *e)),
+            (v4(CLIENT), 1000 + i)
+        );
+    }
+    check_pools(&h);
+}
+
+#[test]
+fn one_destination_never_gets_two_mappings_on_one_port() {
+    let mut cfg = Config::with_external_ip(EXT);
+    cfg.port_blocks = vec![(30000, 30001)];
+    let mut h = nat(cfg);
+    for s in [1000, 1001] {
+        let e = out_port(&mut h, &udp_out(s));
+        answer_udp(&mut h, e);
+    }
+    // Both ports carry a mapping to SERVER:53: a third flow there has no tuple left.
+    h.inject(Side::Inside, &udp_out(1002)).unwrap();
+    assert!(h.take_output().is_empty());
+    assert_eq!(h.drop_count("nat_port_exhausted"), 1);
+    assert_eq!(h.query()["pools"]["udp"]["exhausted"], 1);
+    // Another destination port of the same server is another tuple: it shares a port.
+    let e = out_port(&mut h, &udp_from(CLIENT, 1002, SERVER, 54));
+    assert!((30000..=30001).contains(&e));
+    assert_eq!(h.counter("nat_port_shared"), 1);
+    check_pools(&h);
+}
+
+#[test]
+fn replies_on_a_shared_port_reach_the_right_inside_host() {
+    let mut h = one_port_nat(30000);
+    assert_eq!(out_port(&mut h, &udp_from(CLIENT, 1111, SERVER, 53)), 30000);
+    assert_eq!(
+        out_port(&mut h, &udp_from(HOST_B, 2222, SERVER_2, 53)),
+        30000
+    );
+    assert_eq!(
+        delivered_to(&mut h, &udp_reply(SERVER_2, 53, 30000)),
+        (v4(HOST_B), 2222)
+    );
+    assert_eq!(
+        delivered_to(&mut h, &udp_reply(SERVER, 53, 30000)),
+        (v4(CLIENT), 1111)
+    );
+    // TCP too: two hosts, one port, two servers.
+    let syn = |src, sport, dst| {
+        build::tcp(
+            MAC_A,
+            MAC_B,
+            v4(src),
+            sport,
+            v4(dst),
+            80,
+            tcp_flags::SYN,
+            1,
+            0,
+            b"",
+        )
+    };
+    let synack = |src| {
+        build::tcp(
+            MAC_B,
+            MAC_A,
+            v4(src),
+            80,
+            v4(EXT),
+            30000,
+            tcp_flags::SYN | tcp_flags::ACK,
+            1,
+            2,
+            b"",
+        )
+    };
+    assert_eq!(out_port(&mut h, &syn(CLIENT, 3333, SERVER)), 30000);
+    assert_eq!(out_port(&mut h, &syn(HOST_B, 4444, SERVER_2)), 30000);
+    assert_eq!(delivered_to(&mut h, &synack(SERVER)), (v4(CLIENT), 3333));
+    assert_eq!(delivered_to(&mut h, &synack(SERVER_2)), (v4(HOST_B), 4444));
+    // Address-and-port-dependent filtering: a third remote finds nothing on the shared port.
+    let stray = Ipv4Addr::new(10, 77, 2, 9);
+    h.inject(Side::Outside, &udp_reply(stray, 53, 30000))
+        .unwrap();
+    assert!(h.take_output().is_empty());
+    assert_eq!(h.drop_count("nat_no_mapping"), 1);
+    check_pools(&h);
+}
+
+#[test]
+fn a_shared_port_is_freed_only_when_its_last_mapping_ends() {
+    let mut cfg = Config::with_external_ip(EXT);
+    cfg.port_blocks = vec![(30000, 30000)];
+    cfg.udp_timeout_s = 30;
+    let mut h = nat(cfg);
+    let a = udp_from(CLIENT, 1111, SERVER, 53);
+    assert_eq!(out_port(&mut h, &a), 30000);
+    assert_eq!(
+        out_port(&mut h, &udp_from(HOST_B, 2222, SERVER_2, 53)),
+        30000
+    );
+    h.advance(Duration::from_secs(20));
+    assert_eq!(out_port(&mut h, &a), 30000, "refreshes the first mapping");
+    h.advance(Duration::from_secs(11));
+    // The second mapping expired, the first lives: the port stays in use with one mapping.
+    assert_eq!(h.ctx.flows.len(), 1);
+    let q = h.query();
+    assert_eq!(
+        (&q["pools"]["udp"]["in_use"], &q["pools"]["udp"]["mappings"]),
+        (&serde_json::json!(1), &serde_json::json!(1)),
+        "{q}"
+    );
+    assert_eq!(h.nf.port_pool(proto::UDP).refs(30000), 1);
+    check_pools(&h);
+    h.advance(Duration::from_secs(20));
+    assert_eq!(h.ctx.flows.len(), 0);
+    assert_eq!(h.query()["pools"]["udp"]["in_use"], 0);
+    assert_eq!(h.nf.port_pool(proto::UDP).refs(30000), 0);
+    // Free again: a new flow takes it from the free list (not shared).
+    assert_eq!(out_port(&mut h, &udp_from(HOST_B, 5, SERVER, 53)), 30000);
+    assert_eq!(h.counter("nat_port_shared"), 1);
+    assert_eq!(h.nf.port_pool(proto::UDP).bad_release, 0);
+}
+
+/// Migration of two mappings sharing one port: the importer translates replies of both by
+/// the whole tuple; the owner keeps the port lent (taking no new mapping, though a new
+/// remote's tuple would be free) and gets it back when both mappings return and end.
+#[test]
+fn two_mappings_sharing_a_port_migrate_and_come_back() {
+    let wall = 1_700_000_000_000;
+    let mut c1 = Config::with_external_ip(EXT);
+    c1.port_blocks = vec![(30000, 30000)];
+    let mut c2 = c1.clone();
+    c2.port_blocks = vec![(30010, 30019)];
+    let epoch = Instant::now();
+    let mut h1 = Harness::new(Nat::with_clock(c1, epoch, wall).unwrap());
+    let mut h2 = Harness::new(Nat::with_clock(c2, epoch, wall).unwrap());
+    assert_eq!(
+        out_port(&mut h1, &udp_from(CLIENT, 1111, SERVER, 53)),
+        30000
+    );
+    assert_eq!(
+        out_port(&mut h1, &udp_from(HOST_B, 2222, SERVER_2, 53)),
+        30000
+    );
+    let ka = FlowKey::v4(proto::UDP, CLIENT, 1111, SERVER, 53).0;
+    let kb = FlowKey::v4(proto::UDP, HOST_B, 2222, SERVER_2, 53).0;
+    let move_flow = |from: &mut Harness<Nat>, to: &mut Harness<Nat>, k: &FlowKey| {
+        let rec = from.ctx.flows.export_flow(k, from.now()).expect("export");
+        let key = to.ctx.flows.import_flow(&rec, to.now()).expect("import");
+        assert_eq!(
+            to.ctx.flows.keys_of(&key).expect("imported").len(),
+            2,
+            "the alias (outside tuple) travels with the mapping"
+        );
+        to.nf.on_import(&mut to.ctx, key);
+    };
+    move_flow(&mut h1, &mut h2, &ka);
+    move_flow(&mut h1, &mut h2, &kb);
+    assert_eq!(
+        delivered_to(&mut h2, &udp_reply(SERVER, 53, 30000)),
+        (v4(CLIENT), 1111)
+    );
+    assert_eq!(
+        delivered_to(&mut h2, &udp_reply(SERVER_2, 53, 30000)),
+        (v4(HOST_B), 2222)
+    );
+    // The owner: both references are lent now; a flow to a third remote is refused rather
+    // than sharing a port whose other tuples it no longer knows.
+    let c = Ipv4Addr::new(10, 77, 1, 4);
+    h1.inject(
+        Side::Inside,
+        &udp_from(c, 7, Ipv4Addr::new(10, 77, 2, 9), 53),
+    )
+    .unwrap();
+    assert!(h1.take_output().is_empty());
+    assert_eq!(h1.drop_count("nat_port_exhausted"), 1);
+    assert_eq!(h1.counter("nat_pool_resyncs"), 1);
+    let pool = h1.nf.port_pool(proto::UDP);
+    assert_eq!((pool.refs(30000), pool.lent(30000)), (0, 2));
+    // Both come back and end here: the port is free again (no leak).
+    move_flow(&mut h2, &mut h1, &ka);
+    move_flow(&mut h2, &mut h1, &kb);
+    assert_eq!(
+        delivered_to(&mut h1, &udp_reply(SERVER_2, 53, 30000)),
+        (v4(HOST_B), 2222)
+    );
+    check_pools(&h1);
+    h1.advance(Duration::from_secs(31));
+    assert_eq!(h1.ctx.flows.len(), 0);
+    let pool = h1.nf.port_pool(proto::UDP);
+    assert_eq!((pool.in_use(), pool.lent(30000)), (0, 0));
+    assert_eq!(out_port(&mut h1, &udp_from(c, 7, SERVER, 53)), 30000);
+}
+
+/// HA activation into a replica sharing the range: the imported mapping adds a reference to
+/// a port a local mapping to another remote already holds.
+#[test]
+fn an_imported_mapping_shares_a_port_held_by_a_local_one() {
+    let mut cfg = Config::with_external_ip(EXT);
+    cfg.port_blocks = vec![(30000, 30000)];
+    let mut h1 = nat(cfg.clone());
+    let mut h2 = nat(cfg);
+    assert_eq!(
+        out_port(&mut h1, &udp_from(CLIENT, 1111, SERVER, 53)),
+        30000
+    );
+    assert_eq!(
+        out_port(&mut h2, &udp_from(HOST_B, 2222, SERVER_2, 53)),
+        30000
+    );
+    let k = FlowKey::v4(proto::UDP, CLIENT, 1111, SERVER, 53).0;
+    let rec = h1.ctx.flows.snapshot_flow(&k, h1.now()).expect("snapshot");
+    let key = h2.ctx.flows.import_flow(&rec, h2.now()).expect("import");
+    h2.nf.on_import(&mut h2.ctx, key);
+    assert_eq!(
+        h2.counter("nat_imported_ports_reserved"),
+        0,
+        "already in use"
+    );
+    assert_eq!(h2.nf.port_pool(proto::UDP).refs(30000), 2);
+    assert_eq!(
+        delivered_to(&mut h2, &udp_reply(SERVER, 53, 30000)),
+        (v4(CLIENT), 1111)
+    );
+    check_pools(&h2);
+}
+
+#[test]
+fn the_inside_source_port_is_preserved_when_free() {
+    let mut h = default_nat();
+    assert_eq!(
+        out_port(&mut h, &udp_from(CLIENT, 40000, SERVER, 53)),
+        40000
+    );
+    assert_eq!(h.counter("nat_port_preserved"), 1);
+    // Outside the blocks: from the free list.
+    assert_eq!(out_port(&mut h, &udp_from(CLIENT, 5000, SERVER, 53)), 20000);
+    // Another inside host with the same source port gets another port while ports are free
+    // (sharing would break endpoint-independence once both talk to one remote).
+    let e = out_port(&mut h, &udp_from(HOST_B, 40000, SERVER_2, 53));
+    assert_ne!(e, 40000);
+    // TCP and ICMP identifiers are preserved too.
+    let syn = build::tcp(
+        MAC_A,
+        MAC_B,
+        v4(CLIENT),
+        41000,
+        v4(SERVER),
+        80,
+        tcp_flags::SYN,
+        1,
+        0,
+        b"",
+    );
+    assert_eq!(out_port(&mut h, &syn), 41000);
+    let ping = build::icmp_echo(MAC_A, MAC_B, v4(CLIENT), v4(SERVER), 42000, 1, true, b"p");
+    assert_eq!(out_port(&mut h, &ping), 42000);
+    assert_eq!(h.counter("nat_port_preserved"), 3);
+    // Under pressure the source port is preserved if free for that destination (shared).
+    let mut h = one_port_nat(30000);
+    assert_eq!(
+        out_port(&mut h, &udp_from(CLIENT, 30000, SERVER, 53)),
+        30000
+    );
+    assert_eq!(
+        out_port(&mut h, &udp_from(HOST_B, 30000, SERVER_2, 53)),
+        30000
+    );
+    assert_eq!(h.counter("nat_port_preserved"), 2);
+    check_pools(&h);
+}
+
+/// RFC 4787 REQ-1 / RFC 5382 REQ-1: one inside endpoint, one external endpoint, whatever the
+/// destination, while its mappings live.
+#[test]
+fn an_inside_endpoint_keeps_its_external_port_for_every_destination() {
+    let mut h = default_nat();
+    let e = out_port(&mut h, &udp_from(CLIENT, 5000, SERVER, 53));
+    assert_eq!(out_port(&mut h, &udp_from(CLIENT, 5000, SERVER, 54)), e);
+    assert_eq!(out_port(&mut h, &udp_from(CLIENT, 5000, SERVER_2, 53)), e);
+    // Another endpoint of the same host gets another port.
+    assert_ne!(out_port(&mut h, &udp_from(CLIENT, 5001, SERVER, 53)), e);
+    assert_eq!(
+        delivered_to(&mut h, &udp_reply(SERVER_2, 53, e)),
+        (v4(CLIENT), 5000)
+    );
+    assert_eq!(h.query()["pools"]["udp"]["in_use"], 2);
+    check_pools(&h);
+    // The limit of sharing: B shares A's port for R2 (no free port); when A then talks to
+    // R2 that tuple is B's, so A cannot keep its port (counted), and with no other port the
+    // flow is refused.
+    let mut h = one_port_nat(30000);
+    assert_eq!(out_port(&mut h, &udp_from(CLIENT, 1, SERVER, 53)), 30000);
+    assert_eq!(out_port(&mut h, &udp_from(HOST_B, 2, SERVER_2, 53)), 30000);
+    // Both answered: neither may be evicted to make room.
+    answer_udp(&mut h, 30000);
+    delivered_to(&mut h, &udp_reply(SERVER_2, 53, 30000));
+    h.inject(Side::Inside, &udp_from(CLIENT, 1, SERVER_2, 53))
+        .unwrap();
+    assert!(h.take_output().is_empty());
+    assert_eq!(h.counter("nat_eim_conflict"), 1);
+    assert_eq!(h.drop_count("nat_port_exhausted"), 1);
+}
+
+/// splitmix64: a seeded, deterministic generator for the randomized test.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// Random opens (UDP and TCP SYNs, some with preservable source ports), answers, closes (TCP
+/// RST) and clock steps over a 6-port pool: after every step no two live mappings share an
+/// outside tuple, every answer reaches the mapping's inside endpoint, and the pools' counts
+/// match the table. The pool is small enough that ports are shared and mappings evicted.
+#[test]
+fn randomized_open_close_keeps_tuples_unique_and_pools_exact() {
+    for seed in 1..=8u64 {
+        let mut rng = Rng(seed);
+        let mut cfg = Config::with_external_ip(EXT);
+        cfg.port_blocks = vec![(30000, 30005)];
+        cfg.udp_timeout_s = 30;
+        cfg.tcp_embryonic_timeout_s = 20;
+        let mut h = nat(cfg);
+        let hosts = [CLIENT, HOST_B, Ipv4Addr::new(10, 77, 1, 4)];
+        let remotes = [SERVER, SERVER_2, Ipv4Addr::new(10, 77, 2, 4)];
+        let sports = [1000, 1001, 30001, 30004];
+        let mut peak = 0;
+        for _ in 0..400 {
+            let host = hosts[rng.below(3) as usize];
+            let sport = sports[rng.below(4) as usize];
+            let remote = remotes[rng.below(3) as usize];
+            let rport = 50 + rng.below(3) as u16;
+            let tcp = rng.below(2) == 0;
+            let flags = |f| {
+                build::tcp(
+                    MAC_A,
+                    MAC_B,
+                    v4(host),
+                    sport,
+                    v4(remote),
+                    rport,
+                    f,
+                    1,
+                    0,
+                    b"",
+                )
+            };
+            match rng.below(10) {
+                0..=4 => {
+                    let f = if tcp {
+                        flags(tcp_flags::SYN)
+                    } else {
+                        udp_from(host, sport, remote, rport)
+                    };
+                    h.inject(Side::Inside, &f).unwrap();
+                    h.take_output();
+                }
+                5..=6 => {
+                    // Answer a live mapping: the reply must reach its inside endpoint.
+                    let keys = h.ctx.flows.keys();
+                    if !keys.is_empty() {
+                        let k = keys[rng.below(keys.len() as u64) as usize];
+                        let m = h.ctx.flows.peek(&k).unwrap().clone();
+                        let f = if m.proto == proto::TCP {
+                            build::tcp(
+                                MAC_B,
+                                MAC_A,
+                                v4(m.remote_addr),
+                                m.remote_port,
+                                v4(EXT),
+                                m.external_port,
+                                tcp_flags::SYN | tcp_flags::ACK,
+                                1,
+                                2,
+                                b"",
+                            )
+                        } else {
+                            udp_reply(m.remote_addr, m.remote_port, m.external_port)
+                        };
+                        assert_eq!(
+                            delivered_to(&mut h, &f),
+                            (v4(m.inside_addr), m.inside_port),
+                            "seed {seed}"
+                        );
+                    }
+                }
+                7 => {
+                    h.inject(Side::Inside, &flags(tcp_flags::RST)).unwrap();
+                    h.take_output();
+                }
+                _ => h.advance(Duration::from_secs(rng.below(15))),
+            }
+            peak = peak.max(h.ctx.flows.len());
+            check_pools(&h);
+        }
+        assert!(
+            peak > 12,
+            "seed {seed}: never more mappings than ports per protocol ({peak})"
+        );
+        assert!(h.counter("nat_port_shared") > 0, "seed {seed}");
+    }
+}
+
+/// A mapping that migrates away and straight back (no new flow in between) and then ends
+/// frees its port: its reference is counted once, not lent forever.
+#[test]
+fn a_mapping_that_migrates_back_and_ends_frees_its_port() {
+    let mut h1 = one_port_nat(30000);
+    let mut h2 = one_port_nat(30010);
+    assert_eq!(
+        out_port(&mut h1, &udp_from(CLIENT, 1111, SERVER, 53)),
+        30000
+    );
+    let k = FlowKey::v4(proto::UDP, CLIENT, 1111, SERVER, 53).0;
+    let rec = h1.ctx.flows.export_flow(&k, h1.now()).expect("export");
+    let key = h2.ctx.flows.import_flow(&rec, h2.now()).expect("import");
+    h2.nf.on_import(&mut h2.ctx, key);
+    let rec = h2.ctx.flows.export_flow(&k, h2.now()).expect("export back");
+    let key = h1
+        .ctx
+        .flows
+        .import_flow(&rec, h1.now())
+        .expect("import back");
+    h1.nf.on_import(&mut h1.ctx, key);
+    check_pools(&h1);
+    h1.advance(Duration::from_secs(31));
+    assert_eq!(h1.ctx.flows.len(), 0);
+    let pool = h1.nf.port_pool(proto::UDP);
+    assert_eq!(
+        (pool.in_use(), pool.refs(30000), pool.lent(30000)),
+        (0, 0, 0)
+    );
+    assert_eq!(out_port(&mut h1, &udp_from(HOST_B, 5, SERVER, 53)), 30000);
+}
