@@ -49,6 +49,9 @@ fn field_replica(b: &Value, name: &str) -> Result<Option<u32>, Response> {
 }
 
 pub fn handle(c: &Arc<Controller>, r: &Request) -> Response {
+    if (r.method.as_str(), r.path.as_str()) == ("GET", "/metrics") {
+        return Response::metrics(crate::metrics::render(&c.status()));
+    }
     let res = route(c, r);
     match res {
         Ok(v) => Response::json(200, &v),

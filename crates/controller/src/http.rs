@@ -81,6 +81,7 @@ impl Request {
 pub struct Response {
     pub status: u16,
     pub body: String,
+    pub content_type: &'static str,
 }
 
 impl Response {
@@ -88,6 +89,15 @@ impl Response {
         Response {
             status,
             body: v.to_string(),
+            content_type: "application/json",
+        }
+    }
+    /// Prometheus text exposition.
+    pub fn metrics(body: String) -> Response {
+        Response {
+            status: 200,
+            body,
+            content_type: "text/plain; version=0.0.4",
         }
     }
     pub fn error(status: u16, msg: &str) -> Response {
@@ -265,9 +275,10 @@ pub fn read_request<R: Read>(r: R) -> Result<Request, ParseError> {
 pub fn write_response<W: Write>(mut w: W, resp: &Response) -> std::io::Result<()> {
     write!(
         w,
-        "HTTP/1.1 {} {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        "HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
         resp.status,
         reason(resp.status),
+        resp.content_type,
         resp.body.len()
     )?;
     w.write_all(resp.body.as_bytes())?;

@@ -25,6 +25,7 @@ pub mod controller;
 pub mod daemon;
 pub mod ha;
 pub mod http;
+pub mod metrics;
 pub mod migrator;
 pub mod policy;
 pub mod ports;

@@ -882,6 +882,12 @@ fn api_requires_token_and_refuses_bad_requests() {
     };
     assert_eq!(req("bad-token-000000000", "GET", "/v1/status", None).0, 401);
     assert_eq!(req(&token, "GET", "/v1/status", None).0, 200);
+    // Metrics: the same token, Prometheus text rendered from the status.
+    assert_eq!(req("bad-token-000000000", "GET", "/metrics", None).0, 401);
+    let (st, text) = req(&token, "GET", "/metrics", None);
+    assert_eq!(st, 200);
+    assert!(text.contains("pliant_controller_replicas_alive 2\n"), "{text}");
+    assert!(text.contains("pliant_controller_store_ok 1\n"), "{text}");
     assert_eq!(req(&token, "GET", "/v1/nope", None).0, 404);
     assert_eq!(req(&token, "DELETE", "/v1/status", None).0, 405);
     assert_eq!(req(&token, "POST", "/v1/migrate", Some("{not json")).0, 400);
@@ -928,7 +934,7 @@ fn api_requires_token_and_refuses_bad_requests() {
         .0,
         400
     );
-    assert_eq!(srv.stats.unauthorized.load(Ordering::Relaxed), 1);
+    assert_eq!(srv.stats.unauthorized.load(Ordering::Relaxed), 2);
 }
 
 #[test]
