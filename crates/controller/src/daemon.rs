@@ -343,6 +343,9 @@ pub fn run(config: &Path) -> Result<(), DaemonError> {
             // tries again as a candidate; without elections it is fatal as before.
             Err(e) if leadership.is_some() => {
                 eprintln!("pliant controller {name}: cannot take over: {e}; standing by");
+                // Hand the leadership back at once (another candidate may do better) rather
+                // than hold it idle until the lease expires.
+                resign(etcd, leadership);
                 std::thread::sleep(Duration::from_millis(cfg.controller.leader_poll_ms));
                 continue;
             }
@@ -386,17 +389,23 @@ pub fn run(config: &Path) -> Result<(), DaemonError> {
         }
         drop(ctl);
         if !lost {
-            if let (Some(l), Some(s)) = (leadership, etcd) {
-                // A clean stop hands over at once instead of after the TTL.
-                if let Ok(store) = EtcdStore::connect(&s.etcd_options()) {
-                    let _ = store.resign(l);
-                }
-            }
+            // A clean stop hands over at once instead of after the TTL.
+            resign(etcd, leadership);
             break Ok(());
         }
     };
     server.stop();
     r
+}
+
+/// Ends a leadership now (its lease revoked, the leader key gone), best effort: if etcd does
+/// not answer, the lease expires by itself.
+fn resign(etcd: Option<&crate::config::StoreSection>, l: Option<crate::store::Leadership>) {
+    if let (Some(l), Some(s)) = (l, etcd) {
+        if let Ok(store) = EtcdStore::connect(&s.etcd_options()) {
+            let _ = store.resign(l);
+        }
+    }
 }
 
 /// What a standby's API answers: 503, naming the leader it last saw.

@@ -886,7 +886,10 @@ fn api_requires_token_and_refuses_bad_requests() {
     assert_eq!(req("bad-token-000000000", "GET", "/metrics", None).0, 401);
     let (st, text) = req(&token, "GET", "/metrics", None);
     assert_eq!(st, 200);
-    assert!(text.contains("pliant_controller_replicas_alive 2\n"), "{text}");
+    assert!(
+        text.contains("pliant_controller_replicas_alive 2\n"),
+        "{text}"
+    );
     assert!(text.contains("pliant_controller_store_ok 1\n"), "{text}");
     assert_eq!(req(&token, "GET", "/v1/nope", None).0, 404);
     assert_eq!(req(&token, "DELETE", "/v1/status", None).0, 405);
