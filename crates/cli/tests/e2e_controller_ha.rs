@@ -298,7 +298,7 @@ fn a_standby_controller_takes_over_and_a_deposed_leader_is_refused() {
         || {
             [&a2.dir, &dir_b]
                 .iter()
-                .all(|d| matches!(status(d), Err(e) if e.contains("standby")))
+                .all(|d| matches!(status(d), Err(e) if e.contains("the store does not answer")))
         },
     );
     eprintln!(

@@ -314,10 +314,20 @@ pub fn run(config: &Path) -> Result<(), DaemonError> {
                     Duration::from_millis(cfg.controller.leader_ttl_ms),
                     Duration::from_millis(cfg.controller.leader_poll_ms),
                     &STOP,
-                    |l| {
-                        *leader_seen.lock().unwrap_or_else(|p| p.into_inner()) = serde_json::json!(
-                            {"name": l.candidate.name, "api": l.candidate.api, "term": l.term});
-                        probe_leader(l, &mut refusals)
+                    |seen| {
+                        let mut last = leader_seen.lock().unwrap_or_else(|p| p.into_inner());
+                        match seen {
+                            crate::store::Seen::Leader(l) => {
+                                *last = serde_json::json!({"name": l.candidate.name,
+                                    "api": l.candidate.api, "term": l.term});
+                                drop(last);
+                                probe_leader(l, &mut refusals)
+                            }
+                            crate::store::Seen::Unavailable(e) => {
+                                *last = serde_json::json!({"store_error": e.to_string()});
+                                crate::store::Verdict::Wait
+                            }
+                        }
                     },
                 )?;
                 let Some(l) = won else { break Ok(()) };
@@ -410,12 +420,16 @@ fn resign(etcd: Option<&crate::config::StoreSection>, l: Option<crate::store::Le
 
 /// What a standby's API answers: 503, naming the leader it last saw.
 fn standby_answer(seen: &serde_json::Value) -> crate::http::Response {
-    let error = match seen["name"].as_str() {
-        Some(name) => format!(
+    let error = match (seen["name"].as_str(), seen["store_error"].as_str()) {
+        (Some(name), _) => format!(
             "standby controller: {name:?} leads in term {} (API {}); ask it",
             seen["term"], seen["api"]
         ),
-        None => "standby controller: no leader seen yet".to_string(),
+        (None, Some(e)) => format!(
+            "standby controller: the store does not answer ({e}): no controller can lead until \
+             it does; replicas forward and replicate on, no placement changes"
+        ),
+        (None, None) => "standby controller: no leader seen yet".to_string(),
     };
     crate::http::Response::json(
         503,

@@ -45,6 +45,15 @@ pub struct Leader {
     pub lease: i64,
 }
 
+/// What a waiting candidate sees each time it looks.
+#[derive(Debug)]
+pub enum Seen<'a> {
+    /// Another candidate leads.
+    Leader(&'a Leader),
+    /// etcd did not answer (nobody can be elected meanwhile).
+    Unavailable(&'a StoreError),
+}
+
 /// What a waiting candidate decided about the current leader.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Verdict {
@@ -228,17 +237,18 @@ impl EtcdStore {
         })
     }
 
-    /// Waits until this candidate leads. While another leads, `observe` is asked about it
-    /// every `poll` (a standby probes the leader there); `Verdict::Depose` revokes that
-    /// leader's lease. `stop` ends the wait (`Ok(None)`). etcd being unreachable is retried:
-    /// a candidate that cannot reach etcd cannot lead, and waits.
+    /// Waits until this candidate leads. While another leads, `observe` is told about it every
+    /// `poll` (a standby probes the leader there); `Verdict::Depose` revokes that leader's
+    /// lease. `stop` ends the wait (`Ok(None)`). etcd being unreachable is retried (and told
+    /// to `observe` as [`Seen::Unavailable`]): a candidate that cannot reach etcd cannot lead,
+    /// and waits.
     pub fn campaign(
         &self,
         me: &Candidate,
         ttl: Duration,
         poll: Duration,
         stop: &AtomicBool,
-        mut observe: impl FnMut(&Leader) -> Verdict,
+        mut observe: impl FnMut(Seen<'_>) -> Verdict,
     ) -> Result<Option<Leadership>> {
         let mut lease: Option<Lease> = None;
         while !stop.load(Ordering::Relaxed) {
@@ -247,7 +257,8 @@ impl EtcdStore {
                 Some(l) if l.keeper.remaining() > Duration::ZERO => l,
                 _ => match self.grant_lease(ttl) {
                     Ok(l) => l,
-                    Err(StoreError::Unavailable { .. }) => {
+                    Err(e @ StoreError::Unavailable { .. }) => {
+                        observe(Seen::Unavailable(&e));
                         std::thread::sleep(poll);
                         continue;
                     }
@@ -257,14 +268,17 @@ impl EtcdStore {
             match self.try_lead(me, &l) {
                 Ok(Ok(leadership)) => return Ok(Some(leadership)),
                 Ok(Err(leader)) => {
-                    if observe(&leader) == Verdict::Depose {
+                    if observe(Seen::Leader(&leader)) == Verdict::Depose {
                         // Revoking a lease that already ended is not an error worth stopping.
                         let _ = self.revoke(leader.lease);
                         lease = Some(l);
                         continue;
                     }
                 }
-                Err(StoreError::Unavailable { .. }) | Err(StoreError::Backend { .. }) => {}
+                Err(e @ StoreError::Unavailable { .. }) => {
+                    observe(Seen::Unavailable(&e));
+                }
+                Err(StoreError::Backend { .. }) => {}
                 Err(e) => return Err(e),
             }
             lease = Some(l);

@@ -19,7 +19,7 @@ pub mod leader;
 
 pub use etcd::{EtcdOptions, EtcdStore};
 pub use file::FileStore;
-pub use leader::{Candidate, Leader, Leadership, Verdict};
+pub use leader::{Candidate, Leader, Leadership, Seen, Verdict};
 
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;

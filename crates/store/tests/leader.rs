@@ -2,7 +2,7 @@
 //! expiry and (fast) on proof of death, writes of a deposed leader refused by etcd.
 
 use pliant_lab::etcd::EtcdServer;
-use pliant_store::{Candidate, EtcdOptions, EtcdStore, Store, StoreError, Verdict};
+use pliant_store::{Candidate, EtcdOptions, EtcdStore, Seen, Store, StoreError, Verdict};
 use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
@@ -58,8 +58,11 @@ fn one_leader_then_the_next_on_lease_expiry_with_a_higher_term() {
     let t0 = Instant::now();
     let mut observed = 0;
     let lb = b
-        .campaign(&me("b"), TTL, POLL, &stop, |l| {
-            assert_eq!(l.candidate.name, "a");
+        .campaign(&me("b"), TTL, POLL, &stop, |seen| {
+            match seen {
+                Seen::Leader(l) => assert_eq!(l.candidate.name, "a"),
+                Seen::Unavailable(e) => panic!("etcd runs: {e}"),
+            }
             observed += 1;
             Verdict::Wait
         })
