@@ -216,6 +216,14 @@ pub fn status(a: StatusArgs) -> Result<(), String> {
         return print_json(&v);
     }
     println!("epoch {}", v["epoch"]);
+    let ctl = &v["controller"];
+    if ctl["role"] == "leader" {
+        println!(
+            "controller {} leads (term {})",
+            ctl["name"].as_str().unwrap_or("?"),
+            ctl["term"]
+        );
+    }
     let st = &v["store"];
     if st["ok"] == true {
         println!(
