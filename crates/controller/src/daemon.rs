@@ -262,6 +262,29 @@ pub fn run(config: &Path) -> Result<(), DaemonError> {
     let serving: Arc<std::sync::RwLock<Option<Arc<Controller>>>> = Arc::default();
     let leader_seen: Arc<std::sync::Mutex<serde_json::Value>> = Arc::default();
     let (h_serving, h_seen) = (serving.clone(), leader_seen.clone());
+    let etcd = cfg
+        .store
+        .as_ref()
+        .filter(|s| s.backend == crate::config::StoreBackend::Etcd);
+    // Without elections there is nothing to wait for: the controller is built before its API
+    // answers, so a client never meets a controller that is not ready (as before elections).
+    let mut prebuilt: Option<Arc<Controller>> = None;
+    if etcd.is_none() {
+        let control = dialer(&cfg).map_err(DaemonError::Setup)?;
+        let migrator = crate::migrator::RuntimeMigrator {
+            peer_endpoint: cfg.controller.peer_endpoint.clone(),
+            control: control.clone(),
+            timeout: Duration::from_millis(cfg.controller.rpc_timeout_ms),
+        };
+        let ctl = Arc::new(build_on(
+            &cfg,
+            open_store(&cfg)?,
+            control,
+            Box::new(migrator),
+        )?);
+        *serving.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::clone(&ctl));
+        prebuilt = Some(ctl);
+    }
     if let Some(dir) = cfg.controller.api_socket.parent() {
         std::fs::create_dir_all(dir)
             .map_err(|e| DaemonError::Setup(format!("{}: {e}", dir.display())))?;
@@ -286,80 +309,42 @@ pub fn run(config: &Path) -> Result<(), DaemonError> {
         libc::signal(libc::SIGINT, h);
         libc::signal(libc::SIGTERM, h);
     }
-    let etcd = cfg
-        .store
-        .as_ref()
-        .filter(|s| s.backend == crate::config::StoreBackend::Etcd);
     let name = candidate_name(&cfg);
     let r = loop {
-        // One dialer per term: the migrator's clone shares it.
-        let control = dialer(&cfg).map_err(DaemonError::Setup)?;
-        let (store, leadership): (Box<dyn Store>, Option<crate::store::Leadership>) = match etcd {
-            None => (open_store(&cfg)?, None),
-            Some(s) => {
-                let mut store = EtcdStore::connect(&s.etcd_options())?;
-                let me = crate::store::Candidate {
-                    name: name.clone(),
-                    api: cfg
-                        .controller
-                        .api_tcp
-                        .clone()
-                        .unwrap_or_else(|| cfg.controller.api_socket.display().to_string()),
+        let (ctl, leadership) = match prebuilt.take() {
+            Some(c) => (c, None),
+            None => {
+                // One dialer per term: the migrator's clone shares it.
+                let control = dialer(&cfg).map_err(DaemonError::Setup)?;
+                let (store, leadership): (Box<dyn Store>, Option<crate::store::Leadership>) =
+                    match etcd {
+                        None => (open_store(&cfg)?, None),
+                        Some(s) => match campaign(&cfg, s, &name, &leader_seen, &control)? {
+                            Some((store, l)) => (Box::new(store), Some(l)),
+                            None => break Ok(()),
+                        },
+                    };
+                let migrator = crate::migrator::RuntimeMigrator {
+                    peer_endpoint: cfg.controller.peer_endpoint.clone(),
+                    control: control.clone(),
+                    timeout: Duration::from_millis(cfg.controller.rpc_timeout_ms),
                 };
-                eprintln!("pliant controller {name}: standby, campaigning for leadership");
-                let mut refusals = 0;
-                let t_wait = Instant::now();
-                let won = store.campaign(
-                    &me,
-                    Duration::from_millis(cfg.controller.leader_ttl_ms),
-                    Duration::from_millis(cfg.controller.leader_poll_ms),
-                    &STOP,
-                    |seen| {
-                        let mut last = leader_seen.lock().unwrap_or_else(|p| p.into_inner());
-                        match seen {
-                            crate::store::Seen::Leader(l) => {
-                                *last = serde_json::json!({"name": l.candidate.name,
-                                    "api": l.candidate.api, "term": l.term});
-                                drop(last);
-                                probe_leader(l, &mut refusals)
-                            }
-                            crate::store::Seen::Unavailable(e) => {
-                                *last = serde_json::json!({"store_error": e.to_string()});
-                                crate::store::Verdict::Wait
-                            }
-                        }
-                    },
-                )?;
-                let Some(l) = won else { break Ok(()) };
-                store.fence_writes(l.term);
-                control.set_term(l.term);
-                eprintln!(
-                    "pliant controller {name}: leading in term {} (waited {} ms)",
-                    l.term,
-                    t_wait.elapsed().as_millis()
-                );
-                tracing::info!(term = l.term, name = %name, "leading");
-                (Box::new(store), Some(l))
+                let ctl = match build_on(&cfg, store, control, Box::new(migrator)) {
+                    Ok(c) => Arc::new(c),
+                    // A leader that cannot build (etcd gone between the election and the reads)
+                    // tries again as a candidate; without elections it is fatal as before.
+                    Err(e) if leadership.is_some() => {
+                        eprintln!("pliant controller {name}: cannot take over: {e}; standing by");
+                        // Hand the leadership back at once (another candidate may do better) rather
+                        // than hold it idle until the lease expires.
+                        resign(etcd, leadership);
+                        std::thread::sleep(Duration::from_millis(cfg.controller.leader_poll_ms));
+                        continue;
+                    }
+                    Err(e) => break Err(e),
+                };
+                (ctl, leadership)
             }
-        };
-        let migrator = crate::migrator::RuntimeMigrator {
-            peer_endpoint: cfg.controller.peer_endpoint.clone(),
-            control: control.clone(),
-            timeout: Duration::from_millis(cfg.controller.rpc_timeout_ms),
-        };
-        let ctl = match build_on(&cfg, store, control, Box::new(migrator)) {
-            Ok(c) => Arc::new(c),
-            // A leader that cannot build (etcd gone between the election and the reads)
-            // tries again as a candidate; without elections it is fatal as before.
-            Err(e) if leadership.is_some() => {
-                eprintln!("pliant controller {name}: cannot take over: {e}; standing by");
-                // Hand the leadership back at once (another candidate may do better) rather
-                // than hold it idle until the lease expires.
-                resign(etcd, leadership);
-                std::thread::sleep(Duration::from_millis(cfg.controller.leader_poll_ms));
-                continue;
-            }
-            Err(e) => break Err(e),
         };
         if let Some(l) = &leadership {
             ctl.set_role(serde_json::json!({"role": "leader", "name": name, "term": l.term}));
@@ -406,6 +391,60 @@ pub fn run(config: &Path) -> Result<(), DaemonError> {
     };
     server.stop();
     r
+}
+
+/// Campaigns (as a standby meanwhile) until this controller leads: its store is then fenced
+/// by the term and `control` carries the term. `None`: stopped (SIGINT/SIGTERM) while waiting.
+fn campaign(
+    cfg: &ControllerConfig,
+    s: &crate::config::StoreSection,
+    name: &str,
+    leader_seen: &std::sync::Mutex<serde_json::Value>,
+    control: &crate::replica_client::Dialer,
+) -> Result<Option<(EtcdStore, crate::store::Leadership)>, DaemonError> {
+    let mut store = EtcdStore::connect(&s.etcd_options())?;
+    let me = crate::store::Candidate {
+        name: name.to_string(),
+        api: cfg
+            .controller
+            .api_tcp
+            .clone()
+            .unwrap_or_else(|| cfg.controller.api_socket.display().to_string()),
+    };
+    eprintln!("pliant controller {name}: standby, campaigning for leadership");
+    let mut refusals = 0;
+    let t_wait = Instant::now();
+    let won = store.campaign(
+        &me,
+        Duration::from_millis(cfg.controller.leader_ttl_ms),
+        Duration::from_millis(cfg.controller.leader_poll_ms),
+        &STOP,
+        |seen| {
+            let mut last = leader_seen.lock().unwrap_or_else(|p| p.into_inner());
+            match seen {
+                crate::store::Seen::Leader(l) => {
+                    *last = serde_json::json!({"name": l.candidate.name,
+                    "api": l.candidate.api, "term": l.term});
+                    drop(last);
+                    probe_leader(l, &mut refusals)
+                }
+                crate::store::Seen::Unavailable(e) => {
+                    *last = serde_json::json!({"store_error": e.to_string()});
+                    crate::store::Verdict::Wait
+                }
+            }
+        },
+    )?;
+    let Some(l) = won else { return Ok(None) };
+    store.fence_writes(l.term);
+    control.set_term(l.term);
+    eprintln!(
+        "pliant controller {name}: leading in term {} (waited {} ms)",
+        l.term,
+        t_wait.elapsed().as_millis()
+    );
+    tracing::info!(term = l.term, name = %name, "leading");
+    Ok(Some((store, l)))
 }
 
 /// Ends a leadership now (its lease revoked, the leader key gone), best effort: if etcd does
