@@ -23,7 +23,7 @@ use pliant_lab::PliantNf;
 use pliant_proto::{ControlError, Request};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 /// A controller process this test started (SIGKILLed by PID when dropped).
@@ -56,19 +56,8 @@ impl Drop for Ctl {
 /// Starts `pliant controller` with the config `text` in `dir` (the lab's way of running it).
 fn start(run: &HaRun, dir: &Path, text: &str) -> Ctl {
     std::fs::create_dir_all(dir).expect("mkdir");
-    let cfg = dir.join("ctl.toml");
-    std::fs::write(&cfg, text).expect("write config");
-    let log = std::fs::File::create(dir.join("controller.log")).expect("log");
-    let child =
-        pliant_lab::mgmt::controller_process(run.lab().state(), Path::new(common::pliant()), &cfg)
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("log"))
-            .stderr(log)
-            .spawn()
-            .expect("start controller");
     Ctl {
-        child: Some(child),
+        child: Some(run.spawn_controller(dir, text)),
         dir: dir.to_path_buf(),
     }
 }

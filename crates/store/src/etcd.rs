@@ -240,6 +240,26 @@ impl EtcdStore {
         Ok(())
     }
 
+    /// `op` applied only while the fence holds: the new revision and the answer, or
+    /// [`StoreError::Deposed`].
+    fn fenced(&self, op: TxnOp) -> Result<(u64, etcd_client::TxnResponse)> {
+        let txn = Txn::new()
+            .when(self.fence_compare())
+            .and_then(vec![op])
+            .or_else(self.fence_reads());
+        let resp = self.call(|mut c| async move { c.txn(txn).await })?;
+        let rev = self.saw(resp.header());
+        if !resp.succeeded() {
+            // Only the fence can fail this transaction.
+            self.check_fence(&resp.op_responses())?;
+            return Err(StoreError::Backend {
+                backend: BACKEND,
+                reason: "fenced write not applied".into(),
+            });
+        }
+        Ok((rev, resp))
+    }
+
     pub(crate) fn prefix(&self) -> &str {
         &self.prefix
     }
@@ -313,21 +333,9 @@ impl Store for EtcdStore {
         let full = self.full(key)?;
         check_value(key, value)?;
         if self.fence.is_some() {
-            let txn = Txn::new()
-                .when(self.fence_compare())
-                .and_then(vec![TxnOp::put(full, value, None)])
-                .or_else(self.fence_reads());
-            let resp = self.call(|mut c| async move { c.txn(txn).await })?;
-            let rev = self.saw(resp.header());
-            if !resp.succeeded() {
-                // Only the fence can fail this transaction.
-                self.check_fence(&resp.op_responses())?;
-                return Err(StoreError::Backend {
-                    backend: BACKEND,
-                    reason: "fenced write not applied".into(),
-                });
-            }
-            return Ok(rev);
+            return self
+                .fenced(TxnOp::put(full, value, None))
+                .map(|(rev, _)| rev);
         }
         let value = value.to_string();
         let resp = self.call(|mut c| async move { c.put(full, value, None).await })?;
@@ -337,20 +345,7 @@ impl Store for EtcdStore {
     fn delete(&mut self, key: &str) -> Result<Option<u64>> {
         let full = self.full(key)?;
         if self.fence.is_some() {
-            let txn = Txn::new()
-                .when(self.fence_compare())
-                .and_then(vec![TxnOp::delete(full, None)])
-                .or_else(self.fence_reads());
-            let resp = self.call(|mut c| async move { c.txn(txn).await })?;
-            let rev = self.saw(resp.header());
-            if !resp.succeeded() {
-                // Only the fence can fail this transaction.
-                self.check_fence(&resp.op_responses())?;
-                return Err(StoreError::Backend {
-                    backend: BACKEND,
-                    reason: "fenced write not applied".into(),
-                });
-            }
+            let (rev, resp) = self.fenced(TxnOp::delete(full, None))?;
             let deleted = resp
                 .op_responses()
                 .into_iter()

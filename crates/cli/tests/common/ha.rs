@@ -180,18 +180,7 @@ impl HaRun {
     /// Writes `ctl` as the controller config in `dir`, starts `pliant controller` with it and
     /// waits until its API socket and token exist.
     pub fn start_controller(&mut self, dir: &Path, ctl: &str) {
-        let cfg = dir.join("ctl.toml");
-        std::fs::write(&cfg, ctl).expect("write ctl.toml");
-        let log = std::fs::File::create(dir.join("controller.log")).expect("log");
-        let child =
-            pliant_lab::mgmt::controller_process(self.lab().state(), Path::new(pliant()), &cfg)
-                .env("RUST_LOG", "info")
-                .stdin(Stdio::null())
-                .stdout(log.try_clone().expect("log"))
-                .stderr(log)
-                .spawn()
-                .expect("start controller");
-        self.controller = Some(child);
+        self.controller = Some(self.spawn_controller(dir, ctl));
         let t = Instant::now();
         while !dir.join("api.sock").exists() || !dir.join("token").exists() {
             assert!(
@@ -218,6 +207,21 @@ impl HaRun {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// Writes `ctl` as `dir/ctl.toml` and starts `pliant controller` on it as the lab runs
+    /// its controller, logging to `dir/controller.log`; does not wait.
+    pub fn spawn_controller(&self, dir: &Path, ctl: &str) -> Child {
+        let cfg = dir.join("ctl.toml");
+        std::fs::write(&cfg, ctl).expect("write ctl.toml");
+        let log = std::fs::File::create(dir.join("controller.log")).expect("log");
+        pliant_lab::mgmt::controller_process(self.lab().state(), Path::new(pliant()), &cfg)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("start controller")
     }
 
     pub fn lab(&self) -> &Lab {

@@ -518,6 +518,23 @@ fn test_settings(ha: HaConfig) -> Settings {
     }
 }
 
+/// A controller on the store file at `path` (one "restart" of it), HA per `ha`.
+fn restarted(w: &World, statics: &[(u32, PathBuf)], path: &Path, ha: HaConfig) -> Controller {
+    Controller::new(
+        Settings {
+            ha,
+            ..Settings::default()
+        },
+        Box::new(FileStore::open(path).unwrap()),
+        Box::new(MemSteering::default()),
+        None,
+        Box::new(FakeMigrator(w.clone())),
+        statics.to_vec(),
+        Some(manual()),
+    )
+    .unwrap()
+}
+
 fn manual() -> Policy {
     Policy {
         auto: false,
@@ -1322,21 +1339,7 @@ fn a_restart_keeps_the_api_policy_and_takes_detection_knobs_from_the_file() {
     let w = World::new("ha-knobs");
     let statics: Vec<(u32, PathBuf)> = (1..=2).map(|i| (i, w.add(i))).collect();
     let path = w.dir.join("store.json");
-    let mk = |ha: HaConfig| {
-        Controller::new(
-            Settings {
-                ha,
-                ..Settings::default()
-            },
-            Box::new(FileStore::open(&path).unwrap()),
-            Box::new(MemSteering::default()),
-            None,
-            Box::new(FakeMigrator(w.clone())),
-            statics.clone(),
-            Some(manual()),
-        )
-        .unwrap()
-    };
+    let mk = |ha: HaConfig| restarted(&w, &statics, &path, ha);
     let c = mk(HaConfig::default());
     c.ha_protect(Some("single"), Some(2000), None).unwrap();
     drop(c);
@@ -1993,21 +1996,7 @@ fn a_policy_stored_without_ha_is_raised_to_the_floor_when_ha_is_turned_on() {
     let w = World::new("ha-stored");
     let statics: Vec<(u32, PathBuf)> = (1..=2).map(|i| (i, w.add(i))).collect();
     let path = w.dir.join("store.json");
-    let mk = |ha: HaConfig| {
-        Controller::new(
-            Settings {
-                ha,
-                ..Settings::default()
-            },
-            Box::new(FileStore::open(&path).unwrap()),
-            Box::new(MemSteering::default()),
-            None,
-            Box::new(FakeMigrator(w.clone())),
-            statics.clone(),
-            Some(manual()),
-        )
-        .unwrap()
-    };
+    let mk = |ha: HaConfig| restarted(&w, &statics, &path, ha);
     let c = mk(HaConfig::off());
     c.set_policy(&[("min_replicas".into(), "1".into())])
         .unwrap();
