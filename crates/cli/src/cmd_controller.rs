@@ -40,7 +40,8 @@ pub struct ControllerArgs {
     /// Controller configuration file (TOML).
     #[arg(long)]
     pub config: PathBuf,
-    /// Validate the configuration and exit.
+    /// Validate the configuration (with an etcd store: that etcd answers, TLS included) and
+    /// exit.
     #[arg(long)]
     pub check: bool,
 }
@@ -156,6 +157,29 @@ pub fn run(a: ControllerArgs) -> Result<(), String> {
     let cfg =
         pliant_controller::config::ControllerConfig::load(&a.config).map_err(|e| e.to_string())?;
     if a.check {
+        // A store on etcd is asked too: a config whose etcd or TLS files do not work would
+        // only fail later, as a controller that never leads.
+        if let Some(st) = cfg
+            .store
+            .as_ref()
+            .filter(|s| s.backend == pliant_controller::config::StoreBackend::Etcd)
+        {
+            use pliant_controller::store::Store;
+            let store = pliant_controller::store::EtcdStore::connect(&st.etcd_options())
+                .map_err(|e| format!("{}: store: {e}", a.config.display()))?;
+            let rev = store
+                .health()
+                .map_err(|e| format!("{}: store: {e}", a.config.display()))?;
+            println!(
+                "store: etcd at {} answers (revision {rev}{})",
+                st.endpoints.join(", "),
+                if st.ca_file.is_some() {
+                    ", mutual TLS"
+                } else {
+                    ""
+                }
+            );
+        }
         println!("{}: ok", a.config.display());
         return Ok(());
     }

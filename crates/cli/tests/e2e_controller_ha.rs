@@ -149,6 +149,18 @@ fn a_standby_controller_takes_over_and_a_deposed_leader_is_refused() {
     assert_eq!(st["store"]["ok"], true, "{st}");
     let term_a = term_of(&st);
     let cfg_a = std::fs::read_to_string(run.dir.join("ctl.toml")).expect("a's config");
+    // `--check` asks etcd too (over its TLS).
+    let out = Command::new(common::pliant())
+        .args(["controller", "--check", "--config"])
+        .arg(run.dir.join("ctl.toml"))
+        .output()
+        .expect("pliant controller --check");
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && said.contains("answers") && said.contains("mutual TLS"),
+        "{said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let dir_b = run.dir.join("b");
     let cfg_b = cfg_a
         .replace(
