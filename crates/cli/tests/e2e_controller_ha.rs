@@ -65,13 +65,7 @@ fn start(run: &HaRun, dir: &Path, text: &str) -> Ctl {
 /// `pliant status --json` against the controller whose API socket and token are in `dir`:
 /// the status, or the error text (a standby answers 503).
 fn status(dir: &Path) -> Result<Value, String> {
-    let out = Command::new(common::pliant())
-        .args(["status", "--json", "--api"])
-        .arg(dir.join("api.sock"))
-        .arg("--token-file")
-        .arg(dir.join("token"))
-        .output()
-        .expect("run pliant");
+    let out = controller_cli(dir, &["status", "--json"]);
     if out.status.success() {
         serde_json::from_slice(&out.stdout).map_err(|e| e.to_string())
     } else {
@@ -337,13 +331,7 @@ fn a_standby_controller_takes_over_and_a_deposed_leader_is_refused() {
     assert_eq!(alive(&st), 3, "{st}");
     assert!(term_of(&st) > term_a2);
     // Placement changes resume: a scale-out goes through.
-    let out = Command::new(common::pliant())
-        .args(["scale", "out", "--json", "--api"])
-        .arg(leader_dir.join("api.sock"))
-        .arg("--token-file")
-        .arg(leader_dir.join("token"))
-        .output()
-        .expect("pliant scale out");
+    let out = controller_cli(&leader_dir, &["scale", "out", "--json"]);
     assert!(
         out.status.success(),
         "scale out after etcd returned: {}",

@@ -18,14 +18,7 @@ use std::time::Duration;
 
 /// `pliant <args>` against the run's controller, as a person reads it (no `--json`).
 fn text(run: &HaRun, args: &[&str]) -> String {
-    let out = Command::new(common::pliant())
-        .args(args)
-        .arg("--api")
-        .arg(run.dir.join("api.sock"))
-        .arg("--token-file")
-        .arg(run.dir.join("token"))
-        .output()
-        .expect("run pliant");
+    let out = controller_cli(&run.dir, args);
     assert!(
         out.status.success(),
         "pliant {args:?}: {}",

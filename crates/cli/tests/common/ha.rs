@@ -192,14 +192,7 @@ impl HaRun {
         }
         // A controller on etcd serves its API before it leads (a standby answers 503): wait
         // until it answers as the one in charge.
-        while !Command::new(pliant())
-            .args(["status", "--json", "--api"])
-            .arg(dir.join("api.sock"))
-            .arg("--token-file")
-            .arg(dir.join("token"))
-            .output()
-            .is_ok_and(|o| o.status.success())
-        {
+        while !controller_cli(dir, &["status", "--json"]).status.success() {
             assert!(
                 t.elapsed() < Duration::from_secs(15),
                 "controller does not answer: {}",
@@ -234,15 +227,9 @@ impl HaRun {
 
     /// `pliant <args> --api .. --token-file .. --json`, parsed.
     pub fn cli(&self, args: &[&str]) -> Value {
-        let out = Command::new(pliant())
-            .args(args)
-            .arg("--api")
-            .arg(self.dir.join("api.sock"))
-            .arg("--token-file")
-            .arg(self.dir.join("token"))
-            .arg("--json")
-            .output()
-            .expect("run pliant");
+        let mut with_json = args.to_vec();
+        with_json.push("--json");
+        let out = controller_cli(&self.dir, &with_json);
         assert!(
             out.status.success(),
             "pliant {args:?}: {}\ncontroller log: {}",
@@ -471,6 +458,19 @@ impl HaRun {
 }
 
 /// One request to a lab replica's control socket (as the lab's admin): the `ok` answer.
+/// `pliant <args> --api DIR/api.sock --token-file DIR/token`: a client command against the
+/// controller whose API and token are in `dir`.
+pub fn controller_cli(dir: &Path, args: &[&str]) -> std::process::Output {
+    Command::new(pliant())
+        .args(args)
+        .arg("--api")
+        .arg(dir.join("api.sock"))
+        .arg("--token-file")
+        .arg(dir.join("token"))
+        .output()
+        .expect("run pliant")
+}
+
 pub fn control(sock: &Path, req: &Request) -> Result<Value, String> {
     pliant_lab::ha::control_client(sock)
         .with_timeout(Duration::from_secs(3))
