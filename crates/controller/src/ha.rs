@@ -605,6 +605,32 @@ pub(crate) mod testing {
         let filler = TcpStream::connect(l.local_addr().unwrap()).unwrap();
         (l, filler)
     }
+
+    /// A TCP socket bound to a free port of 127.0.0.1 that never listens, and its port: a SYN
+    /// to it is answered with a reset, and while it lives no other socket binds or auto-picks
+    /// the port.
+    pub(crate) fn bound_not_listening() -> (std::os::fd::OwnedFd, u16) {
+        use std::os::fd::FromRawFd;
+        // SAFETY: plain socket(2)/bind(2) on a zeroed sockaddr_in we fill; the fd is owned.
+        unsafe {
+            let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+            assert!(fd >= 0);
+            let owned = std::os::fd::OwnedFd::from_raw_fd(fd);
+            let mut sa: libc::sockaddr_in = std::mem::zeroed();
+            sa.sin_family = libc::AF_INET as libc::sa_family_t;
+            sa.sin_addr.s_addr = u32::from(std::net::Ipv4Addr::LOCALHOST).to_be();
+            let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+            let p = &mut sa as *mut libc::sockaddr_in as *mut libc::sockaddr;
+            assert_eq!(
+                libc::bind(fd, p, len),
+                0,
+                "{}",
+                std::io::Error::last_os_error()
+            );
+            assert_eq!(libc::getsockname(fd, p, &mut len), 0);
+            (owned, u16::from_be(sa.sin_port))
+        }
+    }
 }
 
 #[cfg(test)]
@@ -856,8 +882,16 @@ mod tests {
             Dialer::default().probe(sock, Duration::from_secs(5)),
             Probe::Dead(_)
         ));
-        drop(l);
-        // Nothing listens on the port now: the kernel answers the SYN with a reset.
+        // Nothing listens on this port: the kernel answers the SYN with a reset. The port is
+        // held bound (not listening) rather than freed by closing a listener, so neither another
+        // test's listener nor the probe's own ephemeral source port (a TCP self-connect) can
+        // take it meanwhile.
+        let (_held, closed_port) = testing::bound_not_listening();
+        let d = Dialer {
+            security: None,
+            template: Some(format!("127.0.0.1:{closed_port}")),
+            ..Default::default()
+        };
         let v = d.probe(sock, Duration::from_secs(5));
         assert!(
             matches!(&v, Probe::Dead(w) if w.contains("refused")),
