@@ -3,6 +3,7 @@
 
 use clap::{Parser, Subcommand};
 
+mod cmd_agent;
 mod cmd_bench;
 mod cmd_bench_elastic;
 mod cmd_bench_ha;
@@ -54,6 +55,8 @@ enum Cmd {
     Policy(cmd_controller::PolicyArgs),
     /// High availability through the controller: replication status, (re-)protection.
     Ha(cmd_controller::HaArgs),
+    /// Run the host agent: starts, stops and watches this host's replicas for the controller.
+    Agent(cmd_agent::AgentArgs),
     /// Run the coherence hub: shared state (combiners, SYNCH locks) across replica processes.
     Hub(cmd_hub::HubArgs),
     /// Provision identities: a deployment CA, and CA-signed node identities (replicas, the hub).
@@ -77,6 +80,7 @@ fn main() {
         Cmd::Scale(a) => cmd_controller::scale(a),
         Cmd::Policy(a) => cmd_controller::policy(a),
         Cmd::Ha(a) => cmd_controller::ha(a),
+        Cmd::Agent(a) => cmd_agent::run(a),
         Cmd::Hub(a) => cmd_hub::run(a),
         Cmd::Keys(a) => cmd_keys::run(a),
     };

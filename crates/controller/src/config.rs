@@ -23,6 +23,9 @@ pub struct ControllerConfig {
     /// Where the controller keeps its state; absent = the embedded file store.
     #[serde(default)]
     pub store: Option<StoreSection>,
+    /// The hosts' agents (replicas on several hosts); absent = the lab's namespaces.
+    #[serde(default)]
+    pub hosts: Option<crate::hosts::HostsSection>,
 }
 
 /// Which store backend holds the controller's state.
@@ -319,6 +322,10 @@ impl ControllerConfig {
             path: path.to_path_buf(),
             reason,
         };
+        if let Some(h) = &c.hosts {
+            h.check(c.controller.identity.is_some() || c.lab.is_some())
+                .map_err(bad)?;
+        }
         if c.controller.heartbeat_ms == 0 || c.controller.heartbeat_ms > 60_000 {
             return Err(bad("controller.heartbeat_ms must be 1..=60000".into()));
         }

@@ -23,7 +23,7 @@ use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// Events kept for `status` (newest last).
@@ -189,6 +189,8 @@ pub struct Controller {
     ha_lock: Mutex<()>,
     /// This controller's role among several (leader and term), shown by `status`.
     role: Mutex<Value>,
+    /// The hosts' agents, when replicas run on hosts with agents (`[hosts]`).
+    hosts: std::sync::OnceLock<Arc<crate::hosts::HostWatch>>,
 }
 
 /// What the exception GC lists: the saved exceptions (key -> owner) and every key and alias
@@ -359,6 +361,7 @@ impl Controller {
             counters: Counters::default(),
             ha_lock: Mutex::new(()),
             role: Mutex::new(json!({"role": "only"})),
+            hosts: std::sync::OnceLock::new(),
         };
         c.install_initial()?;
         if c.ha_enabled() {
@@ -751,6 +754,7 @@ impl Controller {
             "steering": steer,
             "store": store,
             "controller": role,
+            "hosts": self.hosts.get().map(|h| h.status()),
             "ha": self.ha_summary(&st),
             // Serving replicas with HA on that would lose their flows if they died now.
             "unprotected": Self::unprotected_of(&st),

@@ -97,6 +97,15 @@ pub fn build_on(
         )),
         None => None,
     };
+    // With [hosts], replicas are started and stopped by the hosts' agents (the lab, if any,
+    // still provides the fabric's steering).
+    let hosts = cfg.hosts.as_ref().map(|h| {
+        Arc::new(crate::hosts::HostWatch::new(
+            h.clone(),
+            control.security.clone(),
+            control.term.clone(),
+        ))
+    });
     let settings = Settings {
         heartbeat: Duration::from_millis(c.heartbeat_ms),
         dead_after_missed: c.dead_after_missed,
@@ -118,7 +127,10 @@ pub fn build_on(
                 pliant_bin: l.pliant_bin.clone(),
                 ..Default::default()
             };
-            let agent = LabAgent::new(&l.name, opts);
+            let agent: Box<dyn Agent> = match &hosts {
+                Some(w) => Box::new(crate::hosts::RemoteAgents { watch: w.clone() }),
+                None => Box::new(LabAgent::new(&l.name, opts)),
+            };
             let mut known: Vec<u32> = agent
                 .existing()
                 .map_err(|e| DaemonError::Setup(e.to_string()))?
@@ -142,11 +154,17 @@ pub fn build_on(
             } else {
                 Box::new(MemSteering::default())
             };
-            (Some(Box::new(agent)), steering)
+            (Some(agent), steering)
         }
-        None => (None, Box::new(MemSteering::default())),
+        None => match &hosts {
+            Some(w) => (
+                Some(Box::new(crate::hosts::RemoteAgents { watch: w.clone() }) as Box<dyn Agent>),
+                Box::new(MemSteering::default()) as Box<dyn Steering>,
+            ),
+            None => (None, Box::new(MemSteering::default())),
+        },
     };
-    Ok(Controller::new(
+    let ctl = Controller::new(
         settings,
         store,
         steering,
@@ -154,7 +172,11 @@ pub fn build_on(
         migrator,
         statics,
         cfg.policy.clone(),
-    )?)
+    )?;
+    if let Some(w) = hosts {
+        ctl.set_hosts(w);
+    }
+    Ok(ctl)
 }
 
 /// Spawns the heartbeat, policy and GC loops, and with HA on the liveness watch (after
@@ -174,6 +196,17 @@ pub fn spawn_loops(
             while !s.load(Ordering::SeqCst) {
                 let t = Instant::now();
                 c.ha_watch_once();
+                std::thread::sleep(every.saturating_sub(t.elapsed()));
+            }
+        }));
+    }
+    if let Some(h) = ctl.hosts() {
+        let (c, s) = (Arc::clone(ctl), Arc::clone(stop));
+        let every = Duration::from_millis(h.cfg.poll_ms);
+        v.push(std::thread::spawn(move || {
+            while !s.load(Ordering::SeqCst) {
+                let t = Instant::now();
+                c.hosts_watch_once();
                 std::thread::sleep(every.saturating_sub(t.elapsed()));
             }
         }));

@@ -24,6 +24,7 @@ pub mod config;
 pub mod controller;
 pub mod daemon;
 pub mod ha;
+pub mod hosts;
 pub mod http;
 pub mod metrics;
 pub mod migrator;

@@ -5,6 +5,7 @@
 use crate::link::{Link, MAX_ANSWER};
 use crate::reply::{self, FlowEntry};
 use crate::request::Request;
+use crate::Command;
 use pliant_state::FlowKey;
 use pliant_wire::{role, Endpoint, Expect, Security};
 use serde::de::DeserializeOwned;
@@ -38,8 +39,10 @@ pub enum ControlError {
 pub struct Client {
     ep: Endpoint,
     security: Option<Security>,
-    /// The replica's certified name, if the caller knows which replica it dials.
+    /// The peer's certified name, if the caller knows which replica (or agent) it dials.
     expect_name: Option<String>,
+    /// The roles the peer must prove: REPLICA, or AGENT for a host agent.
+    expect_roles: u32,
     timeout: Duration,
     /// The sending controller's leadership term, sent with every request (see
     /// [`crate::request::term_of`]); `None` for clients that are not a leading controller.
@@ -54,6 +57,7 @@ impl Client {
             ep,
             security,
             expect_name: None,
+            expect_roles: role::REPLICA,
             timeout: Duration::from_secs(10),
             term: None,
         }
@@ -69,6 +73,12 @@ impl Client {
     /// The replica must prove this name in the handshake (sealed mode).
     pub fn expecting(mut self, name: impl Into<String>) -> Client {
         self.expect_name = Some(name.into());
+        self
+    }
+
+    /// The peer must prove `roles` instead of REPLICA (a host agent: AGENT).
+    pub fn expecting_role(mut self, roles: u32) -> Client {
+        self.expect_roles = roles;
         self
     }
 
@@ -104,7 +114,7 @@ impl Client {
         };
         let expect = Expect {
             name: self.expect_name.clone(),
-            roles: role::REPLICA,
+            roles: self.expect_roles,
         };
         let mut o = sec.options(&self.ep, expect, MAX_ANSWER);
         // The handshake is part of the request's time: a hung replica (its kernel still
@@ -122,7 +132,7 @@ impl Client {
 
     /// Sends `req` and returns the answer if it says `ok` (an answer that does not is
     /// [`ControlError::Refused`]).
-    pub fn call(&self, req: &Request) -> Result<Value, ControlError> {
+    pub fn call<R: Command>(&self, req: &R) -> Result<Value, ControlError> {
         let started = Instant::now();
         let link = self.connect()?;
         self.call_on(link, req, started)
@@ -131,10 +141,10 @@ impl Client {
     /// [`Client::call`] on a link [`Client::connect`] opened earlier (at `started`): a caller
     /// whose request is on a critical path — `migrate_out` after the steering switch, while
     /// the destination holds the flow's packets — connects and authenticates before it.
-    pub fn call_on(
+    pub fn call_on<R: Command>(
         &self,
         mut link: Link,
-        req: &Request,
+        req: &R,
         started: Instant,
     ) -> Result<Value, ControlError> {
         let wait = if req.is_slow() {
@@ -182,7 +192,7 @@ impl Client {
     }
 
     /// [`Client::call`] and the strict decoding of the answer's typed part.
-    pub fn ask<T: DeserializeOwned>(&self, req: &Request) -> Result<T, ControlError> {
+    pub fn ask<T: DeserializeOwned, R: Command>(&self, req: &R) -> Result<T, ControlError> {
         let v = self.call(req)?;
         reply::decode(&v).map_err(|reason| ControlError::Malformed {
             ep: self.ep.to_string(),

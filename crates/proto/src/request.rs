@@ -97,7 +97,7 @@ pub enum Request {
 
 /// The request body on the wire: the request's JSON object, with the sending controller's
 /// leadership term as a `"term"` field when it has one.
-pub fn encode(req: &Request, term: Option<u64>) -> Result<Vec<u8>, String> {
+pub fn encode<R: serde::Serialize>(req: &R, term: Option<u64>) -> Result<Vec<u8>, String> {
     let body = serde_json::to_vec(req).map_err(|e| format!("encode: {e}"))?;
     let Some(t) = term else { return Ok(body) };
     // An internally tagged enum always serialises as a non-empty object (`{"cmd":...}`), so

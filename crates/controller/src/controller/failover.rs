@@ -1380,3 +1380,65 @@ impl Controller {
             "token": lock(&self.state).ha.token, "replicas": answers}))
     }
 }
+
+impl Controller {
+    /// Watches the hosts' agents from now on (`[hosts]`).
+    pub fn set_hosts(&self, h: Arc<crate::hosts::HostWatch>) {
+        let _ = self.hosts.set(h);
+    }
+
+    pub fn hosts(&self) -> Option<&Arc<crate::hosts::HostWatch>> {
+        self.hosts.get()
+    }
+
+    /// One poll of every host's agent, acted on: a replica whose process its agent saw die
+    /// fails over on that word (the exit status is exact; no probe or heartbeat needs to
+    /// miss); every replica of a host found dead fails over.
+    pub fn hosts_watch_once(&self) {
+        use crate::hosts::HostEvent;
+        let Some(h) = self.hosts.get() else { return };
+        let dead_after = Duration::from_millis(h.cfg.dead_after_ms);
+        let seen = lock(&self.state).ha.last_seen.clone();
+        let now = Instant::now();
+        let answered = |i: u32| {
+            seen.get(&i)
+                .is_some_and(|t| now.saturating_duration_since(*t) < dead_after)
+        };
+        for ev in h.poll_once(&answered) {
+            let (kind, replicas, evidence) = match &ev {
+                HostEvent::ProcessDied {
+                    host,
+                    replica,
+                    exit,
+                } => (
+                    "process_died",
+                    vec![*replica],
+                    format!("process died on host {host}: {exit} (reported by its agent)"),
+                ),
+                HostEvent::HostDead {
+                    host,
+                    replicas,
+                    silent_ms,
+                } => (
+                    "host_dead",
+                    replicas.clone(),
+                    format!(
+                        "host {host} dead: its agent and its replicas silent for {silent_ms} ms"
+                    ),
+                ),
+            };
+            self.event(kind, json!({"replicas": replicas, "evidence": evidence}));
+            if !self.ha_enabled() {
+                continue;
+            }
+            for r in replicas {
+                if let Err(e) = self.failover(r, &evidence) {
+                    self.event(
+                        "failover_error",
+                        json!({"replica": r, "error": e.to_string()}),
+                    );
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,158 @@
+//! The host agent's protocol: what a controller (or an admin) may ask the agent of one host,
+//! and what the agent answers. Same framing, link and sealing as the replica control channel
+//! ([`crate::link`]); the agent proves the AGENT role in the handshake and serves CONTROLLER
+//! and ADMIN clients, so a replica can never be taken for an agent or the reverse.
+//!
+//! An agent runs the replicas its host is provisioned for: each is a *slot* of the agent's
+//! config (a name, the command that runs it, its control socket on the host). The controller
+//! chooses which slots run; the agent starts and stops them, watches them (the exit status of
+//! a process it started is exact, its control socket is probed every few milliseconds), and
+//! reports in [`AgentStatus`].
+
+use serde::{Deserialize, Serialize};
+
+/// Longest replica (slot) name a request may carry.
+pub const MAX_SLOT_NAME: usize = 64;
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "cmd", rename_all = "snake_case")]
+pub enum AgentRequest {
+    /// The agent and every slot's state.
+    AgentStatus,
+    /// Run slot `replica` (already running: answered with its state, nothing started).
+    Start { replica: String },
+    /// Stop slot `replica` (SIGTERM, SIGKILL after a grace period); stopped already: ok.
+    Stop { replica: String },
+}
+
+impl AgentRequest {
+    /// Decodes and checks one request body.
+    pub fn parse(body: &[u8]) -> Result<AgentRequest, String> {
+        let r: AgentRequest = serde_json::from_slice(body).map_err(|e| {
+            let mut m = e.to_string();
+            m.truncate(m.floor_char_boundary(300));
+            format!("bad request: {m}")
+        })?;
+        match &r {
+            AgentRequest::Start { replica } | AgentRequest::Stop { replica } => {
+                check_slot_name(replica)?
+            }
+            AgentRequest::AgentStatus => {}
+        }
+        Ok(r)
+    }
+}
+
+/// A slot name: 1..=64 of `[A-Za-z0-9_.-]` (it names files and appears in logs).
+pub fn check_slot_name(n: &str) -> Result<(), String> {
+    let ok = !n.is_empty()
+        && n.len() <= MAX_SLOT_NAME
+        && n.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b));
+    match ok {
+        true => Ok(()),
+        false => Err(format!(
+            "bad replica name {:?}: 1..={MAX_SLOT_NAME} characters of A-Z a-z 0-9 _ . -",
+            n.chars().take(80).collect::<String>()
+        )),
+    }
+}
+
+impl crate::Command for AgentRequest {
+    fn name(&self) -> &'static str {
+        match self {
+            AgentRequest::AgentStatus => "agent_status",
+            AgentRequest::Start { .. } => "start",
+            AgentRequest::Stop { .. } => "stop",
+        }
+    }
+    /// A start waits for the replica to serve its control socket (bounded by the agent).
+    fn is_slow(&self) -> bool {
+        matches!(self, AgentRequest::Start { .. } | AgentRequest::Stop { .. })
+    }
+}
+
+/// The state of one slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SlotState {
+    /// Not running, and not asked to run.
+    Stopped,
+    /// Running: the process lives (its control socket may not answer yet: `serving`).
+    Running,
+    /// It was running and ended without being asked to (`exit` says how).
+    Died,
+}
+
+/// One slot of an agent.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SlotStatus {
+    /// The replica's name (its certificate's, when it has an identity).
+    pub replica: String,
+    pub state: SlotState,
+    /// The replica's control socket on its host.
+    pub control: String,
+    /// Whether the control socket accepted a connection at the last probe.
+    pub serving: bool,
+    pub pid: Option<u32>,
+    /// When the state last changed (unix ms, the agent's clock).
+    pub since_unix_ms: u64,
+    /// How a died replica ended ("killed by signal 9", "exit status 1", "control socket
+    /// refused" for one the agent adopted and cannot wait for).
+    pub exit: Option<String>,
+    /// Times this slot's process died since the agent started.
+    pub deaths: u64,
+}
+
+/// `agent_status` (and the answer of `start`/`stop`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentStatus {
+    /// The agent's (host's) name.
+    pub agent: String,
+    /// The highest controller term seen (0: none).
+    pub term: u64,
+    /// Requests refused for a lower (deposed) term.
+    pub deposed_refused: u64,
+    /// The agent's clock (unix ms) when it answered.
+    pub now_unix_ms: u64,
+    /// How often the agent probes its replicas.
+    pub probe_ms: u64,
+    pub slots: Vec<SlotStatus>,
+}
+
+impl AgentStatus {
+    pub fn slot(&self, replica: &str) -> Option<&SlotStatus> {
+        self.slots.iter().find(|s| s.replica == replica)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_round_trip_and_bad_names_are_refused() {
+        for r in [
+            AgentRequest::AgentStatus,
+            AgentRequest::Start {
+                replica: "r4".into(),
+            },
+            AgentRequest::Stop {
+                replica: "db-1.a_b".into(),
+            },
+        ] {
+            let body = crate::request::encode(&r, Some(7)).unwrap();
+            assert_eq!(AgentRequest::parse(&body).unwrap(), r);
+            assert_eq!(crate::request::term_of(&body).unwrap(), Some(7));
+        }
+        for bad in ["", "../etc", "a b", &"x".repeat(65)] {
+            let body = format!(r#"{{"cmd":"start","replica":{bad:?}}}"#);
+            let e = AgentRequest::parse(body.as_bytes()).unwrap_err();
+            assert!(e.contains("bad replica name"), "{e}");
+        }
+        let e = AgentRequest::parse(br#"{"cmd":"stats"}"#).unwrap_err();
+        assert!(e.starts_with("bad request"), "{e}");
+        let e = AgentRequest::parse(br#"{"cmd":"start"}"#).unwrap_err();
+        assert!(e.contains("replica"), "{e}");
+    }
+}
