@@ -6,6 +6,7 @@
 //! name = "h1"                      # the host's name; its certificate's, with an identity
 //! listen = "10.254.0.1:7410"       # TCP needs `identity`; a unix path serves same-uid clients
 //! identity = "/etc/pliant/id/h1"   # AGENT role (pliant keys issue --role agent)
+//! socket = "/run/pliant/agent.sock" # optional: also on a unix socket (tools on the host)
 //! state_dir = "/run/pliant/agent"  # pid files of the replicas it runs
 //!
 //! [[replica]]
@@ -40,6 +41,10 @@ pub struct AgentConfig {
 pub struct AgentSection {
     pub name: String,
     pub listen: String,
+    /// A unix socket served besides `listen` (same-uid clients; sealed with an identity),
+    /// e.g. for tools on the host itself.
+    #[serde(default)]
+    pub socket: Option<PathBuf>,
     #[serde(default)]
     pub identity: Option<PathBuf>,
     #[serde(default)]
@@ -112,6 +117,9 @@ impl AgentConfig {
                  every request authenticated",
                 a.listen
             ));
+        }
+        if a.socket.as_ref().is_some_and(|p| !p.is_absolute()) {
+            return bad("agent.socket must be an absolute path".into());
         }
         if !(1..=1000).contains(&a.probe_ms) {
             return bad(format!("agent.probe_ms = {}: need 1..=1000", a.probe_ms));

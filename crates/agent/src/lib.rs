@@ -63,6 +63,13 @@ pub fn run(
         .parse()
         .map_err(|e| format!("agent.listen: {e}"))?;
     let server = server::Server::start(&ep, shared.clone())?;
+    let local = match &cfg.agent.socket {
+        Some(p) => Some(server::Server::start(
+            &pliant_wire::Endpoint::Unix(p.clone()),
+            shared.clone(),
+        )?),
+        None => None,
+    };
     tracing::info!(agent = %cfg.agent.name, listen = %server.endpoint(), slots = cfg.replica.len(), "agent up");
     on_ready(server.endpoint());
     let watch_stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -75,6 +82,7 @@ pub fn run(
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
     drop(server);
+    drop(local);
     watch_stop.store(true, Ordering::SeqCst);
     let _ = watcher.join();
     tracing::info!(agent = %cfg.agent.name, "agent stopped (its replicas keep running)");

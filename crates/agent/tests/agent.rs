@@ -56,6 +56,7 @@ fn config(d: &Path, listen: &str, identity: Option<PathBuf>) -> AgentConfig {
     let c = AgentConfig {
         agent: AgentSection {
             name: "h1".into(),
+            socket: None,
             listen: listen.into(),
             identity,
             encrypt: None,

@@ -55,6 +55,12 @@ enum LabCmd {
         /// ([replica] realtime_priority; shorter migration pauses on a busy machine).
         #[arg(long, value_parser = clap::value_parser!(u8).range(1..=99))]
         realtime_priority: Option<u8>,
+        /// Put each replica on a host of its own (pliant modes): its own network and mount
+        /// namespace (private /run), a `pliant agent` that starts its replica, every channel
+        /// over TCP on a management network. One replica per host: N replicas (--replicas,
+        /// if given, must be N).
+        #[arg(long, value_parser = clap::value_parser!(u8).range(1..=32))]
+        hosts: Option<u8>,
     },
     /// Remove a lab (processes, namespaces, run directory), also after a crash.
     Down {
@@ -96,6 +102,7 @@ pub fn run(a: LabArgs) -> Result<(), String> {
             ha,
             ha_mode,
             realtime_priority,
+            hosts,
         } => {
             let mode = ReplicaMode::parse(&mode).ok_or(format!("unknown mode {mode}"))?;
             let mut spec = LabSpec::new(mode);
@@ -103,6 +110,16 @@ pub fn run(a: LabArgs) -> Result<(), String> {
             spec.detached = true;
             spec.disable_offloads = disable_offloads;
             spec.replicas = replicas;
+            if let Some(h) = hosts {
+                if replicas != 1 && replicas != h {
+                    return Err(format!(
+                        "--hosts {h} --replicas {replicas}: one replica per host, give one of them"
+                    ));
+                }
+                spec.replicas = h;
+                spec.agents = true;
+                spec.transport = pliant_lab::mgmt::Transport::Tcp;
+            }
             spec.realtime_priority = realtime_priority;
             spec.ha = ha || ha_mode.is_some();
             if let Some(m) = ha_mode.as_deref() {
@@ -116,6 +133,14 @@ pub fn run(a: LabArgs) -> Result<(), String> {
             }
             let lab = Lab::up(spec).map_err(|e| e.to_string())?;
             print_lab(&lab);
+            if let Some(h) = hosts {
+                println!(
+                    "hosts: h1..h{h} (agents on 10.254.0.N:{}); a controller reaches them with, in \
+                     ctl.toml:\n{}",
+                    pliant_lab::agents::AGENT_PORT,
+                    pliant_lab::agents::hosts_section(h, 50, 1000)
+                );
+            }
             let name = lab.name().to_string();
             lab.detach();
             println!("remove with: pliant lab down --name {name}");

@@ -174,6 +174,9 @@ struct View {
     state: HostState,
     since: Instant,
     silent_since: Option<Instant>,
+    /// When the agent last answered: a silence is counted from there (the host was last known
+    /// alive then), not from the end of the first poll that timed out.
+    last_ok: Option<Instant>,
     last: Option<AgentStatus>,
     last_error: Option<String>,
     /// Deaths already reported, per replica (the agent's death counter).
@@ -210,6 +213,7 @@ impl HostWatch {
                 state: HostState::Unreachable,
                 since: now,
                 silent_since: None,
+                last_ok: None,
                 last: None,
                 last_error: None,
                 deaths_seen: Default::default(),
@@ -247,6 +251,7 @@ impl HostWatch {
     /// `dead_after_ms`.
     pub fn poll_once(&self, replica_answered: &(dyn Fn(u32) -> bool + Sync)) -> Vec<HostEvent> {
         let timeout = Duration::from_millis(self.cfg.poll_timeout_ms);
+        let started = Instant::now();
         let entries = self.entries();
         let answers: Vec<(Poll, Option<AgentStatus>)> = std::thread::scope(|s| {
             let hs: Vec<_> = entries
@@ -270,7 +275,8 @@ impl HostWatch {
                 Poll::Silent(w) => {
                     self.poll_failures.fetch_add(1, Ordering::Relaxed);
                     v.last_error = Some(w.clone());
-                    now - *v.silent_since.get_or_insert(now)
+                    let from = v.last_ok.unwrap_or(started);
+                    now - *v.silent_since.get_or_insert(from)
                 }
                 Poll::Refused(w) => {
                     self.poll_failures.fetch_add(1, Ordering::Relaxed);
@@ -279,6 +285,7 @@ impl HostWatch {
                     Duration::ZERO
                 }
                 Poll::Answered => {
+                    v.last_ok = Some(now);
                     v.silent_since = None;
                     v.last_error = None;
                     Duration::ZERO

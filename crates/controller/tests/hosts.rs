@@ -49,6 +49,7 @@ fn agent(d: &Path, ca: &Ca, host: &str, slots: &[&str]) -> RunningAgent {
     let cfg = AgentConfig {
         agent: AgentSection {
             name: host.into(),
+            socket: None,
             listen: "127.0.0.1:0".into(),
             identity: Some(id),
             encrypt: None,

@@ -145,6 +145,9 @@ pub struct LabSpec {
     /// or TCP over a management network between the replica namespaces, as between hosts
     /// (see [`crate::mgmt`]).
     pub transport: crate::mgmt::Transport,
+    /// Each replica namespace is a host with its own `pliant agent`, which starts the host's
+    /// replica (pliant modes over TCP only; see [`crate::agents`]).
+    pub agents: bool,
 }
 
 impl LabSpec {
@@ -167,6 +170,7 @@ impl LabSpec {
             ha_mode: crate::ha::LabHaMode::Pico,
             realtime_priority: None,
             transport: crate::mgmt::Transport::Unix,
+            agents: false,
         }
     }
 
@@ -275,6 +279,18 @@ impl Lab {
         {
             return Err(LabError::NoPliantBinary);
         }
+        if spec.agents
+            && (spec.transport != crate::mgmt::Transport::Tcp
+                || !matches!(spec.mode, ReplicaMode::Pliant { .. })
+                || spec.pliant_bin.is_none()
+                || spec.replica_command.is_some())
+        {
+            return Err(LabError::Config(
+                "host agents need pliant replicas over TCP (transport tcp) run by the pliant \
+                 binary (not a replica command)"
+                    .into(),
+            ));
+        }
         std::fs::create_dir_all(&spec.run_root).map_err(io_err(&spec.run_root))?;
         let run_dir = spec.run_root.join(&name);
         // create_dir (not _all) is the atomic claim on the name: two racing `up`s cannot both win.
@@ -308,6 +324,7 @@ impl Lab {
             // Replicas that talk over TCP also see no files of each other (see `host`).
             private_hosts: spec.transport == crate::mgmt::Transport::Tcp
                 && matches!(spec.mode, ReplicaMode::Pliant { .. }),
+            agents: spec.agents,
         };
         st.save()?;
         let mut lab = Lab {
@@ -390,6 +407,9 @@ impl Lab {
     }
     /// The replica's log file (stdout and stderr of `pliant replica`).
     pub fn replica_log(&self, n: u8) -> PathBuf {
+        if self.state.agents {
+            return crate::agents::replica_log(&self.state.run_dir, n);
+        }
         self.state.run_dir.join(format!("r{n}.log"))
     }
 
@@ -693,6 +713,9 @@ impl Lab {
                 let text = toml::to_string(&cfg).map_err(|e| LabError::Config(e.to_string()))?;
                 let cfg_path = crate::host::config(&run, n, private);
                 std::fs::write(&cfg_path, text).map_err(io_err(&cfg_path))?;
+                if spec.agents {
+                    return self.start_through_agent(spec, n, &ns, sock);
+                }
                 let log = self.replica_log(n);
                 let cfg_s = run.join(format!("r{n}.toml")).display().to_string();
                 let mut program: Vec<String> = match (&spec.replica_command, &spec.pliant_bin) {
@@ -722,6 +745,45 @@ impl Lab {
                 self.wait_replica(n, &sock, &log)
             }
         }
+    }
+
+    /// Host `n`'s agent (on its private host view), then its replica, started by the agent.
+    fn start_through_agent(
+        &mut self,
+        spec: &LabSpec,
+        n: u8,
+        ns: &str,
+        sock: PathBuf,
+    ) -> Result<()> {
+        let run = self.state.run_dir.clone();
+        let bin = spec
+            .pliant_bin
+            .as_ref()
+            .ok_or(LabError::NoPliantBinary)?
+            .display()
+            .to_string();
+        let cfg = crate::agents::prepare(&run, n, &bin)?;
+        let program = [bin.as_str(), "agent", "--config", cfg.as_str()];
+        let argv = crate::host::command(ns, &run, n, &program);
+        let log = run.join(format!("{}-agent.log", crate::agents::host_name(n)));
+        let mut child = spawn_logged(&argv, &log)?;
+        let pid = child.id() as i32;
+        self.record_proc(
+            pid,
+            &format!("pliant-agent-{}", crate::agents::host_name(n)),
+        )?;
+        self.say(&format!(
+            "waiting for agent {} (pid {pid})",
+            crate::agents::host_name(n)
+        ));
+        let ready = crate::agents::wait_agent(&run, n, &mut child);
+        self.children.push(child);
+        ready?;
+        let rpid = crate::agents::start_replica(&run, n)?;
+        self.record_proc(rpid as i32, &format!("pliant-r{n}"))?;
+        self.replica_sockets.push(sock);
+        self.say(&format!("replica r{n} (pid {rpid}) started by its agent"));
+        Ok(())
     }
 
     fn wait_replica(&mut self, n: u8, sock: &Path, log: &Path) -> Result<()> {

@@ -8,6 +8,7 @@
 //! the [`Lab`] (or [`down_by_name`] from another process, after a crash) removes everything it
 //! made: recorded processes (by PID, cmdline verified), namespaces and the run directory.
 
+pub mod agents;
 pub mod cmd;
 pub mod error;
 pub mod etcd;

@@ -431,6 +431,7 @@ mod tests {
             namespaces: ns.iter().map(|s| s.to_string()).collect(),
             procs: vec![],
             private_hosts: false,
+            agents: false,
         }
     }
 

@@ -42,6 +42,9 @@ pub struct LabState {
     /// Each replica runs on a private host view of the run directory ([`crate::host`]).
     #[serde(default)]
     pub private_hosts: bool,
+    /// Each replica namespace is a host whose agent starts its replica ([`crate::agents`]).
+    #[serde(default)]
+    pub agents: bool,
 }
 
 impl LabState {
@@ -279,6 +282,7 @@ mod tests {
             namespaces: vec![],
             procs: vec![],
             private_hosts: false,
+            agents: false,
         };
         assert!(!st.is_stale());
         st.owner = Some(Owner {
@@ -319,6 +323,7 @@ mod tests {
             ],
             procs: vec![],
             private_hosts: false,
+            agents: false,
         };
         let owned: Vec<&String> = st.owned_namespaces().collect();
         assert_eq!(owned, vec!["lab1-client"]);
@@ -342,6 +347,7 @@ mod tests {
                 marker: "m".into(),
             }],
             private_hosts: false,
+            agents: false,
         };
         st.save().expect("save");
         let back = LabState::load(&st.path()).expect("load");

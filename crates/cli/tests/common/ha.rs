@@ -126,6 +126,24 @@ pub fn ha_up_full(
     ctl_extra: &str,
     sections: &str,
 ) -> Option<HaRun> {
+    ha_up_spec(
+        tag, nf, files, transport, false, policy, ctl_extra, sections,
+    )
+}
+
+/// [`ha_up_full`], with `agents`: every replica namespace a host whose `pliant agent` starts
+/// its replica (TCP only; the controller then needs a `[hosts]` section in `sections`).
+#[allow(clippy::too_many_arguments)]
+pub fn ha_up_spec(
+    tag: &str,
+    nf: PliantNf,
+    files: &[(&str, u64)],
+    transport: pliant_lab::mgmt::Transport,
+    agents: bool,
+    policy: &str,
+    ctl_extra: &str,
+    sections: &str,
+) -> Option<HaRun> {
     if !pliant_testkit::require_root() {
         return None;
     }
@@ -139,6 +157,7 @@ pub fn ha_up_full(
     spec.replicas = 3;
     spec.ha = true;
     spec.transport = transport;
+    spec.agents = agents;
     for (name, size) in files {
         spec = spec.with_file(name, *size);
     }
@@ -319,6 +338,42 @@ impl HaRun {
     }
 
     /// SIGKILL replica `n` by the PID the lab started.
+    /// Kills host `n` of a lab with agents as a whole: its links cut first (so nothing its
+    /// dying kernel says leaves it), then every process on it SIGKILLed by PID, agent included.
+    pub fn kill_host(&self, n: u32) -> Killed {
+        let ns = self.lab().netns(Role::Replica(n as u8));
+        let unix_ms = unix_ms();
+        let at = Instant::now();
+        for ifn in [
+            pliant_lab::mgmt::REPLICA_IF.to_string(),
+            pliant_lab::topology::replica_in_if(n as u8),
+            pliant_lab::topology::replica_out_if(n as u8),
+        ] {
+            self.lab()
+                .exec_ok(Role::Replica(n as u8), &["ip", "link", "set", &ifn, "down"])
+                .unwrap_or_else(|e| panic!("cut {ifn} of {ns}: {e}"));
+        }
+        let agent = format!("pliant-agent-{}", pliant_lab::agents::host_name(n as u8));
+        let agent_pid = self
+            .lab()
+            .state()
+            .procs
+            .iter()
+            .find(|p| p.role == agent)
+            .map(|p| p.pid)
+            .expect("agent pid");
+        for pid in [self.replica_pid(n), agent_pid] {
+            // SAFETY: SIGKILL to processes of this test's own lab, by recorded PID.
+            let r = unsafe { libc::kill(pid, libc::SIGKILL) };
+            assert_eq!(r, 0, "kill pid {pid} of host {n}");
+        }
+        Killed {
+            replica: n,
+            at,
+            unix_ms,
+        }
+    }
+
     pub fn kill(&self, n: u32) -> Killed {
         let pid = self.replica_pid(n);
         let unix_ms = unix_ms();
