@@ -74,6 +74,7 @@ fn config(d: &Path, listen: &str, identity: Option<PathBuf>) -> AgentConfig {
 
 /// A running agent, stopped (and its replicas stopped) when dropped.
 struct Running {
+    state_dir: PathBuf,
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<Result<(), String>>>,
     ep: Endpoint,
@@ -85,10 +86,22 @@ impl Drop for Running {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+        // An agent leaves its replicas running by design: end the ones this test's agent
+        // started (its PID files), also when the test failed half-way.
+        if let Ok(files) = std::fs::read_dir(&self.state_dir) {
+            for f in files.flatten() {
+                let text = std::fs::read_to_string(f.path()).unwrap_or_default();
+                if let Some(pid) = text.split_whitespace().next().and_then(|p| p.parse().ok()) {
+                    // SAFETY: SIGKILL to a process this test's agent started (its PID file).
+                    unsafe { libc::kill(pid, libc::SIGKILL) };
+                }
+            }
+        }
     }
 }
 
 fn start(cfg: AgentConfig) -> Running {
+    let state_dir = cfg.agent.state_dir.clone();
     let stop = Arc::new(AtomicBool::new(false));
     let (tx, rx) = std::sync::mpsc::channel();
     let s = stop.clone();
@@ -99,6 +112,7 @@ fn start(cfg: AgentConfig) -> Running {
     });
     let ep = rx.recv_timeout(Duration::from_secs(10)).expect("agent up");
     Running {
+        state_dir,
         stop,
         thread: Some(thread),
         ep,

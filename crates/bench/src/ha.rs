@@ -108,6 +108,10 @@ pub struct HaOpts {
     pub transport: pliant_lab::mgmt::Transport,
     /// Also run `ftmb` over unix sockets and report `ftmb_tcp_vs_unix` (with TCP).
     pub ftmb_on_unix_too: bool,
+    /// Every pliant replica on a host of its own with an agent (TCP); the failover kills a
+    /// whole host (links cut, replica and agent SIGKILLed), as the kernel peer's failover
+    /// kills its master router.
+    pub hosts: bool,
 }
 
 impl Default for HaOpts {
@@ -128,6 +132,7 @@ impl Default for HaOpts {
             run_root: PathBuf::from("/run/pliant"),
             transport: pliant_lab::mgmt::Transport::Unix,
             ftmb_on_unix_too: false,
+            hosts: false,
         }
     }
 }
@@ -137,6 +142,9 @@ pub struct FailoverReport {
     /// What failed (system and victim); empty when not run.
     pub system: String,
     pub victim: String,
+    /// "process" (a replica's process SIGKILLed) or "host" (a whole host lost: links cut,
+    /// every process on it SIGKILLed).
+    pub victim_kind: String,
     pub error: Option<String>,
     pub recovery_ms: Option<f64>,
     pub tcp_stall_ms: Option<f64>,
@@ -280,6 +288,9 @@ pub struct HaReport {
     /// The replicas' channels: "unix" (one host) or "tcp" (a management network between the
     /// replica namespaces, as between hosts).
     pub transport: &'static str,
+    /// Pliant replicas each on a host of its own with an agent (`--hosts`): the number of
+    /// hosts; `null` without.
+    pub hosts: Option<u8>,
     pub duration_s: u32,
     pub connections: u32,
     pub request_bytes: u32,
@@ -357,6 +368,7 @@ impl HaReport {
         HaReport {
             bench: "ha",
             transport: opts.transport.label(),
+            hosts: opts.hosts.then_some(REPLICAS),
             duration_s: opts.duration_s,
             connections: opts.connections,
             request_bytes: opts.request_bytes,
@@ -574,6 +586,12 @@ trait Sut {
     fn cpu_pids(&self) -> Vec<i32>;
     /// Replication bytes so far (monotonic while nothing fails).
     fn repl_bytes(&self) -> Result<u64, BenchError>;
+    /// The members of the ring that places flows on replicas (pliant), so the failover's
+    /// probe flows can be spread over every replica, the victim included; `None`: one router
+    /// carries every flow (the kernel peer's VRRP master).
+    fn ring_members(&self) -> Option<Vec<u32>> {
+        None
+    }
 }
 
 fn tx_opts(opts: &HaOpts, server: Ipv4Addr, dur: Duration) -> TxClientOpts {
@@ -710,6 +728,24 @@ fn run_failover(
     };
     let mut o = tx_opts(opts, sut.server_ip(), KILL_AFTER + AFTER_KILL);
     o.probe_flows = opts.probe_flows;
+    if let Some(m) = sut.ring_members() {
+        // Spread over every replica: with ephemeral (often consecutive) source ports the
+        // probes could all land on survivors and time nothing.
+        let per = usize::from(opts.probe_flows).div_ceil(m.len());
+        o.probe_sport_base = crate::flowgen::Ring::of(&m).ok().and_then(|r| {
+            r.spread_block(
+                &m,
+                pliant_state::key::proto::UDP,
+                o.probe_port,
+                per,
+                30_000,
+                40_000,
+            )
+        });
+        if o.probe_sport_base.is_none() {
+            progress("  failover: no probe port block spreads over the ring; ephemeral ports");
+        }
+    }
     o.warmup = Duration::ZERO;
     progress(&format!(
         "  failover: txload with {} probe flows, failure after {:?}",
@@ -854,7 +890,9 @@ fn measure_kernel(opts: &HaOpts) -> HaSystemReport {
                 format!("router {router:?} (links cut, keepalived+conntrackd SIGKILLed)")
             })
         };
-        r.failover = Some(run_failover(opts, &Ns(cl), "kernel_conntrackd", &mut fail));
+        let mut f = run_failover(opts, &Ns(cl), "kernel_conntrackd", &mut fail);
+        f.victim_kind = "host".into();
+        r.failover = Some(f);
     }
     drop(srv);
     drop(peer);
@@ -999,6 +1037,9 @@ impl Sut for PliantSut<'_> {
     fn client_ns(&self) -> String {
         self.0.lab().netns(pliant_lab::Role::Client)
     }
+    fn ring_members(&self) -> Option<Vec<u32>> {
+        Some((1..=u32::from(REPLICAS)).collect())
+    }
     fn server_ip(&self) -> Ipv4Addr {
         pliant_lab::SERVER_IP
             .parse()
@@ -1039,6 +1080,10 @@ fn pliant_up(opts: &HaOpts, sys: &str) -> Result<PliantSys, String> {
     }
     spec.run_root = opts.run_root.clone();
     spec.transport = opts.transport;
+    if opts.hosts {
+        spec.transport = pliant_lab::mgmt::Transport::Tcp;
+        spec.agents = true;
+    }
     let lab = Lab::up(spec).map_err(|e| format!("lab up: {e}"))?;
     let dir = lab.run_dir().join("bench-ha");
     std::fs::create_dir_all(&dir).map_err(|e| format!("mkdir {}: {e}", dir.display()))?;
@@ -1049,10 +1094,16 @@ fn pliant_up(opts: &HaOpts, sys: &str) -> Result<PliantSys, String> {
         srv: None,
     };
     // Over TCP the controller tells replicas each other's management addresses.
-    let (tcp_ctl, tcp_ha) = match opts.transport {
-        pliant_lab::mgmt::Transport::Tcp => pliant_lab::mgmt::controller_keys(),
-        pliant_lab::mgmt::Transport::Unix => (String::new(), String::new()),
+    let (tcp_ctl, mut tcp_ha) = match (opts.transport, opts.hosts) {
+        (pliant_lab::mgmt::Transport::Tcp, _) | (_, true) => pliant_lab::mgmt::controller_keys(),
+        _ => (String::new(), String::new()),
     };
+    if opts.hosts {
+        // The hosts' agents, with the kernel peer's detection budget: VRRP declares its master
+        // dead after 3 missed adverts of 100 ms; a host here is dead after 300 ms of silence
+        // (plus one poll bound, 75 ms).
+        tcp_ha.push_str(&pliant_lab::agents::hosts_section(REPLICAS, 20, 300));
+    }
     // As the e2e HA harness runs it: 10 ms liveness probes, NAT port blocks of 1000 (a
     // failed-over replica's block stays quarantined while its flows live on elsewhere).
     let ctl = format!(
@@ -1286,6 +1337,17 @@ fn kill_r1(opts: &HaOpts, p: &PliantSys, sys: &str) -> FailoverReport {
                     .map(|i| flows.take_max_gap_us(i))
                     .collect();
             }
+            if opts.hosts {
+                // The whole host, as the kernel peer loses its master router: the mark when
+                // its links are cut.
+                return pliant_lab::agents::kill_host(p.lab(), 1, &mut || {
+                    m.set();
+                })
+                .map_err(|e| BenchError::Tool {
+                    tool: "kill",
+                    reason: format!("host h1: {e}"),
+                });
+            }
             m.set();
             // SAFETY: SIGKILL to replica r1, a process of our lab (cmdline checked above).
             let rc = unsafe { libc::kill(pid, libc::SIGKILL) };
@@ -1304,6 +1366,7 @@ fn kill_r1(opts: &HaOpts, p: &PliantSys, sys: &str) -> FailoverReport {
     };
     let t_kill = unix_ms();
     let mut f = run_failover(opts, &PliantSut(p, sys == "ftmb"), sys, &mut fail);
+    f.victim_kind = if opts.hosts { "host" } else { "process" }.into();
     f.controller_record = controller_failover(opts, p, 1, t_kill);
     f.udp = Some(match udp {
         Ok((flows, on_r1)) => finish_failover_udp(flows, &on_r1, &pre_gaps),

@@ -233,6 +233,9 @@ pub struct TxClientOpts {
     pub probe_flows: u16,
     pub probe_port: u16,
     pub probe_interval: Duration,
+    /// Probe flow `i` sends from source port `base + i` (placed by the caller, e.g. spread over
+    /// a ring's replicas); `None`: ephemeral ports.
+    pub probe_sport_base: Option<u16>,
     pub seed: u64,
 }
 
@@ -251,6 +254,7 @@ impl TxClientOpts {
             probe_flows: 0,
             probe_port: PROBE_PORT,
             probe_interval: Duration::from_millis(2),
+            probe_sport_base: None,
             seed: 0x5eed,
         }
     }
@@ -912,8 +916,9 @@ pub fn run_client(
     let mut probes = Vec::with_capacity(usize::from(opts.probe_flows));
     let paddr = SocketAddrV4::new(*opts.server.ip(), opts.probe_port);
     for i in 0..opts.probe_flows {
-        let u = UdpSocket::bind("0.0.0.0:0").map_err(|source| TxError::Bind {
-            addr: "udp 0.0.0.0:0".into(),
+        let sport = opts.probe_sport_base.map_or(0, |b| b.saturating_add(i));
+        let u = UdpSocket::bind(("0.0.0.0", sport)).map_err(|source| TxError::Bind {
+            addr: format!("udp 0.0.0.0:{sport}"),
             source,
         })?;
         u.connect(paddr).map_err(sys("udp connect"))?;

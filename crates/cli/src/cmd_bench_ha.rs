@@ -50,6 +50,11 @@ pub struct HaArgs {
     /// tcp, plus ftmb over unix for `ftmb_tcp_vs_unix`).
     #[arg(long, default_value = "unix", value_parser = ["unix", "tcp", "both"])]
     pub transport: String,
+    /// Put each pliant replica on a host of its own (3 hosts, each with its own network and
+    /// mount namespace and a `pliant agent`; everything over TCP) and lose a whole host in the
+    /// failover (links cut, replica and agent SIGKILLed), as the kernel peer loses its master.
+    #[arg(long, value_parser = clap::value_parser!(u8).range(3..=3))]
+    pub hosts: Option<u8>,
 }
 
 fn fmt(v: Option<f64>, digits: usize) -> String {
@@ -166,12 +171,14 @@ pub fn run(a: HaArgs) -> Result<(), String> {
         probe_flows: a.probe_flows,
         trials: a.trials,
         disable_offloads: !a.keep_offloads,
-        transport: if a.transport == "unix" {
+        // Hosts talk over TCP.
+        transport: if a.transport == "unix" && a.hosts.is_none() {
             pliant_lab::mgmt::Transport::Unix
         } else {
             pliant_lab::mgmt::Transport::Tcp
         },
         ftmb_on_unix_too: a.transport == "both",
+        hosts: a.hosts.is_some(),
         ..HaOpts::default()
     };
     // Ctrl-C stops between measurements; labs are torn down and the partial report printed.

@@ -225,6 +225,7 @@ pub fn spawn_loops(
     v.push(std::thread::spawn(move || {
         while !s.load(Ordering::SeqCst) {
             std::thread::sleep(pi);
+            c.retry_intents();
             if let Err(e) = c.policy_tick(false) {
                 tracing::warn!(error = %e, "policy action failed");
             }

@@ -29,6 +29,7 @@ impl Drop for Dir {
 }
 
 struct RunningAgent {
+    state_dir: PathBuf,
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<Result<(), String>>>,
     endpoint: String,
@@ -39,6 +40,17 @@ impl Drop for RunningAgent {
         self.stop.store(true, Ordering::SeqCst);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
+        }
+        // An agent leaves its replicas running by design: end the ones this test's agent
+        // started (its PID files), also when the test failed half-way.
+        if let Ok(files) = std::fs::read_dir(&self.state_dir) {
+            for f in files.flatten() {
+                let text = std::fs::read_to_string(f.path()).unwrap_or_default();
+                if let Some(pid) = text.split_whitespace().next().and_then(|p| p.parse().ok()) {
+                    // SAFETY: SIGKILL to a process this test's agent started (its PID file).
+                    unsafe { libc::kill(pid, libc::SIGKILL) };
+                }
+            }
         }
     }
 }
@@ -78,6 +90,7 @@ fn agent(d: &Path, ca: &Ca, host: &str, slots: &[&str]) -> RunningAgent {
             .collect(),
     };
     cfg.check().unwrap();
+    let state_dir = cfg.agent.state_dir.clone();
     let stop = Arc::new(AtomicBool::new(false));
     let (tx, rx) = std::sync::mpsc::channel();
     let s = stop.clone();
@@ -88,6 +101,7 @@ fn agent(d: &Path, ca: &Ca, host: &str, slots: &[&str]) -> RunningAgent {
     });
     let endpoint = rx.recv_timeout(Duration::from_secs(10)).expect("agent up");
     RunningAgent {
+        state_dir,
         stop,
         thread: Some(thread),
         endpoint: endpoint.trim_start_matches("tcp:").to_string(),

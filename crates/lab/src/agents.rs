@@ -145,6 +145,55 @@ pub fn start_replica(run_dir: &Path, n: u8) -> Result<u32> {
         .ok_or_else(|| LabError::Config(format!("agent {} reported no pid", host_name(n))))
 }
 
+/// Loses host `n` of a lab with agents as a whole: its three links cut at once (one
+/// `ip -batch`; so nothing its dying kernel says leaves it), `at_cut` called the moment that
+/// returns (the failure instant: the host forwarded until then), then its replica and its
+/// agent SIGKILLed by their recorded PIDs. Returns a description of what was done.
+pub fn kill_host(lab: &crate::Lab, n: u8, at_cut: &mut dyn FnMut()) -> Result<String> {
+    use crate::topology::{replica_in_if, replica_out_if, Role};
+    let batch = lab.run_dir().join(format!("cut-h{n}.batch"));
+    let lines: String = [
+        crate::mgmt::REPLICA_IF.to_string(),
+        replica_in_if(n),
+        replica_out_if(n),
+    ]
+    .iter()
+    .map(|ifn| format!("link set {ifn} down\n"))
+    .collect();
+    std::fs::write(&batch, lines).map_err(crate::error::io_err(&batch))?;
+    let b = batch.display().to_string();
+    lab.exec_ok(Role::Replica(n), &["ip", "-batch", &b])?;
+    at_cut();
+    let agent_role = format!("pliant-agent-{}", host_name(n));
+    let agent = lab
+        .state()
+        .procs
+        .iter()
+        .find(|q| q.role == agent_role)
+        .map(|q| q.pid);
+    let mut done = Vec::new();
+    for (what, pid) in [
+        (format!("replica r{n}"), lab.replica_pid(n)),
+        (agent_role, agent),
+    ] {
+        let pid =
+            pid.ok_or_else(|| LabError::Config(format!("{what}: no live process recorded")))?;
+        // SAFETY: SIGKILL to a process this lab started, by its recorded PID.
+        if unsafe { libc::kill(pid, libc::SIGKILL) } != 0 {
+            return Err(LabError::Config(format!(
+                "kill {what} (pid {pid}): {}",
+                std::io::Error::last_os_error()
+            )));
+        }
+        done.push(format!("{what} (pid {pid})"));
+    }
+    Ok(format!(
+        "host {} (links cut; {} SIGKILLed)",
+        host_name(n),
+        done.join(", ")
+    ))
+}
+
 /// The controller's `[hosts]` section for a lab of `hosts` hosts. A silent host is seen
 /// about `dead_after_ms` + one poll bound after its last answer, so the bound is a quarter
 /// of `dead_after_ms` (at most 250 ms).

@@ -338,39 +338,18 @@ impl HaRun {
     }
 
     /// SIGKILL replica `n` by the PID the lab started.
-    /// Kills host `n` of a lab with agents as a whole: its links cut first (so nothing its
-    /// dying kernel says leaves it), then every process on it SIGKILLed by PID, agent included.
+    /// Loses host `n` of a lab with agents as a whole (`pliant_lab::agents::kill_host`).
     pub fn kill_host(&self, n: u32) -> Killed {
-        let ns = self.lab().netns(Role::Replica(n as u8));
-        let unix_ms = unix_ms();
-        let at = Instant::now();
-        for ifn in [
-            pliant_lab::mgmt::REPLICA_IF.to_string(),
-            pliant_lab::topology::replica_in_if(n as u8),
-            pliant_lab::topology::replica_out_if(n as u8),
-        ] {
-            self.lab()
-                .exec_ok(Role::Replica(n as u8), &["ip", "link", "set", &ifn, "down"])
-                .unwrap_or_else(|e| panic!("cut {ifn} of {ns}: {e}"));
-        }
-        let agent = format!("pliant-agent-{}", pliant_lab::agents::host_name(n as u8));
-        let agent_pid = self
-            .lab()
-            .state()
-            .procs
-            .iter()
-            .find(|p| p.role == agent)
-            .map(|p| p.pid)
-            .expect("agent pid");
-        for pid in [self.replica_pid(n), agent_pid] {
-            // SAFETY: SIGKILL to processes of this test's own lab, by recorded PID.
-            let r = unsafe { libc::kill(pid, libc::SIGKILL) };
-            assert_eq!(r, 0, "kill pid {pid} of host {n}");
-        }
+        let mut cut = (unix_ms(), Instant::now());
+        let what = pliant_lab::agents::kill_host(self.lab(), n as u8, &mut || {
+            cut = (unix_ms(), Instant::now())
+        })
+        .unwrap_or_else(|e| panic!("kill host {n}: {e}"));
+        eprintln!("{what}");
         Killed {
             replica: n,
-            at,
-            unix_ms,
+            at: cut.1,
+            unix_ms: cut.0,
         }
     }
 

@@ -2032,7 +2032,18 @@ impl Migrator for DyingMigrator {
 
 /// Two controllers on one store file, fake replicas and steering: the first dies in a move
 /// (`after_switch` or before it), the second starts and must settle it.
-fn die_mid_migration(tag: &str, after_switch: bool) -> (World, SharedSteer, Controller, Value) {
+/// A first controller that died (panicked) in the middle of moving 3 of r1's 6 flows to r2,
+/// before or after the steering switch; the store and steering it left.
+struct CutShort {
+    w: World,
+    steer: SharedSteer,
+    path: PathBuf,
+    dir: PathBuf,
+    statics: Vec<(u32, PathBuf)>,
+    moved: Vec<FlowEntry>,
+}
+
+fn cut_short(tag: &str, after_switch: bool) -> CutShort {
     let dir = std::env::temp_dir().join(format!("pliant-ctl-intent-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -2071,16 +2082,41 @@ fn die_mid_migration(tag: &str, after_switch: bool) -> (World, SharedSteer, Cont
         after_switch,
         "the fabric shows how far the move got"
     );
-    let second = Controller::new(
-        test_settings(HaConfig::off()),
-        Box::new(FileStore::open(&path).unwrap()),
-        Box::new(steer.clone()),
-        None,
-        Box::new(FakeMigrator(w.clone())),
+    CutShort {
+        w,
+        steer,
+        path,
+        dir,
         statics,
+        moved,
+    }
+}
+
+/// The next controller, on what the dead one left.
+fn take_over(c: &CutShort) -> Controller {
+    Controller::new(
+        test_settings(HaConfig::off()),
+        Box::new(FileStore::open(&c.path).unwrap()),
+        Box::new(c.steer.clone()),
+        None,
+        Box::new(FakeMigrator(c.w.clone())),
+        c.statics.clone(),
         Some(manual()),
     )
-    .unwrap();
+    .unwrap()
+}
+
+fn die_mid_migration(tag: &str, after_switch: bool) -> (World, SharedSteer, Controller, Value) {
+    let cs = cut_short(tag, after_switch);
+    let second = take_over(&cs);
+    let CutShort {
+        w,
+        steer,
+        path,
+        dir,
+        moved,
+        ..
+    } = cs;
     let events = second.status()["events"].clone();
     let resolved = events
         .as_array()
@@ -2138,4 +2174,52 @@ fn a_move_cut_short_before_its_switch_is_rolled_back_by_the_next_controller() {
         "the destination's holds are ended"
     );
     assert!(steer.0.lock().unwrap().exceptions.values().all(|o| *o != 2));
+}
+
+/// The destination of a move cut short hangs when the next controller takes over: the roll-back
+/// cannot be delivered. The successor starts anyway (it does not wait on the replica), keeps
+/// the intent, refuses new moves meanwhile (one would overwrite it and the destination's holds
+/// would never end), and rolls back once the destination answers (every policy round).
+#[test]
+fn a_move_cut_short_whose_destination_hangs_is_rolled_back_once_it_answers() {
+    let cs = cut_short("hang", false);
+    cs.w.state(2).lock().unwrap().hang = vec!["migrate_abort"];
+    let second = take_over(&cs);
+    let events = second.status()["events"].to_string();
+    assert!(events.contains("intent_pending"), "{events}");
+    assert!(!events.contains("intent_resolved"), "{events}");
+    let saved: Option<Value> =
+        crate::store::get_json(&FileStore::open(&cs.path).unwrap(), K_MIGRATION_INTENT).unwrap();
+    assert!(
+        saved.is_some(),
+        "the intent stays until the roll-back is delivered"
+    );
+    let e = second.migrate_count(1, 2, 1).unwrap_err().to_string();
+    assert!(e.contains("cut short by the previous leader"), "{e}");
+    assert_eq!(
+        (cs.w.flows(1), cs.w.flows(2)),
+        (6, 0),
+        "nothing moved meanwhile"
+    );
+
+    cs.w.state(2).lock().unwrap().hang.clear();
+    second.retry_intents();
+    let events = second.status()["events"].to_string();
+    assert!(events.contains("rolled_back"), "{events}");
+    assert!(
+        cs.w.state(2)
+            .lock()
+            .unwrap()
+            .served
+            .contains(&"migrate_abort"),
+        "the destination's holds are ended"
+    );
+    let saved: Option<Value> =
+        crate::store::get_json(&FileStore::open(&cs.path).unwrap(), K_MIGRATION_INTENT).unwrap();
+    assert_eq!(saved, None);
+    // Moves go through again.
+    second.migrate_count(1, 2, 1).unwrap();
+    assert_eq!((cs.w.flows(1), cs.w.flows(2)), (5, 1));
+    assert!(cs.moved.len() == 3);
+    let _ = std::fs::remove_dir_all(&cs.dir);
 }
