@@ -1,0 +1,163 @@
+//! Greedy first-fit, the baseline the MILPs are measured against: keep every copy where it is,
+//! and only move copies off hosts that are over capacity, heaviest first (so as few as possible),
+//! each onto the first host in index order that has room, hosts in use before empty ones (scale
+//! out). It never scales in.
+
+use std::time::Instant;
+
+use crate::model::{HostId, ModelError, Placement, Problem, LOAD_TOLERANCE};
+use crate::plan::{check, offline_objective, online_objective, step, Plan, PlanError, SolveStatus};
+
+/// Greedy over the horizon, one step after the other.
+pub fn plan_offline(problem: &Problem) -> Result<Plan, PlanError> {
+    problem.validate()?;
+    let started = Instant::now();
+    let mut steps = Vec::with_capacity(problem.horizon());
+    let mut prev = problem.current.clone();
+    for t in 0..problem.horizon() {
+        let placement = greedy_step(problem, prev.as_ref(), t)?;
+        let s = step(problem, prev.as_ref(), placement);
+        prev = Some(s.placement.clone());
+        steps.push(s);
+    }
+    finish(problem, steps, offline_objective, started)
+}
+
+/// Greedy for one load snapshot.
+pub fn plan_online(problem: &Problem) -> Result<Plan, PlanError> {
+    problem.validate()?;
+    if problem.horizon() != 1 {
+        return Err(ModelError::NotASnapshot(problem.horizon()).into());
+    }
+    let started = Instant::now();
+    let placement = greedy_step(problem, problem.current.as_ref(), 0)?;
+    let s = step(problem, problem.current.as_ref(), placement);
+    finish(problem, vec![s], |p, s| online_objective(p, &s[0]), started)
+}
+
+fn finish(
+    problem: &Problem,
+    steps: Vec<crate::plan::StepPlan>,
+    objective: impl Fn(&Problem, &[crate::plan::StepPlan]) -> f64,
+    started: Instant,
+) -> Result<Plan, PlanError> {
+    let plan = Plan {
+        bytes_moved: steps.iter().map(|s| s.bytes_moved).sum(),
+        objective: objective(problem, &steps),
+        steps,
+        solve_time: started.elapsed(),
+        status: SolveStatus::Heuristic,
+        attempts: Vec::new(),
+    };
+    check(problem, &plan)?;
+    Ok(plan)
+}
+
+struct Hosts<'a> {
+    problem: &'a Problem,
+    step: usize,
+    load: Vec<f64>,
+    bytes: Vec<u64>,
+    count: Vec<usize>,
+}
+
+impl Hosts<'_> {
+    fn fits(&self, h: HostId, i: usize) -> bool {
+        let p = &self.problem.partitions[i];
+        self.load[h] + p.load[self.step] <= self.problem.host.cpu_capacity + LOAD_TOLERANCE
+            && self.bytes[h] + p.bytes <= self.problem.host.memory_bytes
+    }
+
+    fn cpu_over(&self, h: HostId) -> bool {
+        self.load[h] > self.problem.host.cpu_capacity + LOAD_TOLERANCE
+    }
+
+    fn mem_over(&self, h: HostId) -> bool {
+        self.bytes[h] > self.problem.host.memory_bytes
+    }
+
+    fn add(&mut self, h: HostId, i: usize, sign: i8) {
+        let p = &self.problem.partitions[i];
+        if sign > 0 {
+            self.load[h] += p.load[self.step];
+            self.bytes[h] += p.bytes;
+            self.count[h] += 1;
+        } else {
+            self.load[h] -= p.load[self.step];
+            self.bytes[h] -= p.bytes;
+            self.count[h] -= 1;
+        }
+    }
+
+    /// First host with room for a copy of `i` that has none: hosts in use first, then empty ones.
+    fn first_fit(&self, i: usize, copies: &[HostId]) -> Option<HostId> {
+        let hosts = 0..self.problem.max_hosts;
+        let free = |h: &HostId| !copies.contains(h) && self.fits(*h, i);
+        hosts
+            .clone()
+            .filter(|&h| self.count[h] > 0)
+            .find(free)
+            .or_else(|| hosts.filter(|&h| self.count[h] == 0).find(free))
+    }
+}
+
+fn greedy_step(
+    problem: &Problem,
+    prev: Option<&Placement>,
+    t: usize,
+) -> Result<Placement, PlanError> {
+    let h = problem.max_hosts;
+    let mut copies: Vec<Vec<HostId>> = match prev {
+        Some(p) => p.copies.clone(),
+        None => vec![Vec::new(); problem.partitions.len()],
+    };
+    let mut hosts = Hosts {
+        problem,
+        step: t,
+        load: vec![0.0; h],
+        bytes: vec![0; h],
+        count: vec![0; h],
+    };
+    for (i, c) in copies.iter().enumerate() {
+        for &j in c {
+            hosts.add(j, i, 1);
+        }
+    }
+    let no_room = || PlanError::NoFeasiblePlacement {
+        from_hosts: problem.hosts_lower_bound(t),
+        max_hosts: h,
+    };
+    // Copies not placed yet (nothing placed before): heaviest partitions first.
+    let mut order: Vec<usize> = (0..copies.len()).collect();
+    order.sort_by(|&x, &y| problem.partitions[y].load[t].total_cmp(&problem.partitions[x].load[t]));
+    for &i in &order {
+        while copies[i].len() < problem.copies() {
+            let j = hosts.first_fit(i, &copies[i]).ok_or_else(no_room)?;
+            hosts.add(j, i, 1);
+            copies[i].push(j);
+        }
+    }
+    // Overloaded hosts shed their heaviest copies (by the resource that is over) first.
+    for j in 0..h {
+        while hosts.cpu_over(j) || hosts.mem_over(j) {
+            let by_cpu = hosts.cpu_over(j);
+            let heaviest = (0..copies.len())
+                .filter(|&i| copies[i].contains(&j))
+                .max_by(|&x, &y| {
+                    let (px, py) = (&problem.partitions[x], &problem.partitions[y]);
+                    if by_cpu {
+                        px.load[t].total_cmp(&py.load[t])
+                    } else {
+                        px.bytes.cmp(&py.bytes)
+                    }
+                });
+            let i = heaviest.expect("an overloaded host holds a copy");
+            let to = hosts.first_fit(i, &copies[i]).ok_or_else(no_room)?;
+            hosts.add(j, i, -1);
+            hosts.add(to, i, 1);
+            copies[i].retain(|&x| x != j);
+            copies[i].push(to);
+        }
+    }
+    Ok(Placement::new(copies))
+}

@@ -1,0 +1,360 @@
+//! The offline and online placement MILPs (see the crate README for the formulations), solved by
+//! CBC through `good_lp`.
+
+use std::time::Instant;
+
+use good_lp::solvers::coin_cbc::{coin_cbc, CoinCbcProblem};
+use good_lp::{
+    constraint, variable, Expression, ProblemVariables, ResolutionError, Solution, SolutionStatus,
+    SolverModel, Variable, WithTimeLimit,
+};
+
+use crate::model::{ModelError, Placement, Problem};
+use crate::plan::{
+    check, check_placement, offline_objective, online_objective, step, Attempt, AttemptOutcome,
+    Plan, PlanError, SolveStatus,
+};
+
+/// Solver settings.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MilpOptions {
+    /// Limit of one solver run, seconds (CBC counts CPU seconds, rounded up to a whole second).
+    pub time_limit_s: f64,
+}
+
+impl Default for MilpOptions {
+    fn default() -> Self {
+        MilpOptions { time_limit_s: 15.0 }
+    }
+}
+
+/// A binary above this is taken as 1.
+const ONE: f64 = 0.5;
+
+/// The objectives are divided by this before the solver sees them, so that byte counts in the
+/// billions do not swamp the solver's tolerances; the argmin does not change.
+fn objective_scale(problem: &Problem, per_byte: f64, per_host: f64) -> f64 {
+    let max_bytes = problem
+        .partitions
+        .iter()
+        .map(|p| p.bytes)
+        .max()
+        .unwrap_or(0) as f64;
+    let scale = (per_byte * max_bytes).max(per_host);
+    if scale > 0.0 {
+        1.0 / scale
+    } else {
+        1.0
+    }
+}
+
+fn solver(vars: ProblemVariables, objective: Expression, opts: &MilpOptions) -> CoinCbcProblem {
+    let mut model = vars.minimise(objective).using(coin_cbc);
+    model.set_parameter("log", "0");
+    model.set_parameter("slogLevel", "0");
+    model.with_time_limit(opts.time_limit_s.max(1.0))
+}
+
+/// Pairs of consecutive hosts that held nothing at the start: these are interchangeable, so the
+/// solver may be told to use the lower index first. Hosts that hold copies now are not.
+fn symmetric_pairs(problem: &Problem) -> Vec<(usize, usize)> {
+    let empty: Vec<usize> = problem
+        .initially_empty()
+        .iter()
+        .enumerate()
+        .filter(|(_, &e)| e)
+        .map(|(h, _)| h)
+        .collect();
+    empty.windows(2).map(|w| (w[0], w[1])).collect()
+}
+
+fn read_placement<S: Solution>(sol: &S, a: &[Vec<Variable>]) -> Placement {
+    Placement::new(
+        a.iter()
+            .map(|row| {
+                row.iter()
+                    .enumerate()
+                    .filter(|(_, &v)| sol.value(v) > ONE)
+                    .map(|(j, _)| j)
+                    .collect()
+            })
+            .collect(),
+    )
+}
+
+/// Offline: one placement per step of the predicted horizon, minimising
+/// S × host-steps + I × bytes copied.
+pub fn plan_offline(problem: &Problem, opts: &MilpOptions) -> Result<Plan, PlanError> {
+    problem.validate()?;
+    let started = Instant::now();
+    let (p, h, horizon, c) = (
+        problem.partitions.len(),
+        problem.max_hosts,
+        problem.horizon(),
+        problem.copies(),
+    );
+    if let Some(t) = (0..horizon).find(|&t| problem.hosts_lower_bound(t) > h) {
+        return Err(PlanError::NoFeasiblePlacement {
+            from_hosts: problem.hosts_lower_bound(t),
+            max_hosts: h,
+        });
+    }
+    let scale = objective_scale(
+        problem,
+        problem.costs.per_byte_moved,
+        problem.costs.host_step,
+    );
+    let mut vars = ProblemVariables::new();
+    let a: Vec<Vec<Vec<Variable>>> = (0..horizon)
+        .map(|_| {
+            (0..p)
+                .map(|_| vars.add_vector(variable().binary(), h))
+                .collect()
+        })
+        .collect();
+    let x: Vec<Vec<Variable>> = (0..horizon)
+        .map(|_| vars.add_vector(variable().binary(), h))
+        .collect();
+    // d[t][i][j] ≥ a[t][i][j] − a[t−1][i][j]: a copy of i created on j at step t (t ≥ 1).
+    let d: Vec<Vec<Vec<Variable>>> = (1..horizon)
+        .map(|_| {
+            (0..p)
+                .map(|_| vars.add_vector(variable().min(0.0), h))
+                .collect()
+        })
+        .collect();
+
+    let mut objective = Expression::with_capacity(horizon * h * (p + 1));
+    for xt in &x {
+        for &v in xt {
+            objective.add_mul(problem.costs.host_step * scale, v);
+        }
+    }
+    let byte_cost = problem.costs.per_byte_moved * scale;
+    if let Some(cur) = &problem.current {
+        for (i, part) in problem.partitions.iter().enumerate() {
+            for j in (0..h).filter(|&j| !cur.has(i, j)) {
+                objective.add_mul(byte_cost * part.bytes as f64, a[0][i][j]);
+            }
+        }
+    }
+    for dt in &d {
+        for (i, part) in problem.partitions.iter().enumerate() {
+            for &v in &dt[i] {
+                objective.add_mul(byte_cost * part.bytes as f64, v);
+            }
+        }
+    }
+
+    let mut model = solver(vars, objective, opts);
+    for t in 0..horizon {
+        for i in 0..p {
+            let copies: Expression = a[t][i].iter().sum();
+            model.add_constraint(constraint!(copies == c as f64));
+            for j in 0..h {
+                model.add_constraint(constraint!(a[t][i][j] <= x[t][j]));
+                if t > 0 {
+                    model
+                        .add_constraint(constraint!(d[t - 1][i][j] >= a[t][i][j] - a[t - 1][i][j]));
+                }
+            }
+        }
+        for j in 0..h {
+            let mut cpu = Expression::with_capacity(p);
+            let mut mem = Expression::with_capacity(p);
+            for (i, part) in problem.partitions.iter().enumerate() {
+                cpu.add_mul(part.load[t], a[t][i][j]);
+                mem.add_mul(part.bytes as f64, a[t][i][j]);
+            }
+            model.add_constraint(constraint!(cpu <= problem.host.cpu_capacity * x[t][j]));
+            model.add_constraint(constraint!(
+                mem <= problem.host.memory_bytes as f64 * x[t][j]
+            ));
+        }
+    }
+    // Initially empty hosts are interchangeable: order them by the number of steps they are used.
+    for (lo, hi) in symmetric_pairs(problem) {
+        let used_lo: Expression = x.iter().map(|xt| xt[lo]).sum();
+        let used_hi: Expression = x.iter().map(|xt| xt[hi]).sum();
+        model.add_constraint(constraint!(used_lo >= used_hi));
+    }
+
+    let sol = match model.solve() {
+        Ok(sol) => sol,
+        Err(ResolutionError::Infeasible) => {
+            return Err(PlanError::NoFeasiblePlacement {
+                from_hosts: 1,
+                max_hosts: h,
+            });
+        }
+        Err(e) => return Err(PlanError::Solver(e.to_string())),
+    };
+    let status = match sol.status() {
+        SolutionStatus::Optimal => SolveStatus::Optimal,
+        _ => SolveStatus::TimeLimit,
+    };
+    let mut steps = Vec::with_capacity(horizon);
+    let mut prev = problem.current.clone();
+    for at in &a {
+        let placement = read_placement(&sol, at);
+        let s = step(problem, prev.as_ref(), placement);
+        prev = Some(s.placement.clone());
+        steps.push(s);
+    }
+    let plan = Plan {
+        bytes_moved: steps.iter().map(|s| s.bytes_moved).sum(),
+        objective: offline_objective(problem, &steps),
+        steps,
+        solve_time: started.elapsed(),
+        status,
+        attempts: Vec::new(),
+    };
+    match check(problem, &plan) {
+        Ok(()) => Ok(plan),
+        // A time limit with no incumbent leaves the relaxation's values behind.
+        Err(_) if status == SolveStatus::TimeLimit => Err(PlanError::NoFeasiblePlacement {
+            from_hosts: 1,
+            max_hosts: h,
+        }),
+        Err(v) => Err(PlanError::Invalid(v)),
+    }
+}
+
+/// Online: the target placement for the load snapshot, minimising bytes copied + ε × mean absolute
+/// load deviation with exactly N hosts used, N rising from the lower bound until a run of the
+/// solver finds a placement within its time limit.
+pub fn plan_online(problem: &Problem, opts: &MilpOptions) -> Result<Plan, PlanError> {
+    problem.validate()?;
+    if problem.horizon() != 1 {
+        return Err(ModelError::NotASnapshot(problem.horizon()).into());
+    }
+    let started = Instant::now();
+    let from_hosts = problem.hosts_lower_bound(0);
+    let most = problem
+        .max_hosts
+        .min(problem.partitions.len() * problem.copies());
+    let mut attempts = Vec::new();
+    for n in from_hosts..=most {
+        let t0 = Instant::now();
+        let (outcome, found) = solve_online_at(problem, n, opts);
+        attempts.push(Attempt {
+            hosts: n,
+            outcome: outcome.clone(),
+            solve_time: t0.elapsed(),
+        });
+        let Some(placement) = found else { continue };
+        let s = step(problem, problem.current.as_ref(), placement);
+        let plan = Plan {
+            bytes_moved: s.bytes_moved,
+            objective: online_objective(problem, &s),
+            steps: vec![s],
+            solve_time: started.elapsed(),
+            status: if outcome == AttemptOutcome::Optimal {
+                SolveStatus::Optimal
+            } else {
+                SolveStatus::TimeLimit
+            },
+            attempts,
+        };
+        check(problem, &plan)?;
+        return Ok(plan);
+    }
+    if problem.partitions.is_empty() {
+        let s = step(
+            problem,
+            problem.current.as_ref(),
+            Placement::new(Vec::new()),
+        );
+        return Ok(Plan {
+            bytes_moved: 0,
+            objective: 0.0,
+            steps: vec![s],
+            solve_time: started.elapsed(),
+            status: SolveStatus::Optimal,
+            attempts,
+        });
+    }
+    Err(PlanError::NoFeasiblePlacement {
+        from_hosts,
+        max_hosts: problem.max_hosts,
+    })
+}
+
+/// One solver run of the online MILP with exactly `n` hosts used.
+fn solve_online_at(
+    problem: &Problem,
+    n: usize,
+    opts: &MilpOptions,
+) -> (AttemptOutcome, Option<Placement>) {
+    let (p, h, c) = (
+        problem.partitions.len(),
+        problem.max_hosts,
+        problem.copies(),
+    );
+    let scale = objective_scale(problem, 1.0, 0.0);
+    let target = problem.partitions.iter().map(|q| q.load[0]).sum::<f64>() * c as f64 / n as f64;
+    let mut vars = ProblemVariables::new();
+    let a: Vec<Vec<Variable>> = (0..p)
+        .map(|_| vars.add_vector(variable().binary(), h))
+        .collect();
+    let x = vars.add_vector(variable().binary(), h);
+    let dev = vars.add_vector(variable().min(0.0), h);
+
+    let mut objective = Expression::with_capacity(p * h + h);
+    for (i, part) in problem.partitions.iter().enumerate() {
+        for j in (0..h).filter(|&j| !matches!(&problem.current, Some(cur) if cur.has(i, j))) {
+            objective.add_mul(part.bytes as f64 * scale, a[i][j]);
+        }
+    }
+    for &v in &dev {
+        objective.add_mul(problem.costs.epsilon * scale / n as f64, v);
+    }
+
+    let mut model = solver(vars, objective, opts);
+    for row in &a {
+        let copies: Expression = row.iter().sum();
+        model.add_constraint(constraint!(copies == c as f64));
+        for j in 0..h {
+            model.add_constraint(constraint!(row[j] <= x[j]));
+        }
+    }
+    for j in 0..h {
+        let mut cpu = Expression::with_capacity(p);
+        let mut mem = Expression::with_capacity(p);
+        let mut count = Expression::with_capacity(p);
+        for (i, part) in problem.partitions.iter().enumerate() {
+            cpu.add_mul(part.load[0], a[i][j]);
+            mem.add_mul(part.bytes as f64, a[i][j]);
+            count.add_mul(1.0, a[i][j]);
+        }
+        model.add_constraint(constraint!(cpu.clone() <= problem.host.cpu_capacity * x[j]));
+        model.add_constraint(constraint!(mem <= problem.host.memory_bytes as f64 * x[j]));
+        model.add_constraint(constraint!(count >= x[j]));
+        model.add_constraint(constraint!(dev[j] >= cpu.clone() - target * x[j]));
+        model.add_constraint(constraint!(dev[j] >= target * x[j] - cpu));
+    }
+    let used: Expression = x.iter().sum();
+    model.add_constraint(constraint!(used == n as f64));
+    for (lo, hi) in symmetric_pairs(problem) {
+        model.add_constraint(constraint!(x[lo] >= x[hi]));
+    }
+
+    match model.solve() {
+        Ok(sol) => {
+            let placement = read_placement(&sol, &a);
+            let feasible =
+                check_placement(problem, &placement, 0).is_ok() && placement.hosts_used() == n;
+            match (sol.status(), feasible) {
+                (SolutionStatus::Optimal, true) => (AttemptOutcome::Optimal, Some(placement)),
+                (SolutionStatus::Optimal, false) => (
+                    AttemptOutcome::SolverError("optimal solution breaks a constraint".into()),
+                    None,
+                ),
+                (_, true) => (AttemptOutcome::TimeLimitFeasible, Some(placement)),
+                (_, false) => (AttemptOutcome::TimeLimitNoSolution, None),
+            }
+        }
+        Err(ResolutionError::Infeasible) => (AttemptOutcome::Infeasible, None),
+        Err(e) => (AttemptOutcome::SolverError(e.to_string()), None),
+    }
+}
