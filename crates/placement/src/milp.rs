@@ -1,12 +1,13 @@
 //! The offline and online placement MILPs (see the crate README for the formulations), solved by
 //! CBC through `good_lp`.
 
+use std::collections::HashMap;
 use std::time::Instant;
 
 use good_lp::solvers::coin_cbc::{coin_cbc, CoinCbcProblem};
 use good_lp::{
     constraint, variable, Expression, ProblemVariables, ResolutionError, Solution, SolutionStatus,
-    SolverModel, Variable, WithTimeLimit,
+    SolverModel, Variable, WithInitialSolution, WithTimeLimit,
 };
 
 use crate::model::{ModelError, Placement, Problem};
@@ -280,6 +281,50 @@ pub fn plan_online(problem: &Problem, opts: &MilpOptions) -> Result<Plan, PlanEr
     })
 }
 
+/// A feasible placement on exactly `n` hosts to start the solver from, if an obvious one exists:
+/// the current placement, or greedy first-fit from it. Hosts are renumbered so that the
+/// start respects the symmetry breaking (empty hosts in use take the lowest empty indices).
+fn warm_start(problem: &Problem, n: usize) -> Option<Placement> {
+    let candidates = [
+        problem.current.clone(),
+        crate::greedy::plan_online(problem)
+            .ok()
+            .map(|p| p.steps[0].placement.clone()),
+    ];
+    candidates
+        .into_iter()
+        .flatten()
+        .find(|c| c.hosts_used() == n && check_placement(problem, c, 0).is_ok())
+        .map(|c| {
+            // Renumber the initially empty hosts this start uses onto the lowest empty indices.
+            let empty: Vec<usize> = problem
+                .initially_empty()
+                .iter()
+                .enumerate()
+                .filter(|(_, &e)| e)
+                .map(|(h, _)| h)
+                .collect();
+            let mut used_empty: Vec<usize> = empty
+                .iter()
+                .copied()
+                .filter(|&h| c.copies.iter().any(|cp| cp.contains(&h)))
+                .collect();
+            used_empty.sort_unstable();
+            let map = |h: usize| {
+                used_empty
+                    .iter()
+                    .position(|&u| u == h)
+                    .map_or(h, |n| empty[n])
+            };
+            Placement::new(
+                c.copies
+                    .iter()
+                    .map(|cp| cp.iter().map(|&h| map(h)).collect())
+                    .collect(),
+            )
+        })
+}
+
 /// One solver run of the online MILP with exactly `n` hosts used.
 fn solve_online_at(
     problem: &Problem,
@@ -310,7 +355,7 @@ fn solve_online_at(
         objective.add_mul(problem.costs.epsilon * scale / n as f64, v);
     }
 
-    let mut model = solver(vars, objective, opts);
+    let mut model = solver(vars, objective.clone(), opts);
     for row in &a {
         let copies: Expression = row.iter().sum();
         model.add_constraint(constraint!(copies == c as f64));
@@ -338,12 +383,51 @@ fn solve_online_at(
     for (lo, hi) in symmetric_pairs(problem) {
         model.add_constraint(constraint!(x[lo] >= x[hi]));
     }
+    let start = warm_start(problem, n);
+    let mut start_objective = f64::INFINITY;
+    if let Some(start) = &start {
+        let totals = start.host_totals(problem, 0);
+        let mut values = Vec::with_capacity(p * h + 2 * h);
+        for (i, row) in a.iter().enumerate() {
+            values.extend(
+                row.iter()
+                    .enumerate()
+                    .map(|(j, &v)| (v, if start.has(i, j) { 1.0 } else { 0.0 })),
+            );
+        }
+        for j in 0..h {
+            let used = totals[j].1 > 0 || start.copies.iter().any(|c| c.contains(&j));
+            values.push((x[j], if used { 1.0 } else { 0.0 }));
+            values.push((
+                dev[j],
+                if used {
+                    (totals[j].0 - target).abs()
+                } else {
+                    0.0
+                },
+            ));
+        }
+        start_objective =
+            objective.eval_with(&values.iter().copied().collect::<HashMap<Variable, f64>>());
+        model = model.with_initial_solution(values);
+    }
 
     match model.solve() {
         Ok(sol) => {
-            let placement = read_placement(&sol, &a);
-            let feasible =
-                check_placement(problem, &placement, 0).is_ok() && placement.hosts_used() == n;
+            let valid =
+                |p: &Placement| check_placement(problem, p, 0).is_ok() && p.hosts_used() == n;
+            let mut placement = read_placement(&sol, &a);
+            // When CBC stops at its root because the start is already optimal, its C interface
+            // hands back the root relaxation instead of the incumbent: the incumbent is the start.
+            if !valid(&placement) {
+                let incumbent = sol.model().obj_value();
+                if let Some(start) =
+                    start.filter(|_| start_objective <= incumbent + 1e-9 * incumbent.abs().max(1.0))
+                {
+                    placement = start;
+                }
+            }
+            let feasible = valid(&placement);
             match (sol.status(), feasible) {
                 (SolutionStatus::Optimal, true) => (AttemptOutcome::Optimal, Some(placement)),
                 (SolutionStatus::Optimal, false) => (

@@ -102,8 +102,8 @@ pub struct Problem {
     pub max_hosts: usize,
     /// Replication factor: every partition has `k + 1` copies on distinct hosts.
     pub k: usize,
-    /// The placement now. `None`: nothing is placed yet (the first placement is free offline; online
-    /// every copy counts as moved).
+    /// The placement now. `None`: nothing is placed yet, every copy of the first step is new and
+    /// counts as moved (a constant, so it does not change the optimum).
     pub current: Option<Placement>,
     pub costs: Costs,
 }

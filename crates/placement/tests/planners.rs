@@ -71,6 +71,10 @@ fn online_milp_reaches_the_exhaustive_optimum() {
             (Ok(e), Ok(m)) => {
                 check(&p, &m).unwrap();
                 check(&p, &e).unwrap();
+                eprintln!(
+                    "online seed {seed}: {partitions} partitions k={k} hosts {} moved {} objective {} (milp {:?}, brute {:?})",
+                    hosts(&m), m.bytes_moved, m.objective, m.solve_time, e.solve_time
+                );
                 assert_eq!(hosts(&m), hosts(&e), "seed {seed}: host count");
                 assert!(
                     same(m.objective, e.objective),
@@ -114,6 +118,11 @@ fn offline_milp_reaches_the_exhaustive_optimum() {
                 (Ok(e), Ok(m)) => {
                     check(&p, &m).unwrap();
                     check(&p, &e).unwrap();
+                    let used: Vec<usize> = m.steps.iter().map(|s| s.hosts_used).collect();
+                    eprintln!(
+                        "offline seed {seed}: {partitions}x4 k={k} T={horizon} hosts {used:?} moved {} objective {} (milp {:?}, brute {:?})",
+                        m.bytes_moved, m.objective, m.solve_time, e.solve_time
+                    );
                     assert!(
                         same(m.objective, e.objective),
                         "seed {seed}: milp {} brute {}",

@@ -1,0 +1,68 @@
+//! Online solve time at scale: one JSON line per partition count.
+//!
+//! `cargo run --release -p pliant-placement --example solve_time [-- 256 512]`
+//!
+//! The instance: k = 1 (two copies), a pool of partitions / 8 hosts, the copies placed first-fit
+//! on one load, then a new load snapshot (each partition's load redrawn) to plan for. Sizes are
+//! 1..8 units; the fixed seed makes every run solve the same instance.
+
+use pliant_placement::instances::{random_problem, Shape};
+use pliant_placement::milp::{plan_online, MilpOptions};
+use pliant_placement::plan::check;
+
+fn main() {
+    let sizes: Vec<usize> = std::env::args()
+        .skip(1)
+        .map(|a| a.parse().expect("a partition count"))
+        .collect();
+    let sizes = if sizes.is_empty() {
+        vec![256, 512]
+    } else {
+        sizes
+    };
+    for partitions in sizes {
+        let max_hosts = partitions / 8;
+        let shape = Shape {
+            partitions,
+            max_hosts,
+            k: 1,
+            horizon: 2,
+            fill_hosts: max_hosts as f64 * 0.6,
+        };
+        let mut problem = random_problem(42, shape, true);
+        assert!(problem.current.is_some(), "the first-fit start did not fit");
+        let hosts_before = problem.current.as_ref().map_or(0, |c| c.hosts_used());
+        for p in &mut problem.partitions {
+            p.load.remove(0);
+        }
+        let line = match plan_online(&problem, &MilpOptions::default()) {
+            Ok(plan) => {
+                check(&problem, &plan).expect("a valid plan");
+                let attempts: Vec<serde_json::Value> = plan
+                    .attempts
+                    .iter()
+                    .map(|a| {
+                        serde_json::json!({
+                            "hosts": a.hosts,
+                            "outcome": format!("{:?}", a.outcome),
+                            "solve_s": a.solve_time.as_secs_f64(),
+                        })
+                    })
+                    .collect();
+                serde_json::json!({
+                    "partitions": partitions,
+                    "max_hosts": max_hosts,
+                    "hosts_before": hosts_before,
+                    "hosts": plan.steps[0].hosts_used,
+                    "solve_s": plan.solve_time.as_secs_f64(),
+                    "status": format!("{:?}", plan.status),
+                    "bytes_moved": plan.bytes_moved,
+                    "moves": plan.steps[0].moves.len(),
+                    "attempts": attempts,
+                })
+            }
+            Err(e) => serde_json::json!({ "partitions": partitions, "error": e.to_string() }),
+        };
+        println!("{line}");
+    }
+}
