@@ -161,3 +161,63 @@ fn greedy_step(
     }
     Ok(Placement::new(copies))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Costs, HostSpec, Partition};
+
+    fn problem(loads: &[f64], max_hosts: usize, current: Vec<Vec<HostId>>) -> Problem {
+        Problem {
+            partitions: loads
+                .iter()
+                .map(|&l| Partition {
+                    bytes: 10,
+                    load: vec![l],
+                })
+                .collect(),
+            host: HostSpec {
+                cpu_capacity: 100.0,
+                memory_bytes: 1000,
+            },
+            max_hosts,
+            k: 0,
+            current: Some(Placement::new(current)),
+            costs: Costs::default(),
+        }
+    }
+
+    #[test]
+    fn sheds_the_heaviest_copy_onto_the_first_host_with_room_and_scales_out_last() {
+        // Host 0 carries 130: the 70 leaves; host 1 (in use, 50) has no room, host 2 is empty.
+        let p = problem(&[70.0, 60.0, 50.0], 4, vec![vec![0], vec![0], vec![1]]);
+        let plan = plan_online(&p).unwrap();
+        assert_eq!(
+            plan.steps[0].placement.copies,
+            vec![vec![2], vec![0], vec![1]]
+        );
+        assert_eq!(plan.steps[0].moves.len(), 1);
+        // With room on host 1 for the heaviest, nothing scales out.
+        let p = problem(&[40.0, 70.0, 50.0], 4, vec![vec![0], vec![0], vec![1]]);
+        let plan = plan_online(&p).unwrap();
+        assert_eq!(
+            plan.steps[0].placement.copies,
+            vec![vec![0], vec![2], vec![1]]
+        );
+        let p = problem(&[70.0, 40.0, 20.0], 4, vec![vec![0], vec![0], vec![1]]);
+        let plan = plan_online(&p).unwrap();
+        assert_eq!(
+            plan.steps[0].placement.copies,
+            vec![vec![1], vec![0], vec![1]]
+        );
+    }
+
+    #[test]
+    fn refuses_when_no_host_has_room() {
+        let p = problem(&[70.0, 60.0, 50.0], 2, vec![vec![0], vec![0], vec![1]]);
+        assert!(matches!(
+            plan_online(&p),
+            Err(PlanError::NoFeasiblePlacement { max_hosts: 2, .. })
+        ));
+    }
+}

@@ -230,6 +230,21 @@ pub fn plan_online(problem: &Problem, opts: &MilpOptions) -> Result<Plan, PlanEr
         return Err(ModelError::NotASnapshot(problem.horizon()).into());
     }
     let started = Instant::now();
+    if problem.partitions.is_empty() {
+        let s = step(
+            problem,
+            problem.current.as_ref(),
+            Placement::new(Vec::new()),
+        );
+        return Ok(Plan {
+            bytes_moved: 0,
+            objective: 0.0,
+            steps: vec![s],
+            solve_time: started.elapsed(),
+            status: SolveStatus::Optimal,
+            attempts: Vec::new(),
+        });
+    }
     let from_hosts = problem.hosts_lower_bound(0);
     let most = problem
         .max_hosts
@@ -259,21 +274,6 @@ pub fn plan_online(problem: &Problem, opts: &MilpOptions) -> Result<Plan, PlanEr
         };
         check(problem, &plan)?;
         return Ok(plan);
-    }
-    if problem.partitions.is_empty() {
-        let s = step(
-            problem,
-            problem.current.as_ref(),
-            Placement::new(Vec::new()),
-        );
-        return Ok(Plan {
-            bytes_moved: 0,
-            objective: 0.0,
-            steps: vec![s],
-            solve_time: started.elapsed(),
-            status: SolveStatus::Optimal,
-            attempts,
-        });
     }
     Err(PlanError::NoFeasiblePlacement {
         from_hosts,
