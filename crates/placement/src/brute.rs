@@ -4,8 +4,8 @@
 
 use std::time::Instant;
 
-use crate::model::{HostId, ModelError, Placement, Problem, LOAD_TOLERANCE};
-use crate::plan::{check, offline_objective, online_objective, step, Plan, PlanError, SolveStatus};
+use crate::model::{HostId, Placement, Problem, LOAD_TOLERANCE};
+use crate::plan::{chain, step, Objective, Plan, PlanError, SolveStatus};
 
 /// Largest number of states per step the search takes on (8 partitions × C(4, 2) = 6^8 fit).
 pub const STATE_LIMIT: u128 = 1 << 22;
@@ -45,6 +45,13 @@ impl Space {
             &mut subsets,
         );
         let parts = problem.partitions.len();
+        if problem.max_hosts > 64 {
+            // Host sets are bitmasks of 64 bits.
+            return Err(PlanError::TooBigForBruteForce {
+                states: u128::MAX,
+                limit: STATE_LIMIT,
+            });
+        }
         let states = (subsets.len() as u128)
             .checked_pow(parts as u32)
             .unwrap_or(u128::MAX);
@@ -114,7 +121,7 @@ impl Space {
     }
 
     /// Bytes copied going from subset `a` to subset `b` for a partition of `bytes`.
-    fn moved(&self, a: usize, b: usize, bytes: u64) -> u64 {
+    fn subset_moved(&self, a: usize, b: usize, bytes: u64) -> u64 {
         self.subsets[b]
             .iter()
             .filter(|h| !self.subsets[a].contains(h))
@@ -122,18 +129,40 @@ impl Space {
             * bytes
     }
 
-    fn moved_from(&self, problem: &Problem, from: &Placement, x: usize) -> u64 {
+    /// Bytes copied between state `x` and `other`: into `x` when `x` is the target, out of it
+    /// into `other` otherwise.
+    fn moved(&self, problem: &Problem, x: usize, other: &Placement, x_is_target: bool) -> u64 {
         self.digits(x)
             .into_iter()
             .enumerate()
             .map(|(i, d)| {
-                self.subsets[d]
-                    .iter()
-                    .filter(|h| !from.copies[i].contains(h))
-                    .count() as u64
-                    * problem.partitions[i].bytes
+                let (from, to) = (&other.copies[i], &self.subsets[d]);
+                let (from, to) = if x_is_target { (from, to) } else { (to, from) };
+                to.iter().filter(|h| !from.contains(h)).count() as u64 * problem.partitions[i].bytes
             })
             .sum()
+    }
+
+    /// Bytes moved from the current placement + ε × mean absolute deviation of the used hosts' load.
+    fn online_value(&self, problem: &Problem, x: usize, totals: &mut [(f64, u64)]) -> f64 {
+        totals.fill((0.0, 0));
+        let mut used = 0u64;
+        let mut moved = 0u64;
+        for (i, d) in self.digits(x).into_iter().enumerate() {
+            let p = &problem.partitions[i];
+            for &h in &self.subsets[d] {
+                totals[h].0 += p.load[0];
+                used |= 1 << h;
+                if !matches!(&problem.current, Some(c) if c.has(i, h)) {
+                    moved += p.bytes;
+                }
+            }
+        }
+        let n = used.count_ones() as f64;
+        let hosts = (0..totals.len()).filter(|&h| used & (1 << h) != 0);
+        let mean = hosts.clone().map(|h| totals[h].0).sum::<f64>() / n;
+        let dev = hosts.map(|h| (totals[h].0 - mean).abs()).sum::<f64>() / n;
+        moved as f64 + problem.costs.epsilon * dev
     }
 }
 
@@ -155,7 +184,7 @@ pub fn plan_offline(problem: &Problem) -> Result<Plan, PlanError> {
                     problem
                         .current
                         .as_ref()
-                        .map_or(0.0, |c| i_cost * space.moved_from(problem, c, x) as f64)
+                        .map_or(0.0, |c| i_cost * space.moved(problem, x, c, true) as f64)
                 })
                 .collect(),
             Some(prev) => {
@@ -165,7 +194,7 @@ pub fn plan_offline(problem: &Problem) -> Result<Plan, PlanError> {
                     let cost: Vec<Vec<f64>> = (0..q)
                         .map(|a| {
                             (0..q)
-                                .map(|b| i_cost * space.moved(a, b, part.bytes) as f64)
+                                .map(|b| i_cost * space.subset_moved(a, b, part.bytes) as f64)
                                 .collect()
                         })
                         .collect();
@@ -204,67 +233,27 @@ pub fn plan_offline(problem: &Problem) -> Result<Plan, PlanError> {
     for t in (0..values.len() - 1).rev() {
         let next = space.placement(*chosen.last().expect("one chosen"));
         let back: Vec<f64> = (0..n)
-            .map(|y| values[t][y] + i_cost * space.moved_from_to(problem, y, &next) as f64)
+            .map(|y| values[t][y] + i_cost * space.moved(problem, y, &next, false) as f64)
             .collect();
         chosen.push(argmin(&back).ok_or_else(infeasible)?);
     }
     chosen.reverse();
-    let mut steps = Vec::new();
-    let mut prev = problem.current.clone();
-    for x in chosen {
-        let s = step(problem, prev.as_ref(), space.placement(x));
-        prev = Some(s.placement.clone());
-        steps.push(s);
-    }
-    finish(problem, steps, started, true)
-}
-
-impl Space {
-    /// Bytes moved from the current placement + ε × mean absolute deviation of the used hosts' load.
-    fn online_value(&self, problem: &Problem, x: usize, totals: &mut [(f64, u64)]) -> f64 {
-        totals.fill((0.0, 0));
-        let mut used = 0u64;
-        let mut moved = 0u64;
-        for (i, d) in self.digits(x).into_iter().enumerate() {
-            let p = &problem.partitions[i];
-            for &h in &self.subsets[d] {
-                totals[h].0 += p.load[0];
-                used |= 1 << h;
-                if !matches!(&problem.current, Some(c) if c.has(i, h)) {
-                    moved += p.bytes;
-                }
-            }
-        }
-        let n = used.count_ones() as f64;
-        let hosts = (0..totals.len()).filter(|&h| used & (1 << h) != 0);
-        let mean = hosts.clone().map(|h| totals[h].0).sum::<f64>() / n;
-        let dev = hosts.map(|h| (totals[h].0 - mean).abs()).sum::<f64>() / n;
-        moved as f64 + problem.costs.epsilon * dev
-    }
-
-    fn moved_from_to(&self, problem: &Problem, x: usize, to: &Placement) -> u64 {
-        self.digits(x)
-            .into_iter()
-            .enumerate()
-            .map(|(i, d)| {
-                to.copies[i]
-                    .iter()
-                    .filter(|h| !self.subsets[d].contains(h))
-                    .count() as u64
-                    * problem.partitions[i].bytes
-            })
-            .sum()
-    }
+    let steps = chain(problem, chosen.into_iter().map(|x| space.placement(x)));
+    Plan::assemble(
+        problem,
+        steps,
+        Objective::Offline,
+        SolveStatus::Exhaustive,
+        started,
+        Vec::new(),
+    )
 }
 
 /// The online optimum with the online planner's rule for the host count: the smallest N from the
 /// lower bound up that has a feasible placement using exactly N hosts, then the least
 /// bytes moved + ε × mean absolute load deviation among those.
 pub fn plan_online(problem: &Problem) -> Result<Plan, PlanError> {
-    problem.validate()?;
-    if problem.horizon() != 1 {
-        return Err(ModelError::NotASnapshot(problem.horizon()).into());
-    }
+    problem.validate_snapshot()?;
     let started = Instant::now();
     let space = Space::new(problem)?;
     let mut totals = vec![(0.0, 0u64); problem.max_hosts];
@@ -276,42 +265,21 @@ pub fn plan_online(problem: &Problem) -> Result<Plan, PlanError> {
         let best = (0..space.states)
             .filter(|&x| used[x] == Some(n))
             .map(|x| (space.online_value(problem, x, &mut totals), x))
-            .min_by(|a, b| a.0.total_cmp(&b.0))
-            .map(|(v, x)| {
-                (
-                    v,
-                    step(problem, problem.current.as_ref(), space.placement(x)),
-                )
-            });
-        if let Some((_, s)) = best {
-            return finish(problem, vec![s], started, false);
+            .min_by(|a, b| a.0.total_cmp(&b.0));
+        if let Some((_, x)) = best {
+            let s = step(problem, problem.current.as_ref(), space.placement(x));
+            return Plan::assemble(
+                problem,
+                vec![s],
+                Objective::Online,
+                SolveStatus::Exhaustive,
+                started,
+                Vec::new(),
+            );
         }
     }
     Err(PlanError::NoFeasiblePlacement {
         from_hosts,
         max_hosts: problem.max_hosts,
     })
-}
-
-fn finish(
-    problem: &Problem,
-    steps: Vec<crate::plan::StepPlan>,
-    started: Instant,
-    offline: bool,
-) -> Result<Plan, PlanError> {
-    let objective = if offline {
-        offline_objective(problem, &steps)
-    } else {
-        online_objective(problem, &steps[0])
-    };
-    let plan = Plan {
-        bytes_moved: steps.iter().map(|s| s.bytes_moved).sum(),
-        objective,
-        steps,
-        solve_time: started.elapsed(),
-        status: SolveStatus::Exhaustive,
-        attempts: Vec::new(),
-    };
-    check(problem, &plan)?;
-    Ok(plan)
 }

@@ -5,52 +5,45 @@
 
 use std::time::Instant;
 
-use crate::model::{HostId, ModelError, Placement, Problem, LOAD_TOLERANCE};
-use crate::plan::{check, offline_objective, online_objective, step, Plan, PlanError, SolveStatus};
+use crate::model::{HostId, Placement, Problem, LOAD_TOLERANCE};
+use crate::plan::{chain, Objective, Plan, PlanError, SolveStatus};
 
 /// Greedy over the horizon, one step after the other.
 pub fn plan_offline(problem: &Problem) -> Result<Plan, PlanError> {
     problem.validate()?;
     let started = Instant::now();
-    let mut steps = Vec::with_capacity(problem.horizon());
-    let mut prev = problem.current.clone();
+    let mut placements: Vec<Placement> = Vec::with_capacity(problem.horizon());
     for t in 0..problem.horizon() {
-        let placement = greedy_step(problem, prev.as_ref(), t)?;
-        let s = step(problem, prev.as_ref(), placement);
-        prev = Some(s.placement.clone());
-        steps.push(s);
+        let prev = placements.last().or(problem.current.as_ref());
+        placements.push(greedy_step(problem, prev, t)?);
     }
-    finish(problem, steps, offline_objective, started)
+    let steps = chain(problem, placements);
+    Plan::assemble(
+        problem,
+        steps,
+        Objective::Offline,
+        SolveStatus::Heuristic,
+        started,
+        Vec::new(),
+    )
 }
 
 /// Greedy for one load snapshot.
 pub fn plan_online(problem: &Problem) -> Result<Plan, PlanError> {
-    problem.validate()?;
-    if problem.horizon() != 1 {
-        return Err(ModelError::NotASnapshot(problem.horizon()).into());
-    }
+    problem.validate_snapshot()?;
     let started = Instant::now();
-    let placement = greedy_step(problem, problem.current.as_ref(), 0)?;
-    let s = step(problem, problem.current.as_ref(), placement);
-    finish(problem, vec![s], |p, s| online_objective(p, &s[0]), started)
-}
-
-fn finish(
-    problem: &Problem,
-    steps: Vec<crate::plan::StepPlan>,
-    objective: impl Fn(&Problem, &[crate::plan::StepPlan]) -> f64,
-    started: Instant,
-) -> Result<Plan, PlanError> {
-    let plan = Plan {
-        bytes_moved: steps.iter().map(|s| s.bytes_moved).sum(),
-        objective: objective(problem, &steps),
+    let steps = chain(
+        problem,
+        [greedy_step(problem, problem.current.as_ref(), 0)?],
+    );
+    Plan::assemble(
+        problem,
         steps,
-        solve_time: started.elapsed(),
-        status: SolveStatus::Heuristic,
-        attempts: Vec::new(),
-    };
-    check(problem, &plan)?;
-    Ok(plan)
+        Objective::Online,
+        SolveStatus::Heuristic,
+        started,
+        Vec::new(),
+    )
 }
 
 struct Hosts<'a> {
@@ -165,26 +158,11 @@ fn greedy_step(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{Costs, HostSpec, Partition};
 
     fn problem(loads: &[f64], max_hosts: usize, current: Vec<Vec<HostId>>) -> Problem {
-        Problem {
-            partitions: loads
-                .iter()
-                .map(|&l| Partition {
-                    bytes: 10,
-                    load: vec![l],
-                })
-                .collect(),
-            host: HostSpec {
-                cpu_capacity: 100.0,
-                memory_bytes: 1000,
-            },
-            max_hosts,
-            k: 0,
-            current: Some(Placement::new(current)),
-            costs: Costs::default(),
-        }
+        let mut p = crate::instances::uniform(loads, 10, max_hosts, 0);
+        p.current = Some(Placement::new(current));
+        p
     }
 
     #[test]

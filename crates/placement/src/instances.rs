@@ -120,3 +120,25 @@ pub fn first_fit(problem: &Problem, step: usize) -> Option<Placement> {
     }
     Some(Placement::new(copies))
 }
+
+/// A one-step problem with hosts of CPU 100 and memory 1,000 bytes, every partition `bytes` big with
+/// the given loads, nothing placed yet, default costs.
+pub fn uniform(loads: &[f64], bytes: u64, max_hosts: usize, k: usize) -> Problem {
+    Problem {
+        partitions: loads
+            .iter()
+            .map(|&l| Partition {
+                bytes,
+                load: vec![l],
+            })
+            .collect(),
+        host: HostSpec {
+            cpu_capacity: 100.0,
+            memory_bytes: 1000,
+        },
+        max_hosts,
+        k,
+        current: None,
+        costs: Costs::default(),
+    }
+}

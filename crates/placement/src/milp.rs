@@ -10,10 +10,9 @@ use good_lp::{
     SolverModel, Variable, WithInitialSolution, WithTimeLimit,
 };
 
-use crate::model::{ModelError, Placement, Problem};
+use crate::model::{Placement, Problem};
 use crate::plan::{
-    check, check_placement, offline_objective, online_objective, step, Attempt, AttemptOutcome,
-    Plan, PlanError, SolveStatus,
+    chain, check_placement, Attempt, AttemptOutcome, Objective, Plan, PlanError, SolveStatus,
 };
 
 /// Solver settings.
@@ -59,13 +58,7 @@ fn solver(vars: ProblemVariables, objective: Expression, opts: &MilpOptions) -> 
 /// Pairs of consecutive hosts that held nothing at the start: these are interchangeable, so the
 /// solver may be told to use the lower index first. Hosts that hold copies now are not.
 fn symmetric_pairs(problem: &Problem) -> Vec<(usize, usize)> {
-    let empty: Vec<usize> = problem
-        .initially_empty()
-        .iter()
-        .enumerate()
-        .filter(|(_, &e)| e)
-        .map(|(h, _)| h)
-        .collect();
+    let empty = problem.empty_hosts();
     empty.windows(2).map(|w| (w[0], w[1])).collect()
 }
 
@@ -194,30 +187,23 @@ pub fn plan_offline(problem: &Problem, opts: &MilpOptions) -> Result<Plan, PlanE
         SolutionStatus::Optimal => SolveStatus::Optimal,
         _ => SolveStatus::TimeLimit,
     };
-    let mut steps = Vec::with_capacity(horizon);
-    let mut prev = problem.current.clone();
-    for at in &a {
-        let placement = read_placement(&sol, at);
-        let s = step(problem, prev.as_ref(), placement);
-        prev = Some(s.placement.clone());
-        steps.push(s);
-    }
-    let plan = Plan {
-        bytes_moved: steps.iter().map(|s| s.bytes_moved).sum(),
-        objective: offline_objective(problem, &steps),
+    let steps = chain(problem, a.iter().map(|at| read_placement(&sol, at)));
+    match Plan::assemble(
+        problem,
         steps,
-        solve_time: started.elapsed(),
+        Objective::Offline,
         status,
-        attempts: Vec::new(),
-    };
-    match check(problem, &plan) {
-        Ok(()) => Ok(plan),
+        started,
+        Vec::new(),
+    ) {
         // A time limit with no incumbent leaves the relaxation's values behind.
-        Err(_) if status == SolveStatus::TimeLimit => Err(PlanError::NoFeasiblePlacement {
-            from_hosts: 1,
-            max_hosts: h,
-        }),
-        Err(v) => Err(PlanError::Invalid(v)),
+        Err(PlanError::Invalid(_)) if status == SolveStatus::TimeLimit => {
+            Err(PlanError::NoFeasiblePlacement {
+                from_hosts: 1,
+                max_hosts: h,
+            })
+        }
+        result => result,
     }
 }
 
@@ -225,25 +211,18 @@ pub fn plan_offline(problem: &Problem, opts: &MilpOptions) -> Result<Plan, PlanE
 /// load deviation with exactly N hosts used, N rising from the lower bound until a run of the
 /// solver finds a placement within its time limit.
 pub fn plan_online(problem: &Problem, opts: &MilpOptions) -> Result<Plan, PlanError> {
-    problem.validate()?;
-    if problem.horizon() != 1 {
-        return Err(ModelError::NotASnapshot(problem.horizon()).into());
-    }
+    problem.validate_snapshot()?;
     let started = Instant::now();
     if problem.partitions.is_empty() {
-        let s = step(
+        let steps = chain(problem, [Placement::new(Vec::new())]);
+        return Plan::assemble(
             problem,
-            problem.current.as_ref(),
-            Placement::new(Vec::new()),
+            steps,
+            Objective::Online,
+            SolveStatus::Optimal,
+            started,
+            Vec::new(),
         );
-        return Ok(Plan {
-            bytes_moved: 0,
-            objective: 0.0,
-            steps: vec![s],
-            solve_time: started.elapsed(),
-            status: SolveStatus::Optimal,
-            attempts: Vec::new(),
-        });
     }
     let from_hosts = problem.hosts_lower_bound(0);
     let most = problem
@@ -259,21 +238,12 @@ pub fn plan_online(problem: &Problem, opts: &MilpOptions) -> Result<Plan, PlanEr
             solve_time: t0.elapsed(),
         });
         let Some(placement) = found else { continue };
-        let s = step(problem, problem.current.as_ref(), placement);
-        let plan = Plan {
-            bytes_moved: s.bytes_moved,
-            objective: online_objective(problem, &s),
-            steps: vec![s],
-            solve_time: started.elapsed(),
-            status: if outcome == AttemptOutcome::Optimal {
-                SolveStatus::Optimal
-            } else {
-                SolveStatus::TimeLimit
-            },
-            attempts,
+        let status = match outcome {
+            AttemptOutcome::Optimal => SolveStatus::Optimal,
+            _ => SolveStatus::TimeLimit,
         };
-        check(problem, &plan)?;
-        return Ok(plan);
+        let steps = chain(problem, [placement]);
+        return Plan::assemble(problem, steps, Objective::Online, status, started, attempts);
     }
     Err(PlanError::NoFeasiblePlacement {
         from_hosts,
@@ -297,13 +267,7 @@ fn warm_start(problem: &Problem, n: usize) -> Option<Placement> {
         .find(|c| c.hosts_used() == n && check_placement(problem, c, 0).is_ok())
         .map(|c| {
             // Renumber the initially empty hosts this start uses onto the lowest empty indices.
-            let empty: Vec<usize> = problem
-                .initially_empty()
-                .iter()
-                .enumerate()
-                .filter(|(_, &e)| e)
-                .map(|(h, _)| h)
-                .collect();
+            let empty = problem.empty_hosts();
             let mut used_empty: Vec<usize> = empty
                 .iter()
                 .copied()

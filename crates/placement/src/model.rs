@@ -185,15 +185,15 @@ impl Problem {
         self.partitions.first().map_or(1, |p| p.load.len())
     }
 
-    /// Hosts holding no copy now: these are interchangeable, the others are not.
-    pub fn initially_empty(&self) -> Vec<bool> {
+    /// Hosts holding no copy now, ascending: these are interchangeable, the others are not.
+    pub fn empty_hosts(&self) -> Vec<HostId> {
         let mut empty = vec![true; self.max_hosts];
         if let Some(cur) = &self.current {
             for &h in cur.copies.iter().flatten() {
                 empty[h] = false;
             }
         }
-        empty
+        (0..self.max_hosts).filter(|&h| empty[h]).collect()
     }
 
     /// The fewest hosts that could carry step `step`: copies, total load and total bytes each give
@@ -212,6 +212,15 @@ impl Problem {
             .ceil()
             .max(0.0) as usize;
         self.copies().max(by_cpu).max(by_mem)
+    }
+
+    /// [`Problem::validate`], and one load step: what the online planners take.
+    pub fn validate_snapshot(&self) -> Result<(), ModelError> {
+        self.validate()?;
+        match self.horizon() {
+            1 => Ok(()),
+            steps => Err(ModelError::NotASnapshot(steps)),
+        }
     }
 
     /// Checks every field; the planners call it first.

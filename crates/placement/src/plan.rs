@@ -206,6 +206,53 @@ pub fn step(problem: &Problem, prev: Option<&Placement>, placement: Placement) -
     }
 }
 
+/// Steps through `placements` in order, from the problem's current placement.
+pub fn chain(problem: &Problem, placements: impl IntoIterator<Item = Placement>) -> Vec<StepPlan> {
+    let mut prev = problem.current.clone();
+    placements
+        .into_iter()
+        .map(|placement| {
+            let s = step(problem, prev.as_ref(), placement);
+            prev = Some(s.placement.clone());
+            s
+        })
+        .collect()
+}
+
+/// Which objective a plan is scored by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Objective {
+    Offline,
+    Online,
+}
+
+impl Plan {
+    /// A plan from its steps, scored, timed from `started`, and checked.
+    pub fn assemble(
+        problem: &Problem,
+        steps: Vec<StepPlan>,
+        objective: Objective,
+        status: SolveStatus,
+        started: std::time::Instant,
+        attempts: Vec<Attempt>,
+    ) -> Result<Plan, PlanError> {
+        let objective = match objective {
+            Objective::Offline => offline_objective(problem, &steps),
+            Objective::Online => steps.first().map_or(0.0, |s| online_objective(problem, s)),
+        };
+        let plan = Plan {
+            bytes_moved: steps.iter().map(|s| s.bytes_moved).sum(),
+            objective,
+            steps,
+            solve_time: started.elapsed(),
+            status,
+            attempts,
+        };
+        check(problem, &plan)?;
+        Ok(plan)
+    }
+}
+
 /// Offline objective: S × host-steps + I × bytes moved (the first step's copies count only when a
 /// current placement exists).
 pub fn offline_objective(problem: &Problem, steps: &[StepPlan]) -> f64 {

@@ -1,28 +1,10 @@
 //! The online planner's host count and the model's validation errors.
 
 use pliant_placement::plan::{check, AttemptOutcome};
-use pliant_placement::{
-    milp, Costs, HostSpec, ModelError, Partition, Placement, PlanError, Problem,
-};
+use pliant_placement::{milp, ModelError, Placement, PlanError, Problem};
 
 fn problem(loads: &[f64], bytes: u64, max_hosts: usize, k: usize) -> Problem {
-    Problem {
-        partitions: loads
-            .iter()
-            .map(|&l| Partition {
-                bytes,
-                load: vec![l],
-            })
-            .collect(),
-        host: HostSpec {
-            cpu_capacity: 100.0,
-            memory_bytes: 1000,
-        },
-        max_hosts,
-        k,
-        current: None,
-        costs: Costs::default(),
-    }
+    pliant_placement::instances::uniform(loads, bytes, max_hosts, k)
 }
 
 #[test]
