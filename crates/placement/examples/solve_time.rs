@@ -1,20 +1,27 @@
 //! Online solve time at scale: one JSON line per partition count.
 //!
-//! `cargo run --release -p pliant-placement --example solve_time [-- 256 512]`
+//! `cargo run --release -p pliant-placement --example solve_time [-- [--fill=0.6] [--exact] 256 512]`
 //!
 //! The instance: k = 1 (two copies), a pool of partitions / 8 hosts, the copies placed first-fit
-//! on one load, then a new load snapshot (each partition's load redrawn) to plan for. Sizes are
-//! 1..8 units; the fixed seed makes every run solve the same instance.
+//! on one load, then a new load snapshot (each partition's load redrawn) to plan for. The total
+//! load averages `fill` × the pool's CPU. Sizes are 1..8 units; the fixed seed makes every run
+//! solve the same instance.
 
 use pliant_placement::instances::{random_problem, Shape};
 use pliant_placement::milp::{plan_online, MilpOptions};
 use pliant_placement::plan::check;
 
 fn main() {
-    let sizes: Vec<usize> = std::env::args()
-        .skip(1)
-        .map(|a| a.parse().expect("a partition count"))
-        .collect();
+    let mut fill = 0.6;
+    let mut opts = MilpOptions::default();
+    let mut sizes: Vec<usize> = Vec::new();
+    for arg in std::env::args().skip(1) {
+        match arg.strip_prefix("--fill=") {
+            Some(f) => fill = f.parse().expect("--fill=<fraction of the pool>"),
+            None if arg == "--exact" => opts.exact_balance = true,
+            None => sizes.push(arg.parse().expect("a partition count")),
+        }
+    }
     let sizes = if sizes.is_empty() {
         vec![256, 512]
     } else {
@@ -27,7 +34,7 @@ fn main() {
             max_hosts,
             k: 1,
             horizon: 2,
-            fill_hosts: max_hosts as f64 * 0.6,
+            fill_hosts: max_hosts as f64 * fill,
         };
         let mut problem = random_problem(42, shape, true);
         assert!(problem.current.is_some(), "the first-fit start did not fit");
@@ -35,7 +42,7 @@ fn main() {
         for p in &mut problem.partitions {
             p.load.remove(0);
         }
-        let line = match plan_online(&problem, &MilpOptions::default()) {
+        let line = match plan_online(&problem, &opts) {
             Ok(plan) => {
                 check(&problem, &plan).expect("a valid plan");
                 let attempts: Vec<serde_json::Value> = plan
@@ -51,6 +58,8 @@ fn main() {
                     .collect();
                 serde_json::json!({
                     "partitions": partitions,
+                    "fill": fill,
+                    "exact_balance": opts.exact_balance,
                     "max_hosts": max_hosts,
                     "hosts_before": hosts_before,
                     "hosts": plan.steps[0].hosts_used,

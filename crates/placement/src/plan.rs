@@ -43,6 +43,9 @@ pub struct StepPlan {
 pub enum SolveStatus {
     /// The MILP solver proved it optimal.
     Optimal,
+    /// Online, without `exact_balance`: the host count and bytes moved are proven minimal; the
+    /// balance term is the best found, within the solver's gap.
+    OptimalMoves,
     /// The solver's time limit ran out with a feasible placement, not proven optimal.
     TimeLimit,
     /// Greedy first-fit: feasible, no optimality claim.
@@ -54,6 +57,7 @@ pub enum SolveStatus {
 /// What one online solve at a fixed host count gave.
 #[derive(Clone, Debug, PartialEq)]
 pub enum AttemptOutcome {
+    /// Proven optimal (online without `exact_balance`: in bytes moved).
     Optimal,
     TimeLimitFeasible,
     /// The time limit ran out before any feasible placement was found.

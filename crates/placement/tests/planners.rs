@@ -5,8 +5,12 @@ use pliant_placement::instances::{random_problem, Shape};
 use pliant_placement::plan::{check, Plan};
 use pliant_placement::{brute, greedy, milp, PlanError, Problem};
 
+/// Exact: the objectives must match the exhaustive optimum to the last bit of balance.
 fn opts() -> milp::MilpOptions {
-    milp::MilpOptions::default()
+    milp::MilpOptions {
+        exact_balance: true,
+        ..milp::MilpOptions::default()
+    }
 }
 
 fn same(a: f64, b: f64) -> bool {
@@ -113,6 +117,19 @@ fn online_milp_reaches_the_exhaustive_optimum() {
         let exact = brute::plan_online(&p);
         let solved = milp::plan_online(&p, &opts());
         let label = format!("online seed {seed}: {partitions}x4 k={k}");
+        // The default options stop once the bytes moved are proven minimal.
+        if let (Ok(e), Ok(m)) = (&exact, milp::plan_online(&p, &milp::MilpOptions::default())) {
+            check(&p, &m).unwrap();
+            assert_eq!(
+                (hosts(&m), m.bytes_moved),
+                (hosts(e), e.bytes_moved),
+                "{label}: default options"
+            );
+            assert!(
+                m.objective >= e.objective - 1e-9,
+                "{label}: below the optimum"
+            );
+        }
         if same_optimum(&label, &p, exact, solved) {
             compared += 1;
         }
