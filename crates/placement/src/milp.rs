@@ -411,7 +411,9 @@ fn solve_online_at(
             }
             let feasible = valid(&placement);
             match (sol.status(), feasible) {
-                (SolutionStatus::Optimal, true) => (AttemptOutcome::Optimal, Some(placement)),
+                (SolutionStatus::Optimal | SolutionStatus::GapLimit, true) => {
+                    (AttemptOutcome::Optimal, Some(placement))
+                }
                 (SolutionStatus::Optimal, false) => (
                     AttemptOutcome::SolverError("optimal solution breaks a constraint".into()),
                     None,
