@@ -152,6 +152,8 @@ fn greedy_step(
             copies[i].push(to);
         }
     }
+    debug_assert!((0..h).all(|j| !hosts.cpu_over(j) && !hosts.mem_over(j)));
+    debug_assert!(copies.iter().all(|c| c.len() == problem.copies()));
     Ok(Placement::new(copies))
 }
 

@@ -18,4 +18,4 @@ pub mod model;
 pub mod plan;
 
 pub use model::{Costs, HostId, HostSpec, ModelError, Partition, Placement, Problem};
-pub use plan::{check, moves, Move, Op, Plan, PlanError, SolveStatus, Violation};
+pub use plan::{check, moves, order, Move, Op, Plan, PlanError, SolveStatus, Violation};

@@ -177,12 +177,18 @@ pub fn diff(problem: &Problem, from: Option<&Placement>, to: &Placement) -> Vec<
     out
 }
 
-/// Orders `moves` into primitive steps so that no partition ever has fewer copies than before the
-/// move: each move's copy is created before the copy it replaces is dropped, one move at a time,
-/// so a partition holds at most one extra copy at any moment.
-pub fn moves(moves: &[Move]) -> Vec<Op> {
+/// The primitive steps that turn placement `from` into `to`, ordered so that no partition ever has
+/// fewer copies than it has in `from` (k + 1 for a valid placement): see [`order`].
+pub fn moves(problem: &Problem, from: Option<&Placement>, to: &Placement) -> Vec<Op> {
+    order(&diff(problem, from, to))
+}
+
+/// Orders `moves` into primitive steps: each move's copy is created before the copy it replaces
+/// is dropped, one move at a time, so a partition holds at most one extra copy at any moment.
+pub fn order(moves: &[Move]) -> Vec<Op> {
     let mut ops = Vec::with_capacity(moves.len() * 2);
     for m in moves {
+        debug_assert!(m.from != Some(m.to), "a move to the host it leaves: {m:?}");
         ops.push(Op::Copy {
             partition: m.partition,
             from: m.from,
@@ -322,7 +328,7 @@ pub fn check(problem: &Problem, plan: &Plan) -> Result<(), Violation> {
             Some(p) => p.copies.clone(),
             None => vec![Vec::new(); problem.partitions.len()],
         };
-        for op in moves(&s.moves) {
+        for op in order(&s.moves) {
             match op {
                 Op::Copy { partition, to, .. } => reached[partition].push(to),
                 Op::Drop { partition, host } => reached[partition].retain(|&h| h != host),
@@ -426,7 +432,7 @@ mod tests {
         }
     }
 
-    /// Property: carrying out `moves(diff(a, b))` one op at a time never leaves a partition with
+    /// Property: carrying out `moves(a, b)` one op at a time never leaves a partition with
     /// fewer than k + 1 copies or more than k + 2, never puts two copies on one host, and ends at b.
     #[test]
     fn moves_keep_every_partition_replicated() {
@@ -439,8 +445,9 @@ mod tests {
             let a = random_placement(&mut rng, parts, hosts, k + 1);
             let b = random_placement(&mut rng, parts, hosts, k + 1);
             let mv = diff(&p, Some(&a), &b);
+            assert_eq!(moves(&p, Some(&a), &b), order(&mv));
             let mut live = a.copies.clone();
-            for op in moves(&mv) {
+            for op in order(&mv) {
                 match op {
                     Op::Copy {
                         partition,
