@@ -96,6 +96,8 @@ pub enum PlanError {
     NoFeasiblePlacement { from_hosts: usize, max_hosts: usize },
     #[error("the solver failed: {0}")]
     Solver(String),
+    #[error("the solver's time limit ({time_limit_s} s) ran out before it found a feasible plan")]
+    TimeLimitNoSolution { time_limit_s: f64 },
     #[error("the planner produced an invalid plan: {0}")]
     Invalid(#[from] Violation),
     #[error("exhaustive search is limited to {limit} states per step, this problem has {states}")]
