@@ -199,6 +199,16 @@ pub fn plan_offline(problem: &Problem, opts: &MilpOptions) -> Result<Plan, PlanE
         _ => SolveStatus::TimeLimit,
     };
     let steps = chain(problem, a.iter().map(|at| read_placement(&sol, at)));
+    let greedy_instead = |g: Plan| {
+        Plan::assemble(
+            problem,
+            g.steps,
+            Objective::Offline,
+            status,
+            started,
+            Vec::new(),
+        )
+    };
     match Plan::assemble(
         problem,
         steps,
@@ -208,29 +218,14 @@ pub fn plan_offline(problem: &Problem, opts: &MilpOptions) -> Result<Plan, PlanE
         Vec::new(),
     ) {
         // At the time limit with no incumbent, CBC's C interface hands back its last relaxation.
-        Err(PlanError::Invalid(_)) if status == SolveStatus::TimeLimit => match greedy {
-            Some(g) => Plan::assemble(
-                problem,
-                g.steps,
-                Objective::Offline,
-                status,
-                started,
-                Vec::new(),
-            ),
-            None => Err(PlanError::TimeLimitNoSolution {
+        Err(PlanError::Invalid(_)) if status == SolveStatus::TimeLimit => greedy
+            .map(&greedy_instead)
+            .unwrap_or(Err(PlanError::TimeLimitNoSolution {
                 time_limit_s: opts.time_limit_s,
-            }),
-        },
+            })),
         Ok(plan) => match greedy {
             Some(g) if g.objective < plan.objective - 1e-9 * plan.objective.abs().max(1.0) => {
-                Plan::assemble(
-                    problem,
-                    g.steps,
-                    Objective::Offline,
-                    status,
-                    started,
-                    Vec::new(),
-                )
+                greedy_instead(g)
             }
             _ => Ok(plan),
         },
