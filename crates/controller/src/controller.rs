@@ -368,12 +368,10 @@ impl Controller {
             // Lease ownership tokens now, so no failover waits for a store write.
             c.lease_tokens()?;
         }
-        // A move the previous controller left half done (it died): finish or undo it before
-        // anything else moves. If that fails now (a replica not answering yet), the intent
-        // stays for the next start; the controller still runs.
-        if let Err(e) = c.resolve_intents() {
-            c.event("intent_unresolved", json!({"error": e.to_string()}));
-        }
+        // A move the previous controller left half done (it died) is finished or undone by
+        // `retry_intents`, which the daemon runs first thing after it serves and then every
+        // policy round: never here, where a hung replica of the move would delay the takeover.
+        // No move of this controller can start before (one intent at a time).
         Ok(c)
     }
 
@@ -390,8 +388,29 @@ impl Controller {
                 store::put_json(st.as_mut(), &format!("{P_REPLICAS}{}", r.index), r)?;
             }
         }
+        // Blocks the store already holds were told to their replicas by a previous leader:
+        // re-told in the background (a controller taking over must not wait on a replica that
+        // hangs). New ones (a first start) are told now, in index order (assignment is
+        // deterministic), each within a heartbeat's bound.
+        let mut retell = Vec::new();
         for r in &recs {
-            self.ensure_port_blocks(r)?;
+            retell.extend(self.ensure_port_blocks(r, self.settings.heartbeat_timeout)?);
+        }
+        if !retell.is_empty() {
+            let (dialer, timeout) = (self.settings.control.clone(), self.settings.rpc_timeout);
+            let spawned = std::thread::Builder::new()
+                .name("ctl-port-blocks".into())
+                .spawn(move || {
+                    for (socket, req) in retell {
+                        if let Err(e) = dialer.call(&socket, &req, timeout) {
+                            tracing::warn!(socket = %socket.display(), error = %e,
+                                "re-telling port blocks");
+                        }
+                    }
+                });
+            if let Err(e) = spawned {
+                tracing::warn!(error = %e, "port blocks not re-told");
+            }
         }
         // Re-install exceptions the store remembers (e.g. after a controller restart).
         let saved: BTreeMap<String, u32> =
@@ -480,35 +499,41 @@ impl Controller {
     }
 
     /// Gives `r` its NAT port blocks if it has none: tells the replica, then the fabric.
-    /// FTMB replicas' blocks are pinned by index, not told (see `ports`).
-    fn ensure_port_blocks(&self, r: &ReplicaRecord) -> Result<()> {
+    /// FTMB replicas' blocks are pinned by index, not told (see `ports`). Blocks `r` had
+    /// already are not told again here: returned (socket and request) for the caller to.
+    fn ensure_port_blocks(
+        &self,
+        r: &ReplicaRecord,
+        timeout: Duration,
+    ) -> Result<Option<(PathBuf, Request)>> {
         let Some((_, per)) = &self.settings.port_blocks else {
-            return Ok(());
+            return Ok(None);
         };
         let ftmb = self.settings.ha.mode == crate::ha::HaMode::Ftmb;
-        let ranges = {
+        let (ranges, known) = {
             let mut st = lock(&self.state);
             let Some(pb) = st.ports.as_mut() else {
-                return Ok(());
+                return Ok(None);
             };
             let have = pb.of(r.index);
             if !have.is_empty() {
-                have
+                (have, true)
             } else if ftmb {
-                pb.assign_at(r.index, PortBlocks::pinned_first(r.index, *per), *per)?
+                let a = pb.assign_at(r.index, PortBlocks::pinned_first(r.index, *per), *per)?;
+                (a, false)
             } else {
-                pb.assign(r.index, *per)?
+                (pb.assign(r.index, *per)?, false)
             }
         };
+        let tell = Request::SetPortBlocks {
+            blocks: ranges.iter().map(|x| (*x.start(), *x.end())).collect(),
+        };
+        let mut retell = None;
         if ftmb {
             // Its pool is fixed by its config (see `ports`): nothing to tell the replica.
-        } else if let Err(e) = self.settings.control.call(
-            &r.socket,
-            &Request::SetPortBlocks {
-                blocks: ranges.iter().map(|x| (*x.start(), *x.end())).collect(),
-            },
-            self.settings.rpc_timeout,
-        ) {
+        } else if known {
+            retell = Some((r.socket.clone(), tell));
+        } else if let Err(e) = self.settings.control.call(&r.socket, &tell, timeout) {
             // Not fatal (an NF without NAT has nothing to do with ports), but worth seeing.
             self.event(
                 "port_blocks_refused",
@@ -525,7 +550,7 @@ impl Controller {
         if let Some(pb) = pb {
             store::put_json(lock(&self.store).as_mut(), K_PORTS, &pb)?;
         }
-        Ok(())
+        Ok(retell)
     }
 
     // ---------------------------------------------------------------- heartbeats
@@ -1265,7 +1290,12 @@ impl Controller {
                 },
             ),
         );
-        self.ensure_port_blocks(&rec)?;
+        if let Some((socket, tell)) = self.ensure_port_blocks(&rec, self.settings.rpc_timeout)? {
+            // A new replica whose index had blocks (a reused index): told now, as new ones.
+            self.settings
+                .control
+                .call(&socket, &tell, self.settings.rpc_timeout)?;
+        }
         self.install_ring()?;
         let epoch = self.bump_epoch()?;
         let serving_ms = t0.elapsed().as_millis() as u64;

@@ -223,6 +223,9 @@ pub fn spawn_loops(
     let (c, s) = (Arc::clone(ctl), Arc::clone(stop));
     let pi = Duration::from_millis(cfg.controller.policy_interval_ms.max(10));
     v.push(std::thread::spawn(move || {
+        // A move the previous leader left half done, first (it may wait on a replica: here,
+        // not before this controller serves).
+        c.retry_intents();
         while !s.load(Ordering::SeqCst) {
             std::thread::sleep(pi);
             c.retry_intents();

@@ -2109,6 +2109,7 @@ fn take_over(c: &CutShort) -> Controller {
 fn die_mid_migration(tag: &str, after_switch: bool) -> (World, SharedSteer, Controller, Value) {
     let cs = cut_short(tag, after_switch);
     let second = take_over(&cs);
+    second.retry_intents();
     let CutShort {
         w,
         steer,
@@ -2185,6 +2186,7 @@ fn a_move_cut_short_whose_destination_hangs_is_rolled_back_once_it_answers() {
     let cs = cut_short("hang", false);
     cs.w.state(2).lock().unwrap().hang = vec!["migrate_abort"];
     let second = take_over(&cs);
+    second.retry_intents();
     let events = second.status()["events"].to_string();
     assert!(events.contains("intent_pending"), "{events}");
     assert!(!events.contains("intent_resolved"), "{events}");
