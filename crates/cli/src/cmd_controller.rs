@@ -234,6 +234,53 @@ fn print_json(v: &Value) -> Result<(), String> {
     Ok(())
 }
 
+/// One line per host of `[hosts]` (empty without): its agent's state and its replicas.
+fn host_lines(hosts: &Value) -> Vec<String> {
+    let Some(hs) = hosts.as_array() else {
+        return Vec::new();
+    };
+    hs.iter()
+        .map(|h| {
+            let slots: Vec<String> = h["replicas"]
+                .as_array()
+                .map(Vec::as_slice)
+                .unwrap_or(&[])
+                .iter()
+                .map(|s| {
+                    let mut t = format!(
+                        "{} {}",
+                        s["replica"].as_str().unwrap_or("?"),
+                        s["state"].as_str().unwrap_or("?")
+                    );
+                    if let Some(e) = s["exit"].as_str() {
+                        t.push_str(&format!(" ({e})"));
+                    }
+                    t
+                })
+                .collect();
+            let state = h["state"].as_str().unwrap_or("?");
+            let mut line = format!(
+                "host {} {} for {} ms: {}",
+                h["name"].as_str().unwrap_or("?"),
+                state,
+                h["for_ms"],
+                if slots.is_empty() {
+                    "no replica reported".to_string()
+                } else {
+                    slots.join(", ")
+                }
+            );
+            if state != "up" {
+                line = format!(
+                    "WARNING: {line} ({})",
+                    h["last_error"].as_str().unwrap_or("")
+                );
+            }
+            line
+        })
+        .collect()
+}
+
 pub fn status(a: StatusArgs) -> Result<(), String> {
     let v = call(&a.conn, "GET", "/v1/status", None)?;
     if a.conn.json {
@@ -293,6 +340,9 @@ pub fn status(a: StatusArgs) -> Result<(), String> {
     }
     if let Some(w) = unprotected_warning(&v["unprotected"], &v["ha"]["min_replicas"]) {
         println!("{w}");
+    }
+    for line in host_lines(&v["hosts"]) {
+        println!("{line}");
     }
     let c = &v["counters"];
     println!(
@@ -654,6 +704,23 @@ pub fn ha(a: HaArgs) -> Result<(), String> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn hosts_are_one_line_each_and_a_host_not_up_is_a_warning() {
+        let v = serde_json::json!([
+            {"name": "h1", "state": "up", "for_ms": 5, "replicas": [
+                {"replica": "r1", "state": "running"}]},
+            {"name": "h2", "state": "dead", "for_ms": 7, "last_error": "timed out",
+             "replicas": [{"replica": "r2", "state": "died", "exit": "killed by signal 9"}]},
+        ]);
+        let l = super::host_lines(&v);
+        assert_eq!(l[0], "host h1 up for 5 ms: r1 running");
+        assert_eq!(
+            l[1],
+            "WARNING: host h2 dead for 7 ms: r2 died (killed by signal 9) (timed out)"
+        );
+        assert!(super::host_lines(&serde_json::Value::Null).is_empty());
+    }
+
     use super::*;
 
     #[test]

@@ -91,6 +91,29 @@ enum LabCmd {
     },
 }
 
+/// The hosts of a lab made with `--hosts` (one per replica namespace with an agent): name,
+/// network namespace, agent endpoint and whether its agent process runs. Empty otherwise.
+fn lab_hosts(s: &pliant_lab::LabStatus) -> Vec<serde_json::Value> {
+    if !s.state.agents {
+        return Vec::new();
+    }
+    s.procs
+        .iter()
+        .filter_map(|(p, alive)| {
+            let host = p.role.strip_prefix("pliant-agent-")?;
+            let n: u8 = host.strip_prefix('h')?.parse().ok()?;
+            Some(serde_json::json!({
+                "name": host,
+                "netns": format!("{}-r{n}", s.state.name),
+                "agent": pliant_lab::agents::endpoint(n),
+                "management": pliant_lab::mgmt::addr(n),
+                "agent_pid": p.pid,
+                "agent_alive": alive,
+            }))
+        })
+        .collect()
+}
+
 pub fn run(a: LabArgs) -> Result<(), String> {
     match a.cmd {
         LabCmd::Up {
@@ -199,6 +222,7 @@ pub fn run(a: LabArgs) -> Result<(), String> {
                             "processes": s.procs.iter()
                                 .map(|(p, alive)| serde_json::json!({"pid": p.pid, "role": p.role, "alive": alive}))
                                 .collect::<Vec<_>>(),
+                            "hosts": lab_hosts(&s),
                         });
                         println!("{v}");
                     }
@@ -226,6 +250,20 @@ pub fn run(a: LabArgs) -> Result<(), String> {
                                 p.pid,
                                 p.role,
                                 if *alive { "running" } else { "DEAD" }
+                            );
+                        }
+                        for h in lab_hosts(&s) {
+                            println!(
+                                "  host {:<4} agent {:<20} {} ({}, netns {})",
+                                h["name"].as_str().unwrap_or("?"),
+                                h["agent"].as_str().unwrap_or("?"),
+                                if h["agent_alive"] == true {
+                                    "running"
+                                } else {
+                                    "DEAD"
+                                },
+                                h["management"].as_str().unwrap_or("?"),
+                                h["netns"].as_str().unwrap_or("?"),
                             );
                         }
                     }

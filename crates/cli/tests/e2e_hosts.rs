@@ -95,6 +95,11 @@ fn a_whole_host_lost_mid_transfer_keeps_every_connection_and_a_process_death_is_
     let rec = run.wait_failover(1, killed.unix_ms, Duration::from_secs(10));
     let st = wait_host_state(&run, "h1", "dead");
     eprintln!("host h1: {}", host(&st, "h1"));
+    // People see it too: `pliant status` warns of the dead host, the metrics count it.
+    let text = controller_cli(&run.dir, &["status"]);
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("WARNING: host h1 dead"), "{text}");
+    assert!(text.contains("host h2 up"), "{text}");
     eprintln!("failover record: {rec}");
     let detect_ms = rec["detected_unix_ms"].as_f64().unwrap_or(f64::NAN) - killed.unix_ms;
     std::thread::sleep(Duration::from_millis(500));

@@ -76,6 +76,19 @@ pub fn render(status: &Value) -> String {
         "Placement epoch",
         n(&status["epoch"]),
     );
+    if let Some(hosts) = status["hosts"].as_array() {
+        // Hosts of `[hosts]`: how many are in each state (alert on dead > 0 or unreachable).
+        for state in ["up", "agent_down", "unreachable", "dead"] {
+            let k = hosts.iter().filter(|h| h["state"] == state).count() as u64;
+            line(
+                &mut o,
+                &format!("pliant_controller_hosts_{state}"),
+                "gauge",
+                &format!("Hosts whose agent the controller sees {state}"),
+                k,
+            );
+        }
+    }
     for (section, prefix) in [
         (&status["counters"], "pliant_controller"),
         (&ha["counters"], "pliant_controller_ha"),
@@ -106,6 +119,7 @@ mod tests {
             "controller": {"role": "leader", "term": 17},
             "counters": {"heartbeats": 9, "store_refusals": 2},
             "ha": {"unprotected_replicas": 1, "counters": {"failovers": 3}},
+            "hosts": [{"state": "up"}, {"state": "dead"}, {"state": "up"}],
         });
         let t = render(&st);
         for want in [
@@ -118,6 +132,9 @@ mod tests {
             "pliant_controller_store_refusals_total 2\n",
             "pliant_controller_ha_failovers_total 3\n",
             "# TYPE pliant_controller_unprotected_replicas gauge\n",
+            "pliant_controller_hosts_up 2\n",
+            "pliant_controller_hosts_dead 1\n",
+            "pliant_controller_hosts_unreachable 0\n",
         ] {
             assert!(t.contains(want), "{want:?} missing from:\n{t}");
         }
