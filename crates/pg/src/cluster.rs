@@ -673,14 +673,28 @@ impl Cluster {
         self.signal_each(i, if paused { libc::SIGSTOP } else { libc::SIGCONT });
     }
 
+    /// Signals every process of node `i`, again for processes that appear meanwhile: a
+    /// backend the postmaster forks between the listing and its own kill is a process of the
+    /// node too (missed, it lives on as an orphan still holding the listening socket, and the
+    /// node looks busy instead of dead). Rounds until one finds nothing new (at most 5).
     fn signal_each(&self, i: usize, sig: libc::c_int) {
-        let pids = ip(&["netns", "pids", &self.nodes[i].ns]).unwrap_or_default();
-        for p in pids
-            .split_whitespace()
-            .filter_map(|p| p.parse::<i32>().ok())
-        {
-            // SAFETY: plain syscall on a PID of a process in our own namespace.
-            unsafe { libc::kill(p, sig) };
+        let mut done = std::collections::BTreeSet::new();
+        for round in 0..5 {
+            let pids = ip(&["netns", "pids", &self.nodes[i].ns]).unwrap_or_default();
+            let new: Vec<i32> = pids
+                .split_whitespace()
+                .filter_map(|p| p.parse::<i32>().ok())
+                .filter(|p| !done.contains(p))
+                .collect();
+            if new.is_empty() && round > 0 {
+                break;
+            }
+            for p in new {
+                // SAFETY: plain syscall on a PID of a process in our own namespace.
+                unsafe { libc::kill(p, sig) };
+                done.insert(p);
+            }
+            std::thread::sleep(Duration::from_millis(2));
         }
     }
 
