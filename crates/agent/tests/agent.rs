@@ -74,6 +74,8 @@ fn config(d: &Path, listen: &str, identity: Option<PathBuf>) -> AgentConfig {
 
 /// A running agent, stopped (and its replicas stopped) when dropped.
 struct Running {
+    /// Set to end the agent alone (its replicas keep running, as a real agent's do).
+    leave_replicas: bool,
     state_dir: PathBuf,
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<Result<(), String>>>,
@@ -88,6 +90,9 @@ impl Drop for Running {
         }
         // An agent leaves its replicas running by design: end the ones this test's agent
         // started (its PID files), also when the test failed half-way.
+        if self.leave_replicas {
+            return;
+        }
         if let Ok(files) = std::fs::read_dir(&self.state_dir) {
             for f in files.flatten() {
                 let text = std::fs::read_to_string(f.path()).unwrap_or_default();
@@ -112,6 +117,7 @@ fn start(cfg: AgentConfig) -> Running {
     });
     let ep = rx.recv_timeout(Duration::from_secs(10)).expect("agent up");
     Running {
+        leave_replicas: false,
         state_dir,
         stop,
         thread: Some(thread),
@@ -231,15 +237,16 @@ fn a_restarted_agent_adopts_running_replicas_instead_of_starting_copies() {
     let d = dir("adopt");
     let sock = d.0.join("agent.sock").display().to_string();
     let pid = {
-        let a = start(config(&d.0, &sock, None));
+        let mut a = start(config(&d.0, &sock, None));
         let c = Client::new(a.ep.clone(), None);
         let st: AgentStatus = c
             .ask(&AgentRequest::Start {
                 replica: "r2".into(),
             })
             .unwrap();
+        // The agent ends here; its replica keeps running (the next agent's guard ends it).
+        a.leave_replicas = true;
         st.slot("r2").unwrap().pid.unwrap()
-        // The agent ends here; its replica keeps running.
     };
     assert!(Path::new(&format!("/proc/{pid}")).exists());
     let a = start(config(&d.0, &sock, None));
