@@ -5,6 +5,7 @@
 //! - [`slots`]: start/stop/watch of the replica processes (exact exit status of its children,
 //!   PID files to adopt replicas across an agent restart).
 //! - [`server`]: the control link (sealed with an AGENT identity), the term fence.
+//! - [`testing`]: an agent in-process with stand-in replicas, for tests here and elsewhere.
 //!
 //! Why an agent: a controller on another machine cannot fork a process on this one, and it
 //! cannot tell from afar whether a replica's process died (the host answers: restart it or fail
@@ -14,6 +15,7 @@
 pub mod config;
 pub mod server;
 pub mod slots;
+pub mod testing;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

@@ -2,20 +2,13 @@
 //! socket, as a replica serves its control socket) started, watched, killed and stopped through
 //! the agent's control link, unix and TCP with identities.
 
-use pliant_agent::config::{AgentConfig, AgentSection, SlotConfig};
+use pliant_agent::config::{AgentConfig, AgentSection};
+use pliant_agent::testing::{fake_slot, RunningAgent};
 use pliant_proto::agent::{AgentRequest, AgentStatus, SlotState};
 use pliant_proto::Client;
-use pliant_wire::{role, Ca, Endpoint, Security};
+use pliant_wire::{role, Ca, Security};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-const FAKE_REPLICA: &str = "import os,socket,sys\n\
-if os.path.exists(sys.argv[1]): os.unlink(sys.argv[1])\n\
-s=socket.socket(socket.AF_UNIX)\n\
-s.bind(sys.argv[1]); s.listen(16)\n\
-while True:\n    c,_=s.accept(); c.close()\n";
 
 struct Dir(PathBuf);
 impl Drop for Dir {
@@ -38,20 +31,6 @@ fn dir(tag: &str) -> Dir {
     Dir(d)
 }
 
-fn slot(d: &Path, name: &str) -> SlotConfig {
-    SlotConfig {
-        name: name.into(),
-        command: vec![
-            "/usr/bin/python3".into(),
-            "-c".into(),
-            FAKE_REPLICA.into(),
-            d.join(format!("{name}.sock")).display().to_string(),
-        ],
-        control: d.join(format!("{name}.sock")),
-        log: Some(d.join(format!("{name}.log"))),
-    }
-}
-
 fn config(d: &Path, listen: &str, identity: Option<PathBuf>) -> AgentConfig {
     let c = AgentConfig {
         agent: AgentSection {
@@ -66,63 +45,13 @@ fn config(d: &Path, listen: &str, identity: Option<PathBuf>) -> AgentConfig {
             start_timeout_ms: 10_000,
             stop_grace_ms: 2_000,
         },
-        replica: vec![slot(d, "r1"), slot(d, "r2")],
+        replica: ["r1", "r2"]
+            .iter()
+            .map(|n| fake_slot(d, n, Some(d.join(format!("{n}.log")))))
+            .collect(),
     };
     c.check().unwrap();
     c
-}
-
-/// A running agent, stopped (and its replicas stopped) when dropped.
-struct Running {
-    /// Set to end the agent alone (its replicas keep running, as a real agent's do).
-    leave_replicas: bool,
-    state_dir: PathBuf,
-    stop: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<Result<(), String>>>,
-    ep: Endpoint,
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-        // An agent leaves its replicas running by design: end the ones this test's agent
-        // started (its PID files), also when the test failed half-way.
-        if self.leave_replicas {
-            return;
-        }
-        if let Ok(files) = std::fs::read_dir(&self.state_dir) {
-            for f in files.flatten() {
-                let text = std::fs::read_to_string(f.path()).unwrap_or_default();
-                if let Some(pid) = text.split_whitespace().next().and_then(|p| p.parse().ok()) {
-                    // SAFETY: SIGKILL to a process this test's agent started (its PID file).
-                    unsafe { libc::kill(pid, libc::SIGKILL) };
-                }
-            }
-        }
-    }
-}
-
-fn start(cfg: AgentConfig) -> Running {
-    let state_dir = cfg.agent.state_dir.clone();
-    let stop = Arc::new(AtomicBool::new(false));
-    let (tx, rx) = std::sync::mpsc::channel();
-    let s = stop.clone();
-    let thread = std::thread::spawn(move || {
-        pliant_agent::run(&cfg, &s, |ep| {
-            let _ = tx.send(ep.clone());
-        })
-    });
-    let ep = rx.recv_timeout(Duration::from_secs(10)).expect("agent up");
-    Running {
-        leave_replicas: false,
-        state_dir,
-        stop,
-        thread: Some(thread),
-        ep,
-    }
 }
 
 fn status(c: &Client) -> AgentStatus {
@@ -142,7 +71,7 @@ fn a_replica_is_started_watched_and_its_death_reported_exactly() {
     }
     let d = dir("life");
     let sock = d.0.join("agent.sock").display().to_string();
-    let a = start(config(&d.0, &sock, None));
+    let a = RunningAgent::start(config(&d.0, &sock, None));
     let c = Client::new(a.ep.clone(), None);
     let st = status(&c);
     assert_eq!(st.agent, "h1");
@@ -237,7 +166,7 @@ fn a_restarted_agent_adopts_running_replicas_instead_of_starting_copies() {
     let d = dir("adopt");
     let sock = d.0.join("agent.sock").display().to_string();
     let pid = {
-        let mut a = start(config(&d.0, &sock, None));
+        let mut a = RunningAgent::start(config(&d.0, &sock, None));
         let c = Client::new(a.ep.clone(), None);
         let st: AgentStatus = c
             .ask(&AgentRequest::Start {
@@ -249,7 +178,7 @@ fn a_restarted_agent_adopts_running_replicas_instead_of_starting_copies() {
         st.slot("r2").unwrap().pid.unwrap()
     };
     assert!(Path::new(&format!("/proc/{pid}")).exists());
-    let a = start(config(&d.0, &sock, None));
+    let a = RunningAgent::start(config(&d.0, &sock, None));
     let c = Client::new(a.ep.clone(), None);
     let r2 = status(&c).slot("r2").unwrap().clone();
     assert_eq!((r2.state, r2.pid), (SlotState::Running, Some(pid)));
@@ -278,7 +207,7 @@ fn over_tcp_only_controllers_are_served_and_a_deposed_term_is_refused() {
     let ca = Ca::generate(None).unwrap();
     let id = d.0.join("id-h1");
     ca.issue_to(&id, "h1", role::AGENT, 3600).unwrap();
-    let a = start(config(&d.0, "127.0.0.1:0", Some(id)));
+    let a = RunningAgent::start(config(&d.0, "127.0.0.1:0", Some(id)));
     let as_ = |name: &str, roles: u32| {
         Client::new(
             a.ep.clone(),

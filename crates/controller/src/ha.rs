@@ -588,49 +588,10 @@ pub fn probe_tcp(endpoint: &str, timeout: std::time::Duration) -> Probe {
     verdict_over_addresses(verdicts)
 }
 
-/// Test helpers shared with the controller's tests.
+/// Test helpers shared with the controller's tests (one copy, in pliant-testkit).
 #[cfg(test)]
 pub(crate) mod testing {
-    use std::net::{SocketAddr, TcpListener, TcpStream};
-    use std::os::fd::AsRawFd;
-
-    /// A TCP endpoint that never answers a connect: a listener whose accept queue (backlog 0)
-    /// holds one connection already and is never accepted from, so Linux drops every further
-    /// SYN without a reset (`ListenOverflows`), as a lost SYN or a hung host would look.
-    /// Keep both values alive for as long as the endpoint must stay silent.
-    pub(crate) fn silent_tcp_endpoint(addr: SocketAddr) -> (TcpListener, TcpStream) {
-        let l = TcpListener::bind(addr).unwrap();
-        // SAFETY: listen(2) again on a listening socket we own only changes its backlog.
-        assert_eq!(unsafe { libc::listen(l.as_raw_fd(), 0) }, 0);
-        let filler = TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        (l, filler)
-    }
-
-    /// A TCP socket bound to a free port of 127.0.0.1 that never listens, and its port: a SYN
-    /// to it is answered with a reset, and while it lives no other socket binds or auto-picks
-    /// the port.
-    pub(crate) fn bound_not_listening() -> (std::os::fd::OwnedFd, u16) {
-        use std::os::fd::FromRawFd;
-        // SAFETY: plain socket(2)/bind(2) on a zeroed sockaddr_in we fill; the fd is owned.
-        unsafe {
-            let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
-            assert!(fd >= 0);
-            let owned = std::os::fd::OwnedFd::from_raw_fd(fd);
-            let mut sa: libc::sockaddr_in = std::mem::zeroed();
-            sa.sin_family = libc::AF_INET as libc::sa_family_t;
-            sa.sin_addr.s_addr = u32::from(std::net::Ipv4Addr::LOCALHOST).to_be();
-            let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-            let p = &mut sa as *mut libc::sockaddr_in as *mut libc::sockaddr;
-            assert_eq!(
-                libc::bind(fd, p, len),
-                0,
-                "{}",
-                std::io::Error::last_os_error()
-            );
-            assert_eq!(libc::getsockname(fd, p, &mut len), 0);
-            (owned, u16::from_be(sa.sin_port))
-        }
-    }
+    pub(crate) use pliant_testkit::sockets::{bound_not_listening, silent_tcp_endpoint};
 }
 
 #[cfg(test)]

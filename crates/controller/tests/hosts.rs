@@ -4,22 +4,17 @@
 //! reported with its exit status, an agent that is gone (refused) told from a host that is
 //! silent (dead after `dead_after_ms`, unreachable while one of its replicas answers).
 
-use pliant_agent::config::{AgentConfig, AgentSection, SlotConfig};
+use pliant_agent::config::{AgentConfig, AgentSection};
+use pliant_agent::testing::{fake_slot, RunningAgent};
 use pliant_controller::agent::Agent;
 use pliant_controller::hosts::{
     AgentEntry, HostEvent, HostState, HostWatch, HostsSection, RemoteAgents,
 };
 use pliant_wire::{role, Ca, Security};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-const FAKE_REPLICA: &str = "import os,socket,sys\n\
-if os.path.exists(sys.argv[1]): os.unlink(sys.argv[1])\n\
-s=socket.socket(socket.AF_UNIX)\n\
-s.bind(sys.argv[1]); s.listen(16)\n\
-while True:\n    c,_=s.accept(); c.close()\n";
 
 struct Dir(PathBuf);
 impl Drop for Dir {
@@ -28,31 +23,9 @@ impl Drop for Dir {
     }
 }
 
-struct RunningAgent {
-    state_dir: PathBuf,
-    stop: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<Result<(), String>>>,
-    endpoint: String,
-}
-
-impl Drop for RunningAgent {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-        // An agent leaves its replicas running by design: end the ones this test's agent
-        // started (its PID files), also when the test failed half-way.
-        if let Ok(files) = std::fs::read_dir(&self.state_dir) {
-            for f in files.flatten() {
-                let text = std::fs::read_to_string(f.path()).unwrap_or_default();
-                if let Some(pid) = text.split_whitespace().next().and_then(|p| p.parse().ok()) {
-                    // SAFETY: SIGKILL to a process this test's agent started (its PID file).
-                    unsafe { libc::kill(pid, libc::SIGKILL) };
-                }
-            }
-        }
-    }
+/// The agent's TCP address as a `[[hosts.agent]]` endpoint (`host:port`).
+fn tcp_addr(a: &RunningAgent) -> String {
+    a.ep.to_string().trim_start_matches("tcp:").to_string()
 }
 
 fn agent(d: &Path, ca: &Ca, host: &str, slots: &[&str]) -> RunningAgent {
@@ -71,74 +44,9 @@ fn agent(d: &Path, ca: &Ca, host: &str, slots: &[&str]) -> RunningAgent {
             start_timeout_ms: 10_000,
             stop_grace_ms: 2_000,
         },
-        replica: slots
-            .iter()
-            .map(|n| {
-                let sock = d.join(format!("{n}.sock")).display().to_string();
-                SlotConfig {
-                    name: n.to_string(),
-                    command: vec![
-                        "/usr/bin/python3".into(),
-                        "-c".into(),
-                        FAKE_REPLICA.into(),
-                        sock.clone(),
-                    ],
-                    control: sock.into(),
-                    log: None,
-                }
-            })
-            .collect(),
+        replica: slots.iter().map(|n| fake_slot(d, n, None)).collect(),
     };
-    cfg.check().unwrap();
-    let state_dir = cfg.agent.state_dir.clone();
-    let stop = Arc::new(AtomicBool::new(false));
-    let (tx, rx) = std::sync::mpsc::channel();
-    let s = stop.clone();
-    let thread = std::thread::spawn(move || {
-        pliant_agent::run(&cfg, &s, |ep| {
-            let _ = tx.send(ep.to_string());
-        })
-    });
-    let endpoint = rx.recv_timeout(Duration::from_secs(10)).expect("agent up");
-    RunningAgent {
-        state_dir,
-        stop,
-        thread: Some(thread),
-        endpoint: endpoint.trim_start_matches("tcp:").to_string(),
-    }
-}
-
-/// A TCP port that is bound but never listens: a connect is refused (the host's kernel
-/// answers, no agent runs).
-fn refusing_port() -> (u16, std::os::fd::OwnedFd) {
-    use std::os::fd::FromRawFd;
-    // SAFETY: socket(2)/bind(2)/getsockname(2) on a sockaddr_in we own; the fd is owned.
-    unsafe {
-        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
-        assert!(fd >= 0);
-        let owned = std::os::fd::OwnedFd::from_raw_fd(fd);
-        let mut sa: libc::sockaddr_in = std::mem::zeroed();
-        sa.sin_family = libc::AF_INET as libc::sa_family_t;
-        sa.sin_addr.s_addr = u32::from(std::net::Ipv4Addr::LOCALHOST).to_be();
-        let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-        let p = &mut sa as *mut libc::sockaddr_in as *mut libc::sockaddr;
-        assert_eq!(libc::bind(fd, p, len), 0);
-        assert_eq!(libc::getsockname(fd, p, &mut len), 0);
-        let port = u16::from_be(sa.sin_port);
-        (port, owned)
-    }
-}
-
-/// A TCP endpoint that never completes a handshake: its accept queue is full (backlog 0,
-/// one connection parked), so further SYNs are dropped — a silent host.
-fn silent_endpoint() -> (std::net::TcpListener, std::net::TcpStream, String) {
-    use std::os::fd::AsRawFd;
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    // SAFETY: listen(2) again on a listening socket we own only changes its backlog.
-    assert_eq!(unsafe { libc::listen(l.as_raw_fd(), 0) }, 0);
-    let filler = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
-    let ep = l.local_addr().unwrap().to_string();
-    (l, filler, ep)
+    RunningAgent::start(cfg)
 }
 
 #[test]
@@ -152,8 +60,11 @@ fn replicas_spread_over_hosts_and_process_agent_and_host_failures_are_told_apart
     let ca = Ca::generate(None).unwrap();
     let h1 = agent(&d.0, &ca, "h1", &["r1", "r3"]);
     let h2 = agent(&d.0, &ca, "h2", &["r2", "r4"]);
-    let (refused_port, _held) = refusing_port();
-    let (_l, _filler, silent) = silent_endpoint();
+    // h3: a port bound but not listening (the host's kernel refuses: no agent runs); h4: an
+    // endpoint whose SYNs are dropped (a silent host).
+    let (_held, refused_port) = pliant_testkit::sockets::bound_not_listening();
+    let (l, _filler) = pliant_testkit::sockets::silent_tcp_endpoint("127.0.0.1:0".parse().unwrap());
+    let silent = l.local_addr().unwrap().to_string();
     let cfg = HostsSection {
         poll_ms: 20,
         dead_after_ms: 300,
@@ -161,11 +72,11 @@ fn replicas_spread_over_hosts_and_process_agent_and_host_failures_are_told_apart
         agent: vec![
             AgentEntry {
                 name: "h1".into(),
-                endpoint: h1.endpoint.clone(),
+                endpoint: tcp_addr(&h1),
             },
             AgentEntry {
                 name: "h2".into(),
-                endpoint: h2.endpoint.clone(),
+                endpoint: tcp_addr(&h2),
             },
             AgentEntry {
                 name: "h3".into(),

@@ -248,3 +248,48 @@ impl XorShift {
         self.next() % n
     }
 }
+
+/// TCP endpoints that behave like failed peers, for liveness tests.
+pub mod sockets {
+    use std::net::{SocketAddr, TcpListener, TcpStream};
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+    /// A TCP endpoint that never answers a connect: a listener whose accept queue (backlog 0)
+    /// holds one connection already and is never accepted from, so Linux drops every further
+    /// SYN without a reset (`ListenOverflows`), as a lost SYN or a hung host would look.
+    /// Keep both values alive for as long as the endpoint must stay silent.
+    pub fn silent_tcp_endpoint(addr: SocketAddr) -> (TcpListener, TcpStream) {
+        let l = TcpListener::bind(addr).unwrap();
+        // SAFETY: listen(2) again on a listening socket we own only changes its backlog.
+        assert_eq!(unsafe { libc::listen(l.as_raw_fd(), 0) }, 0);
+        let filler = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        (l, filler)
+    }
+
+    /// A TCP socket bound to a free port of 127.0.0.1 that never listens, and its port: a SYN
+    /// to it is answered with a reset (the host's kernel answers, nothing runs there), and
+    /// while it lives no other socket binds or auto-picks the port (a freed port could be
+    /// taken by another test, or by a connect's own ephemeral source port).
+    pub fn bound_not_listening() -> (OwnedFd, u16) {
+        // SAFETY: plain socket(2)/bind(2)/getsockname(2) on a zeroed sockaddr_in we fill; the
+        // fd is owned.
+        unsafe {
+            let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+            assert!(fd >= 0);
+            let owned = OwnedFd::from_raw_fd(fd);
+            let mut sa: libc::sockaddr_in = std::mem::zeroed();
+            sa.sin_family = libc::AF_INET as libc::sa_family_t;
+            sa.sin_addr.s_addr = u32::from(std::net::Ipv4Addr::LOCALHOST).to_be();
+            let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+            let p = &mut sa as *mut libc::sockaddr_in as *mut libc::sockaddr;
+            assert_eq!(
+                libc::bind(fd, p, len),
+                0,
+                "{}",
+                std::io::Error::last_os_error()
+            );
+            assert_eq!(libc::getsockname(fd, p, &mut len), 0);
+            (owned, u16::from_be(sa.sin_port))
+        }
+    }
+}
