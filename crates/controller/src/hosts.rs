@@ -253,18 +253,7 @@ impl HostWatch {
         let timeout = Duration::from_millis(self.cfg.poll_timeout_ms);
         let started = Instant::now();
         let entries = self.entries();
-        let answers: Vec<(Poll, Option<AgentStatus>)> = std::thread::scope(|s| {
-            let hs: Vec<_> = entries
-                .iter()
-                .map(|e| s.spawn(move || self.poll_agent(e, timeout)))
-                .collect();
-            hs.into_iter()
-                .map(|h| {
-                    h.join()
-                        .unwrap_or((Poll::Silent("poll thread panicked".into()), None))
-                })
-                .collect()
-        });
+        let answers = self.poll_all(&entries, timeout);
         let dead_after = Duration::from_millis(self.cfg.dead_after_ms);
         let now = Instant::now();
         let mut events = Vec::new();
@@ -339,6 +328,26 @@ impl HostWatch {
         events
     }
 
+    /// Every agent in `entries` polled at once (a silent host costs the bound once).
+    fn poll_all(
+        &self,
+        entries: &[AgentEntry],
+        timeout: Duration,
+    ) -> Vec<(Poll, Option<AgentStatus>)> {
+        std::thread::scope(|s| {
+            let hs: Vec<_> = entries
+                .iter()
+                .map(|e| s.spawn(move || self.poll_agent(e, timeout)))
+                .collect();
+            hs.into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or((Poll::Silent("poll thread panicked".into()), None))
+                })
+                .collect()
+        })
+    }
+
     fn poll_agent(&self, e: &AgentEntry, timeout: Duration) -> (Poll, Option<AgentStatus>) {
         let c = match self.client(e, timeout) {
             Ok(c) => c,
@@ -404,32 +413,21 @@ pub struct RemoteAgents {
 
 impl RemoteAgents {
     fn statuses(&self) -> Vec<(AgentEntry, Result<AgentStatus, String>)> {
-        // In parallel: a silent host costs the timeout once, not once per host.
         let t = Duration::from_millis(self.watch.cfg.poll_timeout_ms * 4);
         let entries = self.watch.entries();
-        std::thread::scope(|sc| {
-            let hs: Vec<_> = entries
-                .iter()
-                .map(|e| {
-                    sc.spawn(move || {
-                        self.watch.client(e, t).and_then(|c| {
-                            c.ask(&AgentRequest::AgentStatus).map_err(|x| x.to_string())
-                        })
-                    })
-                })
-                .collect();
-            entries
-                .iter()
-                .cloned()
-                .zip(hs)
-                .map(|(e, h)| {
-                    let s = h
-                        .join()
-                        .unwrap_or_else(|_| Err("status thread panicked".into()));
-                    (e, s)
-                })
-                .collect()
-        })
+        let answers = self.watch.poll_all(&entries, t);
+        entries
+            .into_iter()
+            .zip(answers)
+            .map(|(e, (poll, st))| {
+                let s = match (poll, st) {
+                    (_, Some(st)) => Ok(st),
+                    (Poll::Refused(w) | Poll::Silent(w), None) => Err(w),
+                    (Poll::Answered, None) => Err("no status".into()),
+                };
+                (e, s)
+            })
+            .collect()
     }
 
     fn slow_client(&self, e: &AgentEntry) -> Result<Client, AgentError> {
