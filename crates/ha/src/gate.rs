@@ -33,6 +33,40 @@ pub struct FlowFacts {
     /// The last version shipped to the backup and the seq of the checkpoint that carried it;
     /// `None`: never shipped (in this group since the last full resync).
     pub shipped: Option<(u64, u64)>,
+    pub sync: SyncState,
+}
+
+/// Whether a flow is still *syncing* into its group: it came from a group whose backup died (it
+/// ran unprotected, its output leaving at once) and its new backup has not acknowledged a copy
+/// of it yet. Until then its output keeps leaving as it did a moment before: holding it for
+/// the first copy would stall flows of a replica that did not fail, for a failure elsewhere.
+/// Protection (and output commit) starts with the ack.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SyncState {
+    Synced,
+    /// Not shipped to its group yet.
+    UntilShipped,
+    /// Shipped in this seq; synced once it is acknowledged.
+    UntilAcked(u64),
+}
+
+impl SyncState {
+    /// Still syncing when the group's acks reached `acked_seq`.
+    pub fn syncing(self, acked_seq: u64) -> bool {
+        match self {
+            SyncState::Synced => false,
+            SyncState::UntilShipped => true,
+            SyncState::UntilAcked(s) => s > acked_seq,
+        }
+    }
+
+    /// After the flow was shipped in `seq`.
+    pub fn shipped(self, seq: u64) -> SyncState {
+        match self {
+            SyncState::UntilShipped => SyncState::UntilAcked(seq),
+            other => other,
+        }
+    }
 }
 
 /// The state of the packet's group.
@@ -50,6 +84,8 @@ pub struct GroupFacts {
 pub enum Verdict {
     /// Leaves now: its group is unprotected (group 0, or the backup is dead).
     Unprotected,
+    /// Leaves now: the flow is still syncing into its group (see [`SyncState`]).
+    Syncing,
     /// Leaves now: `pkt_write_direct` (exempt by design, except in Remus mode).
     Direct,
     /// Leaves now: the flow's state is acknowledged and the packet did not change it (or the
@@ -62,7 +98,8 @@ pub enum Verdict {
 /// THE OUTPUT RULE for a packet written with `pkt_write(key)`, decided after the batch that
 /// wrote it, with `g` = the group of `key`'s flow:
 ///
-/// 1. `g` unprotected (group 0, or its link is dead) -> leaves now.
+/// 1. `g` unprotected (group 0, or its link is dead) -> leaves now; so does a flow still
+///    syncing into `g` after its old backup died ([`SyncState`]).
 /// 2. The flow changed since it was last shipped (`version > shipped version`, never shipped,
 ///    or deleted after being shipped) -> waits for the **open** seq of `g`: the checkpoint that
 ///    will carry that change.
@@ -77,6 +114,9 @@ pub enum Verdict {
 pub fn output_rule(g: &GroupFacts, f: &FlowFacts) -> Verdict {
     if !g.protected {
         return Verdict::Unprotected;
+    }
+    if f.sync.syncing(g.acked_seq) {
+        return Verdict::Syncing;
     }
     let wait_open = Verdict::Wait(Dep {
         group: g.group,
@@ -356,7 +396,11 @@ mod tests {
     #[test]
     fn the_output_rule_case_by_case() {
         let g = gf(7, 4);
-        let f = |version, shipped| FlowFacts { version, shipped };
+        let f = |version, shipped| FlowFacts {
+            version,
+            shipped,
+            sync: SyncState::Synced,
+        };
         // Unprotected groups leave now whatever the flow.
         let mut un = g;
         un.protected = false;
@@ -381,6 +425,31 @@ mod tests {
         assert_eq!(direct_rule(None), Verdict::Direct);
         assert_eq!(direct_rule(Some(&g)), wait(7));
         assert_eq!(direct_rule(Some(&un)), Verdict::Direct);
+        // Syncing after its old backup died: leaves now until its first copy here is acked
+        // (acked up to 4), then the rule applies again.
+        let syncing = |sync| FlowFacts {
+            version: Some(3),
+            shipped: Some((2, 6)),
+            sync,
+        };
+        let until = |s| syncing(SyncState::UntilAcked(s));
+        assert_eq!(
+            output_rule(&g, &syncing(SyncState::UntilShipped)),
+            Verdict::Syncing
+        );
+        assert_eq!(output_rule(&g, &until(6)), Verdict::Syncing);
+        assert_eq!(
+            output_rule(&g, &until(4)),
+            wait(7),
+            "synced at the ack of 4"
+        );
+        assert_eq!(output_rule(&un, &until(6)), Verdict::Unprotected);
+        assert_eq!(SyncState::UntilShipped.shipped(5), SyncState::UntilAcked(5));
+        assert_eq!(
+            SyncState::UntilAcked(5).shipped(6),
+            SyncState::UntilAcked(5)
+        );
+        assert_eq!(SyncState::Synced.shipped(6), SyncState::Synced);
     }
 
     #[test]
@@ -440,35 +509,42 @@ mod tests {
     use pliant_testkit::XorShift as Rng;
 
     /// Property: random interleavings of writes (modifying or not), epoch closes (with
-    /// checkpoints carrying the dirty flows), in-order cumulative acks, and a link death never
-    /// release a packet before the checkpoint carrying the state it depended on was acked, and
-    /// keep each flow's packets in write order. Checked against an independent model: per
-    /// packet, the flow version it depended on; per checkpoint, the versions it carried.
+    /// checkpoints carrying the dirty flows), in-order cumulative acks, link deaths and
+    /// re-protection to a new group (flows syncing into it) never release a packet before the
+    /// checkpoint carrying the state it depended on was acked — unless it left exempt
+    /// (unprotected, or syncing) — and keep each flow's packets in write order. Checked against
+    /// an independent model: per packet, the flow version it depended on; per checkpoint of
+    /// the current group, the versions it carried.
     #[test]
     fn random_interleavings_never_release_early_and_keep_flow_order() {
+        // Packets that left syncing, and clean packets of flows that had synced: both paths
+        // must really be exercised.
+        let (mut synced_left, mut syncing_left) = (0u32, 0u32);
         for seed in 1..=200u64 {
             let mut r = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
             const FLOWS: usize = 6;
             let mut version = [0u64; FLOWS];
             let mut shipped: [Option<(u64, u64)>; FLOWS] = [None; FLOWS];
-            // seq -> versions carried (flow, version)
+            let mut sync = [SyncState::Synced; FLOWS];
+            // seq -> versions carried (flow, version), of the current group
             let mut carried: Vec<Vec<(usize, u64)>> = vec![Vec::new()];
             let mut acked_upto = 0u64; // model's view, updated when the ack is delivered
             let mut closed = 0u64;
-            let mut gate: OutputGate<(usize, u64, u64)> = OutputGate::new(1 << 20);
-            gate.add_group(1, 1);
+            let mut group: GroupId = 1;
+            let mut gate: OutputGate<(usize, u64, u64, bool)> = OutputGate::new(1 << 20);
+            gate.add_group(group, 1);
             let mut protected = true;
             let mut written = [0u64; FLOWS];
             let mut last_out = [0u64; FLOWS];
             let mut out = Vec::new();
-            let mut check = |out: &mut Vec<(usize, u64, u64)>,
+            let mut check = |out: &mut Vec<(usize, u64, u64, bool)>,
                              acked_upto: u64,
                              protected: bool,
                              carried: &Vec<Vec<(usize, u64)>>| {
-                for (f, n, v) in out.drain(..) {
+                for (f, n, v, exempt) in out.drain(..) {
                     assert!(n > last_out[f], "seed {seed}: flow {f} reordered");
                     last_out[f] = n;
-                    if protected {
+                    if protected && !exempt {
                         let ok = (1..=acked_upto).any(|s| {
                             carried[s as usize]
                                 .iter()
@@ -478,8 +554,8 @@ mod tests {
                     }
                 }
             };
-            for _ in 0..400 {
-                match r.below(10) {
+            for _ in 0..600 {
+                match r.below(11) {
                     0..=5 => {
                         let f = r.below(FLOWS as u64) as usize;
                         if r.below(3) == 0 {
@@ -487,63 +563,87 @@ mod tests {
                         }
                         written[f] += 1;
                         let g = GroupFacts {
-                            group: 1,
+                            group,
                             protected,
-                            open_seq: gate.open_seq(1).unwrap_or(0),
-                            acked_seq: gate.acked_seq(1).unwrap_or(0),
+                            open_seq: gate.open_seq(group).unwrap_or(0),
+                            acked_seq: gate.acked_seq(group).unwrap_or(0),
                         };
                         let facts = FlowFacts {
                             version: Some(version[f]),
                             shipped: shipped[f],
+                            sync: sync[f],
                         };
-                        let item = (f, written[f], version[f]);
+                        let mut item = (f, written[f], version[f], false);
                         match output_rule(&g, &facts) {
                             Verdict::Wait(dep) => {
                                 if let Err(e) = gate.hold(dep, item) {
                                     out.push(e.into_inner());
                                 }
                             }
-                            _ => out.push(item),
+                            Verdict::Syncing => {
+                                syncing_left += 1;
+                                item.3 = true;
+                                out.push(item);
+                            }
+                            Verdict::Unprotected => {
+                                item.3 = true;
+                                out.push(item);
+                            }
+                            _ => {
+                                if group > 1 {
+                                    synced_left += 1;
+                                }
+                                out.push(item);
+                            }
                         }
                     }
-                    6 | 7 => {
-                        let s = gate.close_epoch(1).unwrap();
+                    6 | 7 if protected => {
+                        let s = gate.close_epoch(group).unwrap();
                         closed = s;
                         let mut cp = Vec::new();
                         for f in 0..FLOWS {
                             let dirty = shipped[f].is_none_or(|(sv, _)| version[f] != sv);
                             // A busy flow sometimes misses the checkpoint (retargeted).
                             if dirty && r.below(8) == 0 {
-                                gate.retarget(1, s, s + 1, |it| it.0 == f);
+                                gate.retarget(group, s, s + 1, |it| it.0 == f);
                             } else if dirty {
                                 shipped[f] = Some((version[f], s));
+                                sync[f] = sync[f].shipped(s);
                                 cp.push((f, version[f]));
                             }
                         }
                         carried.push(cp);
                     }
-                    8 => {
-                        if closed > acked_upto {
-                            let s = acked_upto + 1 + r.below(closed - acked_upto);
-                            acked_upto = s;
-                            gate.ack(1, s, &mut out);
-                        }
+                    8 if protected && closed > acked_upto => {
+                        let s = acked_upto + 1 + r.below(closed - acked_upto);
+                        acked_upto = s;
+                        gate.ack(group, s, &mut out);
                     }
-                    _ => {
-                        if protected && r.below(20) == 0 {
-                            // Link death: everything held leaves, unprotected from now on.
-                            protected = false;
-                            gate.remove_group(1, &mut out);
-                        }
+                    9 if protected && r.below(20) == 0 => {
+                        // Link death: everything held leaves, unprotected from now on.
+                        protected = false;
+                        gate.remove_group(group, &mut out);
                     }
+                    10 if !protected && r.below(4) == 0 => {
+                        // Re-protection to a new backup: every flow syncs into the new group.
+                        group += 1;
+                        gate.add_group(group, 1);
+                        protected = true;
+                        shipped = [None; FLOWS];
+                        sync = [SyncState::UntilShipped; FLOWS];
+                        carried = vec![Vec::new()];
+                        (acked_upto, closed) = (0, 0);
+                    }
+                    _ => {}
                 }
-                // Once unprotected, "left early" no longer applies (exempt by design); order
-                // still does.
+                // Held packets released by a death leave exempt by design; order still counts.
                 check(&mut out, acked_upto, protected, &carried);
-                if !protected {
-                    break;
-                }
             }
+            assert_eq!(gate.stats.bogus_acks, 0, "seed {seed}");
         }
+        assert!(
+            syncing_left > 100 && synced_left > 100,
+            "{syncing_left} {synced_left}"
+        );
     }
 }

@@ -26,7 +26,8 @@ use crate::nf::{OutputKind, Packet};
 use pliant_ha::audit::{Exit, ExitAudit};
 use pliant_ha::delta;
 use pliant_ha::gate::{
-    direct_rule, output_rule, Dep, FlowFacts, GroupFacts, HoldRefused, OutputGate, Verdict,
+    direct_rule, output_rule, Dep, FlowFacts, GroupFacts, HoldRefused, OutputGate, SyncState,
+    Verdict,
 };
 use pliant_ha::policy::{Assigner, BackupTarget, GroupSpec, Policy};
 use pliant_ha::{Ack, Checkpoint, FlowUpdate, GroupId, UpdateBody};
@@ -117,6 +118,8 @@ struct FlowRep {
     /// Queued in its group's dirty list.
     queued: bool,
     aliases: Vec<FlowKey>,
+    /// Syncing into its group after its old backup died (see [`SyncState`]).
+    sync: SyncState,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -195,6 +198,9 @@ pub struct OutStats {
     pub direct: u64,
     /// Output of flows in group 0 / unprotected groups.
     pub unprotected: u64,
+    /// Output that left at once while its flow synced into a new group after its old backup
+    /// died (see [`SyncState`]).
+    pub syncing: u64,
     pub held: u64,
     pub dropped_hold_full: u64,
     /// Packets of protected groups checked by the output-commit audit when they left.
@@ -213,6 +219,7 @@ impl OutStats {
         self.bypassed_clean += o.bypassed_clean;
         self.direct += o.direct;
         self.unprotected += o.unprotected;
+        self.syncing += o.syncing;
         self.held += o.held;
         self.dropped_hold_full += o.dropped_hold_full;
         self.audit_checked += o.audit_checked;
@@ -427,6 +434,13 @@ impl HaPrimary {
                 wire.get((p - 1) as usize).copied().unwrap_or(0)
             }
         };
+        // Groups whose backup died: their flows run unprotected and sync into their new group.
+        let dead: Vec<GroupId> = ha
+            .groups
+            .iter()
+            .filter(|g| g.state == GroupState::Unprotected)
+            .map(|g| g.id)
+            .collect();
         let mut gone = Vec::new();
         // (key, old group, new group) of flows the old group's backup holds.
         let mut moved = Vec::new();
@@ -439,6 +453,11 @@ impl HaPrimary {
                     moved.push((*k, rep.group, g));
                 }
                 arrived.push((*k, g));
+                rep.sync = if dead.contains(&rep.group) && !ha.remus {
+                    SyncState::UntilShipped
+                } else {
+                    SyncState::Synced
+                };
                 rep.group = g;
                 rep.shipped = None;
                 rep.base.clear();
@@ -660,6 +679,7 @@ impl HaPrimary {
                             base: Vec::new(),
                             queued: false,
                             aliases,
+                            sync: SyncState::Synced,
                         },
                     );
                 }
@@ -796,17 +816,17 @@ impl HaPrimary {
         // for the next checkpoint whenever it waits for it.
         let mut known = match self.reps.get(&p) {
             Some(r) if r.queued || r.shipped.is_some_and(|(sv, _)| Some(sv) == version) => {
-                Some((r.group, r.shipped))
+                Some((r.group, r.shipped, r.sync))
             }
             _ => None,
         };
         if known.is_none() {
             self.note(t, p);
-            known = self.reps.get(&p).map(|r| (r.group, r.shipped));
+            known = self.reps.get(&p).map(|r| (r.group, r.shipped, r.sync));
         }
         exit.key = Some(p);
         exit.version = version;
-        let Some((rep_group, shipped)) = known else {
+        let Some((rep_group, shipped, sync)) = known else {
             let g = self.wire_of(self.assigner.assign(&p));
             exit.group = g;
             let v = if g == 0 {
@@ -824,7 +844,19 @@ impl HaPrimary {
         if g.state == GroupState::Fenced {
             return (Decision::DropFenced, exit);
         }
-        let v = output_rule(&self.facts(g), &FlowFacts { version, shipped });
+        let v = output_rule(
+            &self.facts(g),
+            &FlowFacts {
+                version,
+                shipped,
+                sync,
+            },
+        );
+        if v == Verdict::Syncing {
+            // It relies on no group's protection yet: exempt from the audit, like unprotected
+            // output.
+            exit.group = 0;
+        }
         (v.into(), exit)
     }
 
@@ -1374,6 +1406,7 @@ impl HaPrimary {
         for (p, v, rec) in commit {
             if let Some(rep) = self.reps.get_mut(&p) {
                 rep.shipped = Some((v, seq));
+                rep.sync = rep.sync.shipped(seq);
                 rep.base = rec;
                 rep.queued = false;
             }

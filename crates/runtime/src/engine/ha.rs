@@ -106,6 +106,11 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
                     ha.audit_exit(&exit);
                     leave.push(o.pkt);
                 }
+                Decision::Now(Verdict::Syncing) => {
+                    ha.out.syncing += 1;
+                    ha.audit_exit(&exit);
+                    leave.push(o.pkt);
+                }
                 Decision::Now(_) => {
                     ha.out.unprotected += 1;
                     ha.audit_exit(&exit);
@@ -256,6 +261,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
                 "bypassed_clean": out.bypassed_clean,
                 "direct": out.direct,
                 "unprotected": out.unprotected,
+                "syncing": out.syncing,
                 "dropped_hold_full": out.dropped_hold_full,
                 "audit_checked": out.audit_checked,
                 "audit_violations": out.audit_violations,
@@ -289,6 +295,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             ("bypassed_clean", out.bypassed_clean),
             ("direct", out.direct),
             ("unprotected", out.unprotected),
+            ("syncing", out.syncing),
             ("dropped_hold_full", out.dropped_hold_full),
             ("dropped_fenced", out.dropped_fenced),
             ("audit_checked", out.audit_checked),

@@ -638,7 +638,9 @@ fn link_death_releases_held_output_and_asks_for_a_backup() {
     e.port_mut(Side::Inside).inject(&pkt(1, b'm'));
     e.poll_once(t0 + MS * 5);
     assert_eq!(sent(&mut e), [(1, b'm', 2)]);
-    // Re-protection to a new backup: a full checkpoint of every flow, output held again.
+    // Re-protection to a new backup: a full checkpoint of every flow. The flows ran
+    // unprotected a moment ago; they keep leaving at once while they sync into the new group
+    // (holding them for the first copy would stall them for a failure elsewhere) ...
     let ans = protect(
         &mut e,
         2,
@@ -652,13 +654,66 @@ fn link_death_releases_held_output_and_asks_for_a_backup() {
     backups.up("/fake/c", 1, vec![]);
     e.port_mut(Side::Inside).inject(&pkt(2, b'r'));
     e.poll_once(t0 + MS * 7);
-    assert!(sent(&mut e).is_empty(), "never shipped to c: waits");
+    assert_eq!(sent(&mut e), [(2, b'r', 1)], "syncing: leaves at once");
+    e.port_mut(Side::Inside).inject(&pkt(1, b'm'));
+    e.poll_once(t0 + MS * 8);
+    assert_eq!(
+        sent(&mut e),
+        [(1, b'm', 3)],
+        "shipped, not acked yet: still syncing"
+    );
     let cps = backups.deliver("/fake/c");
     assert!(cps[0].full && cps[0].flows.len() == 2, "{cps:?}");
-    e.poll_once(t0 + MS * 8);
-    assert_eq!(sent(&mut e), [(2, b'r', 1)]);
-    let st = status(&mut e, t0 + MS * 9);
+    // ... and output commit applies again from the new backup's ack on.
+    e.poll_once(t0 + MS * 9);
+    e.port_mut(Side::Inside).inject(&pkt(1, b'm'));
+    e.poll_once(t0 + MS * 10);
+    assert!(
+        sent(&mut e).is_empty(),
+        "synced: a change waits for its checkpoint"
+    );
+    backups.deliver("/fake/c");
+    e.poll_once(t0 + MS * 11);
+    e.poll_once(t0 + MS * 12);
+    assert_eq!(sent(&mut e), [(1, b'm', 4)]);
+    let st = status(&mut e, t0 + MS * 13);
     assert_eq!(st["needs_backup"], false, "{st}");
+    assert_eq!(st["output"]["syncing"], 2, "{st}");
+    assert_eq!(st["output"]["audit_violations"], 0, "{st}");
+    assert!(st["output"]["audit_checked"].as_u64() >= Some(1), "{st}");
+}
+
+/// A flow that moves to a new group while its old backup is alive stays protected: it does
+/// not sync unprotected (only flows of a dead backup's group do).
+#[test]
+fn a_flow_moved_from_a_live_backup_does_not_sync_unprotected() {
+    let (mut e, backups, t0) = engine();
+    protect(&mut e, 1, single(1000), t0);
+    backups.up("/fake/b", 1, vec![]);
+    e.port_mut(Side::Inside).inject(&pkt(1, b'm'));
+    e.poll_once(t0 + MS);
+    backups.deliver("/fake/b");
+    e.poll_once(t0 + MS * 2);
+    e.poll_once(t0 + MS * 3);
+    assert_eq!(sent(&mut e), [(1, b'm', 1)]);
+    protect(
+        &mut e,
+        2,
+        Policy::Single {
+            backup: target("c"),
+            hz: 1000,
+        },
+        t0 + MS * 4,
+    );
+    backups.up("/fake/c", 1, vec![]);
+    e.port_mut(Side::Inside).inject(&pkt(1, b'r'));
+    e.poll_once(t0 + MS * 5);
+    assert!(sent(&mut e).is_empty(), "waits for the new group's copy");
+    backups.deliver("/fake/c");
+    e.poll_once(t0 + MS * 6);
+    assert_eq!(sent(&mut e), [(1, b'r', 1)]);
+    let st = status(&mut e, t0 + MS * 7);
+    assert_eq!(st["output"]["syncing"], 0, "{st}");
 }
 
 #[test]
