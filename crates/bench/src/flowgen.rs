@@ -188,7 +188,22 @@ pub struct FlowCounters {
     /// Largest inter-arrival gap (µs) since it was last taken.
     pub max_gap_us: AtomicU64,
     last_arrival_us: AtomicU64,
+    /// Gaps of at least [`GAP_LOG_MIN_US`]: (end, length) in µs since the flows' epoch, the
+    /// latest [`GAP_LOG_LEN`] (to find the gaps overlapping a given interval, e.g. a failover).
+    gap_log: Mutex<std::collections::VecDeque<(u64, u64)>>,
 }
+
+/// The largest of `gaps` ((end, length) in µs) that overlaps `[from, to]`; 0 if none.
+fn max_gap_overlapping(gaps: impl Iterator<Item = (u64, u64)>, from: u64, to: u64) -> u64 {
+    gaps.filter(|&(end, gap)| end > from && end.saturating_sub(gap) < to)
+        .map(|(_, gap)| gap)
+        .max()
+        .unwrap_or(0)
+}
+
+/// Gaps shorter than this are not logged (a flow at 500 datagrams/s has 2 ms between two).
+const GAP_LOG_MIN_US: u64 = 2_500;
+const GAP_LOG_LEN: usize = 4096;
 
 /// Totals over flows.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
@@ -337,6 +352,24 @@ impl UdpFlows {
         }
     }
 
+    /// The largest logged gap of flow `i` that overlaps `[from, to]` (µs; 0: none of at least
+    /// [`GAP_LOG_MIN_US`]). A gap still open at `to` (no arrival since) counts up to now.
+    pub fn max_gap_overlapping_us(&self, i: usize, from: Instant, to: Instant) -> u64 {
+        let Some(f) = self.shared.flows.get(i) else {
+            return 0;
+        };
+        let us = |t: Instant| t.saturating_duration_since(self.shared.epoch).as_micros() as u64;
+        let (from, to) = (us(from), us(to));
+        let logged = max_gap_overlapping(lock(&f.gap_log).iter().copied(), from, to);
+        let last = f.last_arrival_us.load(Ordering::Relaxed);
+        let open = if last != 0 && last < to {
+            us(Instant::now()).saturating_sub(last)
+        } else {
+            0
+        };
+        logged.max(open)
+    }
+
     /// The largest inter-arrival gap of flow `i` since the last call, in µs.
     pub fn take_max_gap_us(&self, i: usize) -> u64 {
         self.shared
@@ -440,8 +473,15 @@ fn receive_loop(
         }
         let last = f.last_arrival_us.swap(now_us, Ordering::Relaxed);
         if last != 0 {
-            f.max_gap_us
-                .fetch_max(now_us.saturating_sub(last), Ordering::Relaxed);
+            let gap = now_us.saturating_sub(last);
+            f.max_gap_us.fetch_max(gap, Ordering::Relaxed);
+            if gap >= GAP_LOG_MIN_US {
+                let mut log = lock(&f.gap_log);
+                if log.len() == GAP_LOG_LEN {
+                    log.pop_front();
+                }
+                log.push_back((now_us, gap));
+            }
         }
         if f.seen_sport.load(Ordering::Relaxed) == 0 {
             f.seen_sport.store(from.port(), Ordering::Relaxed);
@@ -452,7 +492,7 @@ fn receive_loop(
 
 /// The tracker even if a thread panicked while holding it (its counts are still the best
 /// there are; the panic itself is reported by the join).
-fn lock(m: &Mutex<SeqTracker>) -> MutexGuard<'_, SeqTracker> {
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
@@ -924,6 +964,18 @@ mod tests {
         assert_eq!(parse_datagram(&b[..15]), None);
         b[0] ^= 1;
         assert_eq!(parse_datagram(&b), None);
+    }
+
+    #[test]
+    fn gaps_overlapping_an_interval() {
+        // (end, length): [90, 100], [195, 205], [300, 340], [1000, 1010]
+        let log = [(100, 10), (205, 10), (340, 40), (1010, 10)];
+        let m = |from, to| max_gap_overlapping(log.iter().copied(), from, to);
+        assert_eq!(m(200, 320), 40, "overlapping either end counts");
+        assert_eq!(m(100, 195), 0, "touching is not overlapping");
+        assert_eq!(m(0, 2000), 40);
+        assert_eq!(m(95, 96), 10, "an interval inside a gap");
+        assert_eq!(m(2000, 3000), 0);
     }
 
     #[test]

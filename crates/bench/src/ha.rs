@@ -189,8 +189,19 @@ pub struct FailoverUdp {
     pub lost_other_replicas: u64,
     /// Largest gap of the other replicas' flows before the kill.
     pub pre_kill_gap_ms: Option<f64>,
-    /// Largest gap of the other replicas' flows after the kill (goal: <= `pre_kill_gap_ms`).
+    /// Largest gap of the other replicas' flows that overlaps the failover (goal: <=
+    /// `pre_kill_gap_ms`, the largest they saw before it in a window of `window_ms`). Gaps
+    /// under 2.5 ms (a flow sends every 2 ms) count as 0.
     pub other_replica_stall_ms: Option<f64>,
+    /// The failover as the flows saw it: from the kill until the failed replica's flows and
+    /// the probes flowed again.
+    pub failover_interval_ms: Option<f64>,
+    /// Largest gap of the other replicas' flows in the `window_ms` after the kill, failover
+    /// or not (on a busy machine a window's largest gap is its scheduling noise: this one is
+    /// as likely as not to exceed the pre-kill one without any failover).
+    pub other_replica_max_gap_ms: Option<f64>,
+    /// Length of the pre-kill window and of the post-kill window.
+    pub window_ms: Option<f64>,
     /// Largest gap of the failed replica's flows after the kill (their failover stall).
     pub failed_replica_stall_ms: Option<f64>,
     pub error: Option<String>,
@@ -1329,14 +1340,22 @@ fn kill_r1(opts: &HaOpts, p: &PliantSys, sys: &str) -> FailoverReport {
     if let Err(e) = &udp {
         progress(&format!("  failover UDP flows: {e}"));
     }
+    let located = Instant::now();
     let mut pre_gaps: Vec<u64> = Vec::new();
-    let mut fail = |m: &Marker| match victim {
+    // The kill instant and the pre-kill window's length, to the thread that takes the
+    // post-kill gaps over a window as long (a longer one would see more of the machine's
+    // scheduling noise and compare unfairly).
+    let (kill_tx, kill_rx) = std::sync::mpsc::channel::<(Instant, Duration)>();
+    // The closure owns the sender: dropping it (no kill happened) ends the window thread.
+    let (udp_flows, pre) = (&udp, &mut pre_gaps);
+    let mut fail = move |m: &Marker| match victim {
         Some(pid) => {
-            if let Ok((flows, _)) = &udp {
-                pre_gaps = (0..flows.flows().len())
+            if let Ok((flows, _)) = udp_flows {
+                *pre = (0..flows.flows().len())
                     .map(|i| flows.take_max_gap_us(i))
                     .collect();
             }
+            let _ = kill_tx.send((Instant::now(), located.elapsed()));
             if opts.hosts {
                 // The whole host, as the kernel peer loses its master router: the mark when
                 // its links are cut.
@@ -1365,16 +1384,49 @@ fn kill_r1(opts: &HaOpts, p: &PliantSys, sys: &str) -> FailoverReport {
         }),
     };
     let t_kill = unix_ms();
-    let mut f = run_failover(opts, &PliantSut(p, sys == "ftmb"), sys, &mut fail);
+    let (mut f, window) = std::thread::scope(|s| {
+        let udp = &udp;
+        let window = s.spawn(move || {
+            let (at, len) = kill_rx.recv().ok()?;
+            std::thread::sleep((at + len).saturating_duration_since(Instant::now()));
+            let flows = &udp.as_ref().ok()?.0;
+            Some(PostKillWindow {
+                at,
+                ms: len.as_secs_f64() * 1e3,
+                gaps: (0..flows.flows().len())
+                    .map(|i| flows.take_max_gap_us(i))
+                    .collect(),
+            })
+        });
+        let f = run_failover(opts, &PliantSut(p, sys == "ftmb"), sys, &mut fail);
+        // No kill (no victim found): the window thread must not wait for one.
+        drop(fail);
+        (f, window.join().ok().flatten())
+    });
     f.victim_kind = if opts.hosts { "host" } else { "process" }.into();
     f.controller_record = controller_failover(opts, p, 1, t_kill);
     f.udp = Some(match udp {
-        Ok((flows, on_r1)) => finish_failover_udp(flows, &on_r1, &pre_gaps),
+        Ok((flows, on_r1)) => finish_failover_udp(flows, &on_r1, &pre_gaps, window, f.recovery_ms),
         Err(e) => FailoverUdp {
             error: Some(e),
             ..Default::default()
         },
     });
+    if let Some(u) = &f.udp {
+        let o = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.1}"));
+        progress(&format!(
+            "  failover UDP: other replicas' stall {} ms during the failover ({} ms), largest gap \
+             {} ms in the {} ms after the kill vs {} ms before it; {} reordered, {} lost off the \
+             victim",
+            o(u.other_replica_stall_ms),
+            o(u.failover_interval_ms),
+            o(u.other_replica_max_gap_ms),
+            o(u.window_ms),
+            o(u.pre_kill_gap_ms),
+            u.reordered,
+            u.lost_other_replicas
+        ));
+    }
     f
 }
 
@@ -1463,14 +1515,46 @@ fn start_failover_udp(
     Ok((flows, on_r1))
 }
 
+/// The flows' largest gaps (µs) from the kill (`at`) over a window as long as the pre-kill
+/// one (`ms`).
+struct PostKillWindow {
+    at: Instant,
+    ms: f64,
+    gaps: Vec<u64>,
+}
+
 /// Stops the trial's UDP flows and sums them up per group (see [`FailoverUdp`]).
 fn finish_failover_udp(
     mut flows: crate::flowgen::UdpFlows,
     on_r1: &[Option<bool>],
     pre_gaps: &[u64],
+    window: Option<PostKillWindow>,
+    recovery_ms: Option<f64>,
 ) -> FailoverUdp {
     let n = on_r1.len();
-    let post: Vec<u64> = (0..n).map(|i| flows.take_max_gap_us(i)).collect();
+    let rest: Vec<u64> = (0..n).map(|i| flows.take_max_gap_us(i)).collect();
+    let in_window = |i: usize| window.as_ref().and_then(|w| w.gaps.get(i).copied());
+    // The failed replica's flows: their stall over the whole rest of the run.
+    let post = |i: usize| in_window(i).unwrap_or(0).max(rest[i]);
+    // The failover, as the flows saw it: from the kill until the failed replica's flows (and
+    // the probes) flowed again.
+    let interval_us = on_r1
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| **l == Some(true))
+        .map(|(i, _)| post(i))
+        .chain(recovery_ms.map(|r| (r * 1e3) as u64))
+        .max()
+        .unwrap_or(0);
+    // The other replicas' flows: their largest gap overlapping that interval (taken before
+    // the flows stop).
+    let during: Vec<Option<u64>> = (0..n)
+        .map(|i| {
+            let w = window.as_ref()?;
+            let to = w.at + Duration::from_micros(interval_us);
+            Some(flows.max_gap_overlapping_us(i, w.at, to))
+        })
+        .collect();
     let errors = flows.halt(Duration::from_millis(300));
     let ms = |us: u64| us as f64 / 1e3;
     let mut u = FailoverUdp {
@@ -1478,6 +1562,8 @@ fn finish_failover_udp(
         error: (!errors.is_empty()).then(|| errors.join("; ")),
         ..Default::default()
     };
+    u.window_ms = window.as_ref().map(|w| w.ms);
+    u.failover_interval_ms = window.as_ref().map(|_| ms(interval_us));
     let max_of = |cur: Option<f64>, v: f64| Some(cur.map_or(v, |c: f64| c.max(v)));
     for (i, loc) in on_r1.iter().enumerate() {
         let t = flows.totals(i..i + 1);
@@ -1489,12 +1575,15 @@ fn finish_failover_udp(
             Some(true) => {
                 u.on_failed_replica += 1;
                 u.lost_failed_replica += t.lost;
-                u.failed_replica_stall_ms = max_of(u.failed_replica_stall_ms, ms(post[i]));
+                u.failed_replica_stall_ms = max_of(u.failed_replica_stall_ms, ms(post(i)));
             }
             Some(false) => {
                 u.on_other_replicas += 1;
                 u.lost_other_replicas += t.lost;
-                u.other_replica_stall_ms = max_of(u.other_replica_stall_ms, ms(post[i]));
+                let g = during[i].unwrap_or(post(i));
+                u.other_replica_stall_ms = max_of(u.other_replica_stall_ms, ms(g));
+                let w = in_window(i).unwrap_or(post(i));
+                u.other_replica_max_gap_ms = max_of(u.other_replica_max_gap_ms, ms(w));
                 if let Some(g) = pre_gaps.get(i) {
                     u.pre_kill_gap_ms = max_of(u.pre_kill_gap_ms, ms(*g));
                 }
@@ -1640,11 +1729,15 @@ pub struct TrialsSummary {
     /// failed replica.
     pub udp_lost_other_replicas: u64,
     pub udp_lost_failed_replica: u64,
-    /// The longest gap on flows of replicas that did not fail, after the kill, over the trials;
-    /// beside it the same flows' longest gap before the kill (goal: the first <= the second).
+    /// The longest gap on flows of replicas that did not fail during the failover, over the
+    /// trials; beside it the same flows' longest gap before the kill (goal: the first <= the
+    /// second), and their longest gap in a window after the kill as long as the pre-kill one,
+    /// failover or not ([`FailoverUdp::other_replica_max_gap_ms`]).
     pub other_replica_stall_ms_max: Option<f64>,
     pub pre_kill_gap_ms_max: Option<f64>,
-    /// Trials in which the other replicas' stall exceeded their own pre-kill gap.
+    pub other_replica_max_gap_ms_max: Option<f64>,
+    /// Trials in which the other replicas' stall during the failover exceeded their own
+    /// pre-kill gap.
     pub trials_other_stall_over_pre_kill_gap: usize,
     /// The longest gap on the failed replica's flows after the kill, over the trials.
     pub failed_replica_stall_ms_max: Option<f64>,
@@ -1683,6 +1776,7 @@ impl TrialsSummary {
             udp_lost_failed_replica: udp.iter().map(|u| u.lost_failed_replica).sum(),
             other_replica_stall_ms_max: max(&of(|u| u.other_replica_stall_ms)),
             pre_kill_gap_ms_max: max(&of(|u| u.pre_kill_gap_ms)),
+            other_replica_max_gap_ms_max: max(&of(|u| u.other_replica_max_gap_ms)),
             trials_other_stall_over_pre_kill_gap: udp
                 .iter()
                 .filter(|u| match (u.other_replica_stall_ms, u.pre_kill_gap_ms) {

@@ -137,8 +137,9 @@ fn table(r: &HaReport) {
     if t.udp_trials > 0 {
         println!(
             "failover UDP flows ({} trials): reordered {}, lost on other replicas {} / on the \
-             failed one {}; other replicas' stall max {} ms vs their pre-kill gap max {} ms \
-             (over it in {} trials); failed replica's stall max {} ms",
+             failed one {}; other replicas' stall during the failover max {} ms vs their \
+             pre-kill gap max {} ms (over it in {} trials; their largest gap after the kill, \
+             failover or not: {} ms); failed replica's stall max {} ms",
             t.udp_trials,
             t.reordered,
             t.udp_lost_other_replicas,
@@ -146,6 +147,7 @@ fn table(r: &HaReport) {
             fmt(t.other_replica_stall_ms_max, 1),
             fmt(t.pre_kill_gap_ms_max, 1),
             t.trials_other_stall_over_pre_kill_gap,
+            fmt(t.other_replica_max_gap_ms_max, 1),
             fmt(t.failed_replica_stall_ms_max, 1)
         );
     }
