@@ -604,10 +604,37 @@ while True:
 print("got", n, flush=True)
 "#;
 
-/// The router role against what the kernel router does: traceroute sees the NAT hop (time
-/// exceeded from the inside address), a 1 MB upload with DF completes over an outside link of
-/// MTU 1280 (fragmentation needed teaches the client the path MTU), and unicast frames for
-/// another MAC create no mapping and are counted.
+/// Sends N UDP frames whose IPv4 header checksum is wrong (everything else valid) on an
+/// interface, to a MAC: `badsum.py IFACE DST_MAC SRC_IP DST_IP PORT N`.
+const BAD_CHECKSUM: &str = r#"
+import socket, struct, sys
+ifname, dst_mac, src, dst, port, n = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+s.bind((ifname, 0))
+src_mac = open("/sys/class/net/%s/address" % ifname).read().strip()
+mac = lambda m: bytes(int(x, 16) for x in m.split(":"))
+payload = b"bad header checksum"
+udp = struct.pack("!HHHH", port, port, 8 + len(payload), 0) + payload
+def csum(b):
+    t = sum(struct.unpack("!%dH" % (len(b) // 2), b))
+    while t >> 16:
+        t = (t & 0xffff) + (t >> 16)
+    return ~t & 0xffff
+hdr = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 1, 0, 64, 17, 0,
+                  socket.inet_aton(src), socket.inet_aton(dst))
+good = csum(hdr)
+hdr = hdr[:10] + struct.pack("!H", good ^ 0x5a5a) + hdr[12:]
+frame = mac(dst_mac) + mac(src_mac) + b"\x08\x00" + hdr + udp
+for _ in range(n):
+    s.send(frame)
+print("sent", n)
+"#;
+
+/// The router role against what the kernel router does: traceroute (ICMP-free UDP probes and
+/// `-T` TCP SYN probes) sees the NAT hop (time exceeded from the inside address), a 1 MB upload
+/// with DF completes over an outside link of MTU 1280 (fragmentation needed teaches the client
+/// the path MTU, which its route cache then shows), and unicast frames for another MAC or with
+/// a bad IPv4 header checksum create no mapping and are counted.
 #[test]
 fn nat_router_ttl_mtu_and_foreign_mac() {
     if !pliant_testkit::require_root() {
@@ -659,6 +686,36 @@ fn nat_router_ttl_mtu_and_foreign_mac() {
             .any(|l| l.contains("10.201.2.2 ") && !l.starts_with("traceroute")),
         "{tr}"
     );
+    // traceroute -T (TCP SYN probes to the sink's port): the same two hops; the TTL check runs
+    // before the NAT, so the TTL-1 SYN makes no mapping and is answered from the inside address.
+    let trt = t.ns(
+        &t.client,
+        &[
+            "traceroute",
+            "-n",
+            "-T",
+            "-p",
+            "9000",
+            "-q",
+            "1",
+            "-w",
+            "2",
+            "-m",
+            "3",
+            "10.201.2.2",
+        ],
+    );
+    eprintln!("{trt}");
+    assert!(
+        trt.lines()
+            .any(|l| l.trim_start().starts_with("1 ") && l.contains("10.201.1.1")),
+        "the NAT hop is missing from traceroute -T:\n{trt}"
+    );
+    assert!(
+        trt.lines()
+            .any(|l| l.contains("10.201.2.2 ") && !l.starts_with("traceroute")),
+        "{trt}"
+    );
 
     // 1 MB upload with DF (Linux TCP sets it) through the MTU-1280 outside link.
     let up = t.ns(
@@ -679,6 +736,31 @@ fn nat_router_ttl_mtu_and_foreign_mac() {
         t.log("sink.log").contains("got 1000000"),
         "{}",
         t.log("sink.log")
+    );
+    // The client learned the path MTU from the NAT's "fragmentation needed".
+    let route = t.ns(&t.client, &["ip", "route", "get", "10.201.2.2"]);
+    assert!(
+        route.contains("mtu 1280"),
+        "the client did not learn the path MTU: {route}"
+    );
+
+    // Frames with a bad IPv4 header checksum, to the replica's own MAC: dropped before the
+    // NAT, counted, no mapping.
+    let rin_mac = t.ns(&t.replica, &["cat", "/sys/class/net/rin/address"]);
+    let badsum = t.dir.join("badsum.py");
+    std::fs::write(&badsum, BAD_CHECKSUM).unwrap();
+    t.ns(
+        &t.client,
+        &[
+            "/usr/bin/python3",
+            badsum.to_str().unwrap(),
+            "c0",
+            rin_mac.trim(),
+            "10.201.1.2",
+            "10.201.2.2",
+            "7778",
+            "5",
+        ],
     );
 
     // Frames for another MAC: dropped before the NAT, counted, no mapping.
@@ -716,6 +798,10 @@ fn nat_router_ttl_mtu_and_foreign_mac() {
         v["drops"]["l2_foreign_dst"].as_u64().unwrap_or(0) >= 5,
         "{v}"
     );
+    assert!(
+        v["drops"]["bad_ipv4_checksum"].as_u64().unwrap_or(0) >= 5,
+        "{v}"
+    );
     assert!(v["drops"]["frag_needed"].as_u64().unwrap_or(0) >= 1, "{v}");
     assert!(v["drops"]["ttl_exceeded"].as_u64().unwrap_or(0) >= 1, "{v}");
     assert!(
@@ -729,5 +815,9 @@ fn nat_router_ttl_mtu_and_foreign_mac() {
     assert!(
         !q.contains(":7777"),
         "a foreign-MAC frame made a mapping: {q}"
+    );
+    assert!(
+        !q.contains(":7778"),
+        "a frame with a bad header checksum made a mapping: {q}"
     );
 }

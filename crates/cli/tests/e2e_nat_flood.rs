@@ -4,8 +4,9 @@
 //! `pliant bench forward`).
 //!
 //! Asserts for pliant: at least 95% of the other host's fetches during the flood succeed, the
-//! other host fetches again after the flood, and the replica's peak RSS stays below a fixed cap.
-//! Recovery time and the kernel NAT's numbers are printed, not asserted (timing). The pliant
+//! other host is served again within 100 ms after the flood — or, when the machine is so busy
+//! that the kernel NAT in the same run needed longer, no later than the kernel NAT — and the
+//! replica's peak RSS stays below a fixed cap. The kernel NAT's numbers are printed. The pliant
 //! replica runs with `realtime_priority = 10` (see `flood`). Needs root.
 
 use pliant_bench::flood::{measure_flood, FloodOpts, FloodReport};
@@ -80,9 +81,15 @@ fn other_host_keeps_fetching_through_a_syn_flood() {
         ok >= 95.0,
         "only {ok:.1}% of the other host's fetches succeeded: {pliant:?}"
     );
+    let recovery = pliant
+        .recovery_ms
+        .unwrap_or_else(|| panic!("no fetch after the flood: {pliant:?}"));
+    let bar = kernel.recovery_ms.map_or(100.0, |k| k.max(100.0));
     assert!(
-        pliant.recovery_ms.is_some(),
-        "no fetch after the flood: {pliant:?}"
+        recovery <= bar,
+        "served again {recovery:.0} ms after the flood (bar {bar:.0} ms: 100 ms, or the kernel \
+         NAT's {:?} ms in this run): {pliant:?}",
+        kernel.recovery_ms
     );
     let evicted = pliant.replica_counters.as_ref().expect("replica counters")["abuse"]
         ["evicted_embryonic"]
