@@ -37,7 +37,7 @@ static long (*bpf_clone_redirect)(struct __sk_buff *skb, __u32 ifindex,
                                   __u64 flags) = (void *)BPF_FUNC_clone_redirect;
 
 // ---- layout (keep in sync with crates/steer/src/layout.rs; bump the version on any change) ----
-#define STEER_LAYOUT_VERSION 2
+#define STEER_LAYOUT_VERSION 3
 
 // Read by the Rust loader from the ELF symbol table before loading.
 const volatile __u32 steer_layout_version SEC(".rodata") = STEER_LAYOUT_VERSION;
@@ -79,6 +79,9 @@ enum stat {
 	ST_DROP_BAD_REPLICA,
 	ST_ICMP_INNER,
 	ST_DROP_FENCED,
+	ST_FRAG_FIRST,
+	ST_FRAG_TRACKED,
+	ST_FRAG_UNTRACKED,
 	ST_MAX,
 };
 
@@ -91,6 +94,17 @@ struct flow_key {
 	__u16 port_hi;
 	__u8 addr_lo[16];
 	__u8 addr_hi[16];
+};
+
+// One fragmented datagram: its (direction-normalised) addresses, protocol and IP id. The first
+// fragment carries the ports and is steered like its flow; the later ones carry none, so they
+// follow the first one's choice through `frags` (as conntrack tracks fragments by IP id) and
+// every fragment reaches the one replica that reassembles the datagram.
+struct frag_key {
+	__u8 addr_lo[16];
+	__u8 addr_hi[16];
+	__u32 id;
+	__u32 proto;
 };
 
 struct port_info {
@@ -141,6 +155,14 @@ struct {
 	__type(key, struct flow_key);
 	__type(value, __u32);
 } conn SEC(".maps");
+
+// Fragmented datagrams in flight -> the replica their first fragment went to.
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 16384);
+	__type(key, struct frag_key);
+	__type(value, __u32);
+} frags SEC(".maps");
 
 // port -> replica + 1 (0 = no owner), so the zero-initialised array means "unassigned".
 struct {
@@ -228,6 +250,11 @@ static __always_inline void count(__u32 idx)
 static __always_inline __u16 be16(const __u8 *p)
 {
 	return ((__u16)p[0] << 8) | p[1];
+}
+
+static __always_inline __u32 be32(const __u8 *p)
+{
+	return ((__u32)be16(p) << 16) | be16(p + 2);
 }
 
 // Fills the 4 port bytes (sport, dport) from the L4 header at `l4`, or leaves them 0.
@@ -359,6 +386,11 @@ struct parsed {
 	__u16 dport;
 	int syn;
 	int icmp_inner;
+	// IP fragments: the first one (offset 0, more fragments), a later one (offset > 0), and
+	// the datagram's IP id.
+	int frag_first;
+	int frag_later;
+	__u32 frag_id;
 };
 
 // Longest header stretch parse() reads: Ethernet + 2 VLAN tags + IPv6 + extension headers + an
@@ -410,6 +442,8 @@ static __always_inline int parse(struct __sk_buff *skb, struct parsed *out)
 		proto = ip[9];
 		__u16 fo = be16(ip + 6) & 0x1fff;
 		frag = fo != 0;
+		out->frag_first = fo == 0 && (be16(ip + 6) & 0x2000);
+		out->frag_id = be16(ip + 4);
 		src[10] = 0xff;
 		src[11] = 0xff;
 		dst[10] = 0xff;
@@ -447,6 +481,8 @@ static __always_inline int parse(struct __sk_buff *skb, struct parsed *out)
 				__u16 fo = be16(h + 2) >> 3;
 				if (fo != 0)
 					frag = 1;
+				out->frag_first = fo == 0 && (be16(h + 2) & 1);
+				out->frag_id = be32(h + 4);
 				nh = h[0];
 				h += 8;
 			} else {
@@ -465,6 +501,7 @@ static __always_inline int parse(struct __sk_buff *skb, struct parsed *out)
 	}
 	out->syn = 0;
 	out->icmp_inner = 0;
+	out->frag_later = frag;
 	if (!frag) {
 		if (l4_ports(l4, end, proto, v4, &sport, &dport, &out->syn) != PARSE_OK)
 			return PARSE_BAD;
@@ -559,6 +596,57 @@ static __always_inline int clone_to_all(struct __sk_buff *skb, __u32 role)
 	return TC_ACT_SHOT;
 }
 
+// The replica a frame goes to by the steering tables (exception, connection pin, NAT port
+// owner, ring), or NO_REPLICA when it must be dropped (counted).
+static __always_inline __u32 choose(struct parsed *pk, struct config *cfg, __u32 role)
+{
+	__u32 *owner = bpf_map_lookup_elem(&exceptions, &pk->key);
+	if (owner) {
+		count(ST_EXCEPTION);
+		return *owner;
+	}
+	owner = bpf_map_lookup_elem(&conn, &pk->key);
+	if (owner) {
+		count(ST_CONN);
+		return *owner;
+	}
+	count(ST_CONN_MISS);
+	if (pk->key.proto == IPPROTO_TCP_ && !pk->syn)
+		count(ST_CONN_MISS_NONSYN);
+
+	if (role == ROLE_SERVER && bpf_map_lookup_elem(&nat_addrs, pk->dst)) {
+		__u32 port = pk->dport;
+		__u32 *po = bpf_map_lookup_elem(&port_owner, &port);
+		if (po && *po != 0) {
+			count(ST_PORT);
+			return *po - 1;
+		}
+		// Unowned port: nobody allocated it; fall through to the ring (which is as good a
+		// place as any to reject it).
+	}
+
+	__u32 half = cfg->ring_active & 1;
+	__u32 *size = bpf_map_lookup_elem(&ring_size, &half);
+	if (!size || *size == 0 || *size > RING_MAX) {
+		count(ST_DROP_NO_RING);
+		return NO_REPLICA;
+	}
+	__u32 slot = half * RING_MAX + key_hash(&pk->key) % *size;
+	__u32 *ro = bpf_map_lookup_elem(&ring, &slot);
+	if (!ro || *ro == NO_REPLICA) {
+		count(ST_DROP_NO_RING);
+		return NO_REPLICA;
+	}
+	__u32 idx = *ro;
+	if (!live_replica(idx))
+		return NO_REPLICA;
+	// Pin the flow so later ring changes cannot re-home it (Katran-style connection table).
+	if (bpf_map_update_elem(&conn, &pk->key, &idx, BPF_NOEXIST) != 0)
+		count(ST_CONN_INSERT_FAIL);
+	count(ST_RING);
+	return idx;
+}
+
 static __always_inline int steer_outer(struct __sk_buff *skb, struct config *cfg, __u32 role)
 {
 	struct parsed pk = {};
@@ -576,60 +664,36 @@ static __always_inline int steer_outer(struct __sk_buff *skb, struct config *cfg
 		bpf_map_update_elem(&debug_key, &z, &pk.key, BPF_ANY);
 	}
 
-	__u32 *owner = bpf_map_lookup_elem(&exceptions, &pk.key);
-	if (owner) {
-		struct replica *r = live_replica(*owner);
-		if (!r)
-			return TC_ACT_SHOT;
-		count(ST_EXCEPTION);
-		return forward(r, role);
+	struct frag_key fk = {};
+	__u32 idx = NO_REPLICA;
+	if (pk.frag_first || pk.frag_later) {
+		__builtin_memcpy(fk.addr_lo, pk.key.addr_lo, 16);
+		__builtin_memcpy(fk.addr_hi, pk.key.addr_hi, 16);
+		fk.id = pk.frag_id;
+		fk.proto = pk.key.proto;
 	}
-	owner = bpf_map_lookup_elem(&conn, &pk.key);
-	if (owner) {
-		struct replica *r = live_replica(*owner);
-		if (!r)
-			return TC_ACT_SHOT;
-		count(ST_CONN);
-		return forward(r, role);
-	}
-	count(ST_CONN_MISS);
-	if (pk.key.proto == IPPROTO_TCP_ && !pk.syn)
-		count(ST_CONN_MISS_NONSYN);
-
-	if (role == ROLE_SERVER && bpf_map_lookup_elem(&nat_addrs, pk.dst)) {
-		__u32 port = pk.dport;
-		__u32 *po = bpf_map_lookup_elem(&port_owner, &port);
-		if (po && *po != 0) {
-			struct replica *r = live_replica(*po - 1);
-			if (!r)
-				return TC_ACT_SHOT;
-			count(ST_PORT);
-			return forward(r, role);
+	if (pk.frag_later) {
+		__u32 *first = bpf_map_lookup_elem(&frags, &fk);
+		if (first) {
+			count(ST_FRAG_TRACKED);
+			idx = *first;
+		} else {
+			// Its first fragment was not seen (lost, late, or before a fabric restart): the
+			// ports-less key decides, and the replica's reassembly times the datagram out.
+			count(ST_FRAG_UNTRACKED);
 		}
-		// Unowned port: nobody allocated it; fall through to the ring (which is as good a
-		// place as any to reject it).
 	}
-
-	__u32 half = cfg->ring_active & 1;
-	__u32 *size = bpf_map_lookup_elem(&ring_size, &half);
-	if (!size || *size == 0 || *size > RING_MAX) {
-		count(ST_DROP_NO_RING);
+	if (idx == NO_REPLICA)
+		idx = choose(&pk, cfg, role);
+	if (idx == NO_REPLICA)
 		return TC_ACT_SHOT;
-	}
-	__u32 slot = half * RING_MAX + key_hash(&pk.key) % *size;
-	__u32 *ro = bpf_map_lookup_elem(&ring, &slot);
-	if (!ro || *ro == NO_REPLICA) {
-		count(ST_DROP_NO_RING);
-		return TC_ACT_SHOT;
-	}
-	__u32 idx = *ro;
 	struct replica *r = live_replica(idx);
 	if (!r)
 		return TC_ACT_SHOT;
-	// Pin the flow so later ring changes cannot re-home it (Katran-style connection table).
-	if (bpf_map_update_elem(&conn, &pk.key, &idx, BPF_NOEXIST) != 0)
-		count(ST_CONN_INSERT_FAIL);
-	count(ST_RING);
+	if (pk.frag_first) {
+		count(ST_FRAG_FIRST);
+		bpf_map_update_elem(&frags, &fk, &idx, BPF_ANY);
+	}
 	return forward(r, role);
 }
 

@@ -22,7 +22,7 @@
 use pliant_state::FlowKey;
 
 /// Version of the map layout; equal to `STEER_LAYOUT_VERSION` in `bpf/steer.bpf.c`.
-pub const LAYOUT_VERSION: u32 = 2;
+pub const LAYOUT_VERSION: u32 = 3;
 /// Replica indexes are `0..MAX_REPLICAS`.
 pub const MAX_REPLICAS: u32 = 64;
 /// Largest ring (slots per half).
@@ -115,10 +115,16 @@ pub enum Stat {
     DropBadReplica,
     IcmpInner,
     DropFenced,
+    /// First fragments of IP datagrams (their choice recorded for the later fragments).
+    FragFirst,
+    /// Later fragments steered where their datagram's first fragment went.
+    FragTracked,
+    /// Later fragments whose first fragment was not seen (steered by the ports-less key).
+    FragUntracked,
 }
 
 /// Number of counters (`ST_MAX` in C).
-pub const STAT_COUNT: u32 = 19;
+pub const STAT_COUNT: u32 = 22;
 
 impl Stat {
     pub const ALL: [Stat; STAT_COUNT as usize] = [
@@ -141,6 +147,9 @@ impl Stat {
         Stat::DropBadReplica,
         Stat::IcmpInner,
         Stat::DropFenced,
+        Stat::FragFirst,
+        Stat::FragTracked,
+        Stat::FragUntracked,
     ];
 
     /// Stable snake_case name (used in JSON output).
@@ -165,6 +174,9 @@ impl Stat {
             Stat::DropBadReplica => "drop_bad_replica",
             Stat::IcmpInner => "icmp_inner",
             Stat::DropFenced => "drop_fenced",
+            Stat::FragFirst => "frag_first",
+            Stat::FragTracked => "frag_tracked",
+            Stat::FragUntracked => "frag_untracked",
         }
     }
 }

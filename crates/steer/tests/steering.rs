@@ -250,6 +250,101 @@ fn nat_return_traffic_is_steered_by_port_owner() {
     assert_eq!(arrived(&r.rout, &m), vec![want.expect("owned")]);
 }
 
+/// `frame` (IPv4, DF clear) with IP id `id`, cut into fragments of at most 1500 bytes.
+fn fragments(mut frame: Vec<u8>, id: u16) -> Vec<Vec<u8>> {
+    frame[18..20].copy_from_slice(&id.to_be_bytes());
+    frame[20..22].copy_from_slice(&[0, 0]); // DF clear
+    pliant_net::checksum::set_ipv4_header_checksum(&mut frame[14..34]);
+    let Ok(pliant_net::Frame::Ip(p)) = pliant_net::parse(&frame) else {
+        panic!("not IP");
+    };
+    pliant_net::frag::fragment_v4(&frame, &p, 1500).expect("fragment")
+}
+
+/// Every fragment of a datagram reaches the replica its first fragment went to (the later ones
+/// carry no ports, so the flow's key cannot steer them), in both directions; a later fragment
+/// whose first one was never seen is counted and steered by its ports-less key.
+#[test]
+fn every_fragment_of_a_datagram_follows_the_first_one() {
+    if !pliant_testkit::require_root() {
+        return;
+    }
+    let mut r = rig(3);
+    r.steer.add_nat_addr(IpAddr::V4(NAT)).expect("nat addr");
+    r.steer
+        .set_port_owner(40_000..=40_999, Some(3))
+        .expect("block 3");
+    let big = vec![0x5au8; 4000];
+    let mut owners = std::collections::BTreeSet::new();
+    let mut later = 0u64;
+    for f in 0..12u32 {
+        let sport = 30_000 + f as u16;
+        let want = r
+            .steer
+            .ring_owner(&key(sport, 53))
+            .expect("ring")
+            .expect("owned");
+        owners.insert(want);
+        // The marker sits at the end of the payload: only the last fragment carries it.
+        let mut payload = big.clone();
+        let m = marker("frag", f);
+        payload.extend_from_slice(&m);
+        let frags = fragments(c2s(sport, 53, &payload), 0x1000 + f as u16);
+        assert_eq!(frags.len(), 3);
+        later += frags.len() as u64 - 1;
+        for fr in &frags {
+            r.client.send(fr);
+        }
+        assert_eq!(
+            arrived(&r.rin, &m),
+            vec![want],
+            "datagram {f}: last fragment"
+        );
+    }
+    assert!(owners.len() >= 2, "12 flows all on {owners:?}");
+    // Return traffic to the NAT address: the first fragment by its port's owner, the rest
+    // after it.
+    let mut payload = big.clone();
+    let m = marker("frag-back", 0);
+    payload.extend_from_slice(&m);
+    let back = build::udp(
+        GMAC,
+        GMAC,
+        IpAddr::V4(SERVER),
+        53,
+        IpAddr::V4(NAT),
+        40_123,
+        &payload,
+    );
+    for fr in fragments(back, 0x2000) {
+        r.server.send(&fr);
+    }
+    later += 2;
+    assert_eq!(
+        arrived(&r.rout, &m),
+        vec![3],
+        "return datagram's last fragment"
+    );
+    let st = r.steer.stats().expect("stats");
+    assert_eq!(st.get(Stat::FragFirst), 13);
+    assert_eq!(st.get(Stat::FragTracked), later);
+    assert_eq!(st.get(Stat::FragUntracked), 0);
+    // A later fragment alone (its first one lost): counted, steered by the ports-less key.
+    let mut payload = big.clone();
+    let m = marker("frag-orphan", 0);
+    payload.extend_from_slice(&m);
+    let frags = fragments(c2s(31_000, 53, &payload), 0x3000);
+    r.client.send(frags.last().expect("last"));
+    let ports_less = FlowKey::v4(proto::UDP, CLIENT, 0, SERVER, 0).0;
+    let want = r
+        .steer
+        .ring_owner(&ports_less)
+        .expect("ring")
+        .expect("owned");
+    assert_eq!(arrived(&r.rin, &m), vec![want]);
+    assert_eq!(r.steer.stats().expect("stats").get(Stat::FragUntracked), 1);
+}
+
 #[test]
 fn arp_is_cloned_to_every_live_replica_only() {
     if !pliant_testkit::require_root() {
