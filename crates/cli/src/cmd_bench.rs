@@ -50,6 +50,11 @@ struct PgBenchArgs {
     /// Leader kills of the Patroni + etcd peer (ttl 5, loop_wait 1); 0 skips the peer.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(0..=100))]
     patroni_trials: u32,
+    /// TLS everywhere (servers hostssl-only with a private CA; pgbench with sslmode=require
+    /// against the servers, the proxy and pgbouncer; the proxy verifies the servers): the
+    /// ratios then compare TLS with TLS. The Patroni peer runs without.
+    #[arg(long)]
+    tls: bool,
 }
 
 #[derive(Args)]
@@ -147,6 +152,7 @@ fn pg(p: PgBenchArgs) -> Result<(), String> {
         duration_s: p.duration,
         trials: p.trials,
         patroni_trials: p.patroni_trials,
+        tls: p.tls,
         ..pliant_pg::bench::BenchOpts::default()
     };
     let report = pliant_pg::bench::run(opts)?;

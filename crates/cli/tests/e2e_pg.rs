@@ -1667,6 +1667,15 @@ fn pg_tls_clients_channel_binding_and_failover() {
     assert_eq!(st["failovers"], 1, "{st}");
     assert_eq!(st["sessions_dropped_other"], 0, "{st}");
     assert_eq!(st["tls"], "required", "{st}");
+    // The bank workload over TLS through the proxy (what `pliant bench pg --tls` runs), two
+    // more failovers: no acknowledged commit lost, no session dropped.
+    let rep = bank::run_trials(&lab.cl, lab.proxy(), 4, 2, &mut |s| eprintln!("{s}"))
+        .expect("bank trials over TLS");
+    assert_eq!(rep.failover_ms.len(), 2, "{rep:?}");
+    assert!(rep.failures.is_empty(), "{:?}", rep.failures);
+    assert_eq!(rep.acked_commits_lost, 0);
+    assert!(rep.acked_commits > 10, "{}", rep.acked_commits);
+    assert_eq!(rep.sessions_dropped, 0, "bank sessions over TLS dropped");
     // A plaintext client is refused (TLS required), with a reason.
     let (ok, _, err) = psql_conninfo(&lab, "sslmode=disable", "SELECT 1");
     assert!(!ok && err.contains("TLS is required"), "plaintext: {err}");

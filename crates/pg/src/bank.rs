@@ -14,9 +14,10 @@
 //! the COMMIT through — counts as acknowledged, and the "no acked commit lost" check catches
 //! it; such answers are also counted apart (`Workload::commit_tags_not_commit`).
 
-use crate::client::{Client, ClientError};
+use crate::client::{Client, ClientError, Dial};
 use crate::cluster::Cluster;
 use crate::proxy::Proxy;
+use crate::tls::TlsClient;
 use serde::Serialize;
 use std::collections::HashSet;
 use std::net::SocketAddr;
@@ -87,7 +88,14 @@ fn xorshift(s: &mut u64) -> u64 {
 impl Workload {
     /// Workers through one address (the proxy), 10 s connect and I/O timeouts.
     pub fn start(addr: SocketAddr, user: &str, pw: &str, sessions: u32) -> Workload {
-        Self::start_with(vec![addr], user, pw, sessions, Duration::from_secs(10))
+        Self::start_with(
+            vec![addr],
+            user,
+            pw,
+            sessions,
+            Duration::from_secs(10),
+            None,
+        )
     }
 
     /// Workers that (re)connect to whichever of `targets` is a primary (what a libpq client
@@ -99,6 +107,7 @@ impl Workload {
         pw: &str,
         sessions: u32,
         io_timeout: Duration,
+        tls: Option<TlsClient>,
     ) -> Workload {
         let sh = Arc::new(Shared {
             log: Mutex::new(Log::default()),
@@ -117,7 +126,8 @@ impl Workload {
                 let sh = sh.clone();
                 let (u, p) = (user.to_string(), pw.to_string());
                 let t = targets.clone();
-                std::thread::spawn(move || worker(sid, &t, &u, &p, io_timeout, &sh))
+                let tls = tls.clone();
+                std::thread::spawn(move || worker(sid, &t, &u, &p, io_timeout, tls.as_ref(), &sh))
             })
             .collect();
         Workload { sh, threads }
@@ -277,9 +287,23 @@ impl CheckReport {
 }
 
 /// Connects to the first of `targets` that is a primary (no check with a single target).
-fn connect_primary(targets: &[SocketAddr], user: &str, pw: &str, t: Duration) -> Option<Client> {
+fn connect_primary(
+    targets: &[SocketAddr],
+    user: &str,
+    pw: &str,
+    t: Duration,
+    tls: Option<&TlsClient>,
+) -> Option<Client> {
     for a in targets {
-        let Ok(mut c) = Client::connect_with(*a, user, pw, "postgres", t, t) else {
+        let Ok(mut c) = Client::dial(&Dial {
+            addr: *a,
+            user,
+            password: pw,
+            database: "postgres",
+            connect_timeout: t,
+            timeout: t,
+            tls,
+        }) else {
             continue;
         };
         if targets.len() == 1
@@ -301,6 +325,7 @@ fn worker(
     user: &str,
     pw: &str,
     io_timeout: Duration,
+    tls: Option<&TlsClient>,
     sh: &Shared,
 ) {
     let mut rng = 0x9e37_79b9_7f4a_7c15u64 ^ ((sid as u64 + 1) << 32);
@@ -317,7 +342,7 @@ fn worker(
         }
         let c = match conn.as_mut() {
             Some(c) => c,
-            None => match connect_primary(targets, user, pw, io_timeout) {
+            None => match connect_primary(targets, user, pw, io_timeout, tls) {
                 Some(c) => conn.insert(c),
                 None => {
                     std::thread::sleep(Duration::from_millis(50));
@@ -430,10 +455,27 @@ pub fn run_trials(
 ) -> Result<TrialsReport, String> {
     let user = cluster.cfg.user.clone();
     let pw = cluster.cfg.password.clone();
-    let mut c = Client::connect(proxy.addr, &user, &pw, "postgres", Duration::from_secs(10))
-        .map_err(|e| e.to_string())?;
+    // Over TLS when the cluster's servers speak it (the proxy then requires it of clients).
+    let tls = cluster.tls_client();
+    let mut c = Client::dial(&Dial {
+        addr: proxy.addr,
+        user: &user,
+        password: &pw,
+        database: "postgres",
+        connect_timeout: Duration::from_secs(10),
+        timeout: Duration::from_secs(10),
+        tls,
+    })
+    .map_err(|e| e.to_string())?;
     setup(&mut c).map_err(|e| format!("bank setup: {e}"))?;
-    let wl = Workload::start(proxy.addr, &user, &pw, sessions);
+    let wl = Workload::start_with(
+        vec![proxy.addr],
+        &user,
+        &pw,
+        sessions,
+        Duration::from_secs(10),
+        tls.cloned(),
+    );
     let mut rep = TrialsReport {
         trials,
         total_conserved: true,

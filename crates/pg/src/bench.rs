@@ -3,7 +3,7 @@
 //! sessions kept, acked commits lost), all in one run on one cluster.
 
 use crate::bank;
-use crate::client::Client;
+use crate::client::{Client, Dial};
 use crate::cluster::{Cluster, ClusterConfig, ClusterTls};
 use crate::proxy::{AuthMethod, ClusterOps, ListenTls, Proxy, ProxyConfig, UpstreamTls};
 use crate::tls::DemoPki;
@@ -31,6 +31,10 @@ pub struct BenchOpts {
     /// proxy and pgbouncer back to back (TPC-B, then select-only), so that the neighbours'
     /// load drifts over all three alike; the TPS figures are means over the rounds.
     pub rounds: u32,
+    /// TLS everywhere: the servers (`hostssl` only), pgbench against them and against the
+    /// proxy and pgbouncer (`sslmode=require`), the proxy to the servers (verified), the bank
+    /// and idle sessions; the Patroni peer runs without.
+    pub tls: bool,
 }
 
 impl Default for BenchOpts {
@@ -43,6 +47,7 @@ impl Default for BenchOpts {
             fsync: true,
             patroni_trials: 3,
             rounds: 2,
+            tls: false,
         }
     }
 }
@@ -95,6 +100,9 @@ pub fn pgbench(
         .arg(format!("--log-prefix={}", logdir.join("tx").display()));
     if select_only {
         cmd.arg("-S");
+    }
+    if o.tls {
+        cmd.env("PGSSLMODE", "require");
     }
     cmd.arg("postgres");
     let out = cmd
@@ -220,10 +228,15 @@ pub fn require_tls(pc: &mut ProxyConfig, pki: &DemoPki) {
     });
 }
 
-/// `pgbench -i -s scale` on the first server (direct, before the proxy exists).
+/// `pgbench -i -s scale` on the first server (direct, before the proxy exists; over TLS when
+/// the servers speak it).
 pub fn pgbench_init(cl: &Cluster, scale: u32) -> Result<(), String> {
     let (u, pw) = (&cl.cfg.user, &cl.cfg.password);
-    let out = Command::new(PGBENCH)
+    let mut cmd = Command::new(PGBENCH);
+    if cl.cfg.tls.is_some() {
+        cmd.env("PGSSLMODE", "require");
+    }
+    let out = cmd
         .env("PGPASSWORD", pw)
         .args([
             "-h",
@@ -249,11 +262,27 @@ pub fn pgbench_init(cl: &Cluster, scale: u32) -> Result<(), String> {
 
 /// The whole benchmark; returns the JSON object (progress on stderr).
 pub fn run(o: BenchOpts) -> Result<Value, String> {
-    let cl = Arc::new(Cluster::create(ClusterConfig {
+    let mut c = Cluster::create(ClusterConfig {
         fsync: o.fsync,
         shared_buffers_mb: 128,
         ..Default::default()
-    })?);
+    })?;
+    let pki = if o.tls {
+        let d = c.dir.join("pki");
+        let made = std::fs::create_dir_all(&d)
+            .map_err(|e| format!("mkdir {}: {e}", d.display()))
+            .and_then(|()| cluster_tls(&mut c, &d));
+        match made {
+            Ok(p) => Some(p),
+            Err(e) => {
+                drop(Guard(Arc::new(c)));
+                return Err(e);
+            }
+        }
+    } else {
+        None
+    };
+    let cl = Arc::new(c);
     let guard = Guard(cl.clone());
     let (u, pw) = (cl.cfg.user.clone(), cl.cfg.password.clone());
     cl.init_primary()?;
@@ -276,7 +305,11 @@ pub fn run(o: BenchOpts) -> Result<Value, String> {
     cl.add_standby(1, 0)?;
     cl.protect(0, 1)?;
     let ops: Arc<dyn ClusterOps> = cl.clone();
-    let proxy = Proxy::start(proxy_config(&cl, 0), true, Some(ops))?;
+    let mut pc = proxy_config(&cl, 0);
+    if let Some(p) = &pki {
+        require_tls(&mut pc, p);
+    }
+    let proxy = Proxy::start(pc, true, Some(ops))?;
     let mut bouncer = Pgbouncer::start(&cl, direct);
     let failovers_before = proxy.shared.stats.failovers.load(SeqCst);
     // Per mode: TPC-B runs, select-only runs (one per round).
@@ -325,6 +358,7 @@ pub fn run(o: BenchOpts) -> Result<Value, String> {
                "select_only": {"tps": tps(s), "p50_ms": mean(s, |r| r.p50_ms), "p99_ms": mean(s, |r| r.p99_ms),
                                "tps_rounds": s.iter().map(|r| r.tps).collect::<Vec<_>>()}})
     };
+    res.insert("tls".into(), o.tls.into());
     res.insert("tps_unprotected".into(), tps(&un).into());
     res.insert("tps_syncrep".into(), tps(&sy).into());
     res.insert("tps_pliant".into(), tps(&pl).into());
@@ -470,7 +504,7 @@ impl Pgbouncer {
             format!("\"{u}\" \"{pw}\"\n").as_bytes(),
             Some(crate::cluster::postgres_ids()?),
         )?;
-        let ini = format!(
+        let mut ini = format!(
             "[databases]\npostgres = host={} port={} dbname=postgres\n\n[pgbouncer]\n\
              listen_addr = {}\nlisten_port = {}\nunix_socket_dir =\n\
              auth_type = md5\nauth_file = {}\npool_mode = {POOL_MODE}\n\
@@ -481,6 +515,18 @@ impl Pgbouncer {
             addr.port(),
             dir.join("userlist.txt").display()
         );
+        // TLS as the proxy has it: clients must use it (the servers' certificate, which names
+        // this address too), the servers' certificates verified against the CA.
+        if let Some(t) = &cl.cfg.tls {
+            ini.push_str(&format!(
+                "client_tls_sslmode = require\nclient_tls_cert_file = {}\n\
+                 client_tls_key_file = {}\nserver_tls_sslmode = verify-ca\n\
+                 server_tls_ca_file = {}\n",
+                t.cert.display(),
+                t.key.display(),
+                t.ca.display()
+            ));
+        }
         std::fs::write(dir.join("pgbouncer.ini"), ini).map_err(|e| e.to_string())?;
         let child = Command::new("setpriv")
             .args(["--reuid=postgres", "--regid=postgres", "--init-groups"])
@@ -501,9 +547,17 @@ impl Pgbouncer {
         };
         let t0 = Instant::now();
         loop {
-            if Client::connect(addr, u, pw, "postgres", Duration::from_secs(2))
-                .and_then(|mut c| c.query("SELECT 1").map(|_| ()))
-                .is_ok()
+            if Client::dial(&Dial {
+                addr,
+                user: u,
+                password: pw,
+                database: "postgres",
+                connect_timeout: Duration::from_secs(2),
+                timeout: Duration::from_secs(2),
+                tls: cl.tls_client(),
+            })
+            .and_then(|mut c| c.query("SELECT 1").map(|_| ()))
+            .is_ok()
             {
                 return Ok(b);
             }
@@ -537,7 +591,17 @@ fn failover_with_pgbench(cl: &Arc<Cluster>, proxy: &Proxy, o: &BenchOpts) -> Res
     wait_protected(proxy);
     let (u, pw) = (cl.cfg.user.clone(), cl.cfg.password.clone());
     let mut idle: Vec<Client> = (0..4)
-        .map(|_| Client::connect(proxy.addr, &u, &pw, "postgres", Duration::from_secs(5)))
+        .map(|_| {
+            Client::dial(&Dial {
+                addr: proxy.addr,
+                user: &u,
+                password: &pw,
+                database: "postgres",
+                connect_timeout: Duration::from_secs(5),
+                timeout: Duration::from_secs(5),
+                tls: cl.tls_client(),
+            })
+        })
         .collect::<Result<_, _>>()
         .map_err(|e| e.to_string())?;
     for c in idle.iter_mut() {

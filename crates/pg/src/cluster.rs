@@ -217,6 +217,12 @@ impl Cluster {
 
     /// Addresses a certificate for this cluster must name: the bridge (where the proxy
     /// listens) and both servers.
+    /// The client side of the servers' TLS ([`Cluster::set_tls`]), for clients of the cluster
+    /// and of a proxy in front of it (the demo certificate names both).
+    pub fn tls_client(&self) -> Option<&crate::tls::TlsClient> {
+        self.tls_client.as_ref()
+    }
+
     pub fn addresses(&self) -> Vec<std::net::IpAddr> {
         let mut v = vec![self.host_ip.into()];
         v.extend(self.nodes.iter().map(|n| std::net::IpAddr::from(n.ip)));

@@ -349,6 +349,7 @@ pub fn run(o: &PatroniOpts) -> Result<Value, String> {
         PASSWORD,
         o.clients,
         o.client_timeout,
+        None,
     );
     let mut failover_ms = Vec::new();
     let mut dropped = 0u64;
