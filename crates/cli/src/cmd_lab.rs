@@ -8,11 +8,14 @@ use pliant_lab::{
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-const MODES: [&str; 4] = [
+const MODES: [&str; 7] = [
     "kernel-nat",
     "kernel-forward",
     "pliant-nat",
     "pliant-forward",
+    "pliant-firewall",
+    "pliant-ids",
+    "pliant-mbserv",
 ];
 
 #[derive(Args)]
@@ -28,9 +31,14 @@ pub struct LabArgs {
 enum LabCmd {
     /// Build a lab and leave it running; prints its namespaces, addresses and files.
     Up {
-        /// What runs in the replica namespace.
+        /// What runs in the replica namespace: the kernel's NAT or router, or a pliant replica
+        /// running the NF named (with its section's defaults; see --nf-config).
         #[arg(long, default_value = "kernel-nat", value_parser = MODES)]
         mode: String,
+        /// pliant modes: a TOML file of the NF's own sections (e.g. `[firewall]` with its
+        /// `[[firewall.rules]]`, `[ids]`, `[nat]`), merged over the defaults key by key.
+        #[arg(long)]
+        nf_config: Option<std::path::PathBuf>,
         /// Lab name (a-z, 0-9, '-'; at most 16); default pl<6 random hex>.
         #[arg(long)]
         name: Option<String>,
@@ -118,6 +126,7 @@ pub fn run(a: LabArgs) -> Result<(), String> {
     match a.cmd {
         LabCmd::Up {
             mode,
+            nf_config,
             name,
             disable_offloads,
             big_file,
@@ -127,7 +136,17 @@ pub fn run(a: LabArgs) -> Result<(), String> {
             realtime_priority,
             hosts,
         } => {
-            let mode = ReplicaMode::parse(&mode).ok_or(format!("unknown mode {mode}"))?;
+            let mut mode = ReplicaMode::parse(&mode).ok_or(format!("unknown mode {mode}"))?;
+            if let Some(f) = &nf_config {
+                let ReplicaMode::Pliant { config } = &mut mode else {
+                    return Err("--nf-config needs a pliant mode".into());
+                };
+                let text = std::fs::read_to_string(f)
+                    .map_err(|e| format!("--nf-config {}: {e}", f.display()))?;
+                config
+                    .merge_sections(&text)
+                    .map_err(|e| format!("--nf-config {}: {e}", f.display()))?;
+            }
             let mut spec = LabSpec::new(mode);
             spec.name = name;
             spec.detached = true;

@@ -105,3 +105,96 @@ dst_ports = [7777]
         "{q:#}"
     );
 }
+
+/// `pliant lab up --mode pliant-firewall --nf-config FILE`, as a user would run it: the rules
+/// of the file apply (outbound HTTP allowed, everything else outbound denied: ping fails), and
+/// a section the lab writes itself is refused with a clear error.
+#[test]
+fn lab_up_runs_the_firewall_with_the_rules_of_an_nf_config_file() {
+    if !pliant_testkit::require_root() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("pliant-e2e-fwlab-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let cfg = dir.join("fw.toml");
+    std::fs::write(
+        &cfg,
+        "[firewall]\ndefault_outbound = \"deny\"\n\n[[firewall.rules]]\nname = \"web-out\"\n\
+         action = \"allow\"\ndirection = \"outbound\"\nproto = \"tcp\"\ndst_ports = [80]\n",
+    )
+    .expect("write");
+    let name = format!("fwl{:x}", std::process::id() & 0xffff);
+    let run = |args: &[&str]| {
+        std::process::Command::new(pliant())
+            .args(args)
+            .output()
+            .expect("pliant")
+    };
+    /// Takes the lab down even when an assertion fails.
+    struct Down<'a>(&'a str);
+    impl Drop for Down<'_> {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new(pliant())
+                .args(["lab", "down", "--name", self.0])
+                .output();
+        }
+    }
+    let cfg_s = cfg.display().to_string();
+    let up = run(&[
+        "lab",
+        "up",
+        "--mode",
+        "pliant-firewall",
+        "--nf-config",
+        &cfg_s,
+        "--name",
+        &name,
+    ]);
+    let _down = Down(&name);
+    assert!(
+        up.status.success(),
+        "lab up: {}",
+        String::from_utf8_lossy(&up.stderr)
+    );
+    let ns = format!("{name}-client");
+    let ok = |args: &[&str]| {
+        std::process::Command::new("ip")
+            .args(["netns", "exec", &ns])
+            .args(args)
+            .status()
+            .expect("ip netns exec")
+            .success()
+    };
+    assert!(
+        ok(&[
+            "curl",
+            "-sf",
+            "-o",
+            "/dev/null",
+            "--max-time",
+            "5",
+            "http://10.77.2.2/1M.bin"
+        ]),
+        "outbound HTTP is allowed by the file's rule"
+    );
+    assert!(
+        !ok(&["ping", "-c", "1", "-W", "1", "10.77.2.2"]),
+        "ping is denied by the file's default_outbound"
+    );
+    // A section the lab writes itself.
+    std::fs::write(&cfg, "[replica]\nname = \"x\"\n").expect("write");
+    let bad = run(&[
+        "lab",
+        "up",
+        "--mode",
+        "pliant-firewall",
+        "--nf-config",
+        &cfg_s,
+    ]);
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        !bad.status.success() && err.contains("[replica] is written by the lab"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -51,6 +51,53 @@ impl PliantNf {
     pub fn forward() -> Self {
         PliantNf::new("forward", toml::Table::new())
     }
+
+    /// NF kinds a lab can run by name (`pliant-<kind>` modes): each with its own section's
+    /// defaults (NAT: to the lab's outside address), refined by [`PliantNf::merge_sections`].
+    pub const KINDS: [&'static str; 5] = ["nat", "forward", "firewall", "ids", "mbserv"];
+
+    /// The NF `kind` with its defaults; `None` for a kind labs do not know.
+    pub fn of_kind(kind: &str) -> Option<Self> {
+        match kind {
+            "nat" => Some(PliantNf::nat()),
+            k if PliantNf::KINDS.contains(&k) => Some(PliantNf::new(k, toml::Table::new())),
+            _ => None,
+        }
+    }
+
+    /// Adds the tables of `text` (TOML: the NF's own sections, e.g. `[firewall]` with its
+    /// `[[firewall.rules]]`) over the defaults, key by key within a section. Sections the
+    /// lab writes itself (replica, ports, HA, security) are refused: they are not the NF's.
+    pub fn merge_sections(&mut self, text: &str) -> std::result::Result<(), String> {
+        let t: toml::Table = toml::from_str(text).map_err(|e| e.to_string())?;
+        for (name, v) in t {
+            if [
+                "replica",
+                "inside",
+                "outside",
+                "nf",
+                "ha",
+                "security",
+                "migration",
+            ]
+            .contains(&name.as_str())
+            {
+                return Err(format!(
+                    "[{name}] is written by the lab, not an NF section of a lab's replicas"
+                ));
+            }
+            let toml::Value::Table(v) = v else {
+                return Err(format!("{name} is not a section"));
+            };
+            match self.sections.get_mut(&name) {
+                Some(toml::Value::Table(cur)) => cur.extend(v),
+                _ => {
+                    self.sections.insert(name, toml::Value::Table(v));
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// What runs in a replica namespace.
@@ -79,13 +126,8 @@ impl ReplicaMode {
         match s {
             "kernel-forward" => Some(ReplicaMode::KernelForward),
             "kernel-nat" => Some(ReplicaMode::KernelNat),
-            "pliant-nat" => Some(ReplicaMode::Pliant {
-                config: PliantNf::nat(),
-            }),
-            "pliant-forward" => Some(ReplicaMode::Pliant {
-                config: PliantNf::forward(),
-            }),
-            _ => None,
+            _ => PliantNf::of_kind(s.strip_prefix("pliant-")?)
+                .map(|config| ReplicaMode::Pliant { config }),
         }
     }
 }
@@ -1142,10 +1184,30 @@ mod tests {
             "kernel-nat",
             "pliant-nat",
             "pliant-forward",
+            "pliant-firewall",
+            "pliant-ids",
+            "pliant-mbserv",
         ] {
             assert_eq!(ReplicaMode::parse(s).expect("mode").label(), s);
         }
         assert!(ReplicaMode::parse("pliant").is_none());
+        assert!(ReplicaMode::parse("pliant-c").is_none());
+    }
+
+    #[test]
+    fn nf_sections_merge_over_the_defaults_and_lab_sections_are_refused() {
+        let mut nf = PliantNf::nat();
+        nf.merge_sections("[nat]\nport_min = 30000\n[shared]\nmode = \"synch\"\n")
+            .expect("merge");
+        let nat = nf.sections["nat"].as_table().expect("nat");
+        assert_eq!(nat["port_min"].as_integer(), Some(30000));
+        assert!(nat.contains_key("external_ip"), "defaults kept: {nat:?}");
+        assert!(nf.sections.contains_key("shared"));
+        let e = nf.merge_sections("[replica]\nname = \"x\"\n").unwrap_err();
+        assert!(e.contains("[replica] is written by the lab"), "{e}");
+        let e = nf.merge_sections("nat = 3\n").unwrap_err();
+        assert!(e.contains("not a section"), "{e}");
+        assert!(nf.merge_sections("[nat\n").is_err());
     }
 
     #[test]
