@@ -73,6 +73,25 @@ pub struct Moved {
     pub capsule_bytes: usize,
     /// The TCP options the moved connection had negotiated.
     pub options: TcpOptions,
+    /// When each step ended, counted from the freeze request.
+    pub phases: Phases,
+}
+
+/// The steps of a move, each as the time from the freeze request to its end.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Phases {
+    /// The session thread stopped and handed its state back.
+    pub frozen: Duration,
+    /// The client's segments are held.
+    pub held: Duration,
+    /// Repair mode entered, kernel state captured, slice encoded.
+    pub captured: Duration,
+    /// The destination decoded the slice and is ready.
+    pub ready: Duration,
+    /// Source closed in repair mode; the destination restored the socket.
+    pub restored: Duration,
+    /// The hold is released.
+    pub released: Duration,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -135,7 +154,7 @@ impl<A: SessionApp> Instance<A> {
         let mut conn = Conn::connect(peer, &sec.identity, &opts, CONNECT_TIMEOUT, &sec.tcp)?;
         let t0 = Instant::now();
         let f = inner.freeze(id).ok_or(MigrateError::NoSession(id))?;
-        let moved = move_frozen(inner, &mut conn, f)?;
+        let moved = move_frozen(inner, &mut conn, f, t0)?;
         inner.stats.moved_out.fetch_add(1, Ordering::Relaxed);
         Ok(Moved {
             pause: t0.elapsed(),
@@ -167,7 +186,12 @@ fn move_frozen<A: SessionApp>(
     inner: &Arc<Inner<A>>,
     conn: &mut Conn,
     f: Frozen<A>,
+    t0: Instant,
 ) -> Result<Moved, MigrateError> {
+    let mut ph = Phases {
+        frozen: t0.elapsed(),
+        ..Phases::default()
+    };
     let tuple = match (f.sock.local_addr(), f.sock.peer_addr()) {
         (Ok(l), Ok(r)) => (l, r),
         (Err(e), _) | (_, Err(e)) => {
@@ -182,6 +206,7 @@ fn move_frozen<A: SessionApp>(
         resume(inner, f, None);
         return Err(MigrateError::Hold(e));
     }
+    ph.held = t0.elapsed();
     let captured = repair::enter_repair(&f.sock).and_then(|_| repair::capture(&f.sock));
     let tcp = match captured {
         Ok(t) => t,
@@ -197,6 +222,7 @@ fn move_frozen<A: SessionApp>(
         app: f.app.save(),
     };
     let bytes = format::encode(&slice);
+    ph.captured = t0.elapsed();
     let answer = send(conn, &ToDest::Slice(bytes.clone())).and_then(|_| recv::<ToSource>(conn));
     match answer {
         Ok(ToSource::Ready) => {}
@@ -215,6 +241,7 @@ fn move_frozen<A: SessionApp>(
             return Err(MigrateError::Channel(e));
         }
     }
+    ph.ready = t0.elapsed();
     // The hold was in place before the capture; a segment that had passed the filter just
     // before it could still have reached the socket after. Then the capture is stale: give up
     // the move rather than lose bytes the source acknowledged.
@@ -251,9 +278,11 @@ fn move_frozen<A: SessionApp>(
             Err(local) => Err(MigrateError::Lost { dest, local }),
         };
     }
+    ph.restored = t0.elapsed();
     if let Err(e) = inner.hold.release(&tuple.0, &tuple.1) {
         tracing::error!(error = %e, "releasing the packet hold");
     }
+    ph.released = t0.elapsed();
     send(conn, &ToDest::Released)
         .and_then(|_| recv::<ToSource>(conn))
         .map_err(MigrateError::Unconfirmed)
@@ -267,6 +296,7 @@ fn move_frozen<A: SessionApp>(
         pause: Duration::ZERO,
         capsule_bytes: bytes.len(),
         options: slice.tcp.options,
+        phases: ph,
     })
 }
 

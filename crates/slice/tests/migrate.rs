@@ -3,16 +3,12 @@
 
 mod common;
 
-use common::{private_netns, tcp_counter, wait_until};
-use pliant_slice::demo::{reply, LineApp};
-use pliant_slice::format::{fnv1a, FNV_OFFSET};
+use common::{private_netns, start_client, tcp_counter, wait_until, Client};
+use pliant_slice::demo::LineApp;
 use pliant_slice::instance::{Config, Instance, SessionApp};
 use pliant_slice::migrate::MigrateError;
 use pliant_wire::{role, Ca, ConnError, Endpoint, Security};
-use std::io::{BufRead, BufReader, Write};
-use std::net::{Shutdown, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 fn instance<A: SessionApp>(ca: &Ca, name: &str) -> Instance<A> {
@@ -30,106 +26,6 @@ fn client_addr<A: SessionApp>(i: &Instance<A>) -> String {
     match i.client_endpoint() {
         Endpoint::Tcp(a) => a.clone(),
         e => panic!("client endpoint {e:?}"),
-    }
-}
-
-/// Line `n` of connection `c` (deterministic, so the reader knows what the writer sent).
-fn line(c: usize, n: u64) -> String {
-    format!("{c} {n} {}\n", "x".repeat((n % 97) as usize))
-}
-
-/// One client connection: a writer streaming numbered lines, a reader checking every reply
-/// against the hash of everything sent before it.
-struct Client {
-    sent: Arc<AtomicU64>,
-    checked: Arc<AtomicU64>,
-    stop: Arc<AtomicBool>,
-    writer: std::thread::JoinHandle<()>,
-    reader: std::thread::JoinHandle<Result<(), String>>,
-}
-
-const WINDOW: u64 = 2000;
-
-fn start_client(addr: &str, c: usize) -> Client {
-    let s = TcpStream::connect(addr).unwrap();
-    let (sent, checked, stop) = (
-        Arc::new(AtomicU64::new(0)),
-        Arc::new(AtomicU64::new(0)),
-        Arc::new(AtomicBool::new(false)),
-    );
-    let mut w = s.try_clone().unwrap();
-    let (sent_w, checked_w, stop_w) = (sent.clone(), checked.clone(), stop.clone());
-    let writer = std::thread::spawn(move || {
-        let mut n = 0u64;
-        while !stop_w.load(Ordering::Relaxed) {
-            if n - checked_w.load(Ordering::Relaxed) >= WINDOW {
-                std::thread::yield_now();
-                continue;
-            }
-            let mut batch = String::new();
-            for _ in 0..16 {
-                batch.push_str(&line(c, n));
-                n += 1;
-            }
-            w.write_all(batch.as_bytes()).unwrap();
-            sent_w.store(n, Ordering::Release);
-        }
-        w.shutdown(Shutdown::Write).unwrap();
-    });
-    let checked_r = checked.clone();
-    let reader = std::thread::spawn(move || {
-        let mut r = BufReader::new(s);
-        let (mut hash, mut n) = (FNV_OFFSET, 0u64);
-        let mut got = String::new();
-        loop {
-            got.clear();
-            match r.read_line(&mut got) {
-                Ok(0) => return Ok(()),
-                Ok(_) => {}
-                Err(e) => return Err(format!("connection {c}: read after {n} replies: {e}")),
-            }
-            hash = fnv1a(hash, line(c, n).as_bytes());
-            n += 1;
-            let want = reply(n, hash);
-            if got != want {
-                return Err(format!(
-                    "connection {c}: reply {n} is {got:?}, expected {want:?}"
-                ));
-            }
-            checked_r.store(n, Ordering::Relaxed);
-        }
-    });
-    Client {
-        sent,
-        checked,
-        stop,
-        writer,
-        reader,
-    }
-}
-
-impl Client {
-    /// Stops streaming, and checks every line was answered byte-exact and the server closed.
-    fn finish(self) -> u64 {
-        self.stop.store(true, Ordering::Relaxed);
-        self.writer.join().unwrap();
-        let res = self.reader.join().unwrap();
-        res.unwrap();
-        let sent = self.sent.load(Ordering::Acquire);
-        assert_eq!(
-            self.checked.load(Ordering::Relaxed),
-            sent,
-            "lines unanswered"
-        );
-        sent
-    }
-
-    /// Waits until `more` further replies arrived (the session is being served).
-    fn progresses(&self, more: u64) -> bool {
-        let from = self.checked.load(Ordering::Relaxed);
-        wait_until(Duration::from_secs(10), || {
-            self.checked.load(Ordering::Relaxed) >= from + more
-        })
     }
 }
 
@@ -153,10 +49,14 @@ fn streaming_sessions_move_back_and_forth_without_a_reset_or_a_lost_byte() {
         assert!(c.progresses(100));
     }
 
-    let target = 1000usize;
+    let target: usize = std::env::var("SLICE_MIGRATIONS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000);
     let budget = Duration::from_secs(60);
     let started = Instant::now();
     let mut pauses = Vec::new();
+    let mut phases = Vec::new();
     let mut abandoned = 0;
     let (mut src, mut dst) = (&a, &b);
     while pauses.len() < target && started.elapsed() < budget {
@@ -169,6 +69,7 @@ fn streaming_sessions_move_back_and_forth_without_a_reset_or_a_lost_byte() {
                         "options {o:?}"
                     );
                     pauses.push(m.pause);
+                    phases.push(m.phases);
                 }
                 // A segment slipped past the hold's installation: the move is given up and
                 // the session stays (correct, and counted).
@@ -194,6 +95,19 @@ fn streaming_sessions_move_back_and_forth_without_a_reset_or_a_lost_byte() {
     eprintln!(
         "slice e2e: {n} migrations in {elapsed:.2?} ({abandoned} abandoned), pause p50 {p50:?} \
          p99 {p99:?} max {max:?}; {lines} lines answered byte-exact; OutRsts {rsts}"
+    );
+    let p = |f: fn(&pliant_slice::migrate::Phases) -> Duration| {
+        pct(&mut phases.iter().map(f).collect::<Vec<_>>(), 0.5)
+    };
+    eprintln!(
+        "slice e2e phases (p50, from the freeze request): frozen {:?} held {:?} captured {:?} \
+         ready {:?} restored {:?} released {:?} serving {p50:?}",
+        p(|x| x.frozen),
+        p(|x| x.held),
+        p(|x| x.captured),
+        p(|x| x.ready),
+        p(|x| x.restored),
+        p(|x| x.released),
     );
     assert!(n >= 100, "only {n} migrations in {budget:?}");
     assert_eq!(rsts, 0, "a RST left this namespace");
