@@ -57,6 +57,11 @@ pub struct TcpCapsule {
     /// The socket's current TCP timestamp clock value (TCP_TIMESTAMP), so the restored
     /// socket's timestamps continue where the peer expects them (PAWS).
     pub timestamp: u32,
+    /// CLOCK_MONOTONIC (the clock TCP timestamps count) in ms when `timestamp` was read: a
+    /// restore on the same host advances the timestamp by the time since, so the restored
+    /// socket's clock is the source's and never lags a value the peer has already seen from
+    /// the source (the peer would drop such segments as old duplicates: PAWS).
+    pub captured_at_ms: u64,
     pub nodelay: bool,
 }
 

@@ -47,6 +47,8 @@ enum Exit<A> {
 }
 
 struct Handle<A> {
+    /// The client's address (the connection's remote end).
+    peer: Option<SocketAddr>,
     wake: UnixStream,
     thread: JoinHandle<Exit<A>>,
 }
@@ -185,6 +187,16 @@ impl<A: SessionApp> Instance<A> {
         v
     }
 
+    /// The sessions this instance serves now, with their clients' addresses.
+    pub fn sessions(&self) -> Vec<(u64, Option<SocketAddr>)> {
+        let mut v: Vec<_> = lock(&self.inner.sessions)
+            .iter()
+            .map(|(id, h)| (*id, h.peer))
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
     /// The name of this instance's packet-hold table.
     pub fn hold_table(&self) -> &str {
         self.inner.hold.table()
@@ -254,6 +266,7 @@ impl<A: SessionApp> Inner<A> {
         f.sock.set_nonblocking(true)?;
         let (wake_r, wake_w) = UnixStream::pair()?;
         let id = f.id;
+        let peer = f.sock.peer_addr().ok();
         let me = self.clone();
         let mut sessions = lock(&self.sessions);
         let thread = std::thread::Builder::new()
@@ -268,6 +281,7 @@ impl<A: SessionApp> Inner<A> {
         sessions.insert(
             id,
             Handle {
+                peer,
                 wake: wake_w,
                 thread,
             },

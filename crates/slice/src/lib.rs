@@ -15,6 +15,7 @@ pub mod format;
 pub mod hold;
 pub mod instance;
 pub mod migrate;
+pub mod nfnl;
 pub mod repair;
 
 pub use capsule::{Slice, TcpCapsule, TcpOptions, TcpWindow};

@@ -300,6 +300,29 @@ fn move_frozen<A: SessionApp>(
     })
 }
 
+/// How long a restore waits for the source's closed socket to let go of the 4-tuple.
+const TUPLE_FREE_WAIT: Duration = Duration::from_secs(2);
+
+/// [`repair::restore`], retried while the 4-tuple is still in use. The source has closed its
+/// socket before saying Go, but a close only releases the connection with the last reference
+/// to the socket: a process that forks (any `Command::spawn` in it, on any thread) lends every
+/// descriptor to the child until the child's `exec`, and a close in that window is finished
+/// only then. Measured here: a move failing with the tuple in use while another thread of the
+/// same process started `nft`.
+fn restore_when_free(c: &crate::capsule::TcpCapsule) -> Result<std::net::TcpStream, RepairError> {
+    let end = Instant::now() + TUPLE_FREE_WAIT;
+    let mut step = Duration::from_micros(100);
+    loop {
+        match repair::restore(c) {
+            Err(RepairError::TupleInUse { .. }) if Instant::now() < end => {
+                std::thread::sleep(step);
+                step = (step * 2).min(Duration::from_millis(20));
+            }
+            r => return r,
+        }
+    }
+}
+
 /// The source's way back when the destination could not restore after the source closed.
 fn restore_here<A: SessionApp>(
     inner: &Arc<Inner<A>>,
@@ -308,7 +331,7 @@ fn restore_here<A: SessionApp>(
     out: Vec<u8>,
     id: u64,
 ) -> Result<(), RepairError> {
-    let sock = repair::restore(&slice.tcp)?;
+    let sock = restore_when_free(&slice.tcp)?;
     repair::leave_repair(&sock)?;
     let mut all = slice.tcp.unsent_part().to_vec();
     all.extend_from_slice(&out);
@@ -377,7 +400,7 @@ fn take_slice<A: SessionApp>(
     let ToDest::Go = recv::<ToDest>(conn)? else {
         return Ok(());
     };
-    let sock = match repair::restore(&slice.tcp) {
+    let sock = match restore_when_free(&slice.tcp) {
         Ok(s) => s,
         Err(e) => {
             inner.stats.refused_capsules.fetch_add(1, Ordering::Relaxed);

@@ -51,6 +51,8 @@ const TCP_ESTABLISHED: u8 = 1;
 const SIOCINQ: libc::c_ulong = 0x541B;
 const SIOCOUTQ: libc::c_ulong = 0x5411;
 const SIOCOUTQNSD: libc::c_ulong = 0x894B;
+/// The largest MSS TCP_MAXSEG accepts.
+pub const MAX_USER_MSS: u32 = 32767;
 /// Queue refills are written in chunks of this (one skb each on the receive side).
 const REFILL_CHUNK: usize = 64 << 10;
 
@@ -189,6 +191,11 @@ pub fn unacked_segments(s: &TcpStream) -> io::Result<u32> {
     Ok(tcp_info(s.as_raw_fd())?.unacked)
 }
 
+/// The size of the segments the socket sends now (TCP_INFO `tcpi_snd_mss`).
+pub fn send_mss(s: &TcpStream) -> io::Result<u32> {
+    Ok(tcp_info(s.as_raw_fd())?.snd_mss)
+}
+
 /// Puts the socket in repair mode: from here it sends nothing by itself, and its state can be
 /// read out. The application must have stopped using it.
 pub fn enter_repair(s: &TcpStream) -> Result<(), RepairError> {
@@ -286,6 +293,7 @@ pub fn capture(s: &TcpStream) -> Result<TcpCapsule, RepairError> {
     select_queue(fd, TCP_NO_QUEUE)?;
 
     let timestamp = get_tcp_int(fd, libc::TCP_TIMESTAMP).map_err(sys("TCP_TIMESTAMP"))? as u32;
+    let captured_at_ms = monotonic_ms();
     let mut w = RepairWindow::default();
     getsockopt_raw(fd, libc::IPPROTO_TCP, libc::TCP_REPAIR_WINDOW, &mut w)
         .map_err(sys("TCP_REPAIR_WINDOW get"))?;
@@ -311,8 +319,36 @@ pub fn capture(s: &TcpStream) -> Result<TcpCapsule, RepairError> {
             rcv_wup: w.rcv_wup,
         },
         timestamp,
+        captured_at_ms,
         nodelay,
     })
+}
+
+/// CLOCK_MONOTONIC in ms: the clock the kernel's TCP timestamps count (tcp_clock_ns).
+pub fn monotonic_ms() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1000 + ts.tv_nsec as u64 / 1_000_000
+}
+
+/// The timestamp a restored socket starts from: the captured one, advanced by the time since
+/// the capture when that is known (same host; a monotonic clock of another host, or one that
+/// went backwards, gives no usable difference, and the captured value is used as is).
+fn restored_timestamp(c: &TcpCapsule) -> u32 {
+    let now = monotonic_ms();
+    let since = now.saturating_sub(c.captured_at_ms);
+    if now >= c.captured_at_ms && since < 60_000 {
+        // Bit 0 is the kernel's flag for microsecond timestamps (then the unit is a us).
+        let flag = c.timestamp & 1;
+        let delta = if flag == 1 { since * 1000 } else { since };
+        (c.timestamp.wrapping_add(delta as u32) & !1) | flag
+    } else {
+        c.timestamp
+    }
 }
 
 fn sockaddr(a: &SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
@@ -424,6 +460,13 @@ pub fn restore(c: &TcpCapsule) -> Result<TcpStream, RepairError> {
         .map_err(sys("TCP_QUEUE_SEQ recv"))?;
     select_queue(raw, TCP_NO_QUEUE)?;
 
+    // The MSS before connect: connect sizes the socket's segments (mss_cache) from the clamp it
+    // knows then, and TCP_REPAIR_OPTIONS, allowed only after connect, sets the clamp without
+    // resizing them; without this the restored socket sends 524-byte segments (the default).
+    // TCP_MAXSEG takes at most 32767 (MAX_TCP_WINDOW): exact for any real link's MSS; on
+    // loopback (MSS 65495) the restored socket's segments are half as large as before.
+    let user_mss = c.options.mss.min(MAX_USER_MSS) as libc::c_int;
+    set_tcp(raw, libc::TCP_MAXSEG, user_mss).map_err(sys("TCP_MAXSEG"))?;
     let (sa, len) = sockaddr(&c.local);
     // SAFETY: `sa` holds a sockaddr of `len` bytes.
     cvt(unsafe { libc::bind(raw, (&sa as *const libc::sockaddr_storage).cast(), len) })
@@ -480,8 +523,12 @@ pub fn restore(c: &TcpCapsule) -> Result<TcpStream, RepairError> {
     })
     .map_err(sys("TCP_REPAIR_OPTIONS"))?;
     if c.options.timestamps {
-        set_tcp(raw, libc::TCP_TIMESTAMP, c.timestamp as libc::c_int)
-            .map_err(sys("TCP_TIMESTAMP"))?;
+        set_tcp(
+            raw,
+            libc::TCP_TIMESTAMP,
+            restored_timestamp(c) as libc::c_int,
+        )
+        .map_err(sys("TCP_TIMESTAMP"))?;
     }
 
     fit_buffer(

@@ -58,9 +58,16 @@ fn streaming_sessions_move_back_and_forth_without_a_reset_or_a_lost_byte() {
     let mut pauses = Vec::new();
     let mut phases = Vec::new();
     let mut abandoned = 0;
+    let mut gaps = Vec::new();
     let (mut src, mut dst) = (&a, &b);
     while pauses.len() < target && started.elapsed() < budget {
-        for id in src.session_ids() {
+        for (id, peer) in src.sessions() {
+            let c = clients
+                .iter()
+                .find(|c| Some(c.local) == peer)
+                .expect("a session of an unknown client");
+            let before = c.checked.load(Ordering::Relaxed);
+            let t = Instant::now();
             match src.migrate(id, dst.peer_endpoint(), dst.name()) {
                 Ok(m) => {
                     let o = m.options;
@@ -76,6 +83,17 @@ fn streaming_sessions_move_back_and_forth_without_a_reset_or_a_lost_byte() {
                 Err(MigrateError::Moved { .. }) => abandoned += 1,
                 Err(e) => panic!("migration {}: {e}", pauses.len()),
             }
+            // The next move of this session waits for its client to see a new reply: what the
+            // client saw of the move (freeze to the next byte) is the gap, and a session is
+            // never moved again while its client still recovers segments the hold dropped.
+            let progressed = || c.checked.load(Ordering::Relaxed) > before;
+            assert!(
+                wait_until(Duration::from_secs(10), progressed),
+                "migration {}: client {} saw no reply for 10 s",
+                pauses.len(),
+                c.local
+            );
+            gaps.push(t.elapsed());
         }
         std::mem::swap(&mut src, &mut dst);
     }
@@ -91,6 +109,15 @@ fn streaming_sessions_move_back_and_forth_without_a_reset_or_a_lost_byte() {
         pct(&mut pauses, 0.5),
         pct(&mut pauses, 0.99),
         pct(&mut pauses, 1.0),
+    );
+    let (g50, g99, gmax) = (
+        pct(&mut gaps, 0.5),
+        pct(&mut gaps, 0.99),
+        pct(&mut gaps, 1.0),
+    );
+    eprintln!(
+        "slice e2e client-observed gap (move start to next reply): p50 {g50:?} p99 {g99:?} \
+         max {gmax:?}"
     );
     eprintln!(
         "slice e2e: {n} migrations in {elapsed:.2?} ({abandoned} abandoned), pause p50 {p50:?} \

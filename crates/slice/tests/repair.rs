@@ -42,6 +42,7 @@ fn closing_in_repair_mode_sends_nothing_and_the_restored_socket_carries_on() {
     round_trip(&mut c, &mut s, b"before");
     quiescent(&c, &s);
 
+    let mss = repair::send_mss(&s).unwrap();
     let segs = tcp_counter("OutSegs");
     repair::enter_repair(&s).unwrap();
     let cap = repair::capture(&s).unwrap();
@@ -55,6 +56,12 @@ fn closing_in_repair_mode_sends_nothing_and_the_restored_socket_carries_on() {
 
     let mut r = repair::restore(&cap).unwrap();
     repair::leave_repair(&r).unwrap();
+    // Segments as large as before the move (not the 536-byte default), up to what TCP_MAXSEG
+    // can ask for (loopback's MSS is above it; less the 12 bytes of the timestamp option).
+    assert_eq!(
+        repair::send_mss(&r).unwrap(),
+        mss.min(repair::MAX_USER_MSS - 12)
+    );
     // The client never saw an end: its next exchange goes to the restored socket.
     round_trip(&mut c, &mut r, b"after the move");
     assert_eq!(tcp_counter("OutRsts"), 0);

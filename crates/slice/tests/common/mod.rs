@@ -78,8 +78,10 @@ fn line(c: usize, n: u64) -> String {
 /// One client connection: a writer streaming numbered lines, a reader checking every reply
 /// against the hash of everything sent before it.
 pub struct Client {
+    /// The client's own address (the session's remote end at the server).
+    pub local: std::net::SocketAddr,
+    pub checked: Arc<AtomicU64>,
     sent: Arc<AtomicU64>,
-    checked: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
     writer: std::thread::JoinHandle<()>,
     reader: std::thread::JoinHandle<Result<(), String>>,
@@ -89,6 +91,7 @@ const WINDOW: u64 = 2000;
 
 pub fn start_client(addr: &str, c: usize) -> Client {
     let s = TcpStream::connect(addr).unwrap();
+    let local = s.local_addr().unwrap();
     let (sent, checked, stop) = (
         Arc::new(AtomicU64::new(0)),
         Arc::new(AtomicU64::new(0)),
@@ -140,6 +143,7 @@ pub fn start_client(addr: &str, c: usize) -> Client {
         }
     });
     Client {
+        local,
         sent,
         checked,
         stop,
