@@ -386,7 +386,7 @@ fn serve<A: SessionApp>(mut f: Frozen<A>, wake: &UnixStream, stats: &Stats) -> E
     }
 }
 
-/// A stream accepted by the peer server, as a TCP stream when it is one (for logging).
+/// Whether an accepted peer stream is TCP (the `auto` policy then encrypts its frames).
 pub(crate) fn peer_is_tcp(s: &Stream) -> bool {
     matches!(s, Stream::Tcp(_))
 }

@@ -112,7 +112,7 @@ pub enum MigrateError {
         "segments reached the source socket after its capture (rcv_nxt {captured:#x} -> \
          {now:#x}); move abandoned, session resumed here"
     )]
-    Moved { captured: u32, now: u32 },
+    CaptureRaced { captured: u32, now: u32 },
     #[error("destination could not restore the socket (session restored here): {0}")]
     DestRestore(String),
     #[error("destination could not restore ({dest}) and neither could the source ({local}): session lost")]
@@ -249,7 +249,7 @@ fn move_frozen<A: SessionApp>(
         Ok(now) if now == slice.tcp.recv_seq => {}
         Ok(now) => {
             resume(inner, f, Some(tuple));
-            return Err(MigrateError::Moved {
+            return Err(MigrateError::CaptureRaced {
                 captured: slice.tcp.recv_seq,
                 now,
             });

@@ -86,7 +86,7 @@ fn streaming_sessions_move_back_and_forth_without_a_reset_or_a_lost_byte() {
                 }
                 // A segment slipped past the hold's installation: the move is given up and
                 // the session stays (correct, and counted).
-                Err(MigrateError::Moved { .. }) => abandoned += 1,
+                Err(MigrateError::CaptureRaced { .. }) => abandoned += 1,
                 Err(e) => panic!("migration {}: {e}", pauses.len()),
             }
             // The next move of this session waits for its client to see a new reply: what the
