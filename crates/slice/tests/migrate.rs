@@ -12,11 +12,15 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 fn instance<A: SessionApp>(ca: &Ca, name: &str) -> Instance<A> {
+    instance_at(ca, name, Endpoint::Tcp("127.0.0.1:0".into()))
+}
+
+fn instance_at<A: SessionApp>(ca: &Ca, name: &str, peer: Endpoint) -> Instance<A> {
     let id = ca.issue(name, role::REPLICA, 3600).unwrap();
     Instance::start(Config {
         name: name.into(),
         clients: "127.0.0.1:0".parse().unwrap(),
-        peer: Endpoint::Tcp("127.0.0.1:0".into()),
+        peer,
         security: Security::new(id),
     })
     .unwrap()
@@ -225,5 +229,57 @@ fn a_refused_capsule_or_an_unauthenticated_peer_leaves_the_session_where_it_was(
     assert!(c.progresses(100));
     c.finish();
     rc.finish();
+    assert_eq!(tcp_counter("OutRsts"), 0);
+}
+
+#[test]
+fn a_destination_that_cannot_restore_after_the_close_leaves_the_session_restored_at_the_source() {
+    if !private_netns() {
+        return;
+    }
+    let ca = Ca::generate(None).unwrap();
+    let a: Instance<LineApp> = instance(&ca, "slice-a");
+    // The destination runs in a network namespace of its own that loses 127.0.0.1 once it
+    // listens: it decodes the capsule and says Ready, the source closes, and then its restore
+    // fails (the local address is not local there). Its peer endpoint is a unix socket,
+    // reachable from any namespace.
+    let dir = std::env::temp_dir().join(format!("pliant-slice-fail-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    struct Rm(std::path::PathBuf);
+    impl Drop for Rm {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let _rm = Rm(dir.clone());
+    let peer = Endpoint::Unix(dir.join("b.sock"));
+    let b: Instance<LineApp> = std::thread::scope(|t| {
+        t.spawn(|| {
+            assert!(private_netns());
+            let b = instance_at(&ca, "slice-b", peer);
+            let st = std::process::Command::new("ip")
+                .args(["addr", "del", "127.0.0.1/8", "dev", "lo"])
+                .status()
+                .unwrap();
+            assert!(st.success());
+            b
+        })
+        .join()
+        .unwrap()
+    });
+
+    let c = start_client(&client_addr(&a), 0);
+    assert!(wait_until(Duration::from_secs(5), || a.session_ids().len() == 1));
+    let id = a.session_ids()[0];
+    assert!(c.progresses(100));
+    match a.migrate(id, b.peer_endpoint(), "slice-b") {
+        Err(MigrateError::DestRestore(why)) => assert!(why.contains("bind"), "{why}"),
+        other => panic!("expected the destination's restore to fail, got {other:?}"),
+    }
+    // The source restored its own capsule: same session, same connection, still answering.
+    assert_eq!(a.session_ids(), vec![id]);
+    assert!(c.progresses(100));
+    c.finish();
+    assert_eq!(b.stats().refused_capsules.load(Ordering::Relaxed), 1);
     assert_eq!(tcp_counter("OutRsts"), 0);
 }
