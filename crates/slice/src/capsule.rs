@@ -62,6 +62,10 @@ pub struct TcpCapsule {
     /// socket's clock is the source's and never lags a value the peer has already seen from
     /// the source (the peer would drop such segments as old duplicates: PAWS).
     pub captured_at_ms: u64,
+    /// The network namespace the connection lives in (its nsfs inode): the capsule's dependency
+    /// on a kernel. A socket restored in another namespace would be created without an error
+    /// and never see the connection's packets, so a restore elsewhere is refused.
+    pub netns: u64,
     pub nodelay: bool,
 }
 

@@ -12,7 +12,7 @@
 //!     tcp: local addr, remote addr (family u8 4|6, address 4|16 bytes, port u16),
 //!          send_seq u32, recv_seq u32, mss u32, flags u8 (1 sack, 2 timestamps, 4 wscale,
 //!          8 nodelay), snd_wscale u8, rcv_wscale u8, timestamp u32,
-//!          captured_at_ms u64, window 5 x u32 (snd_wl1, snd_wnd, max_window, rcv_wnd, rcv_wup),
+//!          captured_at_ms u64, netns u64, window 5 x u32 (snd_wl1, snd_wnd, max_window, rcv_wnd, rcv_wup),
 //!          unsent u32, send_queue (u32 len + bytes), recv_queue (u32 len + bytes)
 //!     pending_out (u32 len + bytes)
 //!     app         (u32 len + bytes)
@@ -107,6 +107,7 @@ pub fn encode(s: &Slice) -> Vec<u8> {
     b.extend_from_slice(&[flags, sw, rw]);
     put_u32(&mut b, t.timestamp);
     b.extend_from_slice(&t.captured_at_ms.to_le_bytes());
+    b.extend_from_slice(&t.netns.to_le_bytes());
     let w = &t.window;
     for v in [w.snd_wl1, w.snd_wnd, w.max_window, w.rcv_wnd, w.rcv_wup] {
         put_u32(&mut b, v);
@@ -192,6 +193,7 @@ pub fn decode(bytes: &[u8]) -> Result<Slice, FormatError> {
     }
     let timestamp = r.u32("tcp.timestamp")?;
     let captured_at_ms = r.u64("tcp.captured_at_ms")?;
+    let netns = r.u64("tcp.netns")?;
     let window = TcpWindow {
         snd_wl1: r.u32("tcp.window")?,
         snd_wnd: r.u32("tcp.window")?,
@@ -235,6 +237,7 @@ pub fn decode(bytes: &[u8]) -> Result<Slice, FormatError> {
             window,
             timestamp,
             captured_at_ms,
+            netns,
             nodelay: flags & F_NODELAY != 0,
         },
         pending_out,
@@ -387,6 +390,7 @@ mod tests {
                 },
                 timestamp: rng.next() as u32,
                 captured_at_ms: rng.next(),
+                netns: rng.next(),
                 nodelay: rng.below(2) == 1,
             },
             pending_out,

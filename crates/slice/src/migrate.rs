@@ -10,7 +10,8 @@
 //!   connect + handshake (refused: session untouched)
 //!   freeze the session thread; hold the 4-tuple;
 //!   TCP_REPAIR on; capture; encode
-//!   Slice(capsule)                             ->  decode, load the application capsule
+//!   Slice(capsule)                             ->  decode, load the application capsule,
+//!                                                  check the network namespace
 //!                                              <-  Ready | Refused(why)
 //!   (Refused: repair off, release, resume)
 //!   recheck rcv_nxt; close in repair mode
@@ -391,6 +392,10 @@ fn take_slice<A: SessionApp>(
         Ok(s) => s,
         Err(e) => return refuse(inner, conn, decode_reason(&e)),
     };
+    // Checked before Ready: the source still holds the session and resumes it.
+    if let Err(e) = repair::check_netns(&slice.tcp) {
+        return refuse(inner, conn, e.to_string());
+    }
     let app = match A::load(&slice.app) {
         Ok(a) => a,
         Err(e) => return refuse(inner, conn, format!("application capsule: {e}")),

@@ -98,6 +98,11 @@ pub enum RepairError {
     },
     #[error("capsule's local and remote addresses are of different families")]
     MixedFamilies,
+    #[error(
+        "the connection lives in network namespace {capsule}, this is {here}: a socket restored \
+         here would never see its packets"
+    )]
+    OtherNamespace { capsule: u64, here: u64 },
 }
 
 fn sys(op: &'static str) -> impl FnOnce(io::Error) -> RepairError {
@@ -294,6 +299,7 @@ pub fn capture(s: &TcpStream) -> Result<TcpCapsule, RepairError> {
 
     let timestamp = get_tcp_int(fd, libc::TCP_TIMESTAMP).map_err(sys("TCP_TIMESTAMP"))? as u32;
     let captured_at_ms = monotonic_ms();
+    let netns = socket_netns(s).map_err(sys("SIOCGSKNS"))?;
     let mut w = RepairWindow::default();
     getsockopt_raw(fd, libc::IPPROTO_TCP, libc::TCP_REPAIR_WINDOW, &mut w)
         .map_err(sys("TCP_REPAIR_WINDOW get"))?;
@@ -320,8 +326,46 @@ pub fn capture(s: &TcpStream) -> Result<TcpCapsule, RepairError> {
         },
         timestamp,
         captured_at_ms,
+        netns,
         nodelay,
     })
+}
+
+const SIOCGSKNS: libc::c_ulong = 0x894C;
+
+fn ns_inode(fd: RawFd) -> io::Result<u64> {
+    // SAFETY: zeroed stat is valid; fstat writes it.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `st` is a live, writable stat.
+    cvt(unsafe { libc::fstat(fd, &mut st) })?;
+    Ok(st.st_ino)
+}
+
+/// The network namespace a socket belongs to (SIOCGSKNS opens it; its nsfs inode names it).
+pub fn socket_netns(s: &impl AsRawFd) -> io::Result<u64> {
+    // SAFETY: SIOCGSKNS takes no argument and returns a new descriptor, owned at once.
+    let fd = cvt(unsafe { libc::ioctl(s.as_raw_fd(), SIOCGSKNS as _) })?;
+    // SAFETY: `fd` is a fresh descriptor nobody else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    ns_inode(fd.as_raw_fd())
+}
+
+/// The network namespace of the calling thread (where it creates sockets).
+pub fn thread_netns() -> io::Result<u64> {
+    let f = std::fs::File::open("/proc/thread-self/ns/net")?;
+    ns_inode(f.as_raw_fd())
+}
+
+/// Refuses a capsule of another network namespace than the calling thread's.
+pub fn check_netns(c: &TcpCapsule) -> Result<(), RepairError> {
+    let here = thread_netns().map_err(sys("network namespace"))?;
+    if c.netns != here {
+        return Err(RepairError::OtherNamespace {
+            capsule: c.netns,
+            here,
+        });
+    }
+    Ok(())
 }
 
 /// CLOCK_MONOTONIC in ms: the clock the kernel's TCP timestamps count (tcp_clock_ns).
@@ -436,6 +480,7 @@ pub fn restore(c: &TcpCapsule) -> Result<TcpStream, RepairError> {
     if c.local.is_ipv4() != c.remote.is_ipv4() {
         return Err(RepairError::MixedFamilies);
     }
+    check_netns(c)?;
     let family = if c.local.is_ipv4() {
         libc::AF_INET
     } else {

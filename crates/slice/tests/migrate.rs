@@ -232,6 +232,63 @@ fn a_refused_capsule_or_an_unauthenticated_peer_leaves_the_session_where_it_was(
     assert_eq!(tcp_counter("OutRsts"), 0);
 }
 
+/// Runs `f` on a thread of its own (whose namespace or capabilities it may change, and which
+/// the threads it starts inherit) and returns what it made.
+fn on_a_thread<T: Send>(f: impl FnOnce() -> T + Send) -> T {
+    std::thread::scope(|t| t.spawn(f).join().unwrap())
+}
+
+/// A client's session on `a` fails to move to `b` (`check` looks at why), stays on `a`, and
+/// its stream goes on, with no RST.
+fn failed_move_keeps_the_session(
+    a: &Instance<LineApp>,
+    b: &Instance<LineApp>,
+    check: impl FnOnce(MigrateError),
+) {
+    let c = start_client(&client_addr(a), 0);
+    assert!(wait_until(Duration::from_secs(5), || a.session_ids().len() == 1));
+    let id = a.session_ids()[0];
+    assert!(c.progresses(100));
+    match a.migrate(id, b.peer_endpoint(), b.name()) {
+        Ok(m) => panic!("moved: {m:?}"),
+        Err(e) => check(e),
+    }
+    assert_eq!(a.session_ids(), vec![id]);
+    assert!(c.progresses(100));
+    c.finish();
+    assert_eq!(tcp_counter("OutRsts"), 0);
+}
+
+/// Drops CAP_NET_ADMIN from the calling thread's effective capabilities (threads it starts
+/// inherit that; processes it starts as root get them back at exec).
+fn drop_net_admin_in_this_thread() {
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: i32,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy, Default)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    const CAP_NET_ADMIN: u32 = 12;
+    let mut h = Header {
+        version: 0x2008_0522, // _LINUX_CAPABILITY_VERSION_3
+        pid: 0,
+    };
+    let mut d = [Data::default(); 2];
+    // SAFETY: capget/capset read and write one header and two data structs of the v3 layout;
+    // pid 0 is the calling thread.
+    unsafe {
+        assert_eq!(libc::syscall(libc::SYS_capget, &mut h, d.as_mut_ptr()), 0);
+        d[0].effective &= !(1 << CAP_NET_ADMIN);
+        assert_eq!(libc::syscall(libc::SYS_capset, &mut h, d.as_ptr()), 0);
+    }
+}
+
 #[test]
 fn a_destination_that_cannot_restore_after_the_close_leaves_the_session_restored_at_the_source() {
     if !private_netns() {
@@ -239,11 +296,31 @@ fn a_destination_that_cannot_restore_after_the_close_leaves_the_session_restored
     }
     let ca = Ca::generate(None).unwrap();
     let a: Instance<LineApp> = instance(&ca, "slice-a");
-    // The destination runs in a network namespace of its own that loses 127.0.0.1 once it
-    // listens: it decodes the capsule and says Ready, the source closes, and then its restore
-    // fails (the local address is not local there). Its peer endpoint is a unix socket,
-    // reachable from any namespace.
-    let dir = std::env::temp_dir().join(format!("pliant-slice-fail-{}", std::process::id()));
+    // The destination's threads run without CAP_NET_ADMIN: it decodes the capsule and says
+    // Ready, the source closes, and then its TCP_REPAIR is refused.
+    let b: Instance<LineApp> = on_a_thread(|| {
+        drop_net_admin_in_this_thread();
+        instance(&ca, "slice-b")
+    });
+    // The source restored its own capsule: same session, same connection, still answering.
+    failed_move_keeps_the_session(&a, &b, |e| match e {
+        MigrateError::DestRestore(why) => assert!(why.contains("TCP_REPAIR"), "{why}"),
+        other => panic!("expected the destination's restore to fail, got {other:?}"),
+    });
+    assert_eq!(b.stats().refused_capsules.load(Ordering::Relaxed), 1);
+}
+
+#[test]
+fn a_destination_in_another_network_namespace_is_refused_before_the_source_lets_go() {
+    if !private_netns() {
+        return;
+    }
+    let ca = Ca::generate(None).unwrap();
+    let a: Instance<LineApp> = instance(&ca, "slice-a");
+    // In a namespace of its own, the destination would restore the socket without an error
+    // (its kernel has no such connection to refuse it) and never see its packets. Its peer
+    // endpoint is a unix socket, reachable from any namespace.
+    let dir = std::env::temp_dir().join(format!("pliant-slice-ns-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     struct Rm(std::path::PathBuf);
     impl Drop for Rm {
@@ -253,33 +330,12 @@ fn a_destination_that_cannot_restore_after_the_close_leaves_the_session_restored
     }
     let _rm = Rm(dir.clone());
     let peer = Endpoint::Unix(dir.join("b.sock"));
-    let b: Instance<LineApp> = std::thread::scope(|t| {
-        t.spawn(|| {
-            assert!(private_netns());
-            let b = instance_at(&ca, "slice-b", peer);
-            let st = std::process::Command::new("ip")
-                .args(["addr", "del", "127.0.0.1/8", "dev", "lo"])
-                .status()
-                .unwrap();
-            assert!(st.success());
-            b
-        })
-        .join()
-        .unwrap()
+    let b: Instance<LineApp> = on_a_thread(|| {
+        assert!(private_netns());
+        instance_at(&ca, "slice-b", peer)
     });
-
-    let c = start_client(&client_addr(&a), 0);
-    assert!(wait_until(Duration::from_secs(5), || a.session_ids().len() == 1));
-    let id = a.session_ids()[0];
-    assert!(c.progresses(100));
-    match a.migrate(id, b.peer_endpoint(), "slice-b") {
-        Err(MigrateError::DestRestore(why)) => assert!(why.contains("bind"), "{why}"),
-        other => panic!("expected the destination's restore to fail, got {other:?}"),
-    }
-    // The source restored its own capsule: same session, same connection, still answering.
-    assert_eq!(a.session_ids(), vec![id]);
-    assert!(c.progresses(100));
-    c.finish();
-    assert_eq!(b.stats().refused_capsules.load(Ordering::Relaxed), 1);
-    assert_eq!(tcp_counter("OutRsts"), 0);
+    failed_move_keeps_the_session(&a, &b, |e| match e {
+        MigrateError::Refused(why) => assert!(why.contains("network namespace"), "{why}"),
+        other => panic!("expected a refusal, got {other:?}"),
+    });
 }
