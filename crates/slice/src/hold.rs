@@ -85,8 +85,8 @@ impl PacketHold {
              add set inet {table} held4 {{ type ipv4_addr . inet_service . ipv4_addr . inet_service; }}\n\
              add set inet {table} held6 {{ type ipv6_addr . inet_service . ipv6_addr . inet_service; }}\n\
              add chain inet {table} hold {{ type filter hook prerouting priority -300; policy accept; }}\n\
-             add rule inet {table} hold ip saddr . tcp sport . ip daddr . tcp dport @held4 drop\n\
-             add rule inet {table} hold ip6 saddr . tcp sport . ip6 daddr . tcp dport @held6 drop\n"
+             add rule inet {table} hold ip saddr . tcp sport . ip daddr . tcp dport @held4 counter drop\n\
+             add rule inet {table} hold ip6 saddr . tcp sport . ip6 daddr . tcp dport @held6 counter drop\n"
         );
         let nl = crate::nfnl::NfTables::open().map_err(HoldError::Netlink)?;
         nft(&["-f", "-"], Some(&script))?;
