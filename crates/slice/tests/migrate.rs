@@ -16,10 +16,14 @@ fn instance<A: SessionApp>(ca: &Ca, name: &str) -> Instance<A> {
 }
 
 fn instance_at<A: SessionApp>(ca: &Ca, name: &str, peer: Endpoint) -> Instance<A> {
+    instance_on(ca, name, "127.0.0.1:0", peer)
+}
+
+fn instance_on<A: SessionApp>(ca: &Ca, name: &str, clients: &str, peer: Endpoint) -> Instance<A> {
     let id = ca.issue(name, role::REPLICA, 3600).unwrap();
     Instance::start(Config {
         name: name.into(),
-        clients: "127.0.0.1:0".parse().unwrap(),
+        clients: clients.parse().unwrap(),
         peer,
         security: Security::new(id),
     })
@@ -338,4 +342,28 @@ fn a_destination_in_another_network_namespace_is_refused_before_the_source_lets_
         MigrateError::Refused(why) => assert!(why.contains("network namespace"), "{why}"),
         other => panic!("expected a refusal, got {other:?}"),
     });
+}
+
+#[test]
+fn an_ipv6_session_moves_back_and_forth() {
+    if !private_netns() {
+        return;
+    }
+    let ca = Ca::generate(None).unwrap();
+    let tcp = || Endpoint::Tcp("127.0.0.1:0".into());
+    let a: Instance<LineApp> = instance_on(&ca, "slice-a", "[::1]:0", tcp());
+    let b: Instance<LineApp> = instance_on(&ca, "slice-b", "[::1]:0", tcp());
+    let c = start_client(&client_addr(&a), 0);
+    assert!(c.local.is_ipv6());
+    assert!(wait_until(Duration::from_secs(5), || a.session_ids().len() == 1));
+    let (mut src, mut dst) = (&a, &b);
+    for _ in 0..50 {
+        let id = src.session_ids()[0];
+        let m = src.migrate(id, dst.peer_endpoint(), dst.name()).unwrap();
+        assert!(m.options.sack && m.options.timestamps && m.options.wscale.is_some());
+        assert!(c.progresses(10));
+        std::mem::swap(&mut src, &mut dst);
+    }
+    c.finish();
+    assert_eq!(tcp_counter("OutRsts"), 0);
 }
