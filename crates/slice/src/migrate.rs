@@ -8,15 +8,15 @@
 //! ```text
 //!   source                                         destination
 //!   connect + handshake (refused: session untouched)
-//!   freeze the session thread; hold the 4-tuple;
-//!   TCP_REPAIR on; capture; encode
-//!   Slice(capsule)                             ->  decode, load the application capsule,
-//!                                                  check the network namespace
+//!   freeze the session thread
+//!   Prepare(id, application capsule, netns)    ->  load the application capsule, check the
+//!                                                  network namespace
 //!                                              <-  Ready | Refused(why)
-//!   (Refused: repair off, release, resume)
+//!   (Refused: resume, nothing else was touched)
+//!   hold the 4-tuple; TCP_REPAIR on; capture;
 //!   recheck rcv_nxt; close in repair mode
 //!   (no FIN, no RST; the 4-tuple is free now)
-//!   Go                                         ->  restore the socket (still in repair mode)
+//!   Slice(capsule)                             ->  decode, restore the socket (repair mode)
 //!                                              <-  Restored | Failed(why)
 //!   (Failed: restore locally from the capsule)
 //!   release the hold
@@ -28,9 +28,12 @@
 //! 4-tuple, even in repair mode. The hold covers the client's segments from before the
 //! capture (a segment acknowledged by the source after its capture would be lost with it)
 //! until the restored socket exists (a segment finding no socket, or the listener, would be
-//! answered with a RST). Until the source has closed, every failure leaves the session where
-//! it was; after, the source still holds the whole capsule and restores it itself if the
-//! destination cannot.
+//! answered with a RST). Everything the destination can check without the kernel capsule
+//! (the application capsule, the namespace) is checked before the hold, so the hold lasts
+//! one round trip: the client's segments it drops are retransmitted by the client, and a
+//! shorter hold is less often still in place when the client's tail-loss probe fires. Until
+//! the source has closed, every failure leaves the session where it was; after, the source
+//! still holds the whole capsule and restores it itself if the destination cannot.
 
 use crate::capsule::{Slice, TcpOptions};
 use crate::format::{self, FormatError, MAX_BODY};
@@ -48,8 +51,12 @@ use std::time::{Duration, Instant};
 
 #[derive(Debug, Serialize, Deserialize)]
 enum ToDest {
+    Prepare {
+        session_id: u64,
+        app: Vec<u8>,
+        netns: u64,
+    },
     Slice(Vec<u8>),
-    Go,
     Released,
 }
 
@@ -83,13 +90,13 @@ pub struct Moved {
 pub struct Phases {
     /// The session thread stopped and handed its state back.
     pub frozen: Duration,
+    /// The destination checked the application capsule and the namespace.
+    pub ready: Duration,
     /// The client's segments are held.
     pub held: Duration,
-    /// Repair mode entered, kernel state captured, slice encoded.
+    /// Repair mode entered, kernel state captured, slice encoded, source socket closed.
     pub captured: Duration,
-    /// The destination decoded the slice and is ready.
-    pub ready: Duration,
-    /// Source closed in repair mode; the destination restored the socket.
+    /// The destination restored the socket.
     pub restored: Duration,
     /// The hold is released.
     pub released: Duration,
@@ -170,13 +177,14 @@ fn resume<A: SessionApp>(
     f: Frozen<A>,
     tuple: Option<(SocketAddr, SocketAddr)>,
 ) {
+    // Held means in repair mode too (or failing to enter it, where leaving is harmless).
     if let Some((l, r)) = tuple {
         if let Err(e) = inner.hold.release(&l, &r) {
             tracing::error!(error = %e, "releasing the packet hold");
         }
-    }
-    if let Err(e) = repair::leave_repair(&f.sock) {
-        tracing::error!(error = %e, "leaving repair mode");
+        if let Err(e) = repair::leave_repair(&f.sock) {
+            tracing::error!(error = %e, "leaving repair mode");
+        }
     }
     if let Err(e) = inner.run(f) {
         tracing::error!(error = %e, "resuming a session");
@@ -203,6 +211,39 @@ fn move_frozen<A: SessionApp>(
             }));
         }
     };
+    let netns = match repair::socket_netns(&f.sock) {
+        Ok(n) => n,
+        Err(e) => {
+            resume(inner, f, None);
+            return Err(MigrateError::Capture(RepairError::Sys {
+                op: "SIOCGSKNS",
+                source: e,
+            }));
+        }
+    };
+    let prepare = ToDest::Prepare {
+        session_id: f.id,
+        app: f.app.save(),
+        netns,
+    };
+    match send(conn, &prepare).and_then(|_| recv::<ToSource>(conn)) {
+        Ok(ToSource::Ready) => {}
+        Ok(ToSource::Refused(why)) => {
+            resume(inner, f, None);
+            return Err(MigrateError::Refused(why));
+        }
+        Ok(other) => {
+            resume(inner, f, None);
+            return Err(MigrateError::Refused(format!(
+                "unexpected answer {other:?}"
+            )));
+        }
+        Err(e) => {
+            resume(inner, f, None);
+            return Err(MigrateError::Channel(e));
+        }
+    }
+    ph.ready = t0.elapsed();
     if let Err(e) = inner.hold.hold(&tuple.0, &tuple.1) {
         resume(inner, f, None);
         return Err(MigrateError::Hold(e));
@@ -223,26 +264,6 @@ fn move_frozen<A: SessionApp>(
         app: f.app.save(),
     };
     let bytes = format::encode(&slice);
-    ph.captured = t0.elapsed();
-    let answer = send(conn, &ToDest::Slice(bytes.clone())).and_then(|_| recv::<ToSource>(conn));
-    match answer {
-        Ok(ToSource::Ready) => {}
-        Ok(ToSource::Refused(why)) => {
-            resume(inner, f, Some(tuple));
-            return Err(MigrateError::Refused(why));
-        }
-        Ok(other) => {
-            resume(inner, f, Some(tuple));
-            return Err(MigrateError::Refused(format!(
-                "unexpected answer {other:?}"
-            )));
-        }
-        Err(e) => {
-            resume(inner, f, Some(tuple));
-            return Err(MigrateError::Channel(e));
-        }
-    }
-    ph.ready = t0.elapsed();
     // The hold was in place before the capture; a segment that had passed the filter just
     // before it could still have reached the socket after. Then the capture is stale: give up
     // the move rather than lose bytes the source acknowledged.
@@ -265,7 +286,8 @@ fn move_frozen<A: SessionApp>(
         // The socket is gone either way (dropped); restore from the capsule below.
         tracing::error!(error = %e, "closing the source socket in repair mode");
     }
-    let answer = send(conn, &ToDest::Go).and_then(|_| recv::<ToSource>(conn));
+    ph.captured = t0.elapsed();
+    let answer = send(conn, &ToDest::Slice(bytes.clone())).and_then(|_| recv::<ToSource>(conn));
     let failure = match answer {
         Ok(ToSource::Restored) => None,
         Ok(ToSource::Failed(why)) => Some(why),
@@ -369,8 +391,13 @@ pub(crate) fn serve_peer<A: SessionApp>(inner: &Arc<Inner<A>>, s: Stream) {
             return;
         }
     };
-    while let Ok(ToDest::Slice(bytes)) = recv::<ToDest>(&mut conn) {
-        if take_slice(inner, &mut conn, &bytes).is_err() {
+    while let Ok(ToDest::Prepare {
+        session_id,
+        app,
+        netns,
+    }) = recv::<ToDest>(&mut conn)
+    {
+        if take_slice(inner, &mut conn, session_id, &app, netns).is_err() {
             return;
         }
     }
@@ -386,30 +413,48 @@ fn refuse<A>(inner: &Inner<A>, conn: &mut Conn, why: String) -> Result<(), Frame
 fn take_slice<A: SessionApp>(
     inner: &Arc<Inner<A>>,
     conn: &mut Conn,
-    bytes: &[u8],
+    session_id: u64,
+    app: &[u8],
+    netns: u64,
 ) -> Result<(), FrameError> {
-    let slice = match format::decode(bytes) {
-        Ok(s) => s,
-        Err(e) => return refuse(inner, conn, decode_reason(&e)),
-    };
     // Checked before Ready: the source still holds the session and resumes it.
-    if let Err(e) = repair::check_netns(&slice.tcp) {
-        return refuse(inner, conn, e.to_string());
+    match repair::thread_netns() {
+        Ok(here) if here == netns => {}
+        Ok(here) => {
+            let e = RepairError::OtherNamespace {
+                capsule: netns,
+                here,
+            };
+            return refuse(inner, conn, e.to_string());
+        }
+        Err(e) => return refuse(inner, conn, format!("network namespace: {e}")),
     }
-    let app = match A::load(&slice.app) {
-        Ok(a) => a,
-        Err(e) => return refuse(inner, conn, format!("application capsule: {e}")),
-    };
+    if let Err(e) = A::load(app) {
+        return refuse(inner, conn, format!("application capsule: {e}"));
+    }
     send(conn, &ToSource::Ready)?;
-    // Anything but Go: the source kept the session.
-    let ToDest::Go = recv::<ToDest>(conn)? else {
+    // Anything but the slice: the source kept the session.
+    let ToDest::Slice(bytes) = recv::<ToDest>(conn)? else {
         return Ok(());
     };
-    let sock = match restore_when_free(&slice.tcp) {
-        Ok(s) => s,
-        Err(e) => {
+    let restored = format::decode(&bytes)
+        .map_err(|e| decode_reason(&e))
+        .and_then(|slice| {
+            if slice.session_id != session_id {
+                return Err(format!(
+                    "slice of session {:#x}, prepared for {session_id:#x}",
+                    slice.session_id
+                ));
+            }
+            let app = A::load(&slice.app).map_err(|e| format!("application capsule: {e}"))?;
+            let sock = restore_when_free(&slice.tcp).map_err(|e| e.to_string())?;
+            Ok((slice, app, sock))
+        });
+    let (slice, app, sock) = match restored {
+        Ok(r) => r,
+        Err(why) => {
             inner.stats.refused_capsules.fetch_add(1, Ordering::Relaxed);
-            return send(conn, &ToSource::Failed(e.to_string()));
+            return send(conn, &ToSource::Failed(why));
         }
     };
     send(conn, &ToSource::Restored)?;

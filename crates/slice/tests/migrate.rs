@@ -141,12 +141,12 @@ fn streaming_sessions_move_back_and_forth_without_a_reset_or_a_lost_byte() {
         pct(&mut phases.iter().map(f).collect::<Vec<_>>(), 0.5)
     };
     eprintln!(
-        "slice e2e phases (p50, from the freeze request): frozen {:?} held {:?} captured {:?} \
-         ready {:?} restored {:?} released {:?} serving {p50:?}",
+        "slice e2e phases (p50, from the freeze request): frozen {:?} ready {:?} held {:?} \
+         captured+closed {:?} restored {:?} released {:?} serving {p50:?}",
         p(|x| x.frozen),
+        p(|x| x.ready),
         p(|x| x.held),
         p(|x| x.captured),
-        p(|x| x.ready),
         p(|x| x.restored),
         p(|x| x.released),
     );
