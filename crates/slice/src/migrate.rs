@@ -30,8 +30,7 @@
 //! until the restored socket exists (a segment finding no socket, or the listener, would be
 //! answered with a RST). Everything the destination can check without the kernel capsule
 //! (the application capsule, the namespace) is checked before the hold, so the hold lasts
-//! one round trip: the client's segments it drops are retransmitted by the client, and a
-//! shorter hold is less often still in place when the client's tail-loss probe fires. Until
+//! one round trip (the client retransmits the segments it drops). Until
 //! the source has closed, every failure leaves the session where it was; after, the source
 //! still holds the whole capsule and restores it itself if the destination cannot.
 
