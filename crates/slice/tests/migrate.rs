@@ -71,6 +71,8 @@ fn streaming_sessions_move_back_and_forth_without_a_reset_or_a_lost_byte() {
     let started = Instant::now();
     let mut pauses = Vec::new();
     let mut phases = Vec::new();
+    // The slowest move's steps, to tell where an outlier spent its time.
+    let mut slowest = None;
     let mut abandoned = 0;
     let mut gaps = Vec::new();
     let (mut src, mut dst) = (&a, &b);
@@ -89,6 +91,9 @@ fn streaming_sessions_move_back_and_forth_without_a_reset_or_a_lost_byte() {
                         o.sack && o.timestamps && o.wscale.is_some(),
                         "options {o:?}"
                     );
+                    if pauses.iter().all(|p| *p < m.pause) {
+                        slowest = Some(m.clone());
+                    }
                     pauses.push(m.pause);
                     phases.push(m.phases);
                 }
@@ -150,6 +155,7 @@ fn streaming_sessions_move_back_and_forth_without_a_reset_or_a_lost_byte() {
         p(|x| x.restored),
         p(|x| x.released),
     );
+    eprintln!("slice e2e slowest move: {slowest:?}");
     assert!(n >= 100, "only {n} migrations in {budget:?}");
     assert_eq!(rsts, 0, "a RST left this namespace");
     for i in [&a, &b] {
