@@ -29,6 +29,8 @@ const NFTA_SET_ELEM_LIST_ELEMENTS: u16 = 3;
 const NFTA_LIST_ELEM: u16 = 1;
 const NFTA_SET_ELEM_KEY: u16 = 1;
 const NFTA_DATA_VALUE: u16 = 1;
+/// How long an add or delete waits for the kernel's answer.
+const ANSWER_TIMEOUT_SECS: libc::time_t = 5;
 
 /// An nf_tables netlink socket, in the network namespace of the thread that opened it.
 #[derive(Debug)]
@@ -109,6 +111,25 @@ impl NfTables {
         }
         // SAFETY: `fd` is a fresh descriptor nobody else owns.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // An answer that never comes (a message dropped for want of buffer) must fail the move,
+        // not hang it: the kernel answers in microseconds, or after a grace period at worst.
+        let tv = libc::timeval {
+            tv_sec: ANSWER_TIMEOUT_SECS,
+            tv_usec: 0,
+        };
+        // SAFETY: `tv` is a live timeval of the size passed.
+        let r = unsafe {
+            libc::setsockopt(
+                fd.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVTIMEO,
+                (&tv as *const libc::timeval).cast(),
+                std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+            )
+        };
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
         Ok(NfTables { fd, seq: 1 })
     }
 
@@ -202,14 +223,14 @@ impl NfTables {
                         "bad netlink message",
                     ));
                 }
-                if ty == NLMSG_ERROR && len >= 20 {
+                // Only this request's answer counts: a late answer to an earlier one that timed
+                // out is skipped.
+                if ty == NLMSG_ERROR && len >= 20 && mseq == seq {
                     let errno = i32::from_ne_bytes([m[16], m[17], m[18], m[19]]);
                     if errno != 0 {
                         return Err(io::Error::from_raw_os_error(-errno));
                     }
-                    if mseq == seq {
-                        return Ok(());
-                    }
+                    return Ok(());
                 }
                 m = &m[((len + 3) & !3).min(m.len())..];
             }
