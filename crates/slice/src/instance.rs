@@ -50,6 +50,9 @@ struct Handle<A> {
     /// The client's address (the connection's remote end).
     peer: Option<SocketAddr>,
     wake: UnixStream,
+    /// Set before the wake byte is sent: a session busy reading sees it between two reads
+    /// without going back to poll.
+    freeze: Arc<AtomicBool>,
     thread: JoinHandle<Exit<A>>,
 }
 
@@ -265,6 +268,8 @@ impl<A: SessionApp> Inner<A> {
     pub(crate) fn run(self: &Arc<Self>, f: Frozen<A>) -> io::Result<()> {
         f.sock.set_nonblocking(true)?;
         let (wake_r, wake_w) = UnixStream::pair()?;
+        let freeze = Arc::new(AtomicBool::new(false));
+        let freeze_seen = freeze.clone();
         let id = f.id;
         let peer = f.sock.peer_addr().ok();
         let me = self.clone();
@@ -272,7 +277,7 @@ impl<A: SessionApp> Inner<A> {
         let thread = std::thread::Builder::new()
             .name("slice-session".into())
             .spawn(move || {
-                let exit = serve(f, &wake_r, &me.stats);
+                let exit = serve(f, &wake_r, &freeze_seen, &me.stats);
                 if let Exit::Ended = exit {
                     lock(&me.sessions).remove(&id);
                 }
@@ -283,6 +288,7 @@ impl<A: SessionApp> Inner<A> {
             Handle {
                 peer,
                 wake: wake_w,
+                freeze,
                 thread,
             },
         );
@@ -293,6 +299,7 @@ impl<A: SessionApp> Inner<A> {
     /// session or it ended meanwhile.
     pub(crate) fn freeze(&self, id: u64) -> Option<Frozen<A>> {
         let h = lock(&self.sessions).remove(&id)?;
+        h.freeze.store(true, Ordering::SeqCst);
         let _ = (&h.wake).write_all(&[1]);
         match h.thread.join() {
             Ok(Exit::Frozen(f)) => Some(f),
@@ -316,7 +323,12 @@ fn poll2(fds: &mut [libc::pollfd; 2]) -> io::Result<()> {
 
 /// The session loop: read what the client sent, let the application answer, write it out;
 /// until the client ends the session or the instance freezes it.
-fn serve<A: SessionApp>(mut f: Frozen<A>, wake: &UnixStream, stats: &Stats) -> Exit<A> {
+fn serve<A: SessionApp>(
+    mut f: Frozen<A>,
+    wake: &UnixStream,
+    freeze: &AtomicBool,
+    stats: &Stats,
+) -> Exit<A> {
     let mut buf = vec![0u8; 64 << 10];
     let failed = |e: io::Error| {
         stats.session_errors.fetch_add(1, Ordering::Relaxed);
@@ -356,7 +368,14 @@ fn serve<A: SessionApp>(mut f: Frozen<A>, wake: &UnixStream, stats: &Stats) -> E
                     eof = true;
                     break;
                 }
-                Ok(n) => f.app.on_input(&buf[..n], &mut f.out),
+                Ok(n) => {
+                    f.app.on_input(&buf[..n], &mut f.out);
+                    // Between two reads is a consistent point: what was read is in the
+                    // application's state and output, the rest still in the kernel.
+                    if freeze.load(Ordering::SeqCst) {
+                        return Exit::Frozen(f);
+                    }
+                }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return failed(e),
