@@ -40,4 +40,6 @@ pub mod kinds {
     pub const HUB: u16 = 0x400;
     /// Replica control: controller/CLI -> replica.
     pub const CONTROL: u16 = 0x500;
+    /// Slice moves: instance -> instance session capsules (pliant-slice).
+    pub const SLICE: u16 = 0x600;
 }

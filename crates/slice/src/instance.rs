@@ -1,0 +1,411 @@
+//! A session server: accepts clients, runs each session on its own thread around a
+//! [`SessionApp`], and hands sessions to a peer instance or takes them from one
+//! ([`crate::migrate`]).
+//!
+//! A session thread owns its socket, its application state and its not-yet-written output.
+//! Freezing it (a byte on its wake socket) makes it stop at a consistent point, between two
+//! reads, and hand all three back: nothing of the session is then left anywhere else but in
+//! the kernel's socket, which the capsule captures.
+
+use crate::hold::{HoldError, PacketHold};
+use pliant_wire::endpoint::{Endpoint, Listener, Stream, TcpTuning};
+use pliant_wire::server::{self, ConnThreads, ServerSocket, StartError};
+use pliant_wire::Security;
+use std::collections::HashMap;
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::ops::ControlFlow;
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+
+/// The application layer of a session: its state, how it answers input, and its capsule.
+pub trait SessionApp: Send + Sized + 'static {
+    fn new_session() -> Self;
+    /// Consumes bytes received from the client; appends what to send back to `out`.
+    fn on_input(&mut self, input: &[u8], out: &mut Vec<u8>);
+    /// The application capsule.
+    fn save(&self) -> Vec<u8>;
+    /// Rebuilds the state from a capsule; an error refuses the move (the source keeps it).
+    fn load(capsule: &[u8]) -> Result<Self, String>;
+}
+
+/// A session stopped between two reads: everything of it outside the kernel.
+pub struct Frozen<A> {
+    pub id: u64,
+    pub sock: TcpStream,
+    pub app: A,
+    /// Output produced and not yet written to the socket.
+    pub out: Vec<u8>,
+}
+
+enum Exit<A> {
+    Frozen(Frozen<A>),
+    Ended,
+}
+
+struct Handle<A> {
+    /// The client's address (the connection's remote end).
+    peer: Option<SocketAddr>,
+    wake: UnixStream,
+    /// Set before the wake byte is sent: a session busy reading sees it between two reads
+    /// without going back to poll.
+    freeze: Arc<AtomicBool>,
+    thread: JoinHandle<Exit<A>>,
+}
+
+/// Above this much unwritten output a session stops reading until the client reads.
+const MAX_OUT: usize = 1 << 20;
+
+#[derive(Debug, Default)]
+pub struct Stats {
+    pub accepted: AtomicU64,
+    pub moved_out: AtomicU64,
+    pub moved_in: AtomicU64,
+    /// Peers that failed the handshake of the slice channel.
+    pub refused_peers: AtomicU64,
+    pub aborted_handshakes: AtomicU64,
+    /// Capsules refused (format, application state, restore).
+    pub refused_capsules: AtomicU64,
+    /// Sessions that ended with a socket error (a reset among them).
+    pub session_errors: AtomicU64,
+}
+
+pub struct Config {
+    pub name: String,
+    /// Where clients connect (TCP).
+    pub clients: SocketAddr,
+    /// Where peer instances send slices.
+    pub peer: Endpoint,
+    pub security: Security,
+}
+
+pub(crate) struct Inner<A> {
+    pub(crate) name: String,
+    sessions: Mutex<HashMap<u64, Handle<A>>>,
+    pub(crate) hold: PacketHold,
+    pub(crate) security: Security,
+    pub stats: Stats,
+    stopping: AtomicBool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum InstanceError {
+    #[error("packet hold: {0}")]
+    Hold(#[from] HoldError),
+    #[error("listening for clients on {0}: {1}")]
+    Clients(SocketAddr, StartError),
+    #[error("listening for peers on {0}: {1}")]
+    Peers(Endpoint, StartError),
+}
+
+/// A running instance.
+pub struct Instance<A: SessionApp> {
+    pub(crate) inner: Arc<Inner<A>>,
+    clients: ServerSocket,
+    peers: ServerSocket,
+    peer_conns: Arc<ConnThreads>,
+}
+
+fn random_id() -> u64 {
+    let mut b = [0u8; 8];
+    // SAFETY: getrandom writes at most 8 bytes into `b`.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), 8, 0) };
+    assert_eq!(n, 8, "getrandom: {}", io::Error::last_os_error());
+    u64::from_le_bytes(b)
+}
+
+impl<A: SessionApp> Instance<A> {
+    pub fn start(cfg: Config) -> Result<Instance<A>, InstanceError> {
+        let inner = Arc::new(Inner {
+            hold: PacketHold::create(&cfg.name)?,
+            name: cfg.name,
+            sessions: Mutex::new(HashMap::new()),
+            security: cfg.security,
+            stats: Stats::default(),
+            stopping: AtomicBool::new(false),
+        });
+        let i = inner.clone();
+        let clients = ServerSocket::start(
+            &Endpoint::from(cfg.clients),
+            &TcpTuning::default(),
+            "slice-clients",
+            move |l, stop| accept_clients(&i, &l, &stop),
+        )
+        .map_err(|e| InstanceError::Clients(cfg.clients, e))?;
+        let peer_conns = Arc::new(ConnThreads::default());
+        let (i, pc) = (inner.clone(), peer_conns.clone());
+        let peers = ServerSocket::start(
+            &cfg.peer,
+            &TcpTuning::default(),
+            "slice-peers",
+            move |l, stop| {
+                server::accept_until_stopped(&l, &stop, &i.stopping, "slice peers", |s| {
+                    let i2 = i.clone();
+                    let serve = move |s| crate::migrate::serve_peer(&i2, s);
+                    if let Err(e) = pc.spawn(s, MAX_PEER_CONNS, "slice-peer", serve) {
+                        tracing::warn!(?e, "slice peer connection refused");
+                    }
+                    ControlFlow::Continue(())
+                })
+            },
+        )
+        .map_err(|e| InstanceError::Peers(cfg.peer.clone(), e))?;
+        Ok(Instance {
+            inner,
+            clients,
+            peers,
+            peer_conns,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// Where clients connect.
+    pub fn client_endpoint(&self) -> &Endpoint {
+        self.clients.endpoint()
+    }
+
+    /// Where peers send slices.
+    pub fn peer_endpoint(&self) -> &Endpoint {
+        self.peers.endpoint()
+    }
+
+    pub fn stats(&self) -> &Stats {
+        &self.inner.stats
+    }
+
+    /// The sessions this instance serves now.
+    pub fn session_ids(&self) -> Vec<u64> {
+        let mut v: Vec<u64> = lock(&self.inner.sessions).keys().copied().collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// The sessions this instance serves now, with their clients' addresses.
+    pub fn sessions(&self) -> Vec<(u64, Option<SocketAddr>)> {
+        let mut v: Vec<_> = lock(&self.inner.sessions)
+            .iter()
+            .map(|(id, h)| (*id, h.peer))
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// The name of this instance's packet-hold table.
+    pub fn hold_table(&self) -> &str {
+        self.inner.hold.table()
+    }
+}
+
+impl<A: SessionApp> Drop for Instance<A> {
+    fn drop(&mut self) {
+        self.inner.stopping.store(true, Ordering::SeqCst);
+        self.clients.stop_accepting();
+        self.peers.stop_accepting();
+        self.peer_conns.shutdown_and_join();
+        let ids: Vec<u64> = lock(&self.inner.sessions).keys().copied().collect();
+        for id in ids {
+            // Frozen and dropped: the socket closes normally (FIN) with the instance.
+            let _ = self.inner.freeze(id);
+        }
+    }
+}
+
+/// Bound on concurrent peer connections (each moves one session at a time).
+const MAX_PEER_CONNS: usize = 16;
+
+fn accept_clients<A: SessionApp>(inner: &Arc<Inner<A>>, l: &Listener, stop: &UnixStream) {
+    let Listener::Tcp(tcp, _) = l else {
+        return;
+    };
+    loop {
+        match server::wait_accept_or_stop(l, stop) {
+            server::Wake::Accept => {}
+            server::Wake::Stop => return,
+            server::Wake::Failed(e) => {
+                tracing::error!(error = %e, "slice clients: poll failed");
+                return;
+            }
+        }
+        // Accepted here rather than through the wire listener, which would tune the socket
+        // (keepalive, user timeout) with options a capsule does not carry.
+        loop {
+            match tcp.accept() {
+                Ok((s, _)) => {
+                    inner.stats.accepted.fetch_add(1, Ordering::Relaxed);
+                    let f = Frozen {
+                        id: random_id(),
+                        sock: s,
+                        app: A::new_session(),
+                        out: Vec::new(),
+                    };
+                    if let Err(e) = inner.run(f) {
+                        tracing::warn!(error = %e, "cannot start a session");
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    tracing::warn!(error = %e, "slice clients: accept failed");
+                    break;
+                }
+            }
+        }
+    }
+}
+
+impl<A: SessionApp> Inner<A> {
+    /// Runs a session (new, restored or resumed) on its own thread.
+    pub(crate) fn run(self: &Arc<Self>, f: Frozen<A>) -> io::Result<()> {
+        f.sock.set_nonblocking(true)?;
+        let (wake_r, wake_w) = UnixStream::pair()?;
+        let freeze = Arc::new(AtomicBool::new(false));
+        let freeze_seen = freeze.clone();
+        let id = f.id;
+        let peer = f.sock.peer_addr().ok();
+        let me = self.clone();
+        let mut sessions = lock(&self.sessions);
+        let thread = std::thread::Builder::new()
+            .name("slice-session".into())
+            .spawn(move || {
+                let exit = serve(f, &wake_r, &freeze_seen, &me.stats);
+                if let Exit::Ended = exit {
+                    lock(&me.sessions).remove(&id);
+                }
+                exit
+            })?;
+        sessions.insert(
+            id,
+            Handle {
+                peer,
+                wake: wake_w,
+                freeze,
+                thread,
+            },
+        );
+        Ok(())
+    }
+
+    /// Stops session `id` between two reads and takes it over; `None` when there is no such
+    /// session or it ended meanwhile.
+    pub(crate) fn freeze(&self, id: u64) -> Option<Frozen<A>> {
+        let h = lock(&self.sessions).remove(&id)?;
+        h.freeze.store(true, Ordering::SeqCst);
+        let _ = (&h.wake).write_all(&[1]);
+        match h.thread.join() {
+            Ok(Exit::Frozen(f)) => Some(f),
+            _ => None,
+        }
+    }
+}
+
+fn poll2(fds: &mut [libc::pollfd; 2]) -> io::Result<()> {
+    loop {
+        // SAFETY: `fds` is a valid array of two pollfd for the duration of the call.
+        if unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) } >= 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// The session loop: read what the client sent, let the application answer, write it out;
+/// until the client ends the session or the instance freezes it.
+fn serve<A: SessionApp>(
+    mut f: Frozen<A>,
+    wake: &UnixStream,
+    freeze: &AtomicBool,
+    stats: &Stats,
+) -> Exit<A> {
+    let mut buf = vec![0u8; 64 << 10];
+    let failed = |e: io::Error| {
+        stats.session_errors.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(error = %e, "session failed");
+        Exit::Ended
+    };
+    loop {
+        let mut events = 0;
+        if f.out.len() < MAX_OUT {
+            events |= libc::POLLIN;
+        }
+        if !f.out.is_empty() {
+            events |= libc::POLLOUT;
+        }
+        let mut fds = [
+            libc::pollfd {
+                fd: f.sock.as_raw_fd(),
+                events,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: wake.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        if let Err(e) = poll2(&mut fds) {
+            return failed(e);
+        }
+        if fds[1].revents != 0 {
+            return Exit::Frozen(f);
+        }
+        let mut eof = false;
+        while f.out.len() < MAX_OUT {
+            match f.sock.read(&mut buf) {
+                Ok(0) => {
+                    eof = true;
+                    break;
+                }
+                Ok(n) => {
+                    f.app.on_input(&buf[..n], &mut f.out);
+                    // Between two reads is a consistent point: what was read is in the
+                    // application's state and output, the rest still in the kernel.
+                    if freeze.load(Ordering::SeqCst) {
+                        return Exit::Frozen(f);
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return failed(e),
+            }
+        }
+        while !f.out.is_empty() {
+            match f.sock.write(&f.out) {
+                Ok(n) => {
+                    f.out.drain(..n);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return failed(e),
+            }
+        }
+        if eof {
+            // The client is done sending; what is left to answer goes out before the close.
+            let r = f
+                .sock
+                .set_nonblocking(false)
+                .and_then(|_| f.sock.write_all(&f.out));
+            if let Err(e) = r {
+                return failed(e);
+            }
+            return Exit::Ended;
+        }
+    }
+}
+
+/// Whether an accepted peer stream is TCP (the `auto` policy then encrypts its frames).
+pub(crate) fn peer_is_tcp(s: &Stream) -> bool {
+    matches!(s, Stream::Tcp(_))
+}
