@@ -234,11 +234,7 @@ impl Kv {
 
     /// Addresses (`redis://` URLs without credentials) of every node, for a cluster client.
     pub fn seed_urls(&self) -> Vec<String> {
-        self.state
-            .nodes
-            .iter()
-            .map(|n| format!("redis://{}:{}/", self.state.host_ip(n.host), n.port))
-            .collect()
+        self.state.seed_urls()
     }
 
     pub fn password(&self) -> &str {

@@ -98,6 +98,14 @@ impl KvState {
             .collect()
     }
 
+    /// Addresses (`redis://` URLs without credentials) of every node, for a cluster client.
+    pub fn seed_urls(&self) -> Vec<String> {
+        self.nodes
+            .iter()
+            .map(|n| format!("redis://{}:{}/", self.host_ip(n.host), n.port))
+            .collect()
+    }
+
     /// Marker of a node's process in /proc/PID/cmdline (redis-server shows `ip:port` in its
     /// process title), so a recycled PID is never signalled.
     pub fn marker(&self, n: &NodeRec) -> String {
