@@ -77,13 +77,18 @@ fn write_acked(
                 ))
             }
             Ok(_) => retries += 1,
-            Err(_) => {
+            Err(e) => {
                 retries += 1;
+                if retries % 25 == 1 {
+                    eprintln!("writer: {key}: retry {retries}: {e}");
+                }
                 // The client's slot map may still name a host a scale-in removed (its address no
                 // longer routes), which redis-rs keeps retrying: start again from the hosts that
                 // exist now.
-                if let Ok(c) = reconnect() {
-                    *con = c;
+                match reconnect() {
+                    Ok(c) => *con = c,
+                    Err(e) if retries % 25 == 1 => eprintln!("writer: reconnect: {e}"),
+                    Err(_) => {}
                 }
                 std::thread::sleep(Duration::from_millis(20));
             }
