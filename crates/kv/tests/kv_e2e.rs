@@ -305,7 +305,7 @@ fn acknowledged_writes_survive_repeated_scale_out_and_in() {
 /// The redis crate's cluster client (follows MOVED and ASK, refreshes its slot map).
 fn cluster_client(seeds: &[String], password: &str) -> redis::cluster::ClusterClient {
     redis::cluster::ClusterClient::builder(seeds.to_vec())
-        .password(password.to_string())
+        .password(password)
         .connection_timeout(Duration::from_secs(2))
         .response_timeout(Duration::from_secs(3))
         .build()
