@@ -37,7 +37,7 @@ pub fn validate(o: &UpOpts) -> Result<(), String> {
     if o.partitions == 0 || o.partitions > 1000 {
         return Err(format!("--partitions {}: need 1..=1000", o.partitions));
     }
-    crate::invariant::k_fits(o.k, o.hosts)?;
+    crate::invariant::k_fits(o.k, o.hosts, "--hosts")?;
     if !(1..=10_000).contains(&o.cpu_quota_pct) {
         return Err(format!(
             "--cpu-quota-pct {}: need 1..=10000",
@@ -308,7 +308,7 @@ mod tests {
             planner: Planner::Greedy,
         };
         let e = validate(&o).unwrap_err();
-        assert!(e.contains("--k 3") && e.contains("--hosts is 3"), "{e}");
+        assert!(e.contains("k = 3") && e.contains("--hosts is 3"), "{e}");
         assert!(validate(&UpOpts { k: 1, ..o.clone() }).is_ok());
         assert!(validate(&UpOpts {
             k: 1,

@@ -27,10 +27,11 @@ pub fn may_drop(partition: usize, live: usize, k: usize) -> Result<(), String> {
 }
 
 /// `k + 1` copies on distinct hosts need `k + 1` hosts; the error names both numbers.
-pub fn k_fits(k: usize, hosts: usize) -> Result<(), String> {
+/// `what` names where the host count came from (`--hosts`, `--to`).
+pub fn k_fits(k: usize, hosts: usize, what: &str) -> Result<(), String> {
     if k + 1 > hosts {
         return Err(format!(
-            "--k {k} needs {} hosts (k + 1 copies on distinct hosts), but --hosts is {hosts}",
+            "k = {k} needs {} hosts (k + 1 copies on distinct hosts), but {what} is {hosts}",
             k + 1
         ));
     }

@@ -46,15 +46,7 @@ pub fn live_copies(kv: &Kv, master: &NodeRec) -> Result<usize, String> {
             master.partition, master.host, master.port
         ));
     }
-    let online = i
-        .iter()
-        .filter(|(k, _)| k.starts_with("slave") && k[5..].chars().all(|c| c.is_ascii_digit()))
-        .filter(|(_, v)| {
-            let f = |name: &str| v.split(',').find_map(|kv| kv.strip_prefix(name));
-            f("state=") == Some("online")
-        })
-        .count();
-    Ok(1 + online)
+    Ok(1 + crate::parse::online_replicas(&i))
 }
 
 /// Waits until `replica` has everything `master` had when the wait began a round: link up and
@@ -159,7 +151,7 @@ pub fn execute(kv: &mut Kv, step: Step, from: Option<u32>, to: u32) -> Result<Mo
     // 2. Mastership, if it is leaving: a coordinated failover to the new, caught-up copy.
     let was_master = old.id == master.id;
     let master = if was_master {
-        failover(kv, &old, &new)?;
+        failover(kv, &new)?;
         new.clone()
     } else {
         master
@@ -183,7 +175,7 @@ pub fn execute(kv: &mut Kv, step: Step, from: Option<u32>, to: u32) -> Result<Mo
 
 /// `CLUSTER FAILOVER` (coordinated: the master stops writes until the replica has its offset)
 /// on `new`, until `new` is master and `old` and every other copy replicate from it.
-fn failover(kv: &Kv, old: &NodeRec, new: &NodeRec) -> Result<(), String> {
+fn failover(kv: &Kv, new: &NodeRec) -> Result<(), String> {
     let p = new.partition;
     wait_for(
         &format!("partition {p}: failover to host {}", new.host),
@@ -216,7 +208,6 @@ fn failover(kv: &Kv, old: &NodeRec, new: &NodeRec) -> Result<(), String> {
             },
         )?;
     }
-    let _ = old;
     Ok(())
 }
 

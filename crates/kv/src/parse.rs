@@ -57,6 +57,18 @@ pub fn data_calls(info: &BTreeMap<String, String>) -> u64 {
         .sum()
 }
 
+/// Replicas a master's `INFO replication` lists as `online` (`slaveN:ip=..,state=online,..`):
+/// connected and past the initial sync.
+pub fn online_replicas(info: &BTreeMap<String, String>) -> usize {
+    info.iter()
+        .filter(|(k, _)| {
+            k.strip_prefix("slave")
+                .is_some_and(|n| !n.is_empty() && n.chars().all(|c| c.is_ascii_digit()))
+        })
+        .filter(|(_, v)| v.split(',').any(|kv| kv == "state=online"))
+        .count()
+}
+
 /// One line of `CLUSTER NODES`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NodeLine {
@@ -150,6 +162,22 @@ mod tests {
         assert_eq!(info_u64(&i, "role"), None);
         // set + get only: INFO, CLUSTER NODES and WAIT are not the database's work.
         assert_eq!(data_calls(&i), 15);
+    }
+
+    #[test]
+    fn online_replicas_of_a_master() {
+        let i = info(
+            "# Replication\r\nrole:master\r\nconnected_slaves:3\r\n\
+             slave0:ip=10.214.3.12,port=7001,state=online,offset=98,lag=0\r\n\
+             slave1:ip=10.214.3.13,port=7001,state=wait_bgsave,offset=0,lag=0\r\n\
+             slave2:ip=10.214.3.14,port=7001,state=online,offset=90,lag=1\r\n\
+             slave_read_repl_offset:1\r\nmaster_repl_offset:98\r\n",
+        );
+        assert_eq!(online_replicas(&i), 2);
+        assert_eq!(
+            online_replicas(&info("role:master\r\nconnected_slaves:0\r\n")),
+            0
+        );
     }
 
     #[test]

@@ -64,7 +64,7 @@ pub fn problem(input: &Input) -> Result<Problem, String> {
             input.bytes.len()
         ));
     }
-    crate::invariant::k_fits(input.k, input.target)?;
+    crate::invariant::k_fits(input.k, input.target, "the host count asked for (--to)")?;
     if input.target > input.pool {
         return Err(format!(
             "{} hosts asked for, the pool has {}",
@@ -282,7 +282,7 @@ mod tests {
     #[test]
     fn bad_input_names_both_numbers() {
         let e = plan(&input(None, 2, 2).tap_k(2), Planner::Greedy).unwrap_err();
-        assert!(e.contains("--k 2") && e.contains("--hosts is 2"), "{e}");
+        assert!(e.contains("k = 2") && e.contains("(--to) is 2"), "{e}");
     }
 
     impl Input {

@@ -97,25 +97,29 @@ fn write_acked(
 }
 
 /// Live copies per partition, from every copy's own `INFO replication`: the master, and each
-/// replica whose link to a master is up (a copy that does not answer does not count). Gossip
-/// views (`CLUSTER NODES` of one node) trail a failover by seconds, so they are not used.
-fn copies_now(st: &KvState, password: &str) -> Vec<usize> {
+/// replica whose link to a master is up. Gossip views (`CLUSTER NODES` of one node) trail a
+/// failover by seconds, so they are not used. Also returns what each copy said (for a report).
+fn copies_now(st: &KvState, password: &str) -> (Vec<usize>, Vec<Vec<String>>) {
     let mut counts = vec![0; st.partitions];
+    let mut said = vec![Vec::new(); st.partitions];
     for n in &st.nodes {
-        let Ok(mut c) = pliant_kv::node::connect(st, n, password) else {
-            continue;
-        };
-        let Ok(i) = pliant_kv::node::info(&mut c, "replication") else {
-            continue;
-        };
-        let live = match i.get("role").map(String::as_str) {
-            Some("master") => true,
-            Some("slave") => i.get("master_link_status").map(String::as_str) == Some("up"),
-            _ => false,
+        let info = pliant_kv::node::connect(st, n, password)
+            .and_then(|mut c| pliant_kv::node::info(&mut c, "replication"));
+        let (live, what) = match info {
+            Ok(i) => {
+                let role = i.get("role").cloned().unwrap_or_default();
+                let link = i.get("master_link_status").cloned().unwrap_or_default();
+                (
+                    role == "master" || (role == "slave" && link == "up"),
+                    format!("{role} {link}"),
+                )
+            }
+            Err(e) => (false, e),
         };
         counts[n.partition] += usize::from(live);
+        said[n.partition].push(format!("h{}: {what}", n.host));
     }
-    counts
+    (counts, said)
 }
 
 #[test]
@@ -184,18 +188,26 @@ fn acknowledged_writes_survive_repeated_scale_out_and_in() {
     let sampler = {
         let (stop, dir, password) = (stop.clone(), dir.clone(), password.clone());
         std::thread::spawn(move || {
-            let (mut samples, mut violations) = (0u64, Vec::new());
+            let (mut samples, mut stale, mut violations) = (0u64, 0u64, Vec::new());
             while !stop.load(Ordering::Relaxed) {
                 let st = KvState::load(&dir).expect("state");
-                let c = copies_now(&st, &password);
+                let (c, said) = copies_now(&st, &password);
+                // A sample counts only if the copies it asked are still the cluster's copies when
+                // it ends: a sample slowed down (by a connect to a host removed meanwhile) would
+                // otherwise miss a copy added after its list was read and count one dropped since.
+                if KvState::load(&dir).expect("state").nodes != st.nodes {
+                    stale += 1;
+                    continue;
+                }
                 samples += 1;
                 let low = invariant::below_k_plus_one(&c, K);
                 if !low.is_empty() {
-                    violations.push((t_start.elapsed().as_secs_f64(), low));
+                    let detail: Vec<_> = low.iter().map(|&(p, _)| said[p].clone()).collect();
+                    violations.push((t_start.elapsed().as_secs_f64(), low, detail));
                 }
                 std::thread::sleep(Duration::from_millis(200));
             }
-            (samples, violations)
+            (samples, stale, violations)
         })
     };
 
@@ -229,7 +241,7 @@ fn acknowledged_writes_survive_repeated_scale_out_and_in() {
     let t_scaling = t_scale.elapsed();
     stop.store(true, Ordering::Relaxed);
     let written = writer.join().expect("writer thread").expect("writer");
-    let (samples, violations) = sampler.join().expect("sampler thread");
+    let (samples, stale, violations) = sampler.join().expect("sampler thread");
 
     // Every acknowledged id is there exactly once, with its value.
     let acked = acked.lock().unwrap().clone();
@@ -264,7 +276,7 @@ fn acknowledged_writes_survive_repeated_scale_out_and_in() {
     eprintln!(
         "kv e2e: up {:.1} s; {ops} scale operations, {moves} moves ({failovers} with a failover) in \
          {:.1} s (per operation {:?} s); {} ids acknowledged ({} written, {} retries), {} keys \
-         stored; {samples} copy samples, {} below k+1; total {:.1} s",
+         stored; {samples} copy samples ({stale} more discarded: the copies changed during the sample), {} below k+1; total {:.1} s",
         t_up.as_secs_f64(),
         t_scaling.as_secs_f64(),
         op_times.iter().map(|t| (t * 10.0).round() / 10.0).collect::<Vec<_>>(),
