@@ -76,7 +76,7 @@ impl Kv {
             ));
         }
         // The initial placement first: a bad request fails before anything is created.
-        let plan = planning::plan(
+        let (_, plan) = planning::plan_widening(
             &Input {
                 loads: vec![0.0; o.partitions],
                 bytes: vec![1; o.partitions],

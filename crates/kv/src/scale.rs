@@ -90,8 +90,8 @@ pub fn plan(kv: &Kv, o: &ScaleOpts) -> Result<ScalePlan, String> {
         slack: planning::default_slack(o.target),
         memory_bytes: crate::cluster::machine_memory(),
     };
+    let (input, plan) = planning::plan_widening(&input, o.planner)?;
     let problem = planning::problem(&input)?;
-    let plan = planning::plan(&input, o.planner)?;
     let target = &plan.steps[0].placement;
     let ops = pliant_placement::moves(&problem, problem.current.as_ref(), target);
     Ok(ScalePlan {
