@@ -231,3 +231,78 @@ fn status(dir: &Path, json: bool) -> Result<(), String> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(subcommand)]
+        cmd: Top,
+    }
+
+    #[derive(Subcommand)]
+    enum Top {
+        Kv(KvArgs),
+    }
+
+    fn parse(args: &[&str]) -> KvArgs {
+        let mut argv = vec!["pliant", "kv"];
+        argv.extend(args);
+        let Top::Kv(a) = Cli::try_parse_from(argv).expect("parses").cmd;
+        a
+    }
+
+    #[test]
+    fn kv_flags_parse_with_their_defaults() {
+        let a = parse(&[
+            "scale",
+            "out",
+            "--to",
+            "4",
+            "--planner",
+            "greedy",
+            "--dir",
+            "/tmp/x",
+        ]);
+        assert_eq!(a.dir, PathBuf::from("/tmp/x"));
+        let KvCmd::Scale {
+            dir: ScaleDir::Out { to, planner },
+        } = a.cmd
+        else {
+            panic!("not scale out")
+        };
+        assert_eq!(to, Some(4));
+        assert_eq!(planner.planner().unwrap(), Planner::Greedy);
+        let a = parse(&["up"]);
+        assert_eq!(a.dir, PathBuf::from("/run/pliant/kv"));
+        let KvCmd::Up {
+            hosts,
+            partitions,
+            k,
+            cpu_quota_pct,
+            planner,
+        } = a.cmd
+        else {
+            panic!("not up")
+        };
+        assert_eq!((hosts, partitions, k, cpu_quota_pct), (3, 8, 1, 50));
+        assert_eq!(
+            planner.planner().unwrap(),
+            Planner::Online { time_limit_s: 15.0 }
+        );
+        let KvCmd::Scale {
+            dir: ScaleDir::In { to: None, .. },
+        } = parse(&["scale", "in"]).cmd
+        else {
+            panic!("not scale in")
+        };
+        let bad = parse(&["plan", "--to", "3", "--planner", "cplex"]);
+        let KvCmd::Plan { planner, .. } = bad.cmd else {
+            panic!("not plan")
+        };
+        assert!(planner.planner().unwrap_err().contains("cplex"));
+    }
+}
