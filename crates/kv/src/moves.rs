@@ -192,6 +192,31 @@ fn failover(kv: &Kv, new: &NodeRec) -> Result<(), String> {
             Ok(None)
         },
     )?;
+    // Every node must see the new master own the partition's slots before the old copy is
+    // forgotten: a node that forgets the slots' owner in its view leaves them unassigned there,
+    // and a client refreshing its slot map from that node would lose the partition (redis-rs's
+    // sync client then kept retrying the removed address).
+    let (first, _) = crate::slots::range(p, kv.state.partitions);
+    for n in &kv.state.nodes {
+        wait_for(
+            &format!(
+                "node {}:{} to see host {} own partition {p}",
+                n.host, n.port, new.host
+            ),
+            GOSSIP_TIMEOUT,
+            || {
+                let view = node::cluster_nodes(&mut kv.connect(n)?)?;
+                Ok(view
+                    .iter()
+                    .any(|l| {
+                        l.id == new.id
+                            && l.is_master()
+                            && l.slots.iter().any(|&(a, b)| (a..=b).contains(&first))
+                    })
+                    .then_some(()))
+            },
+        )?;
+    }
     let new_ip = kv.state.host_ip(new.host).to_string();
     for n in kv.state.copies(p).filter(|n| n.id != new.id) {
         wait_for(
