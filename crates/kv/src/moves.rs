@@ -157,8 +157,20 @@ pub fn execute(kv: &mut Kv, step: Step, from: Option<u32>, to: u32) -> Result<Mo
         master
     };
 
-    // 3. The k+1 rule on live state, then the drop.
-    invariant::may_drop(p, live_copies(kv, &master)?, kv.state.k)?;
+    // 3. The k+1 rule on live state, then the drop. A master marks a replica `online` only at its
+    // first acknowledgement after the sync (sent once a second), which can trail the replica's
+    // own `link up`: wait a bounded time for the count, then check it.
+    let k = kv.state.k;
+    let live = wait_for(
+        &format!("partition {p}: {} live copies before the drop", k + 2),
+        CATCH_UP_TIMEOUT,
+        || {
+            let live = live_copies(kv, &master)?;
+            Ok((live > k + 1).then_some(live))
+        },
+    )
+    .or_else(|_| live_copies(kv, &master))?;
+    invariant::may_drop(p, live, k)?;
     forget_everywhere(kv, &old)?;
     node::stop(&kv.state, &old);
     kv.state.nodes.retain(|n| n.id != old.id);
