@@ -20,7 +20,7 @@ const HOSTS: usize = 3;
 const PARTITIONS: usize = 12;
 const K: usize = 1;
 /// Test time given to scaling; the last operation started before it ends runs to completion.
-const SCALE_BUDGET: Duration = Duration::from_secs(75);
+const SCALE_BUDGET: Duration = Duration::from_secs(85);
 /// A write is retried (same id, same value) for this long before the test fails.
 const WRITE_PATIENCE: Duration = Duration::from_secs(30);
 
@@ -309,16 +309,23 @@ fn acknowledged_writes_survive_repeated_scale_out_and_in() {
         "partitions below k+1 copies: {violations:?}"
     );
     assert!(samples > 0, "no copy samples");
-    assert!(ops >= 2 && moves >= 2, "{ops} operations, {moves} moves");
+    // Out and in at least once each and back out, whatever the machine's load; 20+ moves is the
+    // aim (the summary line above reports them), not an assertion.
+    assert!(ops >= 3 && moves >= 6, "{ops} operations, {moves} moves");
     assert!(!acked.is_empty());
     check_down(&dir, &kv.state);
 }
 
-/// The redis crate's cluster client (follows MOVED and ASK, refreshes its slot map).
+/// The redis crate's cluster client (follows MOVED and ASK, refreshes its slot map on MOVED).
+/// Few retries of its own: on a connection error it only reconnects to the same address, which
+/// for the address of a host a scale-in removed (a master moved away, then its host deleted: no
+/// MOVED ever comes from there) times out every time; one call spent 16 retries × the connect
+/// timeout there. The writer rebuilds the client instead.
 fn cluster_client(seeds: &[String], password: &str) -> redis::cluster::ClusterClient {
     redis::cluster::ClusterClient::builder(seeds.to_vec())
         .password(password)
-        .connection_timeout(Duration::from_secs(2))
+        .retries(3)
+        .connection_timeout(Duration::from_secs(1))
         .response_timeout(Duration::from_secs(3))
         .build()
         .expect("cluster client")
