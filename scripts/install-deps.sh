@@ -26,10 +26,11 @@ set -euo pipefail
 #   default-jdk-headless, libpostgresql-jdbc-java  a JDBC client (pgJDBC) through the pg proxy in the e2e test
 #   pgbouncer                the pooler a user would put in front of PostgreSQL instead, in `pliant bench pg`
 #   python3                  stand-in replica processes in the host agent's tests
+#   redis-server, redis-tools  the partitions (Redis Cluster nodes) of `pliant kv` and redis-cli for checks
 pkgs=(iproute2 nftables iperf3 nginx-light netsniff-ng curl iputils-ping traceroute cbindgen clang llvm ethtool
       conntrackd keepalived patroni etcd-server etcd-client default-jdk-headless libpostgresql-jdbc-java
       tcpdump fonts-dejavu-core gcc g++ make pkg-config postgresql-15 postgresql-client-15 pgbouncer
-      protobuf-compiler python3 coinor-libcbc-dev)
+      protobuf-compiler python3 coinor-libcbc-dev redis-server redis-tools)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -56,6 +57,9 @@ elif ((${#missing[@]})); then
   # Likewise Debian's default PostgreSQL cluster: pliant runs its own servers in namespaces, and
   # nothing should listen on the host that the configuration did not ask for.
   if command -v pg_ctlcluster >/dev/null; then pg_ctlcluster 15 main stop 2>/dev/null || true; fi
+  # Likewise Debian's system redis-server (pliant kv starts its own, per host namespace).
+  if command -v systemctl >/dev/null; then systemctl stop redis-server 2>/dev/null || true; fi
+  if [ -f /run/redis/redis-server.pid ]; then kill "$(cat /run/redis/redis-server.pid)" 2>/dev/null || true; fi
 fi
 command -v cargo >/dev/null || { echo "install-deps: cargo not found (install Rust with rustup)" >&2; exit 1; }
 if [ "$(id -u)" = 0 ]; then mkdir -p /run/pliant; fi

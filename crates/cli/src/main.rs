@@ -10,6 +10,7 @@ mod cmd_bench_ha;
 mod cmd_controller;
 mod cmd_hub;
 mod cmd_keys;
+mod cmd_kv;
 mod cmd_lab;
 mod cmd_pg;
 mod cmd_replica;
@@ -39,6 +40,8 @@ enum Cmd {
     Bench(cmd_bench::BenchArgs),
     /// PostgreSQL high availability (RemusDB at the service boundary): cluster, proxy, failover.
     Pg(cmd_pg::PgArgs),
+    /// Elastic partitioned in-memory database on Redis Cluster: up, status, plan, scale, down.
+    Kv(cmd_kv::KvArgs),
     /// The main demo: a lab with a pliant NAT and real traffic through it.
     Demo(cmd_lab::DemoArgs),
     /// Run the elasticity controller daemon (heartbeats, migrations, scaling, policies).
@@ -73,6 +76,7 @@ fn main() {
         Cmd::Bench(a) => cmd_bench::run(a),
         Cmd::Demo(a) => cmd_lab::demo(a),
         Cmd::Pg(a) => cmd_pg::run(a),
+        Cmd::Kv(a) => cmd_kv::run(a),
         Cmd::Controller(a) => cmd_controller::run(a),
         Cmd::Status(a) => cmd_controller::status(a),
         Cmd::Flows(a) => cmd_controller::flows(a),

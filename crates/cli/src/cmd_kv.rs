@@ -1,0 +1,308 @@
+//! `pliant kv up|status|plan|scale|down`: an elastic partitioned in-memory database on Redis
+//! Cluster, in lab hosts (see crates/kv/README.md).
+use clap::{Args, Subcommand};
+use pliant_kv::scale::{self, ScaleOpts};
+use pliant_kv::{Kv, Monitor, Planner, UpOpts};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+#[derive(Args)]
+pub struct KvArgs {
+    #[command(subcommand)]
+    cmd: KvCmd,
+    /// Directory of the cluster's state.json, password file and server directories.
+    #[arg(long, global = true, default_value = "/run/pliant/kv")]
+    dir: PathBuf,
+}
+
+#[derive(Args, Clone)]
+struct PlannerArgs {
+    /// Which planner decides placement: online (the MILP, CBC) or greedy (first-fit).
+    #[arg(long, default_value = "online")]
+    planner: String,
+    /// Time limit of one MILP solver run, seconds.
+    #[arg(long, default_value_t = 15.0)]
+    time_limit_s: f64,
+}
+
+impl PlannerArgs {
+    fn planner(&self) -> Result<Planner, String> {
+        Planner::parse(&self.planner, self.time_limit_s)
+    }
+}
+
+#[derive(Subcommand)]
+enum KvCmd {
+    /// Create hosts (namespaces with CPU quotas) and the cluster: P partitions, k replicas each.
+    Up {
+        #[arg(long, default_value_t = 3)]
+        hosts: usize,
+        #[arg(long, default_value_t = 8)]
+        partitions: usize,
+        #[arg(long, default_value_t = 1)]
+        k: usize,
+        /// CPU quota of each host, percent of one core.
+        #[arg(long, default_value_t = 50)]
+        cpu_quota_pct: u32,
+        #[command(flatten)]
+        planner: PlannerArgs,
+    },
+    /// Per partition: hosts, slots, ops/s, CPU, memory; per host: CPU against its quota.
+    Status {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print the plan to reach N hosts without executing it.
+    Plan {
+        #[arg(long)]
+        to: usize,
+        #[command(flatten)]
+        planner: PlannerArgs,
+    },
+    /// Add hosts (`out`) or empty and remove hosts (`in`), moving copies with k+1 kept.
+    Scale {
+        #[command(subcommand)]
+        dir: ScaleDir,
+    },
+    /// Stop every server it started (by PID) and delete the namespaces and cgroups.
+    Down,
+}
+
+#[derive(Subcommand)]
+enum ScaleDir {
+    Out {
+        /// Hosts after the scale (default: one more).
+        #[arg(long)]
+        to: Option<usize>,
+        #[command(flatten)]
+        planner: PlannerArgs,
+    },
+    In {
+        /// Hosts after the scale (default: one fewer).
+        #[arg(long)]
+        to: Option<usize>,
+        #[command(flatten)]
+        planner: PlannerArgs,
+    },
+}
+
+/// Loads are measured over this window before planning.
+const PLAN_WINDOW: Duration = Duration::from_secs(1);
+
+pub fn run(a: KvArgs) -> Result<(), String> {
+    match a.cmd {
+        KvCmd::Up {
+            hosts,
+            partitions,
+            k,
+            cpu_quota_pct,
+            planner,
+        } => {
+            let kv = Kv::up(&UpOpts {
+                hosts,
+                partitions,
+                k,
+                cpu_quota_pct,
+                dir: a.dir.clone(),
+                planner: planner.planner()?,
+            })?;
+            println!(
+                "up: {} hosts, {} partitions, k = {}, {} redis-servers; state in {}",
+                kv.state.hosts.len(),
+                partitions,
+                k,
+                kv.state.nodes.len(),
+                kv.state.dir.display()
+            );
+            Ok(())
+        }
+        KvCmd::Status { json } => status(&a.dir, json),
+        KvCmd::Plan { to, planner } => {
+            let kv = Kv::open(&a.dir)?;
+            let p = scale::plan(&kv, &opts(to, &planner)?)?;
+            println!("plan to {to} hosts: {}", p.summary());
+            for (i, s) in p.steps.iter().enumerate() {
+                println!("  {}: {}", i + 1, p.describe(s));
+            }
+            Ok(())
+        }
+        KvCmd::Scale { dir } => {
+            let mut kv = Kv::open(&a.dir)?;
+            let now = kv.state.hosts.len();
+            let (to, planner, out) = match dir {
+                ScaleDir::Out { to, planner } => (to.unwrap_or(now + 1), planner, true),
+                ScaleDir::In { to, planner } => {
+                    (to.unwrap_or(now.saturating_sub(1)), planner, false)
+                }
+            };
+            if out && to <= now || !out && to >= now {
+                return Err(format!(
+                    "scale {}: --to {to} with {now} hosts now",
+                    if out {
+                        "out needs more"
+                    } else {
+                        "in needs fewer"
+                    }
+                ));
+            }
+            let t0 = Instant::now();
+            let done = scale::scale(&mut kv, &opts(to, &planner)?, &mut |l| println!("{l}"))?;
+            println!(
+                "scaled to {} hosts: {} moves in {:.1} s",
+                kv.state.hosts.len(),
+                done.len(),
+                t0.elapsed().as_secs_f64()
+            );
+            Ok(())
+        }
+        KvCmd::Down => {
+            let st = pliant_kv::state::KvState::load(&a.dir)?;
+            let left = pliant_kv::cluster::teardown(&st);
+            if left.is_empty() {
+                println!(
+                    "down: {} servers stopped, {} hosts removed",
+                    st.nodes.len(),
+                    st.hosts.len()
+                );
+                Ok(())
+            } else {
+                Err(format!("down left: {}", left.join("; ")))
+            }
+        }
+    }
+}
+
+fn opts(to: usize, p: &PlannerArgs) -> Result<ScaleOpts, String> {
+    Ok(ScaleOpts {
+        target: to,
+        planner: p.planner()?,
+        window: PLAN_WINDOW,
+    })
+}
+
+fn status(dir: &Path, json: bool) -> Result<(), String> {
+    let m = Monitor::start(dir, Duration::from_millis(500))?;
+    let t0 = Instant::now();
+    let snap = loop {
+        if let Some(s) = m.latest() {
+            break s;
+        }
+        if t0.elapsed() > Duration::from_secs(10) {
+            return Err("no sample from the cluster within 10 s".into());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&snap).map_err(|e| e.to_string())?
+        );
+        return Ok(());
+    }
+    println!("partition  slots         master  replicas   ops/s   cpu(master)  used_memory");
+    for p in &snap.partitions {
+        println!(
+            "{:>9}  {:>5}-{:<5}  {:>6}  {:<9}  {:>6.0}  {:>11.3}  {:>11}",
+            p.partition,
+            p.slots.0,
+            p.slots.1,
+            p.master_host.map_or("-".into(), |h| format!("h{h}")),
+            p.replica_hosts
+                .iter()
+                .map(|h| format!("h{h}"))
+                .collect::<Vec<_>>()
+                .join(","),
+            p.ops_per_s,
+            p.master_cpu,
+            p.used_memory
+        );
+    }
+    println!("host  cpu(cores)  quota  util   partitions (masters)");
+    for h in &snap.hosts {
+        println!(
+            "h{:<3}  {:>10.3}  {:>5.2}  {:>4.0}%  {:?} ({:?})",
+            h.host,
+            h.cpu,
+            h.quota_cores,
+            h.utilisation * 100.0,
+            h.partitions,
+            h.masters
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(subcommand)]
+        cmd: Top,
+    }
+
+    #[derive(Subcommand)]
+    enum Top {
+        Kv(KvArgs),
+    }
+
+    fn parse(args: &[&str]) -> KvArgs {
+        let mut argv = vec!["pliant", "kv"];
+        argv.extend(args);
+        let Top::Kv(a) = Cli::try_parse_from(argv).expect("parses").cmd;
+        a
+    }
+
+    #[test]
+    fn kv_flags_parse_with_their_defaults() {
+        let a = parse(&[
+            "scale",
+            "out",
+            "--to",
+            "4",
+            "--planner",
+            "greedy",
+            "--dir",
+            "/tmp/x",
+        ]);
+        assert_eq!(a.dir, PathBuf::from("/tmp/x"));
+        let KvCmd::Scale {
+            dir: ScaleDir::Out { to, planner },
+        } = a.cmd
+        else {
+            panic!("not scale out")
+        };
+        assert_eq!(to, Some(4));
+        assert_eq!(planner.planner().unwrap(), Planner::Greedy);
+        let a = parse(&["up"]);
+        assert_eq!(a.dir, PathBuf::from("/run/pliant/kv"));
+        let KvCmd::Up {
+            hosts,
+            partitions,
+            k,
+            cpu_quota_pct,
+            planner,
+        } = a.cmd
+        else {
+            panic!("not up")
+        };
+        assert_eq!((hosts, partitions, k, cpu_quota_pct), (3, 8, 1, 50));
+        assert_eq!(
+            planner.planner().unwrap(),
+            Planner::Online { time_limit_s: 15.0 }
+        );
+        let KvCmd::Scale {
+            dir: ScaleDir::In { to: None, .. },
+        } = parse(&["scale", "in"]).cmd
+        else {
+            panic!("not scale in")
+        };
+        let bad = parse(&["plan", "--to", "3", "--planner", "cplex"]);
+        let KvCmd::Plan { planner, .. } = bad.cmd else {
+            panic!("not plan")
+        };
+        assert!(planner.planner().unwrap_err().contains("cplex"));
+    }
+}

@@ -1,0 +1,171 @@
+//! `scale out|in` and `plan`: measure, plan with pliant-placement, create the hosts a plan adds,
+//! execute its moves in the planner's copy-before-drop order, remove the hosts it empties.
+
+use crate::cluster::Kv;
+use crate::host;
+use crate::invariant;
+use crate::monitor;
+use crate::moves::{self, MoveReport};
+use crate::planning::{self, Input, Planner, Step};
+use std::time::Duration;
+
+#[derive(Clone, Debug)]
+pub struct ScaleOpts {
+    pub target: usize,
+    pub planner: Planner,
+    /// How long the loads are measured before planning.
+    pub window: Duration,
+}
+
+/// A plan in host ids.
+#[derive(Clone, Debug)]
+pub struct ScalePlan {
+    /// Pool index → host id (ids not created yet for a scale-out's new hosts).
+    pub pool: Vec<u32>,
+    pub new_hosts: Vec<u32>,
+    pub steps: Vec<Step>,
+    pub bytes_moved: u64,
+    pub status: String,
+    pub solve_time: Duration,
+    /// Target placement, host ids per partition.
+    pub target: Vec<Vec<u32>>,
+}
+
+impl ScalePlan {
+    pub fn host_of(&self, pool_index: usize) -> u32 {
+        self.pool[pool_index]
+    }
+
+    /// One line: moves, bytes, how the planner ended, new hosts.
+    pub fn summary(&self) -> String {
+        format!(
+            "{} moves, {} bytes, {} in {:.2} s; new hosts {:?}",
+            self.steps.len(),
+            self.bytes_moved,
+            self.status,
+            self.solve_time.as_secs_f64(),
+            self.new_hosts
+        )
+    }
+
+    pub fn describe(&self, s: &Step) -> String {
+        match s.from {
+            Some(f) => format!(
+                "partition {}: host {} -> host {}",
+                s.partition,
+                self.host_of(f),
+                self.host_of(s.to)
+            ),
+            None => format!(
+                "partition {}: new copy on host {}",
+                s.partition,
+                self.host_of(s.to)
+            ),
+        }
+    }
+}
+
+pub fn plan(kv: &Kv, o: &ScaleOpts) -> Result<ScalePlan, String> {
+    let st = &kv.state;
+    let mut pool: Vec<u32> = st.hosts.iter().map(|h| h.id).collect();
+    pool.sort_unstable();
+    let new_hosts: Vec<u32> = (0..o.target.saturating_sub(pool.len()) as u32)
+        .map(|i| st.next_host + i)
+        .collect();
+    pool.extend(&new_hosts);
+    let index = |id: u32| pool.iter().position(|&h| h == id).expect("host in pool");
+    let snap = monitor::measure(st, &kv.password, o.window);
+    let input = Input {
+        loads: snap.partitions.iter().map(|p| p.master_cpu).collect(),
+        bytes: snap.partitions.iter().map(|p| p.used_memory).collect(),
+        current: Some(
+            st.placement()
+                .iter()
+                .map(|c| c.iter().map(|&h| index(h)).collect())
+                .collect(),
+        ),
+        pool: pool.len(),
+        target: o.target,
+        k: st.k,
+        slack: planning::default_slack(o.target),
+        memory_bytes: crate::cluster::machine_memory(),
+    };
+    let (input, plan) = planning::plan_widening(&input, o.planner)?;
+    let problem = planning::problem(&input)?;
+    let target = &plan.steps[0].placement;
+    let ops = pliant_placement::moves(&problem, problem.current.as_ref(), target);
+    Ok(ScalePlan {
+        steps: planning::steps(&ops)?,
+        target: target
+            .copies
+            .iter()
+            .map(|c| c.iter().map(|&j| pool[j]).collect())
+            .collect(),
+        new_hosts,
+        pool,
+        bytes_moved: plan.bytes_moved,
+        status: format!("{:?}", plan.status),
+        solve_time: plan.solve_time,
+    })
+}
+
+/// Plans and executes; `progress` gets one line per move.
+pub fn scale(
+    kv: &mut Kv,
+    o: &ScaleOpts,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<MoveReport>, String> {
+    let p = plan(kv, o)?;
+    progress(&format!("plan: {}", p.summary()));
+    execute(kv, &p, progress)
+}
+
+pub fn execute(
+    kv: &mut Kv,
+    p: &ScalePlan,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<MoveReport>, String> {
+    for &id in &p.new_hosts {
+        let (rec, err) = match host::add_host(&kv.state, id) {
+            Ok(r) => (r, None),
+            Err((r, e)) => (r, Some(e)),
+        };
+        kv.state.hosts.push(rec);
+        kv.state.next_host = kv.state.next_host.max(id + 1);
+        kv.state.save()?;
+        if let Some(e) = err {
+            return Err(e);
+        }
+    }
+    let mut done = Vec::new();
+    for (i, s) in p.steps.iter().enumerate() {
+        let r = moves::execute(kv, *s, s.from.map(|f| p.host_of(f)), p.host_of(s.to))
+            .map_err(|e| format!("move {}/{} ({}): {e}", i + 1, p.steps.len(), p.describe(s)))?;
+        // The record must show every partition with k+1 copies after every move.
+        let counts: Vec<usize> = kv.state.placement().iter().map(Vec::len).collect();
+        let low = invariant::below_k_plus_one(&counts, kv.state.k);
+        assert!(
+            low.is_empty(),
+            "after move {}: partitions below k+1 copies: {low:?}",
+            i + 1
+        );
+        progress(&format!(
+            "move {}/{}: {}{} in {:.2} s",
+            i + 1,
+            p.steps.len(),
+            p.describe(s),
+            if r.was_master {
+                " (master: coordinated failover)"
+            } else {
+                ""
+            },
+            r.took.as_secs_f64()
+        ));
+        done.push(r);
+    }
+    let removed = moves::remove_empty_hosts(kv)?;
+    if !removed.is_empty() {
+        progress(&format!("removed empty hosts {removed:?}"));
+    }
+    Ok(done)
+}
