@@ -7,6 +7,7 @@ use crate::reply::{self, FlowEntry};
 use crate::request::Request;
 use crate::Command;
 use pliant_state::FlowKey;
+use pliant_wire::frame::FrameError;
 use pliant_wire::{role, Endpoint, Expect, Security};
 use serde::de::DeserializeOwned;
 use serde_json::Value;
@@ -160,11 +161,25 @@ impl Client {
             .and_then(|_| link.stream().set_write_timeout(Some(left)))
             .map_err(|e| self.io(e.to_string()))?;
         let body = crate::request::encode(req, self.term).map_err(|e| self.io(e))?;
-        link.send(&body)
-            .map_err(|e| self.io(format!("send {}: {e}", req.name())))?;
+        // A server that refuses the connection (at its connection bound, say) answers and
+        // closes before it reads the request: the send then fails (broken pipe, reset) while
+        // the refusal waits in our receive buffer — read it rather than report the pipe.
+        let send_err = match link.send(&body) {
+            Ok(()) => None,
+            Err(FrameError::Io(e))
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
+                ) =>
+            {
+                Some(e.to_string())
+            }
+            Err(e) => return Err(self.io(format!("send {}: {e}", req.name()))),
+        };
         let local = matches!(link, Link::Local { .. });
-        let answer = link.recv().map_err(|e| {
-            self.io(format!(
+        let answer = link.recv().map_err(|e| match &send_err {
+            Some(se) => self.io(format!("send {}: i/o: {se}", req.name())),
+            None => self.io(format!(
                 "no answer to {}: {e}{}",
                 req.name(),
                 match local {
@@ -173,7 +188,7 @@ impl Client {
                          clients: give an identity with CONTROLLER or ADMIN role)",
                     _ => "",
                 }
-            ))
+            )),
         })?;
         let v: Value = serde_json::from_slice(answer).map_err(|e| ControlError::Malformed {
             ep: self.ep.to_string(),
@@ -268,6 +283,41 @@ mod tests {
         // Far below the handshake's own 3 s default: the client's bound applied.
         assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
         drop(held.join());
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// A server at its connection bound answers with a refusal and closes before it reads
+    /// the request; the client's send then fails (broken pipe). The client reports the
+    /// server's refusal, not the pipe.
+    #[test]
+    fn a_refusal_sent_before_the_request_was_read_is_reported_as_the_refusal() {
+        use std::io::Write;
+        let dir = std::env::temp_dir().join(format!("pliant-proto-refused-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("r1.sock");
+        let _ = std::fs::remove_file(&path);
+        let l = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let mut out = Vec::new();
+            pliant_wire::frame::push_plain(
+                pliant_wire::kinds::CONTROL,
+                br#"{"ok":false,"error":"too many control connections (64)"}"#,
+                &mut out,
+            );
+            s.write_all(&out).unwrap();
+            // Closed without reading anything.
+        });
+        let c = Client::new(Endpoint::Unix(path), None);
+        let link = c.connect().expect("connect");
+        server.join().unwrap();
+        let e = c
+            .call_on(link, &Request::Stats, Instant::now())
+            .unwrap_err();
+        assert!(
+            matches!(&e, ControlError::Refused { error, .. } if error.contains("control connections")),
+            "{e:?}"
+        );
         let _ = std::fs::remove_dir_all(dir);
     }
 }
