@@ -278,7 +278,37 @@ fn pg_busy_primary_is_not_failed_over_but_a_hung_or_killed_one_is() {
     lab.kill_primary();
     let killed = t.elapsed();
     assert!(killed < Duration::from_millis(dead_ms), "after {killed:?}");
-    eprintln!("hung primary failed over after {hung:?}, killed one after {killed:?}");
+    // Every backend killed while the postmaster still holds the port (stopped): a fresh probe
+    // login is accepted by the kernel and never answered, but the sessions saw their backends
+    // vanish without a word — dead, failed over without waiting out the window.
+    lab.wait_protected();
+    let before = failovers();
+    let i = lab.proxy().shared.primary.load(SeqCst);
+    let t = Instant::now();
+    lab.cl.orphan_port(i).expect("orphan the port");
+    while failovers() == before {
+        assert!(
+            t.elapsed() < Duration::from_millis(dead_ms * 5),
+            "orphaned port not failed over: {}",
+            lab.proxy().stats_json()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let orphaned = t.elapsed();
+    assert!(
+        orphaned < Duration::from_millis(dead_ms),
+        "a primary whose backends all died was failed over only after {orphaned:?}, the \
+         slow window"
+    );
+    assert_eq!(
+        c.scalar("SELECT count(*) FROM busy")
+            .expect("the session moved again"),
+        Some("1".into())
+    );
+    eprintln!(
+        "hung primary failed over after {hung:?}, killed one after {killed:?}, one whose \
+         backends died under a stopped postmaster after {orphaned:?}"
+    );
 }
 
 /// A primary that keeps serving the proxy's sessions is not failed over however long the

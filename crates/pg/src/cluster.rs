@@ -668,6 +668,33 @@ impl Cluster {
         Ok(())
     }
 
+    /// SIGSTOPs node `i`'s postmaster and SIGKILLs every other process of the node: the
+    /// listening port stays open (the kernel accepts, nobody answers) while every backend is
+    /// gone — what a postmaster that is slow to die (stuck in uninterruptible I/O when its
+    /// SIGKILL came) looks like from outside.
+    pub fn orphan_port(&self, i: usize) -> Result<(), String> {
+        let f = self.nodes[i].data.join("postmaster.pid");
+        let pm: i32 = std::fs::read_to_string(&f)
+            .map_err(|e| format!("{}: {e}", f.display()))?
+            .lines()
+            .next()
+            .and_then(|l| l.trim().parse().ok())
+            .ok_or_else(|| format!("{}: no PID", f.display()))?;
+        // SAFETY: plain syscalls on PIDs of processes of our own node.
+        unsafe { libc::kill(pm, libc::SIGSTOP) };
+        let pids = ip(&["netns", "pids", &self.nodes[i].ns]).unwrap_or_default();
+        for p in pids
+            .split_whitespace()
+            .filter_map(|p| p.parse::<i32>().ok())
+        {
+            if p != pm {
+                // SAFETY: as above.
+                unsafe { libc::kill(p, libc::SIGKILL) };
+            }
+        }
+        Ok(())
+    }
+
     /// SIGKILL every process of node `i` once, without waiting.
     pub fn signal_all(&self, i: usize) {
         self.signal_each(i, libc::SIGKILL);

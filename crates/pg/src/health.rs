@@ -27,6 +27,11 @@
 //!   starts again. (Load that does not pass through the proxy gives no such evidence: then
 //!   only the window protects a busy primary.)
 //!
+//! - Late as above, but a session's connection to the primary was closed by the server side
+//!   (EOF or reset, no FATAL message) since the last answered probe: its backend died without
+//!   a word — what a SIGKILL does — while something still holds the listening port (a
+//!   postmaster that has not died yet, stopped or stuck): [`Probe::Gone`] ([`refine`]).
+//!
 //! Any answered probe clears the suspicion. Failing over a live primary is safe (it is fenced
 //! first) but costly: every session moves and protection is off until re-protection ends.
 
@@ -121,6 +126,18 @@ impl Detector {
     }
 }
 
+/// A late probe in the light of what the proxy's sessions saw since the probe before it
+/// (see the module documentation): a backend that closed its session without a word is
+/// evidence of death, and outweighs data other sessions received; data alone is evidence of
+/// life. Other outcomes speak for themselves.
+pub fn refine(p: Probe, sessions_heard: bool, session_closed_by_server: bool) -> Probe {
+    match p {
+        Probe::Slow if session_closed_by_server => Probe::Gone,
+        Probe::Slow if sessions_heard => Probe::Busy,
+        p => p,
+    }
+}
+
 /// What a failed probe says about the server (see the module documentation).
 pub fn classify(e: &ClientError) -> Probe {
     use std::io::ErrorKind::{HostUnreachable, NetworkUnreachable, TimedOut, WouldBlock};
@@ -145,6 +162,31 @@ pub fn classify(e: &ClientError) -> Probe {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_late_probe_refined_by_what_sessions_saw() {
+        use Probe::*;
+        assert_eq!(refine(Slow, false, false), Slow);
+        assert_eq!(refine(Slow, true, false), Busy);
+        assert_eq!(refine(Slow, false, true), Gone, "a silent close is death");
+        assert_eq!(refine(Slow, true, true), Gone, "and outweighs data");
+        for p in [Answered, Unreachable, Gone] {
+            assert_eq!(refine(p, true, true), p, "{p:?} speaks for itself");
+        }
+        // A postmaster that still holds the port after its backends were killed: the
+        // suspect's next probe is late again and a session saw its backend vanish: dead at
+        // once, not after the slow window.
+        let mut d = Detector::new(Policy {
+            probe_timeout_ms: 250,
+            slow_dead_after_ms: 5000,
+        });
+        assert!(matches!(
+            d.observe(0, refine(Slow, false, false)),
+            Verdict::Suspect { .. }
+        ));
+        assert_eq!(d.observe(300, refine(Slow, false, true)), Verdict::Dead);
+    }
+
     use pliant_testkit::XorShift;
     use std::io;
 

@@ -199,6 +199,10 @@ pub struct Shared {
     /// When a session last received bytes from the primary ([`mono_ms`]; 0 = never):
     /// evidence for the failure detector that a primary whose probe is late is alive.
     pub primary_heard_ms: AtomicU64,
+    /// When a session's connection to the primary was last closed by the server side without
+    /// a FATAL message (EOF or reset: a backend that died; [`mono_ms`], 0 = never): evidence
+    /// for the failure detector that a primary whose probe is late is dead.
+    pub primary_closed_ms: AtomicU64,
     /// Monotonic origin of `primary_heard_ms`.
     pub clock: Instant,
     pub stats: Stats,
@@ -258,6 +262,7 @@ impl Proxy {
             protected: AtomicBool::new(protected),
             xid_horizon: AtomicU64::new(0),
             primary_heard_ms: AtomicU64::new(0),
+            primary_closed_ms: AtomicU64::new(0),
             clock: Instant::now(),
             stats: Stats::default(),
             shutdown: AtomicBool::new(false),
@@ -974,7 +979,11 @@ fn pump(
             match be.s.read_some(&mut tmp) {
                 // Part of a TLS record: the rest comes with the next readiness.
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                Ok(0) | Err(_) => lost = true,
+                Ok(0) | Err(_) => {
+                    // Closed without a word (a FATAL would have come first): its backend died.
+                    sh.primary_closed_ms.store(mono_ms(sh), Relaxed);
+                    lost = true;
+                }
                 Ok(k) => {
                     note_primary_heard(sh);
                     // Frames are inspected where they lie and forwarded as they came (one
@@ -1502,21 +1511,25 @@ fn controller(sh: Arc<Shared>) {
     let mut wait = to;
     let mut probe: Option<Client> = None;
     let mut watch = StandbyWatch::default();
+    // When the last answered probe started ([`mono_ms`]; sessions' evidence older than that
+    // is about a primary that answered since).
+    let mut last_answer_ms = mono_ms(&sh);
     while !sh.shutdown.load(SeqCst) {
         let p = sh.primary.load(SeqCst);
         let addr = sh.cfg.nodes[p];
         let t = Instant::now();
         let start_ms = mono_ms(&sh);
-        let outcome = match probe_once(&mut probe, addr, &sh, wait) {
-            // Late, but the primary sent the sessions data meanwhile: alive, only busy.
-            health::Probe::Slow if sh.primary_heard_ms.load(Relaxed) >= start_ms => {
-                health::Probe::Busy
-            }
-            o => o,
-        };
+        // Late, but the primary sent the sessions data meanwhile: alive, only busy; late and
+        // a session's backend vanished without a word since the last answer: dead.
+        let outcome = health::refine(
+            probe_once(&mut probe, addr, &sh, wait),
+            sh.primary_heard_ms.load(Relaxed) >= start_ms,
+            sh.primary_closed_ms.load(Relaxed) >= last_answer_ms,
+        );
         let took = t.elapsed();
         match detector.observe(clock.elapsed().as_millis() as u64, outcome) {
             health::Verdict::Healthy => {
+                last_answer_ms = start_ms;
                 wait = to;
                 watch_standby(&sh, &mut watch, &mut probe, p);
             }
@@ -1531,7 +1544,13 @@ fn controller(sh: Arc<Shared>) {
                 if matches!(outcome, health::Probe::Slow | health::Probe::Busy) && took < wait {
                     std::thread::sleep(iv);
                 }
-                wait = Duration::from_millis(wait_ms);
+                // A session's backend vanished without a word: no grace for a late answer
+                // (the next late probe is taken as death, see `health::refine`).
+                wait = if sh.primary_closed_ms.load(Relaxed) >= last_answer_ms {
+                    to
+                } else {
+                    Duration::from_millis(wait_ms)
+                };
                 continue;
             }
             health::Verdict::Dead => {
@@ -1548,6 +1567,8 @@ fn controller(sh: Arc<Shared>) {
                     Ok(()) => {
                         probe = None;
                         watch = StandbyWatch::default();
+                        // Sessions' closes so far were the old primary's.
+                        last_answer_ms = mono_ms(&sh);
                     }
                     Err(e) => set_err(&sh, &format!("failover failed: {e}")),
                 }
