@@ -140,16 +140,18 @@ fn lab_up_runs_the_firewall_with_the_rules_of_an_nf_config_file() {
         }
     }
     let cfg_s = cfg.display().to_string();
-    let up = run(&[
-        "lab",
-        "up",
-        "--mode",
-        "pliant-firewall",
-        "--nf-config",
-        &cfg_s,
-        "--name",
-        &name,
-    ]);
+    let lab_up = |extra: &[&str]| {
+        let base = [
+            "lab",
+            "up",
+            "--mode",
+            "pliant-firewall",
+            "--nf-config",
+            &cfg_s,
+        ];
+        run(&[&base[..], extra].concat())
+    };
+    let up = lab_up(&["--name", &name]);
     let _down = Down(&name);
     assert!(
         up.status.success(),
@@ -183,14 +185,7 @@ fn lab_up_runs_the_firewall_with_the_rules_of_an_nf_config_file() {
     );
     // A section the lab writes itself.
     std::fs::write(&cfg, "[replica]\nname = \"x\"\n").expect("write");
-    let bad = run(&[
-        "lab",
-        "up",
-        "--mode",
-        "pliant-firewall",
-        "--nf-config",
-        &cfg_s,
-    ]);
+    let bad = lab_up(&[]);
     let err = String::from_utf8_lossy(&bad.stderr);
     assert!(
         !bad.status.success() && err.contains("[replica] is written by the lab"),

@@ -660,62 +660,26 @@ fn nat_router_ttl_mtu_and_foreign_mac() {
         t.log("sink.log").contains("ready")
     });
 
-    // traceroute -n: hop 1 is the NAT's inside address, hop 2 the server.
-    let tr = t.ns(
-        &t.client,
-        &[
-            "traceroute",
-            "-n",
-            "-q",
-            "1",
-            "-w",
-            "2",
-            "-m",
-            "3",
-            "10.201.2.2",
-        ],
-    );
-    eprintln!("{tr}");
-    assert!(
-        tr.lines()
-            .any(|l| l.trim_start().starts_with("1 ") && l.contains("10.201.1.1")),
-        "the NAT hop is missing:\n{tr}"
-    );
-    assert!(
-        tr.lines()
-            .any(|l| l.contains("10.201.2.2 ") && !l.starts_with("traceroute")),
-        "{tr}"
-    );
-    // traceroute -T (TCP SYN probes to the sink's port): the same two hops; the TTL check runs
-    // before the NAT, so the TTL-1 SYN makes no mapping and is answered from the inside address.
-    let trt = t.ns(
-        &t.client,
-        &[
-            "traceroute",
-            "-n",
-            "-T",
-            "-p",
-            "9000",
-            "-q",
-            "1",
-            "-w",
-            "2",
-            "-m",
-            "3",
-            "10.201.2.2",
-        ],
-    );
-    eprintln!("{trt}");
-    assert!(
-        trt.lines()
-            .any(|l| l.trim_start().starts_with("1 ") && l.contains("10.201.1.1")),
-        "the NAT hop is missing from traceroute -T:\n{trt}"
-    );
-    assert!(
-        trt.lines()
-            .any(|l| l.contains("10.201.2.2 ") && !l.starts_with("traceroute")),
-        "{trt}"
-    );
+    // traceroute -n (UDP probes), then -T (TCP SYN probes to the sink's port): hop 1 is the
+    // NAT's inside address, hop 2 the server. The TTL check runs before the NAT, so a TTL-1
+    // SYN makes no mapping and is answered from the inside address.
+    for probes in [&[][..], &["-T", "-p", "9000"][..]] {
+        let mut args = vec!["traceroute", "-n"];
+        args.extend_from_slice(probes);
+        args.extend_from_slice(&["-q", "1", "-w", "2", "-m", "3", "10.201.2.2"]);
+        let tr = t.ns(&t.client, &args);
+        eprintln!("{tr}");
+        assert!(
+            tr.lines()
+                .any(|l| l.trim_start().starts_with("1 ") && l.contains("10.201.1.1")),
+            "the NAT hop is missing ({probes:?}):\n{tr}"
+        );
+        assert!(
+            tr.lines()
+                .any(|l| l.contains("10.201.2.2 ") && !l.starts_with("traceroute")),
+            "{tr}"
+        );
+    }
 
     // 1 MB upload with DF (Linux TCP sets it) through the MTU-1280 outside link.
     let up = t.ns(
