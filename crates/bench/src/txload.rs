@@ -88,23 +88,10 @@ fn sys(what: &'static str) -> impl FnOnce(std::io::Error) -> TxError {
 
 /// Move the calling thread into network namespace `ns` (`/run/netns/<ns>`, as `ip netns` makes).
 pub fn enter_netns(ns: &str) -> Result<(), TxError> {
-    let err = |source| TxError::Netns {
+    pliant_lab::cmd::enter_netns(ns).map_err(|source| TxError::Netns {
         ns: ns.to_string(),
         source,
-    };
-    if ns.is_empty() || ns.contains('/') {
-        return Err(err(std::io::Error::new(
-            ErrorKind::InvalidInput,
-            "not a namespace name",
-        )));
-    }
-    let f = std::fs::File::open(format!("/run/netns/{ns}")).map_err(err)?;
-    // SAFETY: setns on a valid fd we own; CLONE_NEWNET affects only the calling thread.
-    let rc = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
-    if rc != 0 {
-        return Err(err(std::io::Error::last_os_error()));
-    }
-    Ok(())
+    })
 }
 
 /// Request/response size: fixed, or lognormal (the seed's flowgrind HTTP-like model).

@@ -4,7 +4,6 @@
 
 use crate::state::{HostRec, KvState};
 use pliant_lab::cmd;
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -24,16 +23,7 @@ fn ip(args: &[&str]) -> Result<(), String> {
 /// Moves the calling thread (and threads it spawns afterwards) into namespace `ns`: every
 /// connection to the cluster is made from the fabric namespace, so nothing listens outside it.
 pub fn enter(ns: &str) -> Result<(), String> {
-    if ns.is_empty() || ns.contains('/') {
-        return Err(format!("namespace name {ns:?}"));
-    }
-    let f = std::fs::File::open(Path::new("/run/netns").join(ns))
-        .map_err(|e| format!("namespace {ns}: {e}"))?;
-    // SAFETY: an open netns fd; setns(CLONE_NEWNET) changes only the calling thread.
-    if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-        return Err(format!("setns {ns}: {}", std::io::Error::last_os_error()));
-    }
-    Ok(())
+    pliant_lab::cmd::enter_netns(ns).map_err(|e| format!("namespace {ns}: {e}"))
 }
 
 /// The fabric namespace and its bridge (10.214.subnet.1/24).

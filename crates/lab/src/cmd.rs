@@ -177,6 +177,25 @@ fn wait_bounded_quiet(child: &mut Child, timeout: Duration) -> bool {
     false
 }
 
+/// Moves the calling thread (and the threads it spawns afterwards) into network namespace
+/// `ns` (`/run/netns/<ns>`, as `ip netns` makes it): `setns(CLONE_NEWNET)` changes only the
+/// calling thread.
+pub fn enter_netns(ns: &str) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    if ns.is_empty() || ns.contains('/') {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("{ns:?} is not a namespace name"),
+        ));
+    }
+    let f = std::fs::File::open(std::path::Path::new("/run/netns").join(ns))?;
+    // SAFETY: setns on a valid fd we own; CLONE_NEWNET affects only the calling thread.
+    if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
