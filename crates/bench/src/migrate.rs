@@ -278,6 +278,13 @@ impl Pair {
             tool: "replica control",
             reason: e.to_string(),
         })?;
+        // So is its peer connection to the destination, as the migration client does.
+        pliant_runtime::migrate_client::peer_connect(&source, &self.peers[dst]).map_err(|e| {
+            BenchError::Tool {
+                tool: "peer_connect",
+                reason: e,
+            }
+        })?;
         let t0 = Instant::now();
         ask(
             &self.socks[dst],

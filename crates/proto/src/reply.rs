@@ -137,6 +137,14 @@ pub struct MigrateOut {
     pub failed: Vec<FailedKey>,
 }
 
+/// `peer_connect`: the connection to the destination is up; `reused` when it already was
+/// (nothing to do), else how long the connect and the handshake took.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerConnect {
+    pub reused: bool,
+    pub wait_us: u64,
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FailedKey {
     pub key: String,

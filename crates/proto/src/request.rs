@@ -49,6 +49,13 @@ pub enum Request {
         #[serde(with = "key_strs")]
         keys: Vec<FlowKey>,
     },
+    /// Source side, ahead of a `migrate_out` to `to`: open (or confirm) the authenticated peer
+    /// connection to that endpoint, answered once it is up. A move's source connects to its
+    /// destination lazily; the first move to a destination would otherwise run the connect and
+    /// the handshake while the destination holds the flows' packets (inside the pause).
+    PeerConnect {
+        to: String,
+    },
     /// NAT: the external port blocks `[lo, hi]` this replica allocates from.
     SetPortBlocks {
         blocks: Vec<(u16, u16)>,
@@ -183,6 +190,7 @@ impl Request {
             Request::MigrateIn { .. } => "migrate_in",
             Request::MigrateAbort { .. } => "migrate_abort",
             Request::MigrateOut { .. } => "migrate_out",
+            Request::PeerConnect { .. } => "peer_connect",
             Request::SetPortBlocks { .. } => "set_port_blocks",
             Request::SharedExport => "shared_export",
             Request::SharedMerge { .. } => "shared_merge",
@@ -201,7 +209,10 @@ impl Request {
     pub fn is_slow(&self) -> bool {
         matches!(
             self,
-            Request::MigrateOut { .. } | Request::FtmbProtect { .. } | Request::FtmbActivate { .. }
+            Request::MigrateOut { .. }
+                | Request::PeerConnect { .. }
+                | Request::FtmbProtect { .. }
+                | Request::FtmbActivate { .. }
         )
     }
 }
@@ -440,6 +451,9 @@ mod tests {
             Request::MigrateOut {
                 to: "10.254.0.2:7401".into(),
                 keys: vec![k, k],
+            },
+            Request::PeerConnect {
+                to: "10.254.0.2:7401".into(),
             },
             Request::SetPortBlocks {
                 blocks: vec![(1024, 2047)],

@@ -189,7 +189,7 @@ impl Shared {
 
     /// Hands `cmd` to the packet thread and waits (bounded) for its answer.
     pub(crate) fn ask(&self, cmd: Cmd) -> Value {
-        let migrating = matches!(cmd, Cmd::MigrateOut { .. });
+        let migrating = matches!(cmd, Cmd::MigrateOut { .. } | Cmd::PeerConnect { .. });
         // FTMB protect (connect + full snapshot) and activate (replay) answer when done.
         let ftmb_slow = matches!(cmd, Cmd::FtmbProtect { .. } | Cmd::FtmbActivate { .. });
         let rrx = match self.enqueue(cmd) {

@@ -395,6 +395,9 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
         if !self.mig.out.is_empty() {
             self.step_out_migrations(now);
         }
+        if !self.mig.connecting.is_empty() {
+            self.step_peer_connects(now);
+        }
         received
     }
 
@@ -991,6 +994,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
         };
         match cmd {
             Cmd::MigrateOut { to, keys } => self.start_migrate_out(to, keys, reply, now),
+            Cmd::PeerConnect { to } => self.start_peer_connect(to, reply, now),
             other => {
                 let answer = self.answer(other, now);
                 let _ = reply.try_send(answer);
@@ -1039,8 +1043,8 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             Cmd::Flow { key } => self.flow_json(&key),
             Cmd::MigrateIn { from, keys } => self.migrate_in(&from, &keys, now),
             Cmd::MigrateAbort { keys } => self.migrate_abort(&keys),
-            Cmd::MigrateOut { .. } => {
-                json!({"ok": false, "error": "migrate_out is answered asynchronously: use submit"})
+            Cmd::MigrateOut { .. } | Cmd::PeerConnect { .. } => {
+                json!({"ok": false, "error": "answered asynchronously: use submit"})
             }
             Cmd::SetPortBlocks { blocks } => {
                 match self.nf.set_port_blocks(&mut self.ctx, &blocks) {

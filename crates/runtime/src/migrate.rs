@@ -295,6 +295,8 @@ pub(crate) struct Migration {
     pub released: HashSet<FlowKey>,
     pub released_order: VecDeque<FlowKey>,
     pub out: Vec<OutMig>,
+    /// `peer_connect` requests waiting for their connection to come up.
+    pub connecting: Vec<ConnectWait>,
     pub next_id: u64,
     /// Import results of batches waiting for their Done, by (source, migration id).
     #[allow(clippy::type_complexity)]
@@ -302,6 +304,16 @@ pub(crate) struct Migration {
     pub stats: MigrateStats,
     pub pauses_us: VecDeque<u64>,
 }
+
+/// A `peer_connect` request whose connection is still being set up.
+pub(crate) struct ConnectWait {
+    pub to: String,
+    pub reply: SyncSender<serde_json::Value>,
+    pub started: Instant,
+}
+
+/// How long a `peer_connect` waits for its connection (a TCP connect, then a handshake).
+pub const CONNECT_WAIT: Duration = Duration::from_secs(4);
 
 /// Longest poll(2) sleep while an outgoing migration waits for its next round.
 pub(crate) const PACED_ROUND_WAIT: Duration = Duration::from_millis(1);
@@ -313,6 +325,9 @@ impl Migration {
     /// poll timeout: on an idle source those two sleeps were most of the pause. One that waits
     /// for a busy flow or for the destination's Ack is paced instead of spinning.
     pub fn round_wait(&self) -> Option<Duration> {
+        // A connection coming up wakes the loop itself (the handshake's eventfd); the pace
+        // only bounds how late a `peer_connect` that never comes up is answered.
+        let connecting = (!self.connecting.is_empty()).then_some(PACED_ROUND_WAIT);
         self.out
             .iter()
             .map(|m| match m.phase {
@@ -320,6 +335,7 @@ impl Migration {
                 Phase::Shipped => Duration::ZERO,
                 _ => PACED_ROUND_WAIT,
             })
+            .chain(connecting)
             .min()
     }
 

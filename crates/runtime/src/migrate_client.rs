@@ -1,7 +1,7 @@
 //! Orchestration of one migration from the outside (controller, tests, benches): the order of
 //! the three steps is what makes the move loss-free, so it lives in one reusable function.
 
-use pliant_proto::reply::FlowEntry;
+use pliant_proto::reply::{self, FlowEntry};
 use pliant_proto::{Client, Request};
 use pliant_state::FlowKey;
 use serde_json::Value;
@@ -30,8 +30,20 @@ fn aliases_of(f: &FlowEntry) -> Vec<FlowKey> {
     f.aliases.iter().filter_map(|a| a.parse().ok()).collect()
 }
 
+/// Has the source `src` open (or confirm) its authenticated peer connection to `dst_peer`
+/// before a move: a move's source connects lazily, and the first move to a destination would
+/// otherwise connect and run the handshake while the destination holds the flows' packets.
+/// An unreachable destination fails here, before anything is held.
+pub fn peer_connect(src: &Client, dst_peer: &str) -> Result<reply::PeerConnect, String> {
+    src.ask(&Request::PeerConnect {
+        to: dst_peer.to_string(),
+    })
+    .map_err(|e| e.to_string())
+}
+
 /// Moves `keys` (primary keys) from the replica `src` to the replica `dst`, whose peer
 /// endpoint is `dst_peer`:
+/// 0. `peer_connect` at the source (see [`peer_connect`]);
 /// 1. `migrate_in` at the destination with every key and alias (it starts holding them);
 /// 2. `steer_update(all keys)`: the caller points the fabric at the destination;
 /// 3. `migrate_out` at the source: drain, export at refcount 0, ship, forward late packets,
@@ -62,6 +74,7 @@ pub fn migrate(
         }
     }
     let from = src.stats().map_err(|e| e.to_string())?.replica;
+    peer_connect(src, dst_peer)?;
     // Connected (and authenticated) to the source before the switch: from the switch on the
     // destination holds the flows' packets until their state arrives, so the handshake must
     // not be part of that pause.

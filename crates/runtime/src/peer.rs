@@ -161,6 +161,27 @@ impl PeerLink {
         }
     }
 
+    /// Opens the connection to `to` if there is none (the handshake runs on its thread) and
+    /// says where it stands; see [`PeerLink::connection`]. In-memory links are always up.
+    pub fn connect(&mut self, to: &str) -> OutState {
+        match &mut self.inner {
+            Inner::Channels { .. } => OutState::Up,
+            Inner::Sockets(s) => match s.out_slot(to) {
+                Ok(_) => s.out_state(to),
+                Err(e) => OutState::Failed(e),
+            },
+        }
+    }
+
+    /// Where the outgoing connection to `to` stands, without opening one: up, still
+    /// connecting, or closed (with why, if it failed since it was opened).
+    pub fn connection(&self, to: &str) -> OutState {
+        match &self.inner {
+            Inner::Channels { .. } => OutState::Up,
+            Inner::Sockets(s) => s.out_state(to),
+        }
+    }
+
     /// The fd the packet thread includes in its poll(2) when it sleeps (readable when any
     /// peer socket needs attention).
     pub fn poll_fd(&self) -> Option<RawFd> {
@@ -179,6 +200,17 @@ impl PeerLink {
             }
         }
     }
+}
+
+/// Where an outgoing peer connection stands.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum OutState {
+    /// Authenticated: a message sent now is written at once.
+    Up,
+    /// The connect or the handshake is still running.
+    Connecting,
+    /// No connection (closed, or it failed: why, when known).
+    Failed(String),
 }
 
 /// The peer listener's handle: where it listens (a TCP port 0 resolved). The listener itself
@@ -246,6 +278,7 @@ pub fn start(ep: &str, sec: Security) -> Result<(PeerServer, PeerLink), String> 
         events: VecDeque::new(),
         scratch: vec![0u8; READ_CHUNK],
         last_pump: None,
+        last_out_error: None,
         refused: 0,
     };
     s.ctl(
@@ -497,6 +530,9 @@ struct Sockets {
     events: VecDeque<PeerEvent>,
     scratch: Vec<u8>,
     last_pump: Option<Instant>,
+    /// Why the last outgoing connection that failed did (destination, error): answers a
+    /// `peer_connect` whose connection closed before it was up.
+    last_out_error: Option<(String, String)>,
 }
 
 fn migration_id(m: &PeerMsg) -> u64 {
@@ -925,6 +961,17 @@ impl Sockets {
         });
     }
 
+    fn out_state(&self, to: &str) -> OutState {
+        match self.outbound.iter().flatten().find(|c| c.to == to) {
+            Some(c) if c.tx.is_some() => OutState::Up,
+            Some(_) => OutState::Connecting,
+            None => OutState::Failed(match &self.last_out_error {
+                Some((t, e)) if t == to => e.clone(),
+                _ => format!("{to}: no connection"),
+            }),
+        }
+    }
+
     /// The slot of the connection to `to`, connecting if there is none.
     fn out_slot(&mut self, to: &str) -> Result<usize, String> {
         if let Some(i) = self
@@ -1013,6 +1060,7 @@ impl Sockets {
             self.unregister(s.as_raw_fd());
         }
         let Some(error) = error else { return };
+        self.last_out_error = Some((c.to.clone(), error.clone()));
         let mut failed: Vec<(u64, &'static str)> =
             c.unsent.iter().map(|u| (u.id, u.what)).collect();
         failed.extend(c.waiting.iter().map(|(m, _)| (migration_id(m), kind(m))));

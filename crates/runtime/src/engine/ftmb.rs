@@ -176,6 +176,7 @@ fn refused_in_ftmb(cmd: &Cmd) -> Option<&'static str> {
         Cmd::MigrateIn { .. } => "migrate_in",
         Cmd::MigrateAbort { .. } => "migrate_abort",
         Cmd::MigrateOut { .. } => "migrate_out",
+        Cmd::PeerConnect { .. } => "peer_connect",
         Cmd::SetPortBlocks { .. } => "set_port_blocks",
         Cmd::SharedExport => "shared_export",
         Cmd::SharedMerge { .. } => "shared_merge",

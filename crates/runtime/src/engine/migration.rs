@@ -8,7 +8,7 @@ use crate::migrate::{
     MAX_OUT_MIGRATIONS,
 };
 use crate::nf::{NetworkFunction, Packet};
-use crate::peer::{PeerLink, Reply};
+use crate::peer::{OutState, PeerLink, Reply};
 use pliant_io::{FramePort, Offload};
 use pliant_state::FlowKey;
 use serde_json::{json, Value};
@@ -17,6 +17,9 @@ use std::fmt::Write as _;
 use std::sync::mpsc::SyncSender;
 use std::sync::Arc;
 use std::time::Instant;
+
+const NO_PEER_CHANNEL: &str = "no peer channel: this replica's config has no [security] \
+     identity (the peer channel is authenticated)";
 
 /// Peer events handled per round at most (the rest wait for the next round).
 const PEER_EVENTS_PER_ROUND: usize = 4096;
@@ -146,11 +149,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             let _ = reply.try_send(json!({"ok": false, "error": msg}));
         };
         if self.peer.is_none() {
-            return refuse(
-                "no peer channel: this replica's config has no [security] identity (the peer \
-                 channel is authenticated)"
-                    .into(),
-            );
+            return refuse(NO_PEER_CHANNEL.into());
         }
         if self.mig.out.len() >= MAX_OUT_MIGRATIONS {
             return refuse(format!(
@@ -178,6 +177,69 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             settle_since: None,
             settle_us: 0,
             settle_mark: None,
+        });
+    }
+
+    /// `peer_connect`: opens the peer connection to `to` ahead of a move, answered once it
+    /// is up (at once if it already was), or failed, or after [`migrate::CONNECT_WAIT`].
+    pub(super) fn start_peer_connect(
+        &mut self,
+        to: String,
+        reply: SyncSender<Value>,
+        now: Instant,
+    ) {
+        let Some(peer) = self.peer.as_mut() else {
+            let _ = reply.try_send(json!({"ok": false, "error": NO_PEER_CHANNEL}));
+            return;
+        };
+        if self.mig.connecting.len() >= MAX_OUT_MIGRATIONS {
+            let _ = reply.try_send(json!({
+                "ok": false,
+                "error": format!("{MAX_OUT_MIGRATIONS} peer connections being set up already"),
+            }));
+            return;
+        }
+        match peer.connect(&to) {
+            OutState::Up => {
+                let _ = reply.try_send(json!({"ok": true, "reused": true, "wait_us": 0}));
+            }
+            OutState::Failed(e) => {
+                let _ = reply.try_send(json!({"ok": false, "error": e}));
+            }
+            OutState::Connecting => self.mig.connecting.push(migrate::ConnectWait {
+                to,
+                reply,
+                started: now,
+            }),
+        }
+    }
+
+    /// Answers the `peer_connect` requests whose connection came up, failed or timed out.
+    pub(super) fn step_peer_connects(&mut self, now: Instant) {
+        let Some(peer) = self.peer.as_ref() else {
+            return;
+        };
+        self.mig.connecting.retain(|w| {
+            let waited = now.saturating_duration_since(w.started);
+            let answer = match peer.connection(&w.to) {
+                OutState::Up => json!({
+                    "ok": true,
+                    "reused": false,
+                    "wait_us": u64::try_from(waited.as_micros()).unwrap_or(u64::MAX),
+                }),
+                OutState::Failed(e) => json!({"ok": false, "error": e}),
+                OutState::Connecting if waited < migrate::CONNECT_WAIT => return true,
+                OutState::Connecting => json!({
+                    "ok": false,
+                    "error": format!(
+                        "{}: not connected within {:?}",
+                        w.to,
+                        migrate::CONNECT_WAIT
+                    ),
+                }),
+            };
+            let _ = w.reply.try_send(answer);
+            false
         });
     }
 

@@ -916,3 +916,59 @@ fn the_migration_client_finds_aliases_past_the_listing_bound() {
     assert_eq!(b.ctx.flows.keys_of(&alias), Some(vec![key(103), alias]));
     assert!(!a.ctx.flows.contains(&key(103)));
 }
+
+/// `peer_connect` answers once the source's authenticated connection to the destination is
+/// up (so a move after it runs no handshake inside its pause), at once when it already is,
+/// and with the connect's error for a destination nobody serves.
+#[test]
+fn peer_connect_answers_once_the_connection_is_up_and_names_an_unreachable_destination() {
+    let dir = std::env::temp_dir().join(format!("pliant-peer-{}-{}", std::process::id(), line!()));
+    let path = |n: &str| dir.join(n).to_str().unwrap().to_string();
+    let pb = path("b.peer.sock");
+    let t0 = Instant::now();
+    let (mut a, _) = engine("a", t0, MAX_HELD_PACKETS);
+    let (mut b, _) = engine("b", t0, MAX_HELD_PACKETS);
+    let (_sa, la) =
+        crate::peer::start(&path("a.peer.sock"), crate::peer::test_security("a")).expect("peer a");
+    let (_sb, lb) = crate::peer::start(&pb, crate::peer::test_security("b")).expect("peer b");
+    a.set_peer(la);
+    b.set_peer(lb);
+    let clock = std::cell::Cell::new(t0);
+    let ask = |a: &mut Eng, b: &mut Eng, to: &str| -> (Value, usize) {
+        let (tx, rx) = mpsc::sync_channel(1);
+        let now = clock.get();
+        a.submit(Cmd::PeerConnect { to: to.into() }, tx, now);
+        for rounds in 0..5000 {
+            if let Ok(v) = rx.try_recv() {
+                return (v, rounds);
+            }
+            let now = clock.get() + Duration::from_micros(10);
+            clock.set(now);
+            a.poll_once(now);
+            b.poll_once(now);
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        panic!("peer_connect to {to} not answered");
+    };
+    let (v, _) = ask(&mut a, &mut b, &pb);
+    assert_eq!(
+        (v["ok"].clone(), v["reused"].clone()),
+        (json!(true), json!(false)),
+        "{v}"
+    );
+    assert_eq!(
+        a.peer.as_ref().unwrap().connection(&pb),
+        crate::peer::OutState::Up,
+        "answered before the connection was up"
+    );
+    let (v, rounds) = ask(&mut a, &mut b, &pb);
+    assert_eq!((v["reused"].clone(), rounds), (json!(true), 0), "{v}");
+    let nobody = path("nobody.peer.sock");
+    let (v, _) = ask(&mut a, &mut b, &nobody);
+    assert_eq!(v["ok"], false, "{v}");
+    assert!(
+        v["error"].as_str().unwrap().contains("nobody.peer.sock"),
+        "{v}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
