@@ -1,10 +1,13 @@
 /*
  * pliant.h - C ABI of pliant: the Split/Merge state API (per-flow state with refcount
  * transactions and timers, coherent shared state, export/import) plus the packet calls
- * pkt_read / pkt_write / pkt_write_direct. Link with -lpliant (libpliant.so).
+ * pkt_read / pkt_write / pkt_write_direct; and Slices (pliant_slice_*): one live TCP session of
+ * a server captured with its kernel state as a capsule and restored elsewhere, no reset.
+ * Link with -lpliant (libpliant.so).
  *
  * Return codes are PLIANT_OK (0) or a negative PLIANT_E* code; pliant_last_error(ctx) gives the
- * text of the last failure. A context is used from one thread at a time.
+ * text of the last failure (pliant_slice_last_error() for the context-free slice calls). A
+ * context is used from one thread at a time.
  */
 
 #ifndef PLIANT_H
@@ -158,6 +161,12 @@ typedef struct PliantCtx PliantCtx;
  * error, not a use-after-free) until many later packets have reused it.
  */
 typedef struct PliantPkt PliantPkt;
+
+/**
+ * A packet-hold table (an nftables table of the calling process's network namespace), from
+ * `pliant_slice_hold_open` until `pliant_slice_hold_close`.
+ */
+typedef struct PliantSliceHold PliantSliceHold;
 
 /**
  * A direction-normalised 5-tuple, the key of all per-flow state (same layout as
@@ -758,6 +767,99 @@ int pliant_frame_key(const uint8_t *frame, size_t len, PliantFlowKey *key);
  * `key` readable; `buf` null or writable for `cap`.
  */
 size_t pliant_key_format(const PliantFlowKey *key, char *buf, size_t cap);
+
+/**
+ * Text of the calling thread's last failed `pliant_slice_*` call ("" if none). Valid until
+ * that thread's next failing call.
+ */
+const char *pliant_slice_last_error(void);
+
+/**
+ * Captures the established TCP connection `fd` with the server's unwritten output
+ * (`pending`) and its session bytes (`app`) as a capsule under `session_id`, returned in a
+ * new buffer (`*out`, `*out_len`; free it with `pliant_slice_free`). The socket is left in
+ * repair mode: close it with `pliant_slice_close_silent` once the capsule is safe elsewhere,
+ * or go on with it after `pliant_slice_resume`. On failure the socket has left repair mode.
+ * The descriptor stays the caller's. Hold the connection's packets first.
+ * # Safety
+ * `pending`/`app` null or readable for their lengths; `out`, `out_len` writable.
+ */
+int pliant_slice_capture(int fd,
+                         uint64_t session_id,
+                         const uint8_t *pending,
+                         size_t pending_len,
+                         const uint8_t *app,
+                         size_t app_len,
+                         uint8_t **out,
+                         size_t *out_len);
+
+/**
+ * Frees a buffer a `pliant_slice_*` call returned (null is ignored).
+ * # Safety
+ * `buf` null or a buffer a `pliant_slice_*` call returned with this `len`, freed once.
+ */
+void pliant_slice_free(uint8_t *buf, size_t len);
+
+/**
+ * Closes `fd` (a socket in repair mode after `pliant_slice_capture`) without sending anything:
+ * the connection lives on in its restored copy. Takes the descriptor over, also on failure.
+ */
+int pliant_slice_close_silent(int fd);
+
+/**
+ * Ends repair mode on `fd` (a restored socket, or a captured one whose move was given up):
+ * the socket sends and receives again.
+ */
+int pliant_slice_resume(int fd);
+
+/**
+ * Restores the capsule `buf` as a new socket (`*fd_out`, in repair mode: release its hold,
+ * then `pliant_slice_resume`), and returns the session id, the server's unwritten output and
+ * its session bytes (buffers to free with `pliant_slice_free`). A capsule of another format
+ * version, damaged or truncated is `PLIANT_EDECODE`; a 4-tuple still held by another socket
+ * `PLIANT_EEXIST`; a capsule of another network namespace `PLIANT_EINVAL`. Nothing is
+ * returned on failure.
+ * # Safety
+ * `buf` readable for `len` bytes; every output pointer writable.
+ */
+int pliant_slice_restore(const uint8_t *buf,
+                         size_t len,
+                         int *fd_out,
+                         uint64_t *session_id,
+                         uint8_t **pending,
+                         size_t *pending_len,
+                         uint8_t **app,
+                         size_t *app_len);
+
+/**
+ * Opens a packet-hold table in the calling thread's network namespace (`tag`, may be null,
+ * names it in `nft list tables`). Null on failure (see `pliant_slice_last_error`).
+ * # Safety
+ * `tag` null or a NUL-terminated string.
+ */
+PliantSliceHold *pliant_slice_hold_open(const char *tag);
+
+/**
+ * Deletes the table (every connection it still held is let through).
+ * # Safety
+ * `h` null or an open hold, closed once.
+ */
+void pliant_slice_hold_close(PliantSliceHold *h);
+
+/**
+ * Drops the client's segments of `fd`'s connection from now on (before the capture).
+ * # Safety
+ * `h` null or an open hold.
+ */
+int pliant_slice_hold(PliantSliceHold *h, int fd);
+
+/**
+ * Lets the client's segments of `fd`'s connection through again (`fd` may be the restored
+ * socket: it has the same addresses).
+ * # Safety
+ * `h` null or an open hold.
+ */
+int pliant_slice_release(PliantSliceHold *h, int fd);
 
 #ifdef __cplusplus
 } // extern "C"

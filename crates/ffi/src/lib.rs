@@ -20,10 +20,12 @@ pub mod combiner;
 mod ctx;
 pub mod labels;
 pub mod port;
+pub mod slice;
 
 pub use api::*;
 pub use combiner::PliantCombinerFn;
 pub use ctx::{PliantCtx, PliantPkt};
+pub use slice::PliantSliceHold;
 
 use std::os::raw::c_int;
 
