@@ -1,4 +1,4 @@
-//! `pliant kv up|status|plan|scale|down`: an elastic partitioned in-memory database on Redis
+//! `pliant kv up|status|plan|scale|auto|down`: an elastic partitioned in-memory database on Redis
 //! Cluster, in lab hosts (see crates/kv/README.md).
 use clap::{Args, Subcommand};
 use pliant_kv::scale::{self, ScaleOpts};
@@ -63,6 +63,35 @@ enum KvCmd {
     Scale {
         #[command(subcommand)]
         dir: ScaleDir,
+    },
+    /// The automatic loop: measure every interval, scale out when the hosts are busy and in
+    /// when they stay idle, with the chosen planner; a line per round (`--json`: one JSON
+    /// object per round, then a summary object). Runs for `--duration-s` or until Ctrl-C.
+    Auto {
+        #[arg(long, default_value_t = 600)]
+        duration_s: u64,
+        /// Measurement window of one round, seconds.
+        #[arg(long, default_value_t = 2.0)]
+        interval_s: f64,
+        /// Scale out above this utilisation of the hosts' CPU quota.
+        #[arg(long, default_value_t = 0.8)]
+        high: f64,
+        /// Scale in below this utilisation (for `--in-after` rounds in a row).
+        #[arg(long, default_value_t = 0.45)]
+        low: f64,
+        /// The utilisation a scale aims at.
+        #[arg(long, default_value_t = 0.65)]
+        target: f64,
+        #[arg(long, default_value_t = 1)]
+        min_hosts: usize,
+        #[arg(long, default_value_t = 8)]
+        max_hosts: usize,
+        #[arg(long, default_value_t = 3)]
+        in_after: u32,
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        planner: PlannerArgs,
     },
     /// Stop every server it started (by PID) and delete the namespaces and cgroups.
     Down,
@@ -153,6 +182,73 @@ pub fn run(a: KvArgs) -> Result<(), String> {
                 done.len(),
                 t0.elapsed().as_secs_f64()
             );
+            Ok(())
+        }
+        KvCmd::Auto {
+            duration_s,
+            interval_s,
+            high,
+            low,
+            target,
+            min_hosts,
+            max_hosts,
+            in_after,
+            json,
+            planner,
+        } => {
+            let o = pliant_kv::autoscale::AutoOpts {
+                high,
+                low,
+                target,
+                min_hosts,
+                max_hosts,
+                in_after,
+                interval: Duration::try_from_secs_f64(interval_s)
+                    .map_err(|e| format!("--interval-s {interval_s}: {e}"))?,
+            };
+            o.validate()?;
+            let planner = planner.planner()?;
+            let mut kv = Kv::open(&a.dir)?;
+            pliant_lab::cmd::defer_interrupts();
+            let t0 = Instant::now();
+            let rounds = pliant_kv::autoscale::run(
+                &mut kv,
+                &o,
+                planner,
+                Duration::from_secs(duration_s),
+                &pliant_lab::cmd::interrupted,
+                &mut |r| {
+                    if json {
+                        println!("{}", serde_json::to_string(r).unwrap_or_default());
+                    } else {
+                        println!("{r}");
+                    }
+                },
+                &mut |l| eprintln!("kv auto: {l}"),
+            )?;
+            let scales = rounds
+                .iter()
+                .filter(|r| r.decision != pliant_kv::autoscale::Decision::Hold)
+                .count();
+            let summary = serde_json::json!({
+                "rounds": rounds.len(),
+                "scales": scales,
+                "failed_scales": rounds.iter().filter(|r| r.error.is_some()).count(),
+                "moves": rounds.iter().map(|r| r.moves).sum::<usize>(),
+                "bytes_moved": rounds.iter().map(|r| r.bytes_moved).sum::<u64>(),
+                "hosts": kv.state.hosts.len(),
+                "elapsed_s": t0.elapsed().as_secs_f64(),
+            });
+            if json {
+                println!("{summary}");
+            } else {
+                println!(
+                    "auto: {} rounds, {scales} scales, {} moves; {} hosts now",
+                    rounds.len(),
+                    summary["moves"],
+                    kv.state.hosts.len()
+                );
+            }
             Ok(())
         }
         KvCmd::Down => {
@@ -299,6 +395,21 @@ mod tests {
         else {
             panic!("not scale in")
         };
+        let KvCmd::Auto {
+            duration_s,
+            high,
+            low,
+            in_after,
+            json,
+            ..
+        } = parse(&["auto", "--duration-s", "30", "--json"]).cmd
+        else {
+            panic!("not auto")
+        };
+        assert_eq!(
+            (duration_s, high, low, in_after, json),
+            (30, 0.8, 0.45, 3, true)
+        );
         let bad = parse(&["plan", "--to", "3", "--planner", "cplex"]);
         let KvCmd::Plan { planner, .. } = bad.cmd else {
             panic!("not plan")

@@ -265,6 +265,22 @@ impl Kv {
 }
 
 /// `down` from a state record alone (no connection needed).
+/// Removes the cluster in a directory (processes by PID, namespaces, cgroups, files) when
+/// dropped: tests and benchmarks hold one so a failure leaves nothing behind.
+pub struct DownOnDrop(pub std::path::PathBuf);
+
+impl Drop for DownOnDrop {
+    fn drop(&mut self) {
+        if let Ok(st) = KvState::load(&self.0) {
+            let left = teardown(&st);
+            if !left.is_empty() {
+                eprintln!("cleanup left: {left:?}");
+            }
+        }
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 pub fn teardown(st: &KvState) -> Vec<String> {
     for n in &st.nodes {
         node::stop(st, n);

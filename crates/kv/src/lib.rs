@@ -9,8 +9,9 @@
 //! - [`planning`]: the placement problem from measurements, planner runs, plan → steps;
 //! - [`state`]: `state.json`; [`host`]: namespaces, veths, cgroups; [`node`]: one redis-server;
 //! - [`cluster`]: up, open, down; [`moves`]: one move; [`scale`]: plan and execute;
-//! - [`monitor`]: the sampler.
+//! - [`monitor`]: the sampler; [`autoscale`]: the automatic loop (a pure decision per round).
 
+pub mod autoscale;
 pub mod cluster;
 pub mod host;
 pub mod invariant;

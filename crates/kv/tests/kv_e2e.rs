@@ -11,7 +11,7 @@ use pliant_kv::state::KvState;
 use pliant_kv::Planner;
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use std::collections::HashSet;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -23,21 +23,6 @@ const K: usize = 1;
 const SCALE_BUDGET: Duration = Duration::from_secs(85);
 /// A write is retried (same id, same value) for this long before the test fails.
 const WRITE_PATIENCE: Duration = Duration::from_secs(30);
-
-/// Removes the cluster (processes by PID, namespaces, cgroups, files) even when the test fails.
-struct Guard(PathBuf);
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        if let Ok(st) = KvState::load(&self.0) {
-            let left = cluster::teardown(&st);
-            if !left.is_empty() {
-                eprintln!("cleanup left: {left:?}");
-            }
-        }
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn key(n: u64, tags: &[String]) -> String {
     format!("id:{{{}}}:{n}", tags[n as usize % tags.len()])
@@ -139,7 +124,7 @@ fn acknowledged_writes_survive_repeated_scale_out_and_in() {
                 .unwrap()
                 .subsec_nanos() as u128
     ));
-    let _guard = Guard(dir.clone());
+    let _guard = cluster::DownOnDrop(dir.clone());
     let mut kv = Kv::up(&UpOpts {
         hosts: HOSTS,
         partitions: PARTITIONS,

@@ -1,0 +1,184 @@
+//! End to end: the automatic loop on a real cluster. Idle, it scales in to what k-safety
+//! needs; under a write load above the hosts' CPU quotas it scales out; every scale keeps
+//! k + 1 copies of every partition, and no round fails.
+
+use pliant_kv::autoscale::{self, AutoOpts, Decision, Round};
+use pliant_kv::cluster::{self, Kv, UpOpts};
+use pliant_kv::invariant;
+use pliant_kv::slots;
+use pliant_kv::state::KvState;
+use pliant_kv::Planner;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+const PARTITIONS: usize = 8;
+const LOADERS: usize = 4;
+
+/// Pipelined SETs to one partition's master, as fast as it takes them; on any error (a master
+/// that moved, a host removed) it re-reads the state and connects to the new master.
+fn load(dir: PathBuf, password: String, p: usize, stop: Arc<AtomicBool>, ops: Arc<AtomicU64>) {
+    let tag = slots::tag_for(p, PARTITIONS);
+    let value = "x".repeat(64);
+    let mut n = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        // The copy that says it is the master (state.json does not record which one is).
+        let con = KvState::load(&dir).ok().and_then(|st| {
+            st.copies(p).find_map(|c| {
+                let url = format!("redis://:{password}@{}:{}/", st.host_ip(c.host), c.port);
+                let mut con = redis::Client::open(url)
+                    .ok()?
+                    .get_connection_with_timeout(Duration::from_secs(1))
+                    .ok()?;
+                let info: String = redis::cmd("INFO").arg("replication").query(&mut con).ok()?;
+                info.contains("role:master").then_some(con)
+            })
+        });
+        let Some(mut con) = con else {
+            std::thread::sleep(Duration::from_millis(100));
+            continue;
+        };
+        while !stop.load(Ordering::Relaxed) {
+            let mut pipe = redis::pipe();
+            for _ in 0..64 {
+                pipe.cmd("SET")
+                    .arg(format!("load:{{{tag}}}:{}", n % 50_000))
+                    .arg(&value)
+                    .ignore();
+                n += 1;
+            }
+            if let Err(e) = pipe.query::<redis::Value>(&mut con) {
+                let e = e.to_string();
+                eprintln!("loader {p}: {}", &e[..e.len().min(100)]);
+                std::thread::sleep(Duration::from_millis(50));
+                break;
+            }
+            ops.fetch_add(64, Ordering::Relaxed);
+        }
+    }
+}
+
+#[test]
+fn the_loop_scales_in_when_idle_and_out_under_load_keeping_k_plus_one() {
+    if !pliant_testkit::require_root()
+        || !pliant_testkit::require_tool("redis-server", "redis-server")
+    {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!(
+        "pliant-kv-auto-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .subsec_nanos()
+    ));
+    let _guard = cluster::DownOnDrop(dir.clone());
+    let kv = Kv::up(&UpOpts {
+        hosts: 3,
+        partitions: PARTITIONS,
+        k: 1,
+        cpu_quota_pct: 20,
+        dir: dir.clone(),
+        planner: Planner::Online { time_limit_s: 15.0 },
+    })
+    .expect("up");
+    let password = kv.password().to_string();
+    drop(kv);
+
+    let stop_loop = Arc::new(AtomicBool::new(false));
+    let (tx, rx) = mpsc::channel::<Round>();
+    let looper = {
+        let (dir, stop) = (dir.clone(), stop_loop.clone());
+        std::thread::spawn(move || -> Result<Vec<Round>, String> {
+            let mut kv = Kv::open(&dir)?;
+            let o = AutoOpts {
+                interval: Duration::from_secs(1),
+                in_after: 3,
+                // Back to 3 at most: a scale out of 4 moves, not 8 (the test's time).
+                max_hosts: 3,
+                ..AutoOpts::default()
+            };
+            autoscale::run(
+                &mut kv,
+                &o,
+                Planner::Online { time_limit_s: 15.0 },
+                Duration::from_secs(600),
+                &|| stop.load(Ordering::Relaxed),
+                &mut |r| {
+                    eprintln!("round {r}");
+                    let _ = tx.send(r.clone());
+                },
+                &mut |l| eprintln!("auto: {l}"),
+            )
+        })
+    };
+    let wait_for = |what: &str, limit: Duration, f: &dyn Fn(&Round) -> bool| -> Round {
+        let t0 = Instant::now();
+        loop {
+            let left = limit.saturating_sub(t0.elapsed());
+            match rx.recv_timeout(left) {
+                Ok(r) if f(&r) => return r,
+                Ok(r) => assert!(r.error.is_none(), "a round failed: {r:?}"),
+                Err(_) => panic!("no round with {what} within {limit:?}"),
+            }
+        }
+    };
+
+    // Idle: in to k + 1 = 2 hosts after three low rounds.
+    let r = wait_for("a scale in", Duration::from_secs(240), &|r| {
+        matches!(r.decision, Decision::In(_))
+    });
+    assert_eq!(r.decision, Decision::In(2), "{r:?}");
+    assert!(r.error.is_none() && r.moves > 0, "{r:?}");
+    assert_eq!(KvState::load(&dir).unwrap().hosts.len(), 2);
+
+    // Load above two hosts' quota: out.
+    let stop_load = Arc::new(AtomicBool::new(false));
+    let ops = Arc::new(AtomicU64::new(0));
+    let loaders: Vec<_> = (0..LOADERS)
+        .map(|i| {
+            let (dir, pw, stop, ops) = (
+                dir.clone(),
+                password.clone(),
+                stop_load.clone(),
+                ops.clone(),
+            );
+            // Two partitions per loader: every host gets work wherever the masters are.
+            std::thread::spawn(move || {
+                let (a, b) = (i, i + LOADERS);
+                let (d2, pw2, s2, o2) = (dir.clone(), pw.clone(), stop.clone(), ops.clone());
+                let h = std::thread::spawn(move || load(d2, pw2, b, s2, o2));
+                load(dir, pw, a, stop, ops);
+                let _ = h.join();
+            })
+        })
+        .collect();
+    // A round is reported once its scale is done: moves take seconds each on a busy machine.
+    let r = wait_for("a scale out", Duration::from_secs(300), &|r| {
+        matches!(r.decision, Decision::Out(_))
+    });
+    stop_load.store(true, Ordering::Relaxed);
+    stop_loop.store(true, Ordering::Relaxed);
+    for l in loaders {
+        l.join().unwrap();
+    }
+    let rounds = looper.join().unwrap().expect("the loop ran");
+    let Decision::Out(to) = r.decision else {
+        unreachable!()
+    };
+    assert!(to == 3 && r.error.is_none() && r.moves > 0, "{r:?}");
+    assert!(r.utilisation > 0.8, "scaled out at {:.2}", r.utilisation);
+    assert!(ops.load(Ordering::Relaxed) > 0);
+    for r in &rounds {
+        assert!(r.error.is_none(), "a round failed: {r:?}");
+    }
+    let st = KvState::load(&dir).unwrap();
+    assert_eq!(st.hosts.len(), to);
+    let counts: Vec<usize> = st.placement().iter().map(Vec::len).collect();
+    assert!(
+        invariant::below_k_plus_one(&counts, st.k).is_empty(),
+        "copies per partition {counts:?}"
+    );
+}
