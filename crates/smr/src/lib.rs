@@ -15,12 +15,14 @@
 //! - [`front`]: the client listener (leader only).
 //! - [`child`]: the server as a child process.
 //! - [`replica`]: all of the above for one replica.
+//! - [`group`]: replicas and their server children in one process (tests, benchmark).
 
 pub mod apply;
 pub mod child;
 pub mod deliver;
 pub mod event;
 pub mod front;
+pub mod group;
 pub mod log;
 pub mod node;
 pub mod replica;

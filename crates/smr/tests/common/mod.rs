@@ -1,14 +1,13 @@
-//! A three-replica group in this process, each replica with its own redis-server child, and a
-//! small RESP client. Everything started here is stopped by `Drop` (servers killed by PID),
-//! also when a test fails.
+//! The in-process group of the library with redis-server children, wrapped for tests
+//! (panics instead of errors), and a small RESP client. Everything started is stopped by
+//! `Drop` (servers killed by PID), also when a test fails.
 #![allow(dead_code)]
 
-use pliant_smr::child::{redis_argv, ServerChild};
-use pliant_smr::{Config, Limits, PeerSpec, Replica};
-use pliant_wire::endpoint::Endpoint;
-use pliant_wire::{role, Ca, Security};
+use pliant_smr::child::redis_argv;
+use pliant_smr::group::LocalGroup;
+use pliant_smr::{Limits, Replica};
 use std::io::{BufRead, BufReader, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -16,146 +15,53 @@ pub fn have_redis() -> bool {
     pliant_testkit::require_tool("redis-server", "redis-server")
 }
 
-/// A loopback port nobody listens on now (bound and released: good enough for a test).
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 pub struct Group {
+    g: LocalGroup,
     pub dir: PathBuf,
-    ca: Ca,
-    members: Vec<PeerSpec>,
-    pub replicas: Vec<Option<Replica>>,
-    pub servers: Vec<Option<ServerChild>>,
-    pub limits: Limits,
 }
 
 impl Group {
     /// `n` replicas; peers over unix sockets in the group's directory, or TCP loopback.
     pub fn start(name: &str, n: u64, tcp_peers: bool) -> Group {
         let dir = std::env::temp_dir().join(format!("smr-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let members: Vec<PeerSpec> = (1..=n)
-            .map(|id| PeerSpec {
-                id,
-                name: format!("smr-{id}"),
-                endpoint: if tcp_peers {
-                    Endpoint::Tcp(format!("127.0.0.1:{}", free_port()))
-                } else {
-                    Endpoint::Unix(dir.join(format!("peer-{id}.sock")))
-                },
-            })
-            .collect();
-        let mut g = Group {
-            dir,
-            ca: Ca::generate(None).unwrap(),
-            members,
-            replicas: (0..n).map(|_| None).collect(),
-            servers: (0..n).map(|_| None).collect(),
-            limits: Limits::default(),
-        };
-        for id in 1..=n {
-            g.start_replica(id);
-        }
-        g
+        let argv = Box::new(|port| redis_argv("redis-server", port));
+        let g = LocalGroup::start(dir.clone(), n, tcp_peers, Limits::default(), argv).unwrap();
+        Group { g, dir }
     }
 
-    /// Starts (or restarts, on its log) replica `id` with a fresh, empty server.
     pub fn start_replica(&mut self, id: u64) {
-        let port = free_port();
-        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-        let server = ServerChild::spawn(
-            &redis_argv("redis-server", port),
-            addr,
-            Duration::from_secs(10),
-        )
-        .unwrap();
-        let identity = self
-            .ca
-            .issue(&format!("smr-{id}"), role::REPLICA, 3600)
-            .unwrap();
-        let r = Replica::start(Config {
-            id,
-            members: self.members.clone(),
-            front: Endpoint::Tcp("127.0.0.1:0".into()),
-            server: addr,
-            dir: self.dir.join(format!("r{id}")),
-            security: Security::new(identity),
-            limits: self.limits.clone(),
-        })
-        .unwrap();
-        self.servers[id as usize - 1] = Some(server);
-        self.replicas[id as usize - 1] = Some(r);
+        self.g.start_replica(id).unwrap();
     }
 
-    /// SIGKILLs replica `id`'s server and stops its Raft node, transport and front.
     pub fn kill(&mut self, id: u64) {
-        if let Some(mut s) = self.servers[id as usize - 1].take() {
-            s.kill();
-        }
-        if let Some(r) = self.replicas[id as usize - 1].take() {
-            r.stop();
-        }
+        self.g.kill(id);
     }
 
     pub fn replica(&self, id: u64) -> &Replica {
-        self.replicas[id as usize - 1]
-            .as_ref()
-            .expect("replica running")
+        self.g.replica(id).expect("replica running")
     }
 
     pub fn live(&self) -> impl Iterator<Item = &Replica> {
-        self.replicas.iter().flatten()
+        self.g.live()
     }
 
-    /// The one live leader, once there is exactly one.
     pub fn wait_leader(&self, within: Duration) -> u64 {
-        let t0 = Instant::now();
-        loop {
-            let leaders: Vec<u64> = self
-                .live()
-                .filter(|r| r.is_leader())
-                .map(|r| r.id)
-                .collect();
-            if leaders.len() == 1 {
-                return leaders[0];
-            }
-            assert!(
-                t0.elapsed() < within,
-                "no single leader within {within:?}: {leaders:?}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        self.g.wait_leader(within).unwrap()
     }
 
     pub fn front_addr(&self, id: u64) -> String {
-        match self.replica(id).front() {
-            Some(Endpoint::Tcp(a)) => a,
-            e => panic!("front {e:?}"),
-        }
+        self.g.front_addr(id).expect("front")
     }
 
     pub fn server_addr(&self, id: u64) -> SocketAddr {
-        self.servers[id as usize - 1].as_ref().unwrap().addr
+        self.g.server_addr(id).expect("server running")
     }
 
-    /// Waits until every live replica has applied everything the leader committed.
+    /// Waits until every live replica has applied everything committed.
     pub fn wait_converged(&self, within: Duration) {
         let t0 = Instant::now();
-        loop {
+        while !self.g.converged() {
             assert!(self.live().all(|r| !r.is_failed()), "a replica failed");
-            let commit = self.live().map(|r| r.commit()).max().unwrap_or(0);
-            if self
-                .live()
-                .all(|r| r.applied() >= commit && r.commit() == commit)
-            {
-                return;
-            }
             assert!(
                 t0.elapsed() < within,
                 "replicas did not converge within {within:?}"
@@ -166,8 +72,10 @@ impl Group {
 
     /// `DEBUG DIGEST` and `DBSIZE` of each live replica's server, read directly.
     pub fn server_states(&self) -> Vec<(u64, String, String)> {
-        (1..=self.servers.len() as u64)
-            .filter(|id| self.servers[*id as usize - 1].is_some())
+        self.live()
+            .map(|r| r.id)
+            .collect::<Vec<_>>()
+            .into_iter()
             .map(|id| {
                 let mut c = Resp::connect(&self.server_addr(id).to_string()).unwrap();
                 (
@@ -182,19 +90,9 @@ impl Group {
 
 impl Drop for Group {
     fn drop(&mut self) {
-        for r in self.replicas.iter_mut() {
-            if let Some(r) = r.take() {
-                r.stop();
-            }
-        }
-        for s in self.servers.iter_mut() {
-            if let Some(mut s) = s.take() {
-                s.kill();
-            }
-        }
-        if !std::thread::panicking() {
-            let _ = std::fs::remove_dir_all(&self.dir);
-        }
+        // The group stops and kills everything when it drops, right after this; the logs stay
+        // when the test failed.
+        self.g.keep_dir = std::thread::panicking();
     }
 }
 
