@@ -65,6 +65,22 @@ impl LocalGroup {
         limits: Limits,
         argv: ServerArgv,
     ) -> Result<LocalGroup, GroupError> {
+        let mut g = LocalGroup::new(dir, n, tcp_peers, limits, argv)?;
+        for id in 1..=n {
+            g.start_replica(id)?;
+        }
+        Ok(g)
+    }
+
+    /// The group of [`LocalGroup::start`] with no replica started yet (to change
+    /// `server_ready` first; then [`LocalGroup::start_replica`] each id).
+    pub fn new(
+        dir: PathBuf,
+        n: u64,
+        tcp_peers: bool,
+        limits: Limits,
+        argv: ServerArgv,
+    ) -> Result<LocalGroup, GroupError> {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).map_err(|source| GroupError::Dir {
             dir: dir.clone(),
@@ -83,7 +99,7 @@ impl LocalGroup {
                 endpoint,
             });
         }
-        let mut g = LocalGroup {
+        Ok(LocalGroup {
             dir,
             ca: Ca::generate(None)?,
             members,
@@ -93,11 +109,7 @@ impl LocalGroup {
             limits,
             server_ready: Duration::from_secs(10),
             keep_dir: false,
-        };
-        for id in 1..=n {
-            g.start_replica(id)?;
-        }
-        Ok(g)
+        })
     }
 
     /// Starts (or restarts, on its log) replica `id` with a fresh, empty server.

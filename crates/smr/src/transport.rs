@@ -63,7 +63,8 @@ pub struct TransportStats {
 }
 
 pub struct Transport {
-    queues: HashMap<u64, SyncSender<Message>>,
+    /// Emptied by [`Transport::stop`]: the senders see their queue close at once.
+    queues: Mutex<HashMap<u64, SyncSender<Message>>>,
     senders: Mutex<Vec<JoinHandle<()>>>,
     server: Mutex<Option<ServerSocket>>,
     conns: Arc<ConnThreads>,
@@ -129,7 +130,7 @@ impl Transport {
             senders.push(t);
         }
         Ok(Transport {
-            queues,
+            queues: Mutex::new(queues),
             senders: Mutex::new(senders),
             server: Mutex::new(Some(server)),
             conns,
@@ -140,8 +141,12 @@ impl Transport {
 
     /// Queues messages to their peers; drops what does not fit.
     pub fn send(&self, msgs: Vec<Message>) {
+        if msgs.is_empty() {
+            return;
+        }
+        let queues = lock(&self.queues);
         for m in msgs {
-            let Some(q) = self.queues.get(&m.to) else {
+            let Some(q) = queues.get(&m.to) else {
                 tracing::warn!(to = m.to, "smr: message to a non-member dropped");
                 continue;
             };
@@ -154,14 +159,14 @@ impl Transport {
         }
     }
 
-    /// Stops listening, closes every connection and joins the threads (a sender notices
-    /// within a quarter of the idle bound).
+    /// Stops listening, closes every connection and joins the threads.
     pub fn stop(&self) {
         self.stopped.store(true, Ordering::SeqCst);
         if let Some(mut s) = lock(&self.server).take() {
             s.stop_accepting();
         }
         self.conns.shutdown_and_join();
+        lock(&self.queues).clear();
         for t in std::mem::take(&mut *lock(&self.senders)) {
             let _ = t.join();
         }
