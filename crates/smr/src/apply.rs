@@ -167,10 +167,20 @@ impl Applier {
             },
             Action::Write => {
                 if let Some(l) = locals.get_mut(&ev.conn) {
-                    if let Err(err) = l.stream.write_all(&ev.bytes) {
-                        // The server closed this connection itself (QUIT, a protocol error):
-                        // its later bytes have nowhere to go, on every replica alike.
-                        tracing::debug!(conn = ev.conn, error = %err, "smr: server write");
+                    match l.stream.write_all(&ev.bytes) {
+                        Ok(()) => {}
+                        Err(err) if closed_by_server(&err) => {
+                            // The server closed this connection itself (QUIT, a protocol
+                            // error): its later bytes have nowhere to go, on every replica
+                            // alike.
+                            tracing::debug!(conn = ev.conn, error = %err, "smr: server write");
+                        }
+                        Err(err) => {
+                            // A timeout or another failure: part of the bytes may be written,
+                            // this server no longer sees what its peers see.
+                            tracing::error!(conn = ev.conn, error = %err, "smr: server write");
+                            return false;
+                        }
                     }
                 }
             }
@@ -226,6 +236,13 @@ impl Applier {
             }
         }
     }
+}
+
+/// Whether a write failed because the server had closed the connection (as it does on every
+/// replica for the same input), not because it stopped reading.
+fn closed_by_server(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset};
+    matches!(e.kind(), BrokenPipe | ConnectionReset | ConnectionAborted)
 }
 
 /// Reads a local connection's output to its end: hash it, and copy it to the client when this

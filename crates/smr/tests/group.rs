@@ -43,6 +43,9 @@ fn writes_through_the_leader_reach_every_replica_identically() {
         assert_eq!(cl.reply().unwrap(), (i + 1).to_string());
     }
     assert_eq!(cl.cmd(&["GET", "k3-7"]).unwrap(), "v3.7");
+    // The server ending a connection ends the client's: QUIT answers, then the close.
+    assert_eq!(clients[1].cmd(&["QUIT"]).unwrap(), "OK");
+    assert!(clients[1].reply().is_err(), "closed after QUIT");
     drop(clients);
 
     g.wait_converged(Duration::from_secs(10));
