@@ -184,16 +184,15 @@ impl Applier {
                     }
                 }
             }
-            Action::HalfClose => {
+            Action::HalfClose | Action::Drop => {
+                // A reset is delivered as a FIN too. Cutting the local connection (RST) would
+                // discard whatever the server had not read yet, a different amount on each
+                // replica; with a FIN every server reads every byte the log gave it, and ends
+                // the connection itself. The reader drains the output until then, so our side
+                // never closes with unread data (which would be a RST again).
                 if let Some(l) = locals.remove(&ev.conn) {
                     let _ = l.stream.shutdown(Shutdown::Write);
                     // The reader finishes on the server's close; it is not joined here.
-                    drop(l.reader);
-                }
-            }
-            Action::Drop => {
-                if let Some(l) = locals.remove(&ev.conn) {
-                    let _ = l.stream.shutdown(Shutdown::Both);
                     drop(l.reader);
                 }
             }

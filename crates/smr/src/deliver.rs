@@ -60,7 +60,7 @@ pub enum Action {
     Write,
     /// Half-close it (the client's FIN): the server still answers what it read.
     HalfClose,
-    /// Drop it (a reset).
+    /// Drop it (a reset: the client is gone; the server still reads what it was sent).
     Drop,
     /// Nothing: the event names a connection that is not open (a duplicate connect, bytes
     /// after a close, the second close of a connection closed twice).

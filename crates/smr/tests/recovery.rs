@@ -68,7 +68,7 @@ fn a_torn_log_tail_is_cut_and_the_replica_catches_up() {
     assert!(now >= len, "the synced prefix is kept: {now} < {len}");
     write_some(&g, 300, 10);
     g.wait_converged(Duration::from_secs(20));
-    let states = g.server_states();
+    let states = g.settled_states(Duration::from_secs(5));
     for (id, digest, dbsize) in &states {
         assert_eq!(dbsize, "310", "replica {id}");
         assert_eq!(digest, &states[0].1, "replica {id}");

@@ -57,6 +57,21 @@ impl Group {
         self.g.server_addr(id).expect("server running")
     }
 
+    /// A client of replica `id`'s front that got an answer: a new leader may still be
+    /// settling (its front closes clients until it leads), so connect until a PING answers.
+    pub fn serving_client(&self, id: u64, within: Duration) -> Resp {
+        let t0 = Instant::now();
+        loop {
+            if let Ok(mut c) = Resp::connect(&self.front_addr(id)) {
+                if c.cmd(&["PING"]).is_ok() {
+                    return c;
+                }
+            }
+            assert!(t0.elapsed() < within, "replica {id} serves no client");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// Waits until every live replica has applied everything committed.
     pub fn wait_converged(&self, within: Duration) {
         let t0 = Instant::now();
@@ -85,6 +100,20 @@ impl Group {
                 )
             })
             .collect()
+    }
+
+    /// [`Group::server_states`] once they agree, or as they are after `within`. Applied means
+    /// written to the server's socket: a server may still be reading the last bytes (on its
+    /// connections in any order), so agreement is awaited, not sampled once.
+    pub fn settled_states(&self, within: Duration) -> Vec<(u64, String, String)> {
+        let t0 = Instant::now();
+        loop {
+            let s = self.server_states();
+            if s.iter().all(|x| (&x.1, &x.2) == (&s[0].1, &s[0].2)) || t0.elapsed() > within {
+                return s;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 }
 
