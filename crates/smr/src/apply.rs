@@ -38,6 +38,12 @@ pub struct ServerLimits {
     pub reap_every: Duration,
 }
 
+/// FNV-1a 64 parameters (offset basis, prime). FNV because the digest only has to tell two
+/// honest replicas' outputs apart, cheaply, byte by byte as they arrive; a replica that lies
+/// is not in this slice's model (Raft's is crash faults).
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+const FNV_PRIME: u64 = 0x0100_0000_01b3;
+
 /// What a server sent on one connection: byte count and FNV-1a 64 over the bytes. Equal on
 /// every replica when the server is deterministic for that input.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,7 +58,7 @@ impl Default for Digest {
     fn default() -> Digest {
         Digest {
             bytes: 0,
-            fnv: 0xcbf2_9ce4_8422_2325,
+            fnv: FNV_OFFSET,
             ended: false,
         }
     }
@@ -62,7 +68,7 @@ impl Digest {
     pub fn update(&mut self, b: &[u8]) {
         for &x in b {
             self.fnv ^= u64::from(x);
-            self.fnv = self.fnv.wrapping_mul(0x0100_0000_01b3);
+            self.fnv = self.fnv.wrapping_mul(FNV_PRIME);
         }
         self.bytes += b.len() as u64;
     }
@@ -270,5 +276,38 @@ fn output(mut r: TcpStream, conn: u64, sinks: &Sinks, digests: &Digests, max: us
     digests.put(conn, d, max);
     if sink.is_some() {
         sinks.shutdown(conn);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn digest_is_fnv1a_64_and_chunking_does_not_matter() {
+        let mut d = Digest::default();
+        d.update(b"a");
+        assert_eq!(
+            d.fnv, 0xaf63_dc4c_8601_ec8c,
+            "the published FNV-1a 64 of \"a\""
+        );
+        let (mut whole, mut parts) = (Digest::default(), Digest::default());
+        whole.update(b"+OK\r\n:1\r\n");
+        parts.update(b"+OK\r");
+        parts.update(b"\n:1\r\n");
+        assert_eq!(whole, parts);
+        assert_eq!(whole.bytes, 9);
+    }
+
+    #[test]
+    fn digests_forget_the_oldest_connections_first() {
+        let d = Digests::default();
+        for conn in [5, 1, 9, 3] {
+            d.put(conn, Digest::default(), 3);
+        }
+        assert_eq!(
+            d.snapshot().keys().copied().collect::<Vec<_>>(),
+            vec![3, 5, 9]
+        );
     }
 }
