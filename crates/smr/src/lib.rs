@@ -15,6 +15,7 @@
 //! - [`front`]: the client listener (leader only).
 //! - [`child`]: the server as a child process.
 //! - [`replica`]: all of the above for one replica.
+//! - `rlog`: raft's slog records forwarded to `tracing`.
 //! - [`group`]: replicas and their server children in one process (tests, benchmark).
 
 pub mod apply;
@@ -26,6 +27,7 @@ pub mod group;
 pub mod log;
 pub mod node;
 pub mod replica;
+mod rlog;
 pub mod transport;
 
 pub use replica::{Config, Limits, Replica, ReplicaError};

@@ -170,7 +170,7 @@ impl Replica {
             ..Default::default()
         };
         rcfg.validate()?;
-        let logger = slog::Logger::root(slog::Discard, slog::o!());
+        let logger = crate::rlog::logger().new(slog::o!("replica" => cfg.id));
         let raw = RawNode::new(&rcfg, store, &logger)?;
 
         let status = Arc::new(Status::default());
