@@ -137,7 +137,7 @@ fn a_leader_failure_loses_no_acknowledged_write() {
         assert!(n > acked);
         acked = n;
     }
-    eprintln!("failover: new leader {second} serving {elected:?} after the kill");
+    eprintln!("failover: new leader {second} elected {elected:?} after the kill began");
     drop(c);
 
     g.start_replica(first);
