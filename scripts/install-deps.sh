@@ -22,11 +22,13 @@ set -euo pipefail
 #   patroni, etcd-server, etcd-client  the PostgreSQL HA peer measured by `pliant bench pg`; etcd
 #                            is also the controller's shared store (`[store] backend = "etcd"`)
 #   protobuf-compiler (protoc)  builds the etcd gRPC client crate (it compiles etcd's .proto files)
+#                            and raft-proto (pliant-smr's Raft messages, protobuf-codec)
 #   coinor-libcbc-dev        the CBC MILP solver the placement planner links (crates/placement)
 #   default-jdk-headless, libpostgresql-jdbc-java  a JDBC client (pgJDBC) through the pg proxy in the e2e test
 #   pgbouncer                the pooler a user would put in front of PostgreSQL instead, in `pliant bench pg`
 #   python3                  stand-in replica processes in the host agent's tests
-#   redis-server, redis-tools  the partitions (Redis Cluster nodes) of `pliant kv` and redis-cli for checks
+#   redis-server, redis-tools  the partitions (Redis Cluster nodes) of `pliant kv` and redis-cli for checks;
+#                            the replicated server of pliant-smr's tests, redis-benchmark for its measurement
 pkgs=(iproute2 nftables iperf3 nginx-light netsniff-ng curl iputils-ping traceroute cbindgen clang llvm ethtool
       conntrackd keepalived patroni etcd-server etcd-client default-jdk-headless libpostgresql-jdbc-java
       tcpdump fonts-dejavu-core gcc g++ make pkg-config postgresql-15 postgresql-client-15 pgbouncer

@@ -14,6 +14,7 @@ mod cmd_kv;
 mod cmd_lab;
 mod cmd_pg;
 mod cmd_replica;
+mod cmd_smr;
 
 #[derive(Parser)]
 #[command(
@@ -64,6 +65,8 @@ enum Cmd {
     Hub(cmd_hub::HubArgs),
     /// Provision identities: a deployment CA, and CA-signed node identities (replicas, the hub).
     Keys(cmd_keys::KeysArgs),
+    /// State machine replication of an unmodified TCP server: its input ordered by Raft.
+    Smr(cmd_smr::SmrArgs),
 }
 
 fn main() {
@@ -87,6 +90,7 @@ fn main() {
         Cmd::Agent(a) => cmd_agent::run(a),
         Cmd::Hub(a) => cmd_hub::run(a),
         Cmd::Keys(a) => cmd_keys::run(a),
+        Cmd::Smr(a) => cmd_smr::run(a),
     };
     if let Err(e) = res {
         eprintln!("pliant: error: {e}");

@@ -42,4 +42,6 @@ pub mod kinds {
     pub const CONTROL: u16 = 0x500;
     /// Slice moves: instance -> instance session capsules (pliant-slice).
     pub const SLICE: u16 = 0x600;
+    /// State machine replication: Raft messages replica -> replica (pliant-smr).
+    pub const SMR: u16 = 0x700;
 }
