@@ -8,6 +8,8 @@ pub mod ha;
 pub mod kill_trials;
 /// Loss-free migration checks (sequence-numbered UDP stream, whole drops map).
 pub mod migration;
+/// UDP echo round trips (and other client checks) through a lab's NAT.
+pub mod udp_echo;
 
 use pliant_lab::{Lab, LabSpec, PliantNf, ReplicaMode};
 use pliant_runtime::config::ReplicaConfig;
