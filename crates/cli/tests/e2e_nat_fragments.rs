@@ -21,8 +21,8 @@ fn stats(sock: &std::path::Path) -> Value {
 /// first `replicas` replicas (Null for the kernel).
 fn round_trip(lab: &Lab, replicas: u8) -> (String, Value) {
     // Six flows, 3000 bytes each way.
-    let checks = common::udp_echo::udp_round_trips("flow", 6, 3000, 10);
-    let verdict = common::udp_echo::run_client(lab, &checks, Duration::from_secs(45));
+    let checks = common::lab_scripts::udp_round_trips("flow", 6, 3000, 10);
+    let verdict = common::lab_scripts::run_client(lab, &checks, Duration::from_secs(45));
     let mut st = Value::Null;
     for n in 1..=replicas {
         let Some(sock) = lab.replica_socket(n) else {

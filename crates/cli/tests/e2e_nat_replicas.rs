@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 /// 16 HTTP downloads of /1M.bin, each on a new connection (Python, appending failures to
-/// `bad` as `common::udp_echo` expects).
+/// `bad` as `common::lab_scripts` expects).
 const DOWNLOADS: &str = "for i in range(16):\n\
 \x20   try:\n\
 \x20       c = http.client.HTTPConnection(sys.argv[1], 80, timeout=5)\n\
@@ -60,9 +60,9 @@ fn replicas_without_a_controller_get_disjoint_port_blocks_steered_back_to_them()
 
     let checks = format!(
         "{DOWNLOADS}{}",
-        common::udp_echo::udp_round_trips("udp", 16, 64, 6)
+        common::lab_scripts::udp_round_trips("udp", 16, 64, 6)
     );
-    let verdict = common::udp_echo::run_client(&lab, &checks, Duration::from_secs(120));
+    let verdict = common::lab_scripts::run_client(&lab, &checks, Duration::from_secs(120));
     let mut busy = 0;
     for n in 1..=3u8 {
         let st = ask(lab.replica_socket(n).unwrap(), pliant_proto::Request::Stats);

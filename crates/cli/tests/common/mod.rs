@@ -6,10 +6,10 @@
 pub mod ha;
 /// Long-lived UDP/TCP generations and controller checks for the kill-trial tests.
 pub mod kill_trials;
+/// Server and client scripts in a lab (UDP echo round trips through its NAT, ...).
+pub mod lab_scripts;
 /// Loss-free migration checks (sequence-numbered UDP stream, whole drops map).
 pub mod migration;
-/// UDP echo round trips (and other client checks) through a lab's NAT.
-pub mod udp_echo;
 
 use pliant_lab::{Lab, LabSpec, PliantNf, ReplicaMode};
 use pliant_runtime::config::ReplicaConfig;

@@ -1,5 +1,6 @@
-//! Round trips through a lab's NAT from the client: a UDP echo server on the server host and a
-//! Python client whose checks append what failed to `bad` (the server address is `sys.argv[1]`).
+//! Python scripts run in a lab: a server script on the server host and a client script on the
+//! client, e.g. round trips through the lab's NAT to a UDP echo server, whose checks append
+//! what failed to `bad` (the server address is `sys.argv[1]`).
 
 use pliant_lab::{Lab, Role, SERVER_IP};
 use std::time::Duration;
@@ -37,29 +38,36 @@ pub fn udp_round_trips(label: &str, flows: usize, bytes: usize, tries: usize) ->
 /// Runs the echo server, then `checks` on the client (bounded by `timeout`); returns `ok` or
 /// what failed (the client's output).
 pub fn run_client(lab: &Lab, checks: &str, timeout: Duration) -> String {
-    let dir = lab.run_dir().to_path_buf();
-    let (echo, client) = (dir.join("echo.py"), dir.join("client.py"));
     let script = format!(
         "import http.client, os, socket, sys\nbad = []\n{checks}\
          print('; '.join(bad) if bad else 'ok')\n"
     );
-    std::fs::write(&echo, ECHO).expect("write echo");
-    std::fs::write(&client, script).expect("write client");
-    let mut echo_server = lab
+    run_scripts(lab, ECHO, &script, timeout)
+}
+
+/// Starts `server` (Python) on the server host, runs `client` on the client with the server's
+/// address as its argument (bounded by `timeout`), stops the server; returns the client's
+/// output (stdout, then stderr, trimmed).
+pub fn run_scripts(lab: &Lab, server: &str, client: &str, timeout: Duration) -> String {
+    let dir = lab.run_dir().to_path_buf();
+    let (server_py, client_py) = (dir.join("server.py"), dir.join("client.py"));
+    std::fs::write(&server_py, server).expect("write server script");
+    std::fs::write(&client_py, client).expect("write client script");
+    let mut server = lab
         .spawn(
             Role::Server,
-            &["python3", &echo.display().to_string()],
-            &dir.join("echo.log"),
+            &["python3", &server_py.display().to_string()],
+            &dir.join("server.log"),
         )
-        .expect("echo server");
+        .expect("server script");
     let out = lab
         .exec_timeout(
             Role::Client,
-            &["python3", &client.display().to_string(), SERVER_IP],
+            &["python3", &client_py.display().to_string(), SERVER_IP],
             timeout,
         )
-        .expect("client");
-    echo_server.kill().ok();
-    echo_server.wait().ok();
+        .expect("client script");
+    server.kill().ok();
+    server.wait().ok();
     format!("{}{}", out.stdout.trim(), out.stderr.trim())
 }
