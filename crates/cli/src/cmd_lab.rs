@@ -48,7 +48,8 @@ enum LabCmd {
         /// Also serve a 100 MB file (generation takes a second or two).
         #[arg(long)]
         big_file: bool,
-        /// Number of replicas (2+ are steered by pliant-steer's tc-BPF program).
+        /// Number of replicas (2+ are steered by pliant-steer's tc-BPF program; pliant NAT
+        /// replicas then each get NAT port block 20000+(n-1)*1000..+999, steered back to them).
         #[arg(long, default_value_t = 1)]
         replicas: u8,
         /// High availability (pliant modes): a replication secret (repl.secret, 0600) and an

@@ -219,7 +219,7 @@ fn ftmb_up(transport: pliant_lab::mgmt::Transport) -> Option<HaRun> {
         pliant_lab::mgmt::Transport::Unix => (String::new(), String::new()),
     };
     // The controller pins replica n to port block n-1 of this pool, as the lab pinned
-    // `[nat] port_blocks` in each FTMB replica's config (pliant_lab::ha::ftmb_port_block).
+    // `[nat] port_blocks` in each FTMB replica's config (pliant_lab::ha::nat_port_block).
     let ctl = format!(
         "[controller]\napi_socket = \"{d}/api.sock\"\ntoken_file = \"{d}/token\"\n\
          store = \"{d}/store.json\"\nheartbeat_ms = 100\ndead_after_missed = 5\n{tcp_ctl}\
@@ -231,8 +231,8 @@ fn ftmb_up(transport: pliant_lab::mgmt::Transport) -> Option<HaRun> {
         tcp_ha = tcp_ha,
         d = dir.display(),
         name = run.lab().name(),
-        lo = pliant_lab::ha::FTMB_PORT_LO,
-        block = pliant_lab::ha::FTMB_PORT_BLOCK,
+        lo = pliant_lab::ha::NAT_PORT_LO,
+        block = pliant_lab::ha::NAT_PORT_BLOCK,
     );
     run.start_controller(&dir, &ctl);
     wait_ftmb_protected(&run, Duration::from_secs(30));

@@ -7,37 +7,9 @@
 //! both directions of every flow reassembled. Needs root.
 
 mod common;
-use pliant_lab::{Lab, LabSpec, PliantNf, ReplicaMode, Role, SERVER_IP};
+use pliant_lab::{Lab, LabSpec, PliantNf, ReplicaMode};
 use serde_json::Value;
 use std::time::Duration;
-
-const ECHO: &str = "import socket\n\
-s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
-s.bind(('0.0.0.0', 7777))\n\
-while True:\n\
-\x20   d, a = s.recvfrom(65535)\n\
-\x20   s.sendto(d, a)\n";
-
-/// From each of six sockets (six flows), sends 3000 bytes and waits for them back (retrying
-/// while the echo server starts); prints `ok` or what went wrong.
-const CLIENT: &str = "import os, socket, sys\n\
-bad = []\n\
-for i in range(6):\n\
-\x20   d = os.urandom(3000)\n\
-\x20   s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
-\x20   s.settimeout(0.5)\n\
-\x20   got = 'no reply'\n\
-\x20   for _ in range(10):\n\
-\x20       s.sendto(d, (sys.argv[1], 7777))\n\
-\x20       try:\n\
-\x20           r, a = s.recvfrom(65535)\n\
-\x20       except socket.timeout:\n\
-\x20           continue\n\
-\x20       got = 'ok' if r == d else 'mismatch %d bytes' % len(r)\n\
-\x20       break\n\
-\x20   if got != 'ok':\n\
-\x20       bad.append('flow %d (port %d): %s' % (i, s.getsockname()[1], got))\n\
-print('; '.join(bad) if bad else 'ok')\n";
 
 fn stats(sock: &std::path::Path) -> Value {
     pliant_lab::ha::control_client(sock)
@@ -45,27 +17,12 @@ fn stats(sock: &std::path::Path) -> Value {
         .expect("stats")
 }
 
-/// Round trips through `lab`'s NAT; the pliant replicas' reassembly stats, summed over its
+/// Round trips through `lab`'s NAT (six UDP sockets, 3000 bytes each way); the pliant replicas' reassembly stats, summed over its
 /// first `replicas` replicas (Null for the kernel).
 fn round_trip(lab: &Lab, replicas: u8) -> (String, Value) {
-    let dir = lab.run_dir().to_path_buf();
-    let (echo, client) = (dir.join("echo.py"), dir.join("client.py"));
-    std::fs::write(&echo, ECHO).expect("write echo");
-    std::fs::write(&client, CLIENT).expect("write client");
-    let mut echo_server = lab
-        .spawn(
-            Role::Server,
-            &["python3", &echo.display().to_string()],
-            &dir.join("echo.log"),
-        )
-        .expect("echo server");
-    let out = lab
-        .exec_timeout(
-            Role::Client,
-            &["python3", &client.display().to_string(), SERVER_IP],
-            Duration::from_secs(45),
-        )
-        .expect("client");
+    // Six flows, 3000 bytes each way.
+    let checks = common::lab_scripts::udp_round_trips("flow", 6, 3000, 10);
+    let verdict = common::lab_scripts::run_client(lab, &checks, Duration::from_secs(45));
     let mut st = Value::Null;
     for n in 1..=replicas {
         let Some(sock) = lab.replica_socket(n) else {
@@ -85,9 +42,6 @@ fn round_trip(lab: &Lab, replicas: u8) -> (String, Value) {
                 + u64::from(r["reassembled"].as_u64().unwrap_or(0) > 0),
         });
     }
-    let verdict = format!("{}{}", out.stdout.trim(), out.stderr.trim());
-    echo_server.kill().ok();
-    echo_server.wait().ok();
     (verdict, st)
 }
 

@@ -47,7 +47,8 @@ pub fn tc_commands(patches: &[Patch]) -> Vec<Vec<String>> {
 /// the tc mirred patch panel (no flow state needed); two or more get pliant-steer's BPF
 /// steering (Maglev ring over all replicas, conn pins, `OUTSIDE_GW_IP` registered as the NAT
 /// address, maps pinned under `/sys/fs/bpf/pliant/<ns>`), returned so the caller keeps it alive.
-/// NAT port blocks (`port_owner`) are the controller's to assign.
+/// NAT port blocks (`port_owner`) are set per replica by `Lab::up` (`ha::pin_nat_ports`) and
+/// re-assigned by a controller.
 pub fn install(ns: &str, replicas: u8) -> Result<Option<pliant_steer::Steer>> {
     if replicas > 1 {
         let opts = pliant_steer::SteerOptions {

@@ -16,43 +16,48 @@ pub const FTMB_WORKERS: u32 = 2;
 /// Snapshot interval of a replica in FTMB mode (the recovery goal is stated at 50 ms).
 pub const FTMB_SNAPSHOT_MS: u32 = 50;
 
-/// First NAT port of the pinned blocks of FTMB replicas (the NAT's default pool start).
-pub const FTMB_PORT_LO: u16 = 20000;
-/// Ports per pinned block: replica n owns `FTMB_PORT_LO + (n-1)*FTMB_PORT_BLOCK ..` for one
-/// block. The controller pins the same blocks when its `[ports]` say `lo = 20000`,
-/// `block = 1000`, `per_replica = 1` (as the HA benches and e2e tests configure it).
-pub const FTMB_PORT_BLOCK: u16 = 1000;
+/// First NAT port of the pinned blocks of the lab's NAT replicas (the NAT's default pool
+/// start).
+pub const NAT_PORT_LO: u16 = 20000;
+/// Ports per pinned block: replica n owns `NAT_PORT_LO + (n-1)*NAT_PORT_BLOCK ..` for one
+/// block. The controller pins the same blocks for FTMB replicas when its `[ports]` say
+/// `lo = 20000`, `block = 1000`, `per_replica = 1` (as the HA benches and e2e tests configure
+/// it).
+pub const NAT_PORT_BLOCK: u16 = 1000;
 
-/// Replica `n`'s pinned NAT port block in an FTMB lab. An FTMB replica's pool is fixed by its
-/// config (the controller cannot move blocks at run time: the pool is a shared variable in
-/// every snapshot), so the lab and the controller derive it from the index alike. `None`
-/// past the 16-bit port space.
-pub fn ftmb_port_block(n: u8) -> Option<(u16, u16)> {
-    let lo = u32::from(FTMB_PORT_LO) + u32::from(n.checked_sub(1)?) * u32::from(FTMB_PORT_BLOCK);
-    let hi = lo + u32::from(FTMB_PORT_BLOCK) - 1;
+/// Replica `n`'s pinned NAT port block. An FTMB replica's pool is fixed by its config (the
+/// controller cannot move blocks at run time: the pool is a shared variable in every
+/// snapshot), so the lab and the controller derive it from the index alike; replicas of a
+/// multi-replica lab get theirs the same way (see [`pin_nat_ports`]). `None` past the 16-bit
+/// port space.
+pub fn nat_port_block(n: u8) -> Option<(u16, u16)> {
+    let lo = u32::from(NAT_PORT_LO) + u32::from(n.checked_sub(1)?) * u32::from(NAT_PORT_BLOCK);
+    let hi = lo + u32::from(NAT_PORT_BLOCK) - 1;
     Some((u16::try_from(lo).ok()?, u16::try_from(hi).ok()?))
 }
 
-/// In an FTMB replica config (`table`, the whole file) whose NF has a `[nat]` section, pins
-/// `[nat] port_blocks` to replica `n`'s block. Returns whether it did (no FTMB or no NAT:
-/// nothing to do).
-pub fn pin_ftmb_ports(table: &mut toml::Table, n: u8) -> Result<bool> {
+/// In a replica config (`table`, the whole file) whose NF has a `[nat]` section, pins
+/// `[nat] port_blocks` to replica `n`'s block when it runs FTMB (its pool is fixed at start)
+/// or when `shared` (the replicas share the NAT address, so each must allocate from ports
+/// the fabric steers back to it: see `Lab::up`). Returns the block pinned, or None (no
+/// `[nat]`, or neither reason: nothing to do).
+pub fn pin_nat_ports(table: &mut toml::Table, n: u8, shared: bool) -> Result<Option<(u16, u16)>> {
     let ftmb = table
         .get("ha")
         .and_then(|h| h.get("mode"))
         .and_then(toml::Value::as_str)
         == Some("ftmb");
     let Some(toml::Value::Table(nat)) = table.get_mut("nat") else {
-        return Ok(false);
+        return Ok(None);
     };
-    if !ftmb {
-        return Ok(false);
+    if !ftmb && !shared {
+        return Ok(None);
     }
-    let (lo, hi) = ftmb_port_block(n)
-        .ok_or_else(|| LabError::Config(format!("r{n}: no NAT port block left for FTMB")))?;
+    let (lo, hi) = nat_port_block(n)
+        .ok_or_else(|| LabError::Config(format!("r{n}: no NAT port block left")))?;
     let block = toml::Value::Array(vec![i64::from(lo).into(), i64::from(hi).into()]);
     nat.insert("port_blocks".into(), toml::Value::Array(vec![block]));
-    Ok(true)
+    Ok(Some((lo, hi)))
 }
 
 /// Which HA mode the replicas of an HA lab run (`[ha] mode` of their configs).
@@ -380,39 +385,52 @@ mod tests {
     }
 
     #[test]
-    fn ftmb_nat_replicas_get_their_pinned_port_block() {
-        assert_eq!(ftmb_port_block(1), Some((20000, 20999)));
-        assert_eq!(ftmb_port_block(3), Some((22000, 22999)));
-        assert_eq!(ftmb_port_block(0), None);
-        assert_eq!(ftmb_port_block(46), None, "past 65535");
+    fn nat_replicas_get_their_pinned_port_block() {
+        assert_eq!(nat_port_block(1), Some((20000, 20999)));
+        assert_eq!(nat_port_block(3), Some((22000, 22999)));
+        assert_eq!(nat_port_block(0), None);
+        assert_eq!(nat_port_block(46), None, "past 65535");
         let dir = Path::new("/run/pliant/lab1");
         let mut t = toml::Table::new();
         let mut nat = toml::Table::new();
         nat.insert("external_ip".into(), "10.77.2.1".into());
         t.insert("nat".into(), toml::Value::Table(nat));
-        assert!(
-            !pin_ftmb_ports(&mut t, 2).unwrap(),
-            "pico: the controller tells blocks"
+        assert_eq!(
+            pin_nat_ports(&mut t, 2, false).unwrap(),
+            None,
+            "one pico replica: its whole range"
         );
+        assert!(!toml::to_string(&t).unwrap().contains("port_blocks"));
+        // Replicas sharing the NAT address: each its own block.
+        let mut shared = t.clone();
+        assert_eq!(
+            pin_nat_ports(&mut shared, 2, true).unwrap(),
+            Some((21000, 21999))
+        );
+        let text = toml::to_string(&shared).unwrap();
+        assert!(text.contains("port_blocks = [[21000, 21999]]"), "{text}");
         t.insert(
             "ha".into(),
             toml::Value::Table(ha_section_for(dir, 2, LabHaMode::Ftmb)),
         );
-        assert!(pin_ftmb_ports(&mut t, 2).unwrap());
+        assert_eq!(
+            pin_nat_ports(&mut t, 2, false).unwrap(),
+            Some((21000, 21999))
+        );
         let text = toml::to_string(&t).unwrap();
         assert!(text.contains("port_blocks = [[21000, 21999]]"), "{text}");
         // A replica added later (the template's table copied) is re-pinned to its own block.
-        assert!(pin_ftmb_ports(&mut t, 5).unwrap());
+        assert!(pin_nat_ports(&mut t, 5, false).unwrap().is_some());
         assert!(toml::to_string(&t)
             .unwrap()
             .contains("port_blocks = [[24000, 24999]]"));
-        assert!(pin_ftmb_ports(&mut t, 60).is_err());
+        assert!(pin_nat_ports(&mut t, 60, false).is_err());
         let mut no_nat = toml::Table::new();
         no_nat.insert(
             "ha".into(),
             toml::Value::Table(ha_section_for(dir, 2, LabHaMode::Ftmb)),
         );
-        assert!(!pin_ftmb_ports(&mut no_nat, 2).unwrap());
+        assert_eq!(pin_nat_ports(&mut no_nat, 2, true).unwrap(), None);
     }
 
     #[test]

@@ -744,9 +744,19 @@ impl Lab {
                             spec.ha_mode,
                         )),
                     );
-                    // FTMB NAT pools are fixed by the config: pin this replica's block
-                    // (`[ha]` and `[nat]` both sit in the flattened NF sections).
-                    crate::ha::pin_ftmb_ports(&mut cfg.nf_sections, n)?;
+                }
+                // Replicas share the NAT address: without a block of its own each would
+                // allocate from the whole range, and the fabric (which steers return traffic
+                // to the NAT address by destination port, else by the ring) would send
+                // replies to a replica without the mapping. So each gets the block of its
+                // index (FTMB ones always: their pool is fixed by the config), and the
+                // fabric's `port_owner` steers the block to it. A controller started later
+                // re-tells Pico replicas its own blocks and re-points the fabric.
+                // (`[ha]` and `[nat]` both sit in the flattened NF sections.)
+                let shared = spec.replicas > 1;
+                let pinned = crate::ha::pin_nat_ports(&mut cfg.nf_sections, n, shared)?;
+                if let (Some((lo, hi)), Some(steer)) = (pinned, self.steer.as_mut()) {
+                    steer.set_port_owner(lo..=hi, Some(u32::from(n)))?;
                 }
                 if spec.transport == crate::mgmt::Transport::Tcp {
                     crate::mgmt::tcp_endpoints(&mut cfg.nf_sections, n);

@@ -324,8 +324,13 @@ fn build(
             );
         }
     }
-    // FTMB NAT replicas own a pinned port block (the template's is another replica's).
-    crate::ha::pin_ftmb_ports(&mut table, n)?;
+    // NAT replicas the lab pinned (FTMB, or several sharing the address) own a pinned port
+    // block: the template's is another replica's.
+    let pinned = table
+        .get("nat")
+        .and_then(|t| t.get("port_blocks"))
+        .is_some();
+    crate::ha::pin_nat_ports(&mut table, n, pinned)?;
     let text = toml::to_string(&table).map_err(|e| LabError::Config(e.to_string()))?;
     std::fs::write(&r.config, text).map_err(io_err(&r.config))?;
     let log = st.run_dir.join(format!("r{n}.log"));

@@ -21,6 +21,7 @@ pub mod checksum;
 mod eth;
 pub mod frag;
 mod frame_csum;
+pub mod gso;
 pub mod icmp_error;
 mod ipv4;
 mod ipv6;

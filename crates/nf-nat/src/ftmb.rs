@@ -32,11 +32,20 @@
 //! same clock reads and sweeps as the original run. Snapshot records must be exact for the
 //! same reason: a `last_seen_ms` stamp is a change (unlike in the Pico NAT, where it is soft).
 //!
+//! Flood defences, with the normal NAT's config and rules: the embryonic TCP timeout
+//! ([`Config::mapping_timeout_s`]), eviction of the worker's oldest evictable mapping when its
+//! residue class is full (the port changes hands inside the pool access; victims in
+//! (`last_seen_ms`, key) order, a function of the mappings alone, so replay from records picks
+//! the same), and `max_mappings_per_host` split among the workers
+//! ([`Config::host_quota_allows`], counted per worker over its own mappings, checked before any
+//! logged access). All derived from the mappings, so the records need nothing new.
+//!
 //! Records: key = postcard([`FlowKey`]) of the inside key, record = postcard([`Mapping`]) —
 //! the same encoding as the flow table's, so an imported record means the same thing. The
 //! worker record (empty key) has no steering keys (`steering_keys` returns `None`), its
 //! `record_queue` is its own queue, and `import` skips it (counted).
 
+use crate::guard::{qi, HostCounts};
 pub use crate::pool::{PoolImage, ResiduePool, MAX_CLASSES};
 use crate::{icmp_err, opens_mapping, xlate, Config, Mapping, Nat};
 use pliant_ftmb::{Determinants, FtmbError, Master, QueueId, SharedVar, VarId, Worker};
@@ -101,6 +110,9 @@ struct SharedImage {
 pub struct Shared {
     pub pools: Arc<SharedVar<Pools>>,
     pub counters: Arc<SharedVar<GlobalCounters>>,
+    /// Worker count of the master (the residue classes): each worker enforces its share of
+    /// `max_mappings_per_host`.
+    pub workers: u16,
 }
 
 /// A worker's own decision state, shipped as the worker record of its snapshot records: with
@@ -137,6 +149,8 @@ struct LocalStats {
     icmp_errors_translated: u64,
     created: u64,
     expired: u64,
+    /// Embryonic mappings removed to make room for a new one (pool pressure).
+    evicted: u64,
     foreign_port_ended: u64,
     imported: u64,
     clock_reads: u64,
@@ -172,8 +186,26 @@ pub struct Local {
     read_now: bool,
     /// The keys of `meta.refresh`, for an O(1) membership test on the packet path.
     refresh_set: HashSet<FlowKey>,
+    /// Evictable mappings ([`Mapping::evictable`]) per protocol (TCP, UDP, ICMP) by
+    /// (`last_seen_ms`, inside key): the eviction victim is the first one whose port this
+    /// worker can reuse. Unlike the normal NAT's creation-order queue this order is a
+    /// function of the mappings alone, so a worker rebuilt from snapshot records (which do not
+    /// say in which order mappings were created) evicts exactly what the original did. Kept
+    /// exact by `insert`, `remove` and `update`, the only ways mappings change.
+    evictable: [BTreeSet<(u64, FlowKey)>; 3],
+    /// Live mappings per inside host, for this worker's share of `max_mappings_per_host`.
+    hosts: HostCounts,
     stats: LocalStats,
 }
+
+/// Where mapping `m` sits in the eviction index (its stamp), if evictable.
+fn evict_slot(m: &Mapping) -> Option<u64> {
+    m.evictable().then_some(m.last_seen_ms)
+}
+
+/// Evictable entries a new mapping looks at for one whose port this worker can reuse (only
+/// imported mappings can be unusable: another replica's or class's port, or `keep_port`).
+const EVICT_SCAN: usize = 64;
 
 impl Local {
     fn new(queue: QueueId) -> Local {
@@ -187,6 +219,8 @@ impl Local {
             dirty: HashMap::new(),
             read_now: false,
             refresh_set: HashSet::new(),
+            evictable: Default::default(),
+            hosts: HostCounts::default(),
             stats: LocalStats::default(),
         }
     }
@@ -242,6 +276,10 @@ impl Local {
 
     fn insert(&mut self, key: FlowKey, alias: FlowKey, m: Mapping) {
         self.by_outside.insert(alias, key);
+        if let Some(s) = evict_slot(&m) {
+            self.evictable[qi(m.proto)].insert((s, key));
+        }
+        self.hosts.add(m.inside_addr);
         self.flows.insert(key, m);
         // Not dirty: new since the last delta. Dirty: deleted and re-created meanwhile; the
         // logger may still hold the old record, keep reporting it.
@@ -253,6 +291,10 @@ impl Local {
         if self.by_outside.get(alias) == Some(key) {
             self.by_outside.remove(alias);
         }
+        if let Some(s) = evict_slot(&m) {
+            self.evictable[qi(m.proto)].remove(&(s, *key));
+        }
+        self.hosts.remove(m.inside_addr);
         if self.dirty.get(key) == Some(&false) {
             // Created after the last delta: the logger never saw it, nothing to delete.
             self.dirty.remove(key);
@@ -260,6 +302,48 @@ impl Local {
             self.dirty.insert(*key, true);
         }
         Some(m)
+    }
+
+    /// Changes mapping `key` through `f` (None if there is none), keeping the eviction index
+    /// in step with its stamp and evictability.
+    fn update<R>(&mut self, key: &FlowKey, f: impl FnOnce(&mut Mapping) -> R) -> Option<R> {
+        let m = self.flows.get_mut(key)?;
+        let before = evict_slot(m);
+        let r = f(m);
+        let after = evict_slot(m);
+        if before != after {
+            let i = qi(m.proto);
+            if let Some(s) = before {
+                self.evictable[i].remove(&(s, *key));
+            }
+            if let Some(s) = after {
+                self.evictable[i].insert((s, *key));
+            }
+        }
+        Some(r)
+    }
+
+    /// The oldest evictable mapping of protocol `p` whose external port `reusable` accepts
+    /// (and not kept out of the pool, see [`WorkerMeta::keep_port`]): key and port.
+    fn eviction_victim(&self, p: u8, reusable: impl Fn(u16) -> bool) -> Option<(FlowKey, u16)> {
+        self.evictable[qi(p)]
+            .iter()
+            .take(EVICT_SCAN)
+            .filter(|(_, k)| !self.meta.keep_port.contains(k))
+            .find_map(|&(_, k)| {
+                let m = self.flows.get(&k)?;
+                (m.proto == p && reusable(m.external_port)).then_some((k, m.external_port))
+            })
+    }
+
+    /// Live mappings of inside `host` on this worker.
+    pub fn host_mappings(&self, host: Ipv4Addr) -> u32 {
+        self.hosts.get(host)
+    }
+
+    /// Evictable mappings on this worker (all protocols).
+    pub fn evictable(&self) -> usize {
+        self.evictable.iter().map(BTreeSet::len).sum()
     }
 }
 
@@ -318,10 +402,10 @@ impl FtmbNat {
             .any(|&(lo, hi)| (lo..=hi).contains(&port))
     }
 
+    /// The normal NAT's timeout rule, embryonic TCP timeout included: it depends only on
+    /// the mapping (in the records), so replay expires the same mappings.
     fn timeout_ms(&self, m: &Mapping) -> u64 {
-        self.cfg
-            .idle_timeout_s(m.proto, m.phase)
-            .saturating_mul(1000)
+        self.cfg.mapping_timeout_s(m).saturating_mul(1000)
     }
 
     /// The global counters and pool usage (for status; reads without a PAL, which is fine
@@ -359,11 +443,9 @@ impl FtmbNat {
         let now = local.meta.now_ms;
         local.refresh_set.clear();
         for k in std::mem::take(&mut local.meta.refresh) {
-            if let Some(m) = local.flows.get_mut(&k) {
-                if m.last_seen_ms != now {
-                    m.last_seen_ms = now;
-                    local.touch(k);
-                }
+            let stamped = local.update(&k, |m| std::mem::replace(&mut m.last_seen_ms, now) != now);
+            if stamped == Some(true) {
+                local.touch(k);
             }
         }
         let slot = local.meta.now_ms / SWEEP_INTERVAL_MS;
@@ -442,14 +524,18 @@ impl FtmbNat {
         let key = pkt.key();
         let flags = pkt.meta.tcp_flags;
         let now = local.meta.now_ms;
-        let ext_port = match local.flows.get_mut(&key) {
-            Some(m) => {
-                let before = (m.phase, m.last_seen_ms);
-                if let Err(reason) = m.outbound_packet(src, pkt.meta.sport, flags, now) {
-                    local.count(reason);
-                    return Ok(());
-                }
-                let (changed, port) = ((m.phase, m.last_seen_ms) != before, m.external_port);
+        let sport = pkt.meta.sport;
+        let seen = local.update(&key, |m| {
+            let before = (m.phase, m.last_seen_ms);
+            m.outbound_packet(src, sport, flags, now)
+                .map(|()| ((m.phase, m.last_seen_ms) != before, m.external_port))
+        });
+        let ext_port = match seen {
+            Some(Err(reason)) => {
+                local.count(reason);
+                return Ok(());
+            }
+            Some(Ok((changed, port))) => {
                 if changed {
                     local.touch(key);
                 }
@@ -495,14 +581,49 @@ impl FtmbNat {
         if local.flows.len() >= MAX_MAPPINGS_PER_WORKER {
             return Ok(Err("nat_flow_table_full"));
         }
+        // Before the clock read and any shared access: a host over its quota costs no lock
+        // (local state only, so replay refuses the same packets).
+        if !self
+            .cfg
+            .host_quota_allows(local.hosts.get(src), u32::from(sh.workers))
+        {
+            return Ok(Err("nat_host_quota"));
+        }
         // A fresh time for the new mapping (and a chance to free ports first).
         self.tick(sh, local, w)?;
         let start = w.random()?;
         let class = w.queue();
-        let Some(ext) = w.access(&sh.pools, |pools| pools.get(p).alloc_in_class(class, start))?
-        else {
+        let held: &Local = local;
+        // Under the pool's lock (so its PAL orders the decision): a free port of our class,
+        // else the port of our oldest embryonic mapping, which changes hands without going
+        // back to the pool (the victim is chosen from local state: replay picks the same).
+        let got = w.access(&sh.pools, |pools| {
+            let pool = pools.get(p);
+            if !pool.class_full(class) {
+                return pool.alloc_in_class(class, start).map(|port| (port, None));
+            }
+            let classes = pool.classes();
+            let reusable = |port| pool.owns(port) && port % classes == class;
+            let victim = held.eviction_victim(p, reusable);
+            if victim.is_none() {
+                pool.exhausted += 1;
+            }
+            victim.map(|(k, port)| (port, Some(k)))
+        })?;
+        let Some((ext, victim)) = got else {
             return Ok(Err("nat_port_exhausted"));
         };
+        if let Some(k) = victim {
+            let alias = local
+                .flows
+                .get(&k)
+                .map(|m| m.outside_key(self.cfg.external_ip));
+            if let Some(alias) = alias {
+                local.remove(&k, &alias);
+            }
+            local.count("nat_evicted_embryonic");
+            local.stats.evicted += 1;
+        }
         let m = Mapping::opened_by(pkt, src, dst, ext, local.meta.now_ms);
         let alias = m.outside_key(self.cfg.external_ip);
         if local.by_outside.contains_key(&alias) {
@@ -535,15 +656,19 @@ impl FtmbNat {
             }
             return local.count("nat_no_mapping");
         };
-        let Some(m) = local.flows.get_mut(&key) else {
-            return local.count("nat_no_mapping");
+        let seen = local.update(&key, |m| {
+            let before = (m.phase, m.replied, m.last_seen_ms);
+            m.inbound_packet(&pkt, now).map(|()| {
+                let changed = (m.phase, m.replied, m.last_seen_ms) != before;
+                (changed, m.inside_addr, m.inside_port)
+            })
+        });
+        let (changed, inside_addr, inside_port) = match seen {
+            None => return local.count("nat_no_mapping"),
+            Some(Err(reason)) => return local.count(reason),
+            Some(Ok(v)) => v,
         };
-        let before = (m.phase, m.replied, m.last_seen_ms);
-        if let Err(reason) = m.inbound_packet(&pkt, now) {
-            return local.count(reason);
-        }
-        let (inside_addr, inside_port) = (m.inside_addr, m.inside_port);
-        if (m.phase, m.replied, m.last_seen_ms) != before {
+        if changed {
             local.touch(key);
         }
         local.note_activity(key);
@@ -648,6 +773,7 @@ impl FtmbNf for FtmbNat {
             counters: master
                 .shared_var(VAR_COUNTERS, counters)
                 .map_err(|e| e.to_string())?,
+            workers,
         })
     }
 
@@ -670,8 +796,7 @@ impl FtmbNf for FtmbNat {
             }
             let (key, m) = Self::decode_record(k, r)?;
             let alias = m.outside_key(ext);
-            local.by_outside.insert(alias, key);
-            local.flows.insert(key, m);
+            local.insert(key, alias, m);
         }
         // Records from a snapshot are what the logger already has: nothing is dirty.
         local.dirty.clear();
@@ -884,6 +1009,10 @@ impl FtmbNf for FtmbNat {
             "icmp_errors_translated": s.icmp_errors_translated,
             "mappings_created": s.created,
             "mappings_expired": s.expired,
+            "mappings_evicted": s.evicted,
+            "evictable": local.evictable(),
+            "hosts": local.hosts.hosts(),
+            "top_hosts": local.hosts.top(5),
             "foreign_port_ended": s.foreign_port_ended,
             "mappings_imported": s.imported,
             "clock_reads": s.clock_reads,
@@ -909,6 +1038,8 @@ mod tests {
     use pliant_net::Parsed;
     use std::collections::BTreeSet;
     use std::sync::mpsc;
+
+    mod abuse;
 
     const W: usize = 2;
 
@@ -1053,8 +1184,9 @@ mod tests {
     /// Ages every mapping of `local` by `ms` (as if their last packets were that long ago)
     /// and makes its next packet read the clock and sweep.
     fn age(local: &mut Local, ms: u64) {
-        for m in local.flows.values_mut() {
-            m.last_seen_ms -= ms;
+        let keys: Vec<FlowKey> = local.flows.keys().copied().collect();
+        for k in keys {
+            local.update(&k, |m| m.last_seen_ms -= ms);
         }
         local.meta.refresh.clear();
         local.refresh_set.clear();
@@ -1232,7 +1364,8 @@ mod tests {
     #[test]
     fn two_workers_contending_on_the_pool_never_share_a_port() {
         // 1000 ports: 500 per class; each worker opens 500 flows at the same time, then one
-        // more, which finds its class exhausted.
+        // more, which finds its class exhausted and takes the port of its oldest unanswered
+        // mapping (evicted).
         let r = Rig::new(cfg_blocks(30000, 30999));
         let per = 500usize;
         let flows: Vec<Vec<Vec<u8>>> = (0..W)
@@ -1280,26 +1413,26 @@ mod tests {
         });
         let mut all = HashSet::new();
         for (q, got) in ports.iter().enumerate() {
-            assert_eq!(
-                got.len(),
-                per,
-                "queue {q}: the last flow finds its class full"
-            );
-            for &p in got {
+            assert_eq!(got.len(), per + 1, "queue {q}: every flow got a port");
+            for &p in &got[..per] {
                 assert_eq!(usize::from(p) % W, q);
                 assert!(all.insert(p), "port {p} handed out twice");
             }
-            assert_eq!(locals[q].count_of("nat_port_exhausted"), 1);
+            assert!(got[..per].contains(&got[per]), "an evicted mapping's port");
+            assert_eq!(locals[q].count_of("nat_port_exhausted"), 0);
+            assert_eq!(locals[q].count_of("nat_evicted_embryonic"), 1);
+            assert_eq!(locals[q].len(), per);
         }
         let (used, exhausted) = sh
             .pools
             .read_quiesced(|p| (p.udp.in_use(), p.udp.exhausted))
             .unwrap();
-        assert_eq!((used, exhausted), (2 * per, 2));
+        assert_eq!((used, exhausted), (2 * per, 0));
         assert_eq!(
             sh.counters.read_quiesced(|c| c.mappings_created).unwrap(),
-            2 * per as u64
+            2 * per as u64 + 2
         );
+        // One pool access and one counter access per mapping.
         assert_eq!(sh.pools.accesses().unwrap(), 2 * per as u64 + 2);
         assert_pools_match_mappings(&nat, &sh, &locals);
     }
@@ -1768,11 +1901,7 @@ mod tests {
         let cfg = cfg_blocks(30000, 30099); // 50 ports per worker: reuse after expiry
         let (logger, released_rx) = audited_logger();
         let nat = FtmbNat::new(cfg.clone()).unwrap();
-        let m = Master::new(MasterConfig::new(W)).unwrap();
-        let sh = nat.declare(&m, None).unwrap();
-        let mut ws = logged_workers(&m, &logger);
-        let mut locals = fresh_locals(&nat);
-        let mut il = InputLogger::new(W, 1 << 16);
+        let (m, sh, mut ws, mut locals, mut il) = logged_primary(&nat, &logger);
 
         // Phase A, before the snapshot: 30 flows of each protocol, replies to the TCP ones.
         for i in 0..30u16 {
@@ -1810,14 +1939,7 @@ mod tests {
         }
 
         // Snapshot at this quiescent point.
-        let recs = full_records(&nat, &mut locals);
-        let input_next: Vec<u64> = (0..W).map(|q| il.next_seq(q as QueueId).unwrap()).collect();
-        let snap = m
-            .snapshot(nat.save_shared(&sh).unwrap(), input_next)
-            .unwrap();
-        let ps = snap.pal_seq.clone();
-        logger.with(move |l| l.truncate(&ps)).unwrap();
-        il.truncate(&snap.input_next);
+        let (snap, recs) = snapshot_now(&nat, &sh, &m, &mut locals, &logger, &mut il);
 
         // Phase B, after it: both directions of the TCP flows, 60 new UDP flows (they need the
         // expired ports: 50 per worker), replies to some of them by guessed port.
@@ -1856,34 +1978,11 @@ mod tests {
         assert_eq!(expired, 60, "the UDP and ICMP mappings of phase A expired");
         let translated_in: u64 = locals.iter().map(|l| l.stats.translated_in).sum();
         assert!(translated_in > 30, "some guessed replies hit new mappings");
-        let image = nat.save_shared(&sh).unwrap();
-        let final_recs: Vec<Vec<FlowDelta>> =
-            locals.iter_mut().map(|l| nat.take_delta(l, true)).collect();
         drop(ws);
 
         // The primary dies; the standby recovers from the snapshot and the logs.
-        let mut sb = recover(&logger, &snap, cfg, &recs);
-        let b2 = run_threads(
-            &sb.nat,
-            &sb.sh,
-            &mut sb.ws,
-            &mut sb.locals,
-            &il,
-            &snap.input_next,
-        );
-        assert_eq!(b2, b, "replayed output differs");
-        assert_eq!(
-            sb.nat.save_shared(&sb.sh).unwrap(),
-            image,
-            "shared state differs"
-        );
-        let final2: Vec<Vec<FlowDelta>> = sb
-            .locals
-            .iter_mut()
-            .map(|l| sb.nat.take_delta(l, true))
-            .collect();
-        assert_eq!(final2, final_recs, "mappings differ");
-        assert_pools_match_mappings(&sb.nat, &sb.sh, &sb.locals);
+        let primary = (b, &nat, &sh, locals.as_mut_slice());
+        let sb = replay_and_compare(&logger, &snap, cfg, &recs, &il, primary);
         // The output logger recognised every replayed packet as released: none goes twice.
         drop(sb.ws);
         let mut l = logger.join().unwrap();
@@ -1898,6 +1997,74 @@ mod tests {
             }
         }
         assert_eq!(l.stats.audit_violations, 0);
+    }
+
+    /// A fresh primary of `nat` logging to `logger`: master, shared state, workers, their
+    /// state, and an input logger.
+    fn logged_primary(
+        nat: &FtmbNat,
+        logger: &LoggerHandle,
+    ) -> (Arc<Master>, Shared, Vec<Worker>, Vec<Local>, InputLogger) {
+        let m = Master::new(MasterConfig::new(W)).unwrap();
+        let sh = nat.declare(&m, None).unwrap();
+        let ws = logged_workers(&m, logger);
+        let locals = fresh_locals(nat);
+        (m, sh, ws, locals, InputLogger::new(W, 1 << 16))
+    }
+
+    /// A snapshot of a quiescent primary (the logs truncated to it) and its workers' full
+    /// records.
+    fn snapshot_now(
+        nat: &FtmbNat,
+        sh: &Shared,
+        m: &Master,
+        locals: &mut [Local],
+        logger: &LoggerHandle,
+        il: &mut InputLogger,
+    ) -> (Snapshot, Vec<Vec<FlowRecord>>) {
+        let recs = full_records(nat, locals);
+        let input_next: Vec<u64> = (0..W).map(|q| il.next_seq(q as QueueId).unwrap()).collect();
+        let snap = m
+            .snapshot(nat.save_shared(sh).unwrap(), input_next)
+            .unwrap();
+        let ps = snap.pal_seq.clone();
+        logger.with(move |l| l.truncate(&ps)).unwrap();
+        il.truncate(&snap.input_next);
+        (snap, recs)
+    }
+
+    /// A primary's run after a snapshot: its outputs, NF, shared state and workers' state.
+    type Primary<'a> = (Vec<QueueOutputs>, &'a FtmbNat, &'a Shared, &'a mut [Local]);
+
+    /// The standby recovered from `snap` (see [`recover`]) re-runs the input logged after it;
+    /// its outputs, shared image and full records must equal the primary's, and its pools
+    /// its mappings. Returns the standby.
+    fn replay_and_compare(
+        logger: &LoggerHandle,
+        snap: &Snapshot,
+        cfg: Config,
+        recs: &[Vec<FlowRecord>],
+        il: &InputLogger,
+        primary: Primary<'_>,
+    ) -> Standby {
+        let (b, nat, sh, locals) = primary;
+        let image = nat.save_shared(sh).unwrap();
+        let final_recs: Vec<Vec<FlowDelta>> =
+            locals.iter_mut().map(|l| nat.take_delta(l, true)).collect();
+        let mut sb = recover(logger, snap, cfg, recs);
+        let from = &snap.input_next;
+        let b2 = run_threads(&sb.nat, &sb.sh, &mut sb.ws, &mut sb.locals, il, from);
+        assert_eq!(b2, b, "replayed output differs");
+        let image2 = sb.nat.save_shared(&sb.sh).unwrap();
+        assert_eq!(image2, image, "shared state differs");
+        let final2: Vec<Vec<FlowDelta>> = sb
+            .locals
+            .iter_mut()
+            .map(|l| sb.nat.take_delta(l, true))
+            .collect();
+        assert_eq!(final2, final_recs, "mappings differ");
+        assert_pools_match_mappings(&sb.nat, &sb.sh, &sb.locals);
+        sb
     }
 
     /// The pools hold exactly the ports of the live mappings allocated from them: no port

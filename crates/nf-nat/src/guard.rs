@@ -13,6 +13,9 @@
 //!   make the sum disagree with the table's size; the counts are then rebuilt from the table
 //!   (O(mappings), only after such a change).
 //!
+//! The FTMB NAT (`ftmb`) shares [`HostCounts`] and the eviction rule (`Mapping::evictable`)
+//! but not the queue: its victim order must follow from the snapshot records alone.
+//!
 //! Both are soft state derived from the mappings (the replicated and migrated state): a
 //! replica that imports mappings (migration, HA activation) rebuilds them in `on_import`.
 
@@ -22,13 +25,67 @@ use pliant_runtime::Ctx;
 use std::collections::{HashMap, VecDeque};
 use std::net::Ipv4Addr;
 
+/// Live mappings per inside host, for `max_mappings_per_host`: the normal NAT keeps one per
+/// replica (in [`Guard`]), each FTMB worker one for its own mappings.
+#[derive(Debug, Default)]
+pub(crate) struct HostCounts {
+    map: HashMap<Ipv4Addr, u32>,
+    /// Sum of the counts.
+    total: usize,
+}
+
+impl HostCounts {
+    pub fn add(&mut self, host: Ipv4Addr) {
+        *self.map.entry(host).or_insert(0) += 1;
+        self.total += 1;
+    }
+
+    pub fn remove(&mut self, host: Ipv4Addr) {
+        if let Some(n) = self.map.get_mut(&host) {
+            *n -= 1;
+            self.total -= 1;
+            if *n == 0 {
+                self.map.remove(&host);
+            }
+        }
+    }
+
+    pub fn get(&self, host: Ipv4Addr) -> u32 {
+        self.map.get(&host).copied().unwrap_or(0)
+    }
+
+    /// Sum of the counts.
+    pub fn total(&self) -> usize {
+        self.total
+    }
+
+    /// Hosts with at least one mapping.
+    pub fn hosts(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn clear(&mut self) {
+        self.map.clear();
+        self.total = 0;
+    }
+
+    /// The `n` hosts with the most mappings (ties by address), for queries.
+    pub fn top(&self, n: usize) -> Vec<serde_json::Value> {
+        let mut top: Vec<(&Ipv4Addr, &u32)> = self.map.iter().collect();
+        top.sort_unstable_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
+        top.into_iter()
+            .take(n)
+            .map(|(h, n)| serde_json::json!({"host": h.to_string(), "mappings": n}))
+            .collect()
+    }
+}
+
 #[derive(Debug, Default)]
 pub(crate) struct Guard {
     /// Evictable candidates (primary keys), oldest first: TCP, UDP, ICMP.
     queues: [VecDeque<FlowKey>; 3],
-    hosts: HashMap<Ipv4Addr, u32>,
-    /// Sum of `hosts`: compared with the table's size to notice flows that left unseen.
-    counted: usize,
+    /// Its total is compared with the table's size to notice flows that left unseen.
+    hosts: HostCounts,
     /// Times the host counts were rebuilt from the table.
     rebuilds: u64,
 }
@@ -44,8 +101,7 @@ pub(crate) fn qi(p: u8) -> usize {
 impl Guard {
     /// A mapping with primary `key` of protocol `p` for inside `host` was created or imported.
     pub fn created(&mut self, ctx: &Ctx<Mapping>, key: FlowKey, p: u8, host: Ipv4Addr) {
-        *self.hosts.entry(host).or_insert(0) += 1;
-        self.counted += 1;
+        self.hosts.add(host);
         if !ctx.flows.peek(&key).is_some_and(Mapping::evictable) {
             return;
         }
@@ -59,13 +115,7 @@ impl Guard {
 
     /// A mapping of inside `host` was removed by the NF (expired or evicted).
     pub fn ended(&mut self, host: Ipv4Addr) {
-        if let Some(n) = self.hosts.get_mut(&host) {
-            *n -= 1;
-            self.counted -= 1;
-            if *n == 0 {
-                self.hosts.remove(&host);
-            }
-        }
+        self.hosts.remove(host);
     }
 
     /// The oldest queued mapping of protocol `p` that is still evictable (removed from the
@@ -86,19 +136,17 @@ impl Guard {
 
     /// Live mappings of inside `host` (counts rebuilt first if flows left the table unseen).
     pub fn host_count(&mut self, ctx: &Ctx<Mapping>, host: Ipv4Addr) -> u32 {
-        if self.counted != ctx.flows.len() {
+        if self.hosts.total() != ctx.flows.len() {
             self.rebuild(ctx);
         }
-        self.hosts.get(&host).copied().unwrap_or(0)
+        self.hosts.get(host)
     }
 
     fn rebuild(&mut self, ctx: &Ctx<Mapping>) {
         self.hosts.clear();
-        self.counted = 0;
         for k in ctx.flows.keys() {
             if let Some(m) = ctx.flows.peek(&k) {
-                *self.hosts.entry(m.inside_addr).or_insert(0) += 1;
-                self.counted += 1;
+                self.hosts.add(m.inside_addr);
             }
         }
         self.rebuilds += 1;
@@ -106,13 +154,6 @@ impl Guard {
 
     /// The `abuse` part of `pliant query`.
     pub fn query(&self, ctx: &Ctx<Mapping>, cfg: &crate::Config) -> serde_json::Value {
-        let mut top: Vec<(&Ipv4Addr, &u32)> = self.hosts.iter().collect();
-        top.sort_unstable_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
-        let top: Vec<serde_json::Value> = top
-            .into_iter()
-            .take(5)
-            .map(|(h, n)| serde_json::json!({"host": h.to_string(), "mappings": n}))
-            .collect();
         serde_json::json!({
             "evicted_embryonic": ctx.nf_counters().get("nat_evicted_embryonic"),
             "host_quota_refused": ctx.drops().get("nat_host_quota"),
@@ -120,9 +161,9 @@ impl Guard {
             "evictable_queued": self.queues.iter().map(VecDeque::len).sum::<usize>(),
             "tcp_embryonic_timeout_s": cfg.tcp_embryonic_timeout_s,
             "max_mappings_per_host": cfg.max_mappings_per_host,
-            "hosts": self.hosts.len(),
+            "hosts": self.hosts.hosts(),
             "host_counts_rebuilt": self.rebuilds,
-            "top_hosts": top,
+            "top_hosts": self.hosts.top(5),
         })
     }
 }

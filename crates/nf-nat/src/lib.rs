@@ -159,6 +159,14 @@ impl Config {
         }
     }
 
+    /// Whether an inside host that holds `held` mappings in one of `parts` separately counted
+    /// sets (the FTMB NAT's workers, each its own mappings; 1 for the normal NAT) may open
+    /// another under `max_mappings_per_host`: each set gets `ceil(max / parts)`.
+    pub fn host_quota_allows(&self, held: u32, parts: u32) -> bool {
+        let max = self.max_mappings_per_host;
+        max == 0 || held < max.div_ceil(parts.max(1))
+    }
+
     pub fn validate(&self) -> Result<(), String> {
         if self.port_min == 0 || self.port_min > self.port_max {
             return Err(format!(
@@ -633,8 +641,11 @@ impl Nat {
     ) -> Result<u16, &'static str> {
         let p = pkt.meta.proto;
         opens_mapping(pkt)?;
-        let quota = self.cfg.max_mappings_per_host;
-        if quota > 0 && self.guard.host_count(ctx, src) >= quota {
+        if self.cfg.max_mappings_per_host > 0
+            && !self
+                .cfg
+                .host_quota_allows(self.guard.host_count(ctx, src), 1)
+        {
             return Err("nat_host_quota");
         }
         if self.tracked != ctx.flows.len() {

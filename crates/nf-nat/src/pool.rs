@@ -475,6 +475,16 @@ impl ResiduePool {
     }
 
     /// Ports in use in class `class`.
+    /// Whether class `class` has no free port (true for a class that does not exist), without
+    /// counting an exhaustion as a failed `alloc_in_class` does.
+    pub fn class_full(&self, class: u16) -> bool {
+        let ci = usize::from(class);
+        match (self.class_cap.get(ci), self.class_used.get(ci)) {
+            (Some(&cap), Some(&used)) => used >= cap,
+            _ => true,
+        }
+    }
+
     pub fn class_in_use(&self, class: u16) -> usize {
         self.class_used
             .get(usize::from(class))

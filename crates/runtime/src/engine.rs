@@ -612,8 +612,8 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
 
     /// Refuses a packet that does not fit the MTU of the port opposite `side` (where the NF
     /// sends it by default) and may not be fragmented: DF set (answered with ICMP
-    /// "fragmentation needed" carrying that MTU, rate-limited), IPv6 (no ICMPv6 here: counted
-    /// only), or a GSO super-frame whose segments would not fit.
+    /// "fragmentation needed" carrying that MTU, rate-limited) or IPv6 (no ICMPv6 here:
+    /// counted only). For a GSO super-frame the segments must fit.
     fn mtu_check(
         &mut self,
         side: Side,
@@ -638,9 +638,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             self.send_icmp_error(side, frame, p, 3, 4, [0, next_hop_mtu], now);
             return Err(pliant_net::frag::ERR_DF);
         }
-        if offload.gso.is_some() {
-            return Err("gso_too_big");
-        }
+        // IPv4 without DF (a GSO super-frame too: segmented, then fragmented, on output).
         Ok(())
     }
 
@@ -813,7 +811,13 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
         if pliant_net::rewrite::set_src_mac(&mut pkt.buf, &mut pkt.meta, our_mac).is_err() {
             return self.ctx.pkt_drop(pkt, "rewrite_failed");
         }
-        if pkt.offload.gso.is_none() && pliant_net::frag::ip_len(&pkt.meta) > self.ports[i].mtu() {
+        if let Some(g) = pkt.offload.gso {
+            let seg_len =
+                usize::from(pkt.meta.payload_off - pkt.meta.l3_off) + usize::from(g.segment_size);
+            if seg_len > self.ports[i].mtu() || !self.ports[i].offloads_enabled() {
+                return self.route_segments(pkt, g, nh, now);
+            }
+        } else if pliant_net::frag::ip_len(&pkt.meta) > self.ports[i].mtu() {
             return self.route_fragments(pkt, nh, now);
         }
         if !pkt.offload.is_none() {
@@ -847,6 +851,58 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             }
             Err(reason) => self.ctx.pkt_drop(pkt, reason),
         }
+    }
+
+    /// A GSO super-frame the egress port cannot take as one: its segments exceed the port's
+    /// MTU (DF clear, else refused before the NF) or the port has no offloads. Segmented in
+    /// software as the kernel does (`pliant_net::gso`: `gso_segmented`, `gso_segments_sent`),
+    /// each segment fragmented if it still exceeds the MTU. Legacy UFO is one UDP datagram the
+    /// kernel would fragment: its checksum is completed and it is routed whole (fragmented if
+    /// needed). `gso_too_big`: more segments than `pliant_net::gso::MAX_SEGMENTS`.
+    fn route_segments(&mut self, mut pkt: Packet, g: pliant_io::Gso, nh: IpAddr, now: Instant) {
+        use pliant_io::GsoKind;
+        use pliant_net::gso::{segment, Kind};
+        let side = pkt.egress;
+        let kind = match g.kind {
+            GsoKind::TcpV4 | GsoKind::TcpV6 => Kind::Tcp,
+            GsoKind::UdpL4 => Kind::Udp,
+            GsoKind::Udp => {
+                if !pliant_net::recompute_checksums(&mut pkt.buf, &pkt.meta) {
+                    return self.ctx.pkt_drop(pkt, "csum_completion_failed");
+                }
+                pkt.offload = Offload::NONE;
+                return self.route_segment(side, nh, pkt.buf, now);
+            }
+        };
+        match segment(&pkt.buf, &pkt.meta, kind, usize::from(g.segment_size)) {
+            Ok(segs) => {
+                self.side_stats(side).gso_segmented += 1;
+                self.side_stats(side).gso_segments_sent += segs.len() as u64;
+                self.ctx.recycle(pkt.buf);
+                for s in segs {
+                    self.route_segment(side, nh, s, now);
+                }
+            }
+            Err(reason) => self.ctx.pkt_drop(pkt, reason),
+        }
+    }
+
+    /// One complete frame (checksums final, no offload metadata) out of `side`: fragmented
+    /// when it exceeds the port's MTU.
+    fn route_segment(&mut self, side: Side, nh: IpAddr, buf: Vec<u8>, now: Instant) {
+        let meta = match pliant_net::parse(&buf) {
+            Ok(pliant_net::Frame::Ip(p)) => p,
+            _ => {
+                self.ctx.count_drop("gso_malformed", 1);
+                return self.ctx.recycle(buf);
+            }
+        };
+        if pliant_net::frag::ip_len(&meta) > self.ports[idx(side)].mtu() {
+            let mut pkt = Packet::new(buf, side.opposite(), meta);
+            pkt.egress = side;
+            return self.route_fragments(pkt, nh, now);
+        }
+        self.transmit(side, nh, buf, Offload::NONE, now);
     }
 
     /// Sends a routed frame (source MAC set) to next hop `nh` on `side`: at once when its MAC
@@ -899,7 +955,8 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
     /// Makes a frame that carries offload state sendable on port `i`: a partial checksum is
     /// rewritten from the final headers (the pseudo-header sum the peer completes), so what the
     /// NF changed is covered without summing the payload. Ports without offloads get a
-    /// software-completed checksum instead; super-frames cannot go there.
+    /// software-completed checksum instead (super-frames are segmented before, in
+    /// `route_segments`).
     fn finish_offload(&mut self, pkt: &mut Packet, i: usize) -> Result<(), &'static str> {
         let m = &pkt.meta;
         let field = match m.proto {

@@ -27,6 +27,10 @@ pub struct SideStats {
     /// IPv4 packets larger than this port's MTU sent as fragments, and the fragments.
     pub fragmented: u64,
     pub fragments_sent: u64,
+    /// GSO super-frames this port could not take as one (segments above its MTU, or no
+    /// offloads) that the engine segmented in software, and the segments that made.
+    pub gso_segmented: u64,
+    pub gso_segments_sent: u64,
 }
 
 #[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
@@ -111,7 +115,13 @@ pub fn render(s: &Snapshot<'_>) -> String {
     };
     let sides = [("inside", &s.engine.inside), ("outside", &s.engine.outside)];
     type Field = fn(&SideStats) -> u64;
-    let side_metrics: [(&str, &str, Field); 10] = [
+    let side_metrics: [(&str, &str, Field); 11] = [
+        (
+            "pliant_gso_segmented_total",
+            "GSO super-frames the engine segmented in software per out-port (segments above \
+             its MTU, or no offloads)",
+            |x| x.gso_segmented,
+        ),
         (
             "pliant_icmp_errors_sent_total",
             "ICMP errors (time exceeded, fragmentation needed) the router sent per port",

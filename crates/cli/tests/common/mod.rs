@@ -6,6 +6,8 @@
 pub mod ha;
 /// Long-lived UDP/TCP generations and controller checks for the kill-trial tests.
 pub mod kill_trials;
+/// Server and client scripts in a lab (UDP echo round trips through its NAT, ...).
+pub mod lab_scripts;
 /// Loss-free migration checks (sequence-numbered UDP stream, whole drops map).
 pub mod migration;
 

@@ -421,7 +421,7 @@ impl NetworkFunction for SrcRewrite {
 /// offloads gets a software-completed checksum instead.
 #[test]
 fn offloads_are_carried_through_and_checksums_restored() {
-    use pliant_io::{FrameMeta, Gso, GsoKind};
+    use pliant_io::{Gso, GsoKind};
     let t0 = Instant::now();
     let nets = [
         SideNet {
@@ -461,45 +461,17 @@ fn offloads_are_carried_through_and_checksums_restored() {
     e.poll_once(t0);
     e.port_mut(Side::Outside).take_tx();
 
-    let payload = vec![0xabu8; 3000];
-    let mut f = build::tcp(
-        CLIENT_MAC,
-        IN_MAC,
-        ip("10.0.1.2"),
-        4000,
-        ip("10.0.2.2"),
-        80,
-        0x18,
-        1,
-        1,
-        &payload,
-    );
+    let mut f = client_tcp(0x18, 1, &[0xab; 3000]);
     let p = parsed(&f);
-    // What a kernel hands over for a TSO super-frame: the pseudo-header sum in the field.
     let l4_len = (p.l4_end() - usize::from(p.l4_off)) as u32;
-    let ps = pliant_net::checksum::fold(pliant_net::checksum::pseudo_header_sum(
-        p.src, p.dst, 6, l4_len,
-    ));
     let off = usize::from(p.l4_off) + 16;
-    f[off..off + 2].copy_from_slice(&ps.to_be_bytes());
     let gso = Gso {
         kind: GsoKind::TcpV4,
         segment_size: 1448,
         header_len: 54,
         ecn: false,
     };
-    let meta = FrameMeta {
-        wire_len: f.len() as u32,
-        offload: Offload {
-            csum_partial: Some(CsumPartial {
-                start: p.l4_off,
-                offset: 16,
-            }),
-            csum_valid: false,
-            gso: Some(gso),
-        },
-        ..FrameMeta::default()
-    };
+    let meta = as_tso(&mut f, gso);
     e.port_mut(Side::Inside).inject_meta(&f, meta);
     e.poll_once(t0);
     let out = e.port_mut(Side::Outside).take_tx();
@@ -791,36 +763,21 @@ fn big_udp(len: usize, df: bool) -> Vec<u8> {
         &payload,
     );
     if !df {
-        let l3 = usize::from(parsed(&f).l3_off);
-        f[l3 + 6] &= !0x40;
-        f[l3 + 10..l3 + 12].fill(0);
-        let c = pliant_net::checksum::checksum(&f[l3..l3 + 20]);
-        f[l3 + 10..l3 + 12].copy_from_slice(&c.to_be_bytes());
+        clear_df(&mut f);
     }
     f
 }
 
+/// Clears DF in the frame's IPv4 header (checksum fixed).
+fn clear_df(f: &mut [u8]) {
+    let l3 = usize::from(parsed(f).l3_off);
+    f[l3 + 6] &= !0x40;
+    pliant_net::checksum::set_ipv4_header_checksum(&mut f[l3..l3 + 20]);
+}
+
 #[test]
 fn oversized_packets_get_frag_needed_with_df_and_are_fragmented_without() {
-    let mut ports = [MemPort::new(IN_MAC), MemPort::new(OUT_MAC)];
-    ports[1] = MemPort::with_limits(
-        OUT_MAC,
-        pliant_io::MemPortLimits {
-            max_frame_bytes: 1280 + 18,
-            ..Default::default()
-        },
-    );
-    let (e0, t0) = engine_of(Seen::default(), EngineOptions::default());
-    let mut e = Engine::new(
-        "t",
-        Seen::default(),
-        ports,
-        e0.nets.clone(),
-        EngineOptions::default(),
-        t0,
-    );
-    e.port_mut(Side::Outside).inject(&server_arp_reply());
-    e.poll_once(t0);
+    let (mut e, t0) = mtu_engine(1280, [false, false]);
     e.port_mut(Side::Inside).inject(&big_udp(1400, true));
     e.port_mut(Side::Inside).inject(&big_udp(2900, false));
     e.port_mut(Side::Inside).inject(&big_udp(1200, true));
@@ -908,4 +865,178 @@ fn tx_frames<N: NetworkFunction>(e: &mut Engine<N, MemPort>, side: Side) -> Vec<
         .into_iter()
         .map(|r| r.frame)
         .collect()
+}
+
+/// A TCP segment from the client (10.0.1.2:4000) to the server (10.0.2.2:80), ack 1.
+fn client_tcp(flags: u8, seq: u32, payload: &[u8]) -> Vec<u8> {
+    build::tcp(
+        CLIENT_MAC,
+        IN_MAC,
+        ip("10.0.1.2"),
+        4000,
+        ip("10.0.2.2"),
+        80,
+        flags,
+        seq,
+        1,
+        payload,
+    )
+}
+
+/// Makes the TCP frame `f` what a kernel hands over for a TSO super-frame (the
+/// pseudo-header sum in the checksum field) and returns its metadata.
+fn as_tso(f: &mut [u8], gso: pliant_io::Gso) -> pliant_io::FrameMeta {
+    let p = parsed(f);
+    let l4_len = (p.l4_end() - usize::from(p.l4_off)) as u32;
+    let ps = pliant_net::checksum::fold(pliant_net::checksum::pseudo_header_sum(
+        p.src, p.dst, 6, l4_len,
+    ));
+    let off = usize::from(p.l4_off) + 16;
+    f[off..off + 2].copy_from_slice(&ps.to_be_bytes());
+    pliant_io::FrameMeta {
+        wire_len: f.len() as u32,
+        offload: Offload {
+            csum_partial: Some(CsumPartial {
+                start: p.l4_off,
+                offset: 16,
+            }),
+            csum_valid: false,
+            gso: Some(gso),
+        },
+        ..Default::default()
+    }
+}
+
+/// A client TCP super-frame (TSO, segment size 1448) with `len` payload bytes,
+/// FIN|PSH|ACK|CWR, DF set or not, and its metadata.
+fn tso_frame(len: usize, df: bool) -> (Vec<u8>, pliant_io::FrameMeta) {
+    let payload: Vec<u8> = (0..len).map(|i| (i * 13) as u8).collect();
+    let mut f = client_tcp(0x99, 1000, &payload);
+    if !df {
+        clear_df(&mut f);
+    }
+    let gso = pliant_io::Gso {
+        kind: pliant_io::GsoKind::TcpV4,
+        segment_size: 1448,
+        header_len: 54,
+        ecn: true,
+    };
+    let meta = as_tso(&mut f, gso);
+    (f, meta)
+}
+
+/// An engine whose outside port has MTU `mtu`, the ports' offloads as given (inside,
+/// outside), the server's MAC known.
+fn mtu_engine(mtu: usize, offloads: [bool; 2]) -> (Engine<Seen, MemPort>, Instant) {
+    let mut ports = [
+        MemPort::new(IN_MAC),
+        MemPort::with_limits(
+            OUT_MAC,
+            pliant_io::MemPortLimits {
+                max_frame_bytes: mtu + 18,
+                ..Default::default()
+            },
+        ),
+    ];
+    ports[0].set_offloads(offloads[0]);
+    ports[1].set_offloads(offloads[1]);
+    let (e0, t0) = engine_of(Seen::default(), EngineOptions::default());
+    let mut e = Engine::new(
+        "t",
+        Seen::default(),
+        ports,
+        e0.nets.clone(),
+        EngineOptions::default(),
+        t0,
+    );
+    e.port_mut(Side::Outside).inject(&server_arp_reply());
+    e.poll_once(t0);
+    (e, t0)
+}
+
+/// TCP segments out of `frames` (fragments reassembled), each checked: IPv4 header and TCP
+/// checksums complete, fits `mtu`. Returns (seq, flags, payload) in order.
+fn tcp_segments_out(frames: &[Vec<u8>], mtu: usize) -> Vec<(u32, u8, Vec<u8>)> {
+    let mut r = pliant_net::reasm::Reassembler::new(Default::default());
+    let mut segs = Vec::new();
+    for f in frames {
+        let q = parsed(f);
+        assert!(pliant_net::frag::ip_len(&q) <= mtu);
+        assert!(pliant_net::ipv4_header_ok(f, &q));
+        let whole = match r.push(f, usize::from(q.l3_off), Instant::now()) {
+            pliant_net::reasm::Outcome::NotFragment => f.clone(),
+            pliant_net::reasm::Outcome::Complete(w) => w,
+            pliant_net::reasm::Outcome::Held => continue,
+            other => panic!("{other:?}"),
+        };
+        let q = parsed(&whole);
+        assert!(
+            pliant_net::l4_checksum_ok(&whole, &q),
+            "complete TCP checksum"
+        );
+        let data = whole[usize::from(q.payload_off)..q.l4_end()].to_vec();
+        segs.push((q.tcp_seq, q.tcp_flags, data));
+    }
+    segs.sort_by_key(|s| s.0);
+    segs
+}
+
+/// A TSO super-frame without DF whose segments exceed the out-port's MTU leaves as segments
+/// (fragmented where a segment alone is still too big) instead of being dropped; with DF it
+/// is answered with "fragmentation needed" and never reaches the NF.
+#[test]
+fn a_gso_frame_too_big_for_the_port_is_segmented_then_fragmented() {
+    let (mut e, t0) = mtu_engine(1280, [true, true]);
+    let (f, meta) = tso_frame(3000, false);
+    e.port_mut(Side::Inside).inject_meta(&f, meta);
+    let (f_df, meta_df) = tso_frame(3000, true);
+    e.port_mut(Side::Inside).inject_meta(&f_df, meta_df);
+    e.poll_once(t0);
+    assert_eq!(e.nf().n, 1, "the DF super-frame never reached the NF");
+    assert_eq!(e.ctx.drops().get("frag_needed"), 1);
+    assert_eq!(e.ctx.drops().get("gso_too_big"), 0);
+    let out = e.port_mut(Side::Outside).take_tx();
+    assert!(
+        out.iter().all(|o| o.offload.is_none()),
+        "no offload metadata"
+    );
+    let frames: Vec<Vec<u8>> = out.into_iter().map(|o| o.frame).collect();
+    // 1448 + 1448 + 104 bytes; the two full segments (1488-byte packets) in two fragments.
+    assert_eq!(frames.len(), 5);
+    let segs = tcp_segments_out(&frames, 1280);
+    let sizes: Vec<usize> = segs.iter().map(|s| s.2.len()).collect();
+    assert_eq!(sizes, [1448, 1448, 104]);
+    assert_eq!(segs[0].0, 1000);
+    assert_eq!(segs[2].0, 1000 + 2896);
+    // CWR on the first only, FIN and PSH on the last only, ACK on all.
+    assert_eq!(
+        segs.iter().map(|s| s.1).collect::<Vec<_>>(),
+        [0x90, 0x10, 0x19]
+    );
+    let joined: Vec<u8> = segs.into_iter().flat_map(|s| s.2).collect();
+    assert_eq!(joined, f[54..]);
+    let st = e.stats().outside;
+    assert_eq!((st.gso_segmented, st.gso_segments_sent), (1, 3));
+    assert_eq!((st.fragmented, st.fragments_sent), (2, 4));
+    let stats = e.stats_json(t0);
+    assert_eq!(stats["engine"]["outside"]["gso_segmented"], 1);
+    assert_eq!(
+        metric_value(&e, t0, "pliant_gso_segmented_total", "port=\"outside\""),
+        Some(1)
+    );
+}
+
+/// A super-frame that fits the MTU but goes to a port without offloads is segmented too
+/// (it used to be dropped as `gso_unsupported`); the segments need no fragmentation.
+#[test]
+fn a_gso_frame_for_a_port_without_offloads_is_segmented() {
+    let (mut e, t0) = mtu_engine(1500, [true, false]);
+    let (f, meta) = tso_frame(3000, true);
+    e.port_mut(Side::Inside).inject_meta(&f, meta);
+    e.poll_once(t0);
+    let frames = tx_frames(&mut e, Side::Outside);
+    assert_eq!(frames.len(), 3, "drops: {:?}", e.ctx.drops().snapshot());
+    assert_eq!(tcp_segments_out(&frames, 1500).len(), 3);
+    assert_eq!(e.stats().outside.fragmented, 0);
+    assert_eq!(e.stats().outside.gso_segmented, 1);
 }
