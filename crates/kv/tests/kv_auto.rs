@@ -18,24 +18,14 @@ const LOADERS: usize = 4;
 
 /// Pipelined SETs to one partition's master, as fast as it takes them; on any error (a master
 /// that moved, a host removed) it re-reads the state and connects to the new master.
-fn load(dir: PathBuf, password: String, p: usize, stop: Arc<AtomicBool>, ops: Arc<AtomicU64>) {
+fn load(dir: PathBuf, p: usize, stop: Arc<AtomicBool>, ops: Arc<AtomicU64>) {
     let tag = slots::tag_for(p, PARTITIONS);
     let value = "x".repeat(64);
     let mut n = 0u64;
     while !stop.load(Ordering::Relaxed) {
         // The copy that says it is the master (state.json does not record which one is).
-        let con = KvState::load(&dir).ok().and_then(|st| {
-            st.copies(p).find_map(|c| {
-                let url = format!("redis://:{password}@{}:{}/", st.host_ip(c.host), c.port);
-                let mut con = redis::Client::open(url)
-                    .ok()?
-                    .get_connection_with_timeout(Duration::from_secs(1))
-                    .ok()?;
-                let info: String = redis::cmd("INFO").arg("replication").query(&mut con).ok()?;
-                info.contains("role:master").then_some(con)
-            })
-        });
-        let Some(mut con) = con else {
+        let con = Kv::open(&dir).and_then(|kv| kv.connect(&kv.master_of(p)?));
+        let Ok(mut con) = con else {
             std::thread::sleep(Duration::from_millis(100));
             continue;
         };
@@ -84,7 +74,6 @@ fn the_loop_scales_in_when_idle_and_out_under_load_keeping_k_plus_one() {
         planner: Planner::Online { time_limit_s: 15.0 },
     })
     .expect("up");
-    let password = kv.password().to_string();
     drop(kv);
 
     let stop_loop = Arc::new(AtomicBool::new(false));
@@ -139,18 +128,13 @@ fn the_loop_scales_in_when_idle_and_out_under_load_keeping_k_plus_one() {
     let ops = Arc::new(AtomicU64::new(0));
     let loaders: Vec<_> = (0..LOADERS)
         .map(|i| {
-            let (dir, pw, stop, ops) = (
-                dir.clone(),
-                password.clone(),
-                stop_load.clone(),
-                ops.clone(),
-            );
+            let (dir, stop, ops) = (dir.clone(), stop_load.clone(), ops.clone());
             // Two partitions per loader: every host gets work wherever the masters are.
             std::thread::spawn(move || {
                 let (a, b) = (i, i + LOADERS);
-                let (d2, pw2, s2, o2) = (dir.clone(), pw.clone(), stop.clone(), ops.clone());
-                let h = std::thread::spawn(move || load(d2, pw2, b, s2, o2));
-                load(dir, pw, a, stop, ops);
+                let (d2, s2, o2) = (dir.clone(), stop.clone(), ops.clone());
+                let h = std::thread::spawn(move || load(d2, b, s2, o2));
+                load(dir, a, stop, ops);
                 let _ = h.join();
             })
         })
