@@ -23,6 +23,8 @@ set -euo pipefail
 #                            is also the controller's shared store (`[store] backend = "etcd"`)
 #   protobuf-compiler (protoc)  builds the etcd gRPC client crate (it compiles etcd's .proto files)
 #                            and raft-proto (pliant-smr's Raft messages, protobuf-codec)
+#   libprotobuf-dev          google/protobuf/*.proto, which etcd's .proto files import (protoc
+#                            alone does not ship them; only a recommends pulled them in before)
 #   coinor-libcbc-dev        the CBC MILP solver the placement planner links (crates/placement)
 #   default-jdk-headless, libpostgresql-jdbc-java  a JDBC client (pgJDBC) through the pg proxy in the e2e test
 #   pgbouncer                the pooler a user would put in front of PostgreSQL instead, in `pliant bench pg`
@@ -32,7 +34,7 @@ set -euo pipefail
 pkgs=(iproute2 nftables iperf3 nginx-light netsniff-ng curl iputils-ping traceroute cbindgen clang llvm ethtool
       conntrackd keepalived patroni etcd-server etcd-client default-jdk-headless libpostgresql-jdbc-java
       tcpdump fonts-dejavu-core gcc g++ make pkg-config postgresql-15 postgresql-client-15 pgbouncer
-      protobuf-compiler python3 coinor-libcbc-dev redis-server redis-tools)
+      protobuf-compiler libprotobuf-dev python3 coinor-libcbc-dev redis-server redis-tools)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

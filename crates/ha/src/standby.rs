@@ -443,6 +443,17 @@ impl StandbyStore {
 
     /// Forgets a primary's standby state (it was re-protected elsewhere / scaled in). Returns
     /// how many flow records were dropped. Its fence, if any, is kept.
+    /// Forgets every primary's standby state, fences included (a replica rejoining after a
+    /// partition: whatever it held is stale, its primaries are protected elsewhere now).
+    /// Returns the flows dropped.
+    pub fn drop_all(&mut self) -> usize {
+        let n = self.flows;
+        self.primaries.clear();
+        self.flows = 0;
+        self.bytes = 0;
+        n
+    }
+
     pub fn drop_primary(&mut self, primary: &str) -> usize {
         let Some(p) = self.primaries.get_mut(primary) else {
             return 0;

@@ -48,6 +48,11 @@ pub struct FrameMeta {
     /// True when the kernel stripped an 802.1Q/802.1ad tag (VLAN offload) and this port put it back
     /// into the frame, so the caller always sees the frame as it was on the wire.
     pub vlan_reinserted: bool,
+    /// When the frame entered the receive ring, in `CLOCK_REALTIME` nanoseconds, as the kernel
+    /// stamped it there; 0 when unknown (a port without a ring, or a stamp the kernel copied
+    /// from the packet instead of taking it at the ring). Lets a reader tell that every frame
+    /// queued before some instant has been read without waiting for the ring to run empty.
+    pub rx_ns: u64,
 }
 
 /// Counters of one port. All are totals since the port was opened.

@@ -178,6 +178,18 @@ impl Drop for Mmap {
     }
 }
 
+/// The ring's receive stamp of a frame in `CLOCK_REALTIME` nanoseconds, or 0. Without
+/// `PACKET_TIMESTAMP` the kernel takes the stamp as it writes the frame into the ring and sets
+/// neither `TP_STATUS_TS_*` bit; with one of them set the stamp was copied from the packet
+/// (taken earlier, possibly on another clock) and says nothing about the ring's order.
+fn ring_stamp_ns(status: u32, sec: u32, nsec: u32) -> u64 {
+    const TS_BITS: u32 = libc::TP_STATUS_TS_SOFTWARE | libc::TP_STATUS_TS_RAW_HARDWARE;
+    if status & TS_BITS != 0 {
+        return 0;
+    }
+    u64::from(sec) * 1_000_000_000 + u64::from(nsec)
+}
+
 /// Status word of a ring slot/block, shared with the kernel.
 ///
 /// # Safety
@@ -704,14 +716,13 @@ impl PacketPort {
     #[allow(clippy::too_many_arguments)]
     fn deliver(
         &mut self,
-        slot_base: *const u8,
-        slot_len: usize,
+        (slot_base, slot_len): (*const u8, usize),
         mac_off: usize,
         snaplen: usize,
         wire_len: usize,
         status: u32,
-        vlan_tci: u16,
-        vlan_tpid: u16,
+        (vlan_tci, vlan_tpid): (u16, u16),
+        rx_ns: u64,
         f: &mut dyn FnMut(&[u8], &FrameMeta),
     ) -> bool {
         let vnet = if self.opts.vnet_hdr { VNET_HDR_LEN } else { 0 };
@@ -733,6 +744,7 @@ impl PacketPort {
             csum_not_ready: status & libc::TP_STATUS_CSUMNOTREADY != 0,
             csum_valid: status & libc::TP_STATUS_CSUM_VALID != 0,
             vlan_reinserted: false,
+            rx_ns,
         };
         if vnet > 0 {
             // SAFETY: mac_off >= 10 checked above; the header sits right before the frame.
@@ -839,9 +851,11 @@ impl PacketPort {
                     ph.tp_mac as usize,
                 );
                 let (tci, tpid) = (ph.hv1.tp_vlan_tci as u16, ph.hv1.tp_vlan_tpid);
+                let at = ring_stamp_ns(st, ph.tp_sec, ph.tp_nsec);
                 // SAFETY: off < block_bytes checked above.
                 let pkt = unsafe { bd.add(off) };
-                if !self.deliver(pkt, block_bytes - off, mac, snap, len, st, tci, tpid, f) {
+                let slot = (pkt.cast_const(), block_bytes - off);
+                if !self.deliver(slot, mac, snap, len, st, (tci, tpid), at, f) {
                     abandon = true;
                     break;
                 }
@@ -913,7 +927,17 @@ impl PacketPort {
                 h.tp_vlan_tci,
                 h.tp_vlan_tpid,
             );
-            if self.deliver(p, frame_bytes, mac, snap, len, st, tci, tpid, f) {
+            let at = ring_stamp_ns(st, h.tp_sec, h.tp_nsec);
+            if self.deliver(
+                (p.cast_const(), frame_bytes),
+                mac,
+                snap,
+                len,
+                st,
+                (tci, tpid),
+                at,
+                f,
+            ) {
                 n += 1;
             }
             status.store(libc::TP_STATUS_KERNEL, Ordering::Release);

@@ -950,6 +950,13 @@ impl NetworkFunction for Nat {
         self.guard.created(ctx, key, p, host);
     }
 
+    /// The table was emptied unseen (a rejoin after a partition): the resync makes every
+    /// reference of the dropped mappings lent, so their external ports stay out of the pool
+    /// while the mappings live on at the replicas they failed over to.
+    fn on_flows_dropped(&mut self, ctx: &mut Ctx<Mapping>) {
+        self.resync(ctx);
+    }
+
     fn set_port_blocks(
         &mut self,
         ctx: &mut Ctx<Mapping>,

@@ -236,6 +236,24 @@ pub struct Activate {
     pub flows: Vec<FlowEntry>,
 }
 
+/// `rejoin`: what the replica dropped to become an empty member again.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rejoin {
+    /// Flows dropped from the table (they failed over and live on elsewhere).
+    pub flows_dropped: u64,
+    /// Packets dropped that were held for a backup's acknowledgement, a migration or a
+    /// neighbour's answer: output of flows that failed over must never leave.
+    pub packets_dropped: u64,
+    /// HA groups closed (this replica as a primary).
+    pub groups_closed: u64,
+    /// Standby flows dropped (this replica as a backup of others).
+    pub standby_dropped: u64,
+    /// Outgoing and incoming migrations ended.
+    pub migrations_ended: u64,
+    /// The replica's fencing token now.
+    pub token: u64,
+}
+
 /// `ftmb_status`: what the controller reads (the answer has the workers', the release's and
 /// the hosted loggers' detail).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

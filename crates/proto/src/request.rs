@@ -83,6 +83,14 @@ pub enum Request {
     DropStandby {
         primary: String,
     },
+    /// HA: this replica failed over while it was alive but cut off (a partition). Its flows
+    /// live on elsewhere now: it drops every flow, every held or queued packet and every HA
+    /// group and standby copy, takes `token`, and is an empty member again (the controller
+    /// then protects it and uses it as a backup). Refused with a token older than the
+    /// replica's, and in FTMB mode.
+    Rejoin {
+        token: u64,
+    },
     /// FTMB: log to the logger at `logger` (a unix path or TCP `host:port`). With `host` (the
     /// replica hosting it), the logger must prove that name in the handshake.
     FtmbProtect {
@@ -198,6 +206,7 @@ impl Request {
             Request::HaStatus => "ha_status",
             Request::Activate { .. } => "activate",
             Request::DropStandby { .. } => "drop_standby",
+            Request::Rejoin { .. } => "rejoin",
             Request::FtmbProtect { .. } => "ftmb_protect",
             Request::FtmbStatus => "ftmb_status",
             Request::FtmbActivate { .. } => "ftmb_activate",
@@ -474,6 +483,7 @@ mod tests {
             Request::DropStandby {
                 primary: "r2".into(),
             },
+            Request::Rejoin { token: 7 },
             Request::FtmbProtect {
                 logger: "/run/l.sock".into(),
                 host: Some("r3".into()),

@@ -119,6 +119,12 @@ pub struct Engine<N: NetworkFunction, P: FramePort> {
     round_start_marks: [u64; 2],
     /// Whether this round's receive emptied both RX rings (fewer than `batch` frames each).
     rings_drained: bool,
+    /// Per RX ring, a `CLOCK_REALTIME` instant (ns) such that every frame the ring held
+    /// before it has been read: the start of the last receive that emptied the ring, or the
+    /// ring stamp of the last frame read (frames are read in ring order). A busy ring that
+    /// never runs empty still proves this way that the frames queued before a request were
+    /// read (migration, "has every frame steered here before the switch been processed").
+    rings_read_to_ns: [u64; 2],
     /// Pico replication / Remus mode, when a policy is set (`protect`).
     pub(crate) ha: Option<Box<crate::ha::HaPrimary>>,
     pub(crate) ha_side: ha::HaSide,
@@ -175,6 +181,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             peer_pump_due: false,
             round_start_marks: [0; 2],
             rings_drained: false,
+            rings_read_to_ns: [0; 2],
             ha: None,
             ha_side: ha::HaSide::default(),
             ftmb: None,
@@ -404,11 +411,20 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
     fn receive(&mut self) {
         let batch = self.opts.batch;
         self.rings_drained = true;
+        let started_ns = realtime_ns();
         for s in SIDES {
             let before = self.rx.len();
-            let Engine { ports, rx, ctx, .. } = self;
+            let Engine {
+                ports,
+                rx,
+                ctx,
+                rings_read_to_ns,
+                ..
+            } = self;
             let port = &mut ports[idx(s)];
+            let read_to = &mut rings_read_to_ns[idx(s)];
             let res = port.recv_batch_meta(batch, &mut |frame, meta| {
+                *read_to = (*read_to).max(meta.rx_ns);
                 let mut buf = ctx.take_buf();
                 buf.extend_from_slice(frame);
                 rx.push(Rx {
@@ -425,8 +441,20 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             }
             if self.rx.len() - before >= batch {
                 self.rings_drained = false;
+            } else {
+                let read_to = &mut self.rings_read_to_ns[idx(s)];
+                *read_to = (*read_to).max(started_ns);
             }
         }
+    }
+
+    /// True when every frame that entered either RX ring before `t_ns` (`CLOCK_REALTIME`)
+    /// has been read (see `rings_read_to_ns`). A clock stepped back only delays this answer
+    /// (callers also accept a drained round); one stepped forward can make it early, which
+    /// costs a migration only its ordering guarantee for frames still in flight (counted as
+    /// `late_after_release`), as a slow fabric would.
+    pub(crate) fn rings_read_past(&self, t_ns: u64) -> bool {
+        self.rings_read_to_ns.iter().all(|&r| r >= t_ns)
     }
 
     fn handle_frame(&mut self, f: Rx, now: Instant) {
@@ -1125,6 +1153,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             Cmd::HaStatus => self.ha_status_any(),
             Cmd::Activate { primary, token } => self.activate(&primary, token, now),
             Cmd::DropStandby { primary } => self.drop_standby(&primary),
+            Cmd::Rejoin { token } => self.rejoin(token),
             Cmd::FtmbProtect { .. }
             | Cmd::FtmbStatus
             | Cmd::FtmbActivate { .. }
@@ -1280,6 +1309,7 @@ mod ftmb;
 mod ha;
 pub(crate) mod io_loop;
 mod migration;
+mod rejoin;
 
 pub use ha::HaBackend;
 
@@ -1288,6 +1318,13 @@ pub fn fmt_mac(m: [u8; 6]) -> String {
         "{:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x}",
         m[0], m[1], m[2], m[3], m[4], m[5]
     )
+}
+
+/// `CLOCK_REALTIME` in nanoseconds: the clock the kernel stamps ring frames with.
+pub(crate) fn realtime_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
 }
 
 #[cfg(test)]

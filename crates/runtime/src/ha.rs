@@ -1445,6 +1445,17 @@ impl HaPrimary {
         }
     }
 
+    /// Takes every held packet out, none released (a rejoining replica's output of flows
+    /// that failed over must never leave), and returns how many groups there were.
+    pub(crate) fn discard_everything(&mut self, out: &mut Vec<Held>) -> usize {
+        let ids: Vec<GroupId> = self.gate.groups().collect();
+        for id in &ids {
+            self.gate.take_held(*id, out);
+        }
+        out.extend(self.moved_out.drain(..).map(|(h, _)| h));
+        self.groups.len()
+    }
+
     pub(crate) fn held_now(&self) -> usize {
         self.gate.held_total()
     }

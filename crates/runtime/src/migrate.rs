@@ -7,17 +7,20 @@
 //!    that reach D are *held* in one bounded FIFO (arrival order across all held flows, so
 //!    both directions of a flow keep their relative order).
 //! 2. The fabric is switched (steering update): new packets of the flows go to D.
-//! 3. `migrate_out` at S: S keeps running rounds until one round's receive found both RX rings
-//!    empty *after* the request arrived (every frame the fabric steered to S before the switch
-//!    sits in S's rings, so by then each was processed and its output emitted — the NF writes
-//!    output in the same round it processes a frame), every flow's refcount is 0 (export
+//! 3. `migrate_out` at S: S keeps running rounds until each RX ring was read past the
+//!    request's arrival — a receive that started after it found the ring empty, or S read a
+//!    frame the kernel put in the ring after it (rings are read in order, and a busy ring
+//!    rarely runs empty) — so every frame the fabric steered to S before the switch was
+//!    processed and its output emitted (the NF writes output in the same round it processes a
+//!    frame), every flow's refcount is 0 (export
 //!    refuses `Busy`; S retries each round up to [`BUSY_WAIT`]) and every frame S has emitted
 //!    so far has left the kernel's queues (see "Output order" below). Then it exports all flows
 //!    in one [`PeerMsg::Batch`] and ships it over the peer channel.
 //! 4. Late packets at S (still in flight in the fabric at the switch) hit the forwarding map
 //!    (filled at export with each key and alias) and go to D as [`PeerMsg::Fwd`], on the same
 //!    ordered connection, after the batch.
-//! 5. At the next quiet round S sends [`PeerMsg::Done`]. D then releases the held packets in
+//! 5. Once each ring was read past the shipping (the same test) S sends [`PeerMsg::Done`].
+//!    D then releases the held packets in
 //!    arrival order (forwarded late packets were processed on arrival, before them, since the
 //!    state was already imported) and answers [`PeerMsg::Ack`] with the pause statistics; S
 //!    answers the control request.
@@ -243,6 +246,12 @@ pub(crate) struct OutMig {
     /// The engine's round counter when the request arrived: only a receive in a later round
     /// proves the rings were drained after it.
     pub start_round: u64,
+    /// `CLOCK_REALTIME` (ns) when the request arrived: once both rings were read past it,
+    /// every frame steered here before the switch was processed, drained round or not.
+    pub request_ns: u64,
+    /// `CLOCK_REALTIME` (ns) when the batch was shipped: `Done` waits until both rings were
+    /// read past it (late packets queued before then are forwarded ahead of it).
+    pub shipped_ns: u64,
     pub phase: Phase,
     /// Export records kept until the Ack (re-imported here if delivery fails).
     pub records: Vec<Vec<u8>>,
@@ -463,6 +472,8 @@ mod tests {
             reply: None,
             started: now,
             start_round: 0,
+            request_ns: 0,
+            shipped_ns: 0,
             phase,
             records: Vec::new(),
             moved_keys: Vec::new(),

@@ -233,6 +233,16 @@ impl<T> NeighTable<T> {
         dropped
     }
 
+    /// Drops every frame waiting for a resolution (entries stay) and returns how many.
+    pub fn drop_queued(&mut self) -> u64 {
+        let mut n = 0u64;
+        for e in self.entries.values_mut() {
+            n += e.queue.len() as u64;
+            e.queue.clear();
+        }
+        n
+    }
+
     /// Frames dropped (aged out or evicted while waiting) since the last call, for the
     /// engine's drop counters.
     pub fn take_dropped(&mut self) -> u64 {

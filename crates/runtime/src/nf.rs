@@ -304,6 +304,15 @@ pub trait NetworkFunction: Send + 'static {
         let _ = (ctx, key);
     }
 
+    /// Every flow was just deleted from the table at once, unseen by the NF (a replica
+    /// rejoining after a partition: its flows failed over and live on elsewhere). NFs that
+    /// account per-replica resources named in flow state rebuild that accounting from the
+    /// table; resources the deleted flows still use elsewhere must stay reserved here (NAT:
+    /// their external ports, in this replica's blocks, are now lent).
+    fn on_flows_dropped(&mut self, ctx: &mut Ctx<Self::Flow>) {
+        let _ = ctx;
+    }
+
     /// NF-specific state for `pliant query` (e.g. IDS counts and alerts), as JSON.
     fn query(&self, ctx: &Ctx<Self::Flow>) -> serde_json::Value {
         let _ = ctx;

@@ -183,6 +183,7 @@ fn refused_in_ftmb(cmd: &Cmd) -> Option<&'static str> {
         Cmd::Protect { .. } => "protect (Pico/Remus)",
         Cmd::Activate { .. } => "activate (Pico/Remus)",
         Cmd::DropStandby { .. } => "drop_standby",
+        Cmd::Rejoin { .. } => "rejoin (Pico/Remus)",
         _ => return None,
     })
 }

@@ -164,6 +164,8 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             reply: Some(reply),
             started: now,
             start_round: self.stats.rounds,
+            request_ns: super::realtime_ns(),
+            shipped_ns: 0,
             phase: Phase::Draining,
             records: Vec::new(),
             moved_keys: Vec::new(),
@@ -252,7 +254,10 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
         for (i, m) in outs.iter_mut().enumerate() {
             let phase = m.phase;
             match phase {
-                Phase::Draining if drained && self.stats.rounds > m.start_round => {
+                Phase::Draining
+                    if (drained && self.stats.rounds > m.start_round)
+                        || self.rings_read_past(m.request_ns) =>
+                {
                     if !self.output_settled(m, now) {
                         continue;
                     }
@@ -262,7 +267,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
                         finished.push(i);
                     }
                 }
-                Phase::Shipped if drained => {
+                Phase::Shipped if drained || self.rings_read_past(m.shipped_ns) => {
                     let release = self.release_list(m);
                     let msg = PeerMsg::Done {
                         id: m.id,
@@ -434,6 +439,7 @@ impl<N: NetworkFunction, P: FramePort> Engine<N, P> {
             self.mig.remember_forward(*k, to.clone());
         }
         m.phase = Phase::Shipped;
+        m.shipped_ns = super::realtime_ns();
         true
     }
 

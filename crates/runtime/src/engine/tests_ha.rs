@@ -1393,3 +1393,100 @@ fn a_retiring_group_clears_a_reconnecting_backup_before_it_leaves() {
     assert_eq!(st["replication"]["standby_cleared"], 1, "{st}");
     assert_eq!(st["groups"].as_array().map(Vec::len), Some(1), "{st}");
 }
+
+/// A replica that failed over while cut off (a partition) rejoins: it drops its flows, the
+/// output it held for its backup's acknowledgement (none of it is ever sent, not even when the
+/// old acknowledgement arrives late), the frames waiting for a neighbour and the standby
+/// copies it held for another primary; a token that is not newer is refused; afterwards it is
+/// protected again under the new token and serves new flows.
+#[test]
+fn rejoin_drops_everything_held_and_sends_none_of_it() {
+    let own = Arc::new(Mutex::new(StandbyStore::new(1 << 16)));
+    let mut stores = HashMap::new();
+    stores.insert("/fake/p".to_string(), own.clone());
+    let (mut p, backups, t0) = engine_with("p", HashMap::new(), Some(own.clone()));
+    // p is the backup of q: one standby flow.
+    let (mut q, q_backups, _) = engine_with("q", stores, None);
+    let to_p = Policy::Single {
+        backup: target("p"),
+        hz: 1000,
+    };
+    protect(&mut q, 1, to_p, t0);
+    q_backups.up("/fake/p", 1, vec![]);
+    q.port_mut(Side::Inside).inject(&pkt(9, b'm'));
+    q.poll_once(t0 + MS);
+    assert_eq!(q_backups.deliver("/fake/p").len(), 1);
+    // p protects three flows to b; their output waits for b's acknowledgement.
+    protect(&mut p, 1, single(1000), t0);
+    backups.up("/fake/b", 1, vec![]);
+    for f in 1..=3 {
+        p.port_mut(Side::Inside).inject(&pkt(f, b'm'));
+    }
+    p.poll_once(t0 + MS);
+    assert!(sent(&mut p).is_empty(), "held for the backup");
+    // And one frame waits for a neighbour that never answers (an address not yet resolved).
+    let unresolved = build::udp(
+        CLIENT_MAC,
+        IN_MAC,
+        ip("10.0.1.2"),
+        1004,
+        ip("10.0.2.77"),
+        53,
+        &[b'd'; 9],
+    );
+    p.port_mut(Side::Inside).inject(&unresolved);
+    p.poll_once(t0 + MS * 2);
+    let _ = p.port_mut(Side::Outside).take_tx(); // its ARP request
+    assert_eq!(p.ctx.flows.len(), 3);
+    assert_eq!(status(&mut p, t0)["standby"][0]["flows"], 1);
+
+    let ans = p.answer(Cmd::Rejoin { token: 1 }, t0 + MS * 3);
+    assert_eq!(ans["ok"], false, "{ans}");
+    assert!(
+        ans["error"].as_str().unwrap().contains("stale token"),
+        "{ans}"
+    );
+    assert_eq!(p.ctx.flows.len(), 3, "a refused rejoin changes nothing");
+
+    let ans = p.answer(Cmd::Rejoin { token: 5 }, t0 + MS * 3);
+    let r: pliant_proto::reply::Rejoin = serde_json::from_value(ans.clone()).expect("typed");
+    assert_eq!(ans["ok"], true, "{ans}");
+    assert_eq!(
+        (
+            r.flows_dropped,
+            r.packets_dropped,
+            r.groups_closed,
+            r.standby_dropped,
+            r.token
+        ),
+        (3, 4, 1, 1, 5),
+        "{ans}"
+    );
+    assert_eq!(p.ha_token(), 5);
+    assert_eq!(p.ctx.flows.len(), 0);
+    // The old backup's acknowledgements arrive late: nothing was kept for them to release.
+    backups.deliver("/fake/b");
+    for i in 4..8 {
+        p.poll_once(t0 + MS * i);
+    }
+    assert!(
+        sent(&mut p).is_empty(),
+        "output of flows that failed over left"
+    );
+    let st = status(&mut p, t0 + MS * 8);
+    assert_eq!(st["groups"].as_array().map(Vec::len), Some(0), "{st}");
+    assert_eq!(st["standby"].as_array().map(Vec::len), Some(0), "{st}");
+    assert_eq!(
+        p.answer(Cmd::Stats, t0 + MS * 8)["drops"]["rejoin_discarded"],
+        4
+    );
+
+    // A member again: protected under the new token, new flows are served and checkpointed.
+    assert_eq!(protect(&mut p, 5, single(1000), t0 + MS * 9)["ok"], true);
+    backups.up("/fake/b", 2, vec![]);
+    p.port_mut(Side::Inside).inject(&pkt(7, b'm'));
+    p.poll_once(t0 + MS * 10);
+    assert_eq!(backups.deliver("/fake/b").len(), 1);
+    p.poll_once(t0 + MS * 11);
+    assert_eq!(sent(&mut p), [(7, b'm', 1)]);
+}

@@ -627,6 +627,75 @@ fn a_busy_port_does_not_hold_up_a_quiet_flow() {
     p.assert_in_order([6300].into_iter(), 4);
 }
 
+/// Keeps `backlog` frames of an unmoved bulk flow queued in replica `i`'s inside ring, each
+/// stamped as a kernel ring stamps it (`stamped`) or not (a port without ring stamps).
+fn keep_ring_busy(p: &mut Pair, i: usize, backlog: usize, seq: &mut u64, stamped: bool) {
+    while p.e[i].port_mut(Side::Inside).rx_pending() < backlog {
+        let f = frame(7000, *seq);
+        let meta = pliant_io::FrameMeta {
+            wire_len: f.len() as u32,
+            rx_ns: if stamped { realtime_ns() } else { 0 },
+            ..Default::default()
+        };
+        assert!(p.e[i].port_mut(Side::Inside).inject_meta(&f, meta));
+        *seq += 1;
+    }
+}
+
+/// A source whose ring never runs empty (another flow's bulk traffic keeps more than a batch
+/// queued) moves a flow once it has read the frames queued before the request and before the
+/// shipping: the ring stamps prove it, where a quiet round never comes.
+#[test]
+fn a_ring_that_never_runs_empty_does_not_hold_up_a_move() {
+    for stamped in [true, false] {
+        let mut p = Pair::new(MAX_HELD_PACKETS);
+        let batch = p.e[0].opts.batch;
+        let k = key(6400);
+        let mut bulk = 0;
+        p.send(0, 6400, 0);
+        p.round();
+        p.migrate_in(1, &[k]);
+        // Three batches queued before the request: the first rounds after it read only those.
+        keep_ring_busy(&mut p, 0, 3 * batch, &mut bulk, stamped);
+        std::thread::sleep(Duration::from_micros(50));
+        let rx = p.migrate_out(0, 1, &[k]);
+        let mut reply = None;
+        for round in 0..40 {
+            if round == 1 {
+                assert_eq!(
+                    p.e[0].migrate_stats().flows_exported,
+                    0,
+                    "exported too early"
+                );
+            }
+            keep_ring_busy(&mut p, 0, 3 * batch, &mut bulk, stamped);
+            // Sleep past the stamp clock's resolution between rounds.
+            std::thread::sleep(Duration::from_micros(50));
+            p.round();
+            if let Ok(v) = rx.try_recv() {
+                reply = Some(v);
+                break;
+            }
+        }
+        if !stamped {
+            // Without stamps only a drained round proves the ring was read: none came.
+            assert!(reply.is_none(), "moved without proof the ring was read");
+            assert_eq!(p.e[0].migrate_stats().flows_exported, 0);
+            continue;
+        }
+        let v = reply.expect("the move finished while the ring stayed busy");
+        assert_eq!(
+            (v["ok"].clone(), v["moved"].clone()),
+            (json!(true), json!(1)),
+            "{v}"
+        );
+        assert!(p.e[0].port_mut(Side::Inside).rx_pending() >= 2 * batch);
+        p.send(1, 6400, 1);
+        p.round();
+        p.assert_in_order([6400].into_iter(), 2);
+    }
+}
+
 /// Output that never leaves the kernel does not stall a move for ever: past the bound the
 /// source exports anyway and counts it.
 #[test]
