@@ -44,19 +44,25 @@ fn wait_host_state(run: &HaRun, name: &str, state: &str) -> Value {
     }
 }
 
-#[test]
-fn a_whole_host_lost_mid_transfer_keeps_every_connection_and_a_process_death_is_not_a_host_death() {
+/// A TCP NAT lab of three hosts with agents (one replica each, HA on, no automatic scaling)
+/// serving `file`; `None` when the test cannot run here.
+fn three_hosts(tag: &str, file: (&str, u64)) -> Option<HaRun> {
     let hosts = pliant_lab::agents::hosts_section(3, 20, 400);
-    let Some(mut run) = ha_up_spec(
-        "hosts",
+    ha_up_spec(
+        tag,
         PliantNf::nat(),
-        &[("32M.bin", 32 << 20)],
+        &[file],
         pliant_lab::mgmt::Transport::Tcp,
         true,
         "auto = false\nmax_replicas = 60\n",
         "",
         &hosts,
-    ) else {
+    )
+}
+
+#[test]
+fn a_whole_host_lost_mid_transfer_keeps_every_connection_and_a_process_death_is_not_a_host_death() {
+    let Some(mut run) = three_hosts("hosts", ("32M.bin", 32 << 20)) else {
         return;
     };
     // Every host up, each agent running its replica, under the controller's term.
@@ -175,4 +181,147 @@ fn a_whole_host_lost_mid_transfer_keeps_every_connection_and_a_process_death_is_
         "process death: kill -> detected {detect_ms:.0} ms ({}), then failed over in {} ms",
         rec["evidence"], rec["failover_ms"]
     );
+}
+
+/// The controller's event `kind` about replica `n` (its `replica` detail), once it appears.
+fn wait_event(run: &HaRun, kind: &str, n: u32, limit: Duration) -> Value {
+    let t = std::time::Instant::now();
+    loop {
+        let st = run.cli(&["status"]);
+        let found = st["events"].as_array().and_then(|e| {
+            e.iter()
+                .find(|e| e["event"] == kind && e["detail"]["replica"] == n)
+                .cloned()
+        });
+        if let Some(e) = found {
+            return e;
+        }
+        assert!(
+            t.elapsed() < limit,
+            "no {kind} event for r{n} in {limit:?}: {}\ncontroller log: {}",
+            st["events"],
+            run.log_tail()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Backups named in replica `i`'s groups.
+fn backups_of(run: &HaRun, i: u32) -> Vec<String> {
+    ha_status(&run.lab().control_socket_of(i as u8))
+        .map(|v| {
+            v["groups"]
+                .as_array()
+                .map(Vec::as_slice)
+                .unwrap_or(&[])
+                .iter()
+                .filter_map(|g| g["backup"].as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A partition: host h1's links go down with every process on it alive. The controller
+/// declares the host dead and fails r1 over (its downloads continue on their backups on
+/// other hosts, byte-exact, same peers at the server, each served once); r1 keeps running,
+/// cut off. When the links return, r1 — the same process — rejoins: it drops everything it
+/// held (the flows that failed over and the output it held for them; the fabric fenced it
+/// until then), is unfenced, protected again, serves a new download and is a backup of the
+/// other replicas; the output audit stays clean.
+#[test]
+fn a_partitioned_host_fails_over_and_its_replica_rejoins_as_a_backup_without_a_restart() {
+    let Some(mut run) = three_hosts("hostsp", ("16M.bin", 16 << 20)) else {
+        return;
+    };
+    wait_host_state(&run, "h3", "up");
+    let f = run.lab().served_file("16M.bin").expect("file").clone();
+    let mut next = 41_000u16;
+    let web = run.sports_for(1, 80, 3, &mut next);
+    let rate = format!("{}", f.size_bytes / 8);
+    let mut dls: Vec<Download> = web
+        .iter()
+        .enumerate()
+        .map(|(i, p)| run.curl(&f.url, *p, &rate, &format!("p{i}")))
+        .collect();
+    common::wait_for(
+        "r1's connections checkpointed to backups on other hosts",
+        Duration::from_secs(15),
+        || standby_flows(&run, 1) >= 3,
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let web_before = run.server_peer_ports(80);
+    assert_eq!(web_before.len(), 3, "{web_before:?}");
+    let pid = run.replica_pid(1);
+
+    // The partition.
+    let cut_ms = unix_ms();
+    pliant_lab::agents::set_host_links(run.lab(), 1, false).expect("cut h1's links");
+    let rec = run.wait_failover(1, cut_ms, Duration::from_secs(10));
+    wait_host_state(&run, "h1", "dead");
+    eprintln!("failover of the cut-off r1: {rec}");
+    // SAFETY: signal 0 only checks that the process (this lab's replica) exists.
+    assert_eq!(unsafe { libc::kill(pid, 0) }, 0, "r1 must still run");
+    std::thread::sleep(Duration::from_millis(500));
+
+    // The links return: r1 rejoins, the same process.
+    pliant_lab::agents::set_host_links(run.lab(), 1, true).expect("restore h1's links");
+    let ev = wait_event(&run, "rejoined", 1, Duration::from_secs(10));
+    eprintln!("rejoin: {ev}");
+    assert_eq!(run.replica_pid(1), pid, "rejoined without a restart");
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(pid, 0) }, 0);
+    let dropped = &ev["detail"]["dropped"];
+    assert!(
+        dropped["flows_dropped"].as_u64().unwrap_or(0) >= 3,
+        "r1 dropped the flows that failed over: {dropped}"
+    );
+    let st = wait_host_state(&run, "h1", "up");
+    assert!(run.members().contains(&1), "r1 is a member again: {st}");
+
+    // The downloads that failed over finish where they went, byte-exact; the server saw the
+    // same peers and served each once.
+    for d in dls.iter_mut() {
+        d.finish(&f.sha256, "after the partition and the rejoin");
+    }
+    let log = run.lab().access_log().expect("access log");
+    let served: Vec<u16> = log
+        .iter()
+        .filter(|e| e.request == "GET /16M.bin HTTP/1.1")
+        .map(|e| e.remote_port)
+        .collect();
+    let mut unique = served.clone();
+    unique.sort_unstable();
+    unique.dedup();
+    assert_eq!(
+        unique.len(),
+        served.len(),
+        "a download was served twice: {log:?}"
+    );
+    assert_eq!(
+        unique.into_iter().collect::<BTreeSet<u16>>(),
+        web_before,
+        "nginx saw other peers: {log:?}"
+    );
+    let full = log
+        .iter()
+        .filter(|e| e.status == 200 && e.body_bytes == f.size_bytes)
+        .count();
+    assert_eq!(full, 3, "{log:?}");
+
+    // A member again: protected, a backup of the others, and it serves new flows.
+    run.wait_protected(Duration::from_secs(10));
+    common::wait_for(
+        "r1 named as a backup by another replica",
+        Duration::from_secs(10),
+        || (2..=3).any(|i| backups_of(&run, i).iter().any(|b| b == "r1")),
+    );
+    let fresh = run.sports_for(1, 80, 1, &mut next);
+    let mut d = run.curl(&f.url, fresh[0], &format!("{}", f.size_bytes * 4), "after");
+    d.finish(&f.sha256, "a new download through the rejoined r1");
+    let (checked, violations, per) = run.audit();
+    assert_eq!(
+        violations, 0,
+        "output before its checkpoint was acked: {per:?}"
+    );
+    assert!(checked > 0, "{per:?}");
 }

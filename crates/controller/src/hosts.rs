@@ -397,6 +397,19 @@ impl HostWatch {
         })
     }
 
+    /// Replicas whose process runs and serves (as its agent reported at the last poll) on a
+    /// host that is up: the candidates for a rejoin when they failed over.
+    pub fn serving_on_up_hosts(&self) -> Vec<u32> {
+        lock(&self.views)
+            .iter()
+            .filter(|v| v.state == HostState::Up)
+            .filter_map(|v| v.last.as_ref())
+            .flat_map(|s| s.slots.iter())
+            .filter(|s| s.state == SlotState::Running && s.serving)
+            .filter_map(|s| index_of(&s.replica))
+            .collect()
+    }
+
     /// The current state of host `name`.
     pub fn state_of(&self, name: &str) -> Option<HostState> {
         lock(&self.views)
@@ -496,19 +509,33 @@ impl Agent for RemoteAgents {
         })
     }
 
+    /// Stops replica `index` through the agent that runs it. Done also when every agent
+    /// answered and none has it (nothing runs it any more); an error while an agent that may
+    /// run it is silent (a host cut off keeps its processes).
     fn remove_replica(&mut self, index: u32) -> Result<(), AgentError> {
         let name = format!("r{index}");
+        let mut silent = Vec::new();
         for (e, s) in self.statuses() {
-            if s.as_ref().is_ok_and(|s| s.slot(&name).is_some()) {
-                self.slow_client(&e)?
-                    .call(&AgentRequest::Stop {
-                        replica: name.clone(),
-                    })
-                    .map_err(|x| AgentError(format!("agent {}: stop {name}: {x}", e.name)))?;
-                return Ok(());
+            match s {
+                Ok(s) if s.slot(&name).is_some() => {
+                    self.slow_client(&e)?
+                        .call(&AgentRequest::Stop {
+                            replica: name.clone(),
+                        })
+                        .map_err(|x| AgentError(format!("agent {}: stop {name}: {x}", e.name)))?;
+                    return Ok(());
+                }
+                Ok(_) => {}
+                Err(w) => silent.push(format!("{}: {w}", e.name)),
             }
         }
-        Err(AgentError(format!("no reachable agent runs {name}")))
+        if silent.is_empty() {
+            return Ok(());
+        }
+        Err(AgentError(format!(
+            "{name}: no reachable agent runs it, and these may: {}",
+            silent.join("; ")
+        )))
     }
 
     fn existing(&self) -> Result<Vec<(u32, PathBuf)>, AgentError> {

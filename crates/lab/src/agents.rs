@@ -145,24 +145,34 @@ pub fn start_replica(run_dir: &Path, n: u8) -> Result<u32> {
         .ok_or_else(|| LabError::Config(format!("agent {} reported no pid", host_name(n))))
 }
 
-/// Loses host `n` of a lab with agents as a whole: its three links cut at once (one
-/// `ip -batch`; so nothing its dying kernel says leaves it), `at_cut` called the moment that
-/// returns (the failure instant: the host forwarded until then), then its replica and its
-/// agent SIGKILLed by their recorded PIDs. Returns a description of what was done.
-pub fn kill_host(lab: &crate::Lab, n: u8, at_cut: &mut dyn FnMut()) -> Result<String> {
+/// Cuts (`up = false`) or restores host `n`'s three links — management, inside, outside —
+/// at once (one `ip -batch` in the host's namespace), its processes left alone: a partition
+/// of the host. The management link carries only its connected subnet, which the kernel
+/// restores with the link.
+pub fn set_host_links(lab: &crate::Lab, n: u8, up: bool) -> Result<()> {
     use crate::topology::{replica_in_if, replica_out_if, Role};
-    let batch = lab.run_dir().join(format!("cut-h{n}.batch"));
+    let state = if up { "up" } else { "down" };
+    let batch = lab.run_dir().join(format!("links-h{n}-{state}.batch"));
     let lines: String = [
         crate::mgmt::REPLICA_IF.to_string(),
         replica_in_if(n),
         replica_out_if(n),
     ]
     .iter()
-    .map(|ifn| format!("link set {ifn} down\n"))
+    .map(|ifn| format!("link set {ifn} {state}\n"))
     .collect();
     std::fs::write(&batch, lines).map_err(crate::error::io_err(&batch))?;
     let b = batch.display().to_string();
     lab.exec_ok(Role::Replica(n), &["ip", "-batch", &b])?;
+    Ok(())
+}
+
+/// Loses host `n` of a lab with agents as a whole: its three links cut at once (one
+/// `ip -batch`; so nothing its dying kernel says leaves it), `at_cut` called the moment that
+/// returns (the failure instant: the host forwarded until then), then its replica and its
+/// agent SIGKILLed by their recorded PIDs. Returns a description of what was done.
+pub fn kill_host(lab: &crate::Lab, n: u8, at_cut: &mut dyn FnMut()) -> Result<String> {
+    set_host_links(lab, n, false)?;
     at_cut();
     let agent_role = format!("pliant-agent-{}", host_name(n));
     let agent = lab

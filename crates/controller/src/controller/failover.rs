@@ -47,6 +47,8 @@ use pliant_proto::{reply, Request};
 
 /// Failover records kept for `ha status` (newest last).
 pub const MAX_FAILOVER_RECORDS: usize = 64;
+/// Pause between rejoin attempts of one replica (a refused or unanswered one).
+const REJOIN_RETRY: Duration = Duration::from_secs(1);
 /// Tokens leased per store write (see the module doc).
 pub const TOKEN_LEASE: u64 = 1024;
 /// Store key of the lease ceiling: no token above it was ever handed out.
@@ -72,6 +74,9 @@ pub struct HaCounters {
     /// Re-protections asked for by a replica (`needs_backup`) or for a never-protected one.
     pub reprotects: AtomicU64,
     pub retired: AtomicU64,
+    /// Failed-over replicas that were alive all along (cut off) and rejoined as members.
+    pub rejoins: AtomicU64,
+    pub rejoin_errors: AtomicU64,
     /// Flows two survivors both activated (see `failover`).
     pub duplicate_activations: AtomicU64,
     pub records_dropped: AtomicU64,
@@ -118,6 +123,9 @@ pub(super) struct HaState {
     pub protecting: BTreeSet<u32>,
     /// Replicas whose failover has started and not finished.
     pub failing_over: BTreeSet<u32>,
+    /// Last rejoin attempt per failed-over replica (a refused or unanswered one is retried,
+    /// paced).
+    pub last_rejoin: BTreeMap<u32, Instant>,
     pub failovers: VecDeque<Value>,
     /// The unprotected members as last logged (an event when the set changes, not every
     /// heartbeat).
@@ -263,6 +271,7 @@ impl Controller {
                 "activate_errors": g(&c.activate_errors), "fence_errors": g(&c.fence_errors),
                 "protects": g(&c.protects), "protect_errors": g(&c.protect_errors),
                 "reprotects": g(&c.reprotects), "retired": g(&c.retired),
+                "rejoins": g(&c.rejoins), "rejoin_errors": g(&c.rejoin_errors),
                 "duplicate_activations": g(&c.duplicate_activations),
                 "records_dropped": g(&c.records_dropped),
                 "ftmb_no_logger": g(&c.ftmb_no_logger),
@@ -1236,6 +1245,21 @@ impl Controller {
             .map(|(i, _)| *i)
             .collect();
         for &v in &done {
+            // The agent stops the process first: one it cannot reach (its host cut off) may
+            // still run, so the record stays (retried next round) rather than leave an
+            // unknown replica behind; its blocks stay quarantined meanwhile.
+            let managed_by_agent = lock(&self.agent).is_some();
+            if managed_by_agent {
+                if let Some(a) = lock(&self.agent).as_mut() {
+                    if let Err(e) = a.remove_replica(v) {
+                        self.event(
+                            "retire_error",
+                            json!({"replica": v, "error": e.to_string()}),
+                        );
+                        continue;
+                    }
+                }
+            }
             let released = lock(&self.state)
                 .ports
                 .as_mut()
@@ -1250,17 +1274,6 @@ impl Controller {
             let pb = lock(&self.state).ports.clone();
             if let Some(pb) = pb {
                 store::put_json(lock(&self.store).as_mut(), K_PORTS, &pb)?;
-            }
-            let managed_by_agent = lock(&self.agent).is_some();
-            if managed_by_agent {
-                if let Some(a) = lock(&self.agent).as_mut() {
-                    if let Err(e) = a.remove_replica(v) {
-                        self.event(
-                            "retire_error",
-                            json!({"replica": v, "error": e.to_string()}),
-                        );
-                    }
-                }
             }
             lock(&self.store).delete(&format!("{P_REPLICAS}{v}"))?;
             {
@@ -1277,6 +1290,100 @@ impl Controller {
             );
         }
         Ok(done.len())
+    }
+
+    /// Failed-over replicas that were alive all along — cut off, not dead: their host's agent
+    /// answers again and reports their process running and serving — rejoin as members
+    /// instead of being retired (see [`Self::rejoin`]). Pico/Remus only: an FTMB replica's
+    /// flows were recovered by replay elsewhere and it is retired as before.
+    pub(super) fn rejoin_returned(&self, serving: &[u32]) {
+        if !self.ha_enabled() || self.ftmb_mode() {
+            return;
+        }
+        let now = Instant::now();
+        let due: Vec<u32> = {
+            let st = lock(&self.state);
+            serving
+                .iter()
+                .copied()
+                .filter(|i| st.replicas.get(i).is_some_and(|(_, h)| h.failed_over))
+                .filter(|i| !st.ha.failing_over.contains(i))
+                .filter(|i| {
+                    st.ha
+                        .last_rejoin
+                        .get(i)
+                        .is_none_or(|t| now.saturating_duration_since(*t) >= REJOIN_RETRY)
+                })
+                .collect()
+        };
+        for a in due {
+            lock(&self.state).ha.last_rejoin.insert(a, now);
+            if let Err(e) = self.rejoin(a) {
+                self.counters
+                    .ha
+                    .rejoin_errors
+                    .fetch_add(1, Ordering::Relaxed);
+                self.event(
+                    "rejoin_error",
+                    json!({"replica": a, "error": e.to_string()}),
+                );
+            }
+        }
+    }
+
+    /// Replica `a` failed over while alive (a partition, a long stall) and is reachable
+    /// again. Under a new token it drops everything it held (`rejoin`: flows that live on
+    /// elsewhere, output held for its old backups, standby copies); only then is it unfenced,
+    /// back in the ring and protected — a primary of new flows and a backup of others. Its
+    /// port blocks stay its own (the NAT keeps the ports of the mappings that failed over
+    /// reserved); it is no longer a candidate for retirement.
+    pub fn rejoin(&self, a: u32) -> Result<Value> {
+        let _g = lock(&self.ha_lock);
+        let sock = {
+            let st = lock(&self.state);
+            match st.replicas.get(&a) {
+                Some((r, h)) if h.failed_over => r.socket.clone(),
+                Some(_) => return Ok(json!({"ok": true, "replica": a, "note": "not failed over"})),
+                None => return Err(ControllerError::NoReplica(a)),
+            }
+        };
+        let t0 = Instant::now();
+        let token = self.bump_ha_token()?;
+        let v =
+            self.settings
+                .control
+                .call(&sock, &Request::Rejoin { token }, self.ha_rpc_timeout())?;
+        let dropped = reply::decode::<reply::Rejoin>(&v).map_err(ControllerError::Refused)?;
+        // Nothing it held survived: it may forward again.
+        {
+            let mut s = lock(&self.steering);
+            s.set_fenced(a, false)?;
+            s.set_live(a, true)?;
+        }
+        {
+            let mut st = lock(&self.state);
+            if let Some((_, h)) = st.replicas.get_mut(&a) {
+                // Its answer is the proof of life; heartbeats it missed while cut off are old.
+                h.failed_over = false;
+                h.alive = true;
+                h.missed = 0;
+            }
+            st.ha.suspects.remove(&a);
+            st.ha.silent_since.remove(&a);
+            st.ha.failed.remove(&a);
+            st.ha.last_seen.insert(a, Instant::now());
+            st.ha.last_rejoin.remove(&a);
+        }
+        self.save_failed()?;
+        self.install_ring()?;
+        let protect = self.protect_all_as(Caller::Failover);
+        self.counters.ha.rejoins.fetch_add(1, Ordering::Relaxed);
+        let record = json!({
+            "replica": a, "token": token, "dropped": dropped,
+            "rejoin_ms": ms(t0.elapsed()), "reprotected": protect,
+        });
+        self.event("rejoined", record.clone());
+        Ok(record)
     }
 
     /// `GET /v1/ha`: the controller's HA view plus each live replica's `ha_status`, fresh.
@@ -1440,5 +1547,6 @@ impl Controller {
                 }
             }
         }
+        self.rejoin_returned(&h.serving_on_up_hosts());
     }
 }

@@ -264,6 +264,21 @@ impl FakeReplica {
                     g.standby.remove(&p);
                     json!({"ok": true})
                 }
+                Request::Rejoin { token: t } if t <= g.token => {
+                    reply::error(format!("stale token {t}: this replica's is {}", g.token))
+                }
+                Request::Rejoin { token: t } => {
+                    g.token = t;
+                    let r = reply::Rejoin {
+                        flows_dropped: g.flows.len() as u64,
+                        standby_dropped: g.standby.values().map(|v| v.len() as u64).sum(),
+                        token: t,
+                        ..Default::default()
+                    };
+                    g.flows.clear();
+                    g.standby.clear();
+                    reply::ok(&r)
+                }
                 Request::MigrateAbort { keys } => json!({"ok": true, "aborted": keys.len()}),
                 other => reply::error(format!("the fake does not serve {}", other.name())),
             };
@@ -1010,6 +1025,64 @@ fn ha3(tag: &str) -> (World, SharedSteer, Controller) {
     let p = c.protect_all();
     assert_eq!(p["r1"]["backups"], json!(["r2", "r3"]), "{p}");
     (w, steer, c)
+}
+
+/// A replica failed over while it still ran (cut off, not dead) and is reachable again: it
+/// rejoins under a newer token — only once it dropped everything is it unfenced, live, back
+/// in the ring, protected and named as a backup again; it is no longer retired. A replica
+/// that refuses stays failed over and fenced (counted, retried later).
+#[test]
+fn a_failed_over_replica_that_answers_again_rejoins_unfenced_and_protected() {
+    let (w, steer, c) = ha3("rejoin");
+    let rec = c.failover(1, "cut off (test)").unwrap();
+    let token = rec["token"].as_u64().unwrap();
+    assert_eq!(steer.0.lock().unwrap().fenced.get(&1), Some(&true));
+    assert!(!steer.0.lock().unwrap().ring.contains(&1));
+    // r1 still holds its six flows: it never died.
+    assert_eq!(w.state(1).lock().unwrap().flows.len(), 6);
+    c.rejoin_returned(&[1]);
+    assert_eq!(c.counters.ha.rejoins.load(Ordering::Relaxed), 1);
+    let g = w.state(1);
+    let g = g.lock().unwrap();
+    assert!(g.token > token, "rejoin under a newer token");
+    assert!(g.flows.is_empty(), "dropped what failed over");
+    assert!(g.protects.len() >= 2, "protected again: {:?}", g.protects);
+    drop(g);
+    {
+        let s = steer.0.lock().unwrap();
+        assert_eq!(s.fenced.get(&1), Some(&false));
+        assert_eq!(s.live.get(&1), Some(&true));
+        assert!(s.ring.contains(&1), "{:?}", s.ring);
+    }
+    assert_eq!(c.status()["ha"]["failed_over"], json!([]));
+    let named = w
+        .state(2)
+        .lock()
+        .unwrap()
+        .protects
+        .last()
+        .unwrap()
+        .to_string();
+    assert!(
+        named.contains("\"r1\""),
+        "r2 names r1 as a backup again: {named}"
+    );
+    // Not failed over any more: nothing to do, and never retired.
+    c.rejoin_returned(&[1]);
+    assert_eq!(c.counters.ha.rejoins.load(Ordering::Relaxed), 1);
+    assert_eq!(c.gc_exceptions().unwrap(), 0);
+    assert_eq!(c.counters.ha.retired.load(Ordering::Relaxed), 0);
+
+    // A replica that refuses (its token is newer than any we hand out) stays fenced.
+    c.failover(2, "cut off (test)").unwrap();
+    w.state(2).lock().unwrap().token = u64::MAX;
+    c.rejoin_returned(&[2]);
+    assert_eq!(c.counters.ha.rejoin_errors.load(Ordering::Relaxed), 1);
+    assert_eq!(steer.0.lock().unwrap().fenced.get(&2), Some(&true));
+    assert_eq!(c.status()["ha"]["failed_over"], json!([2]));
+    // Paced: not asked again at once.
+    c.rejoin_returned(&[2]);
+    assert_eq!(c.counters.ha.rejoin_errors.load(Ordering::Relaxed), 1);
 }
 
 #[test]
