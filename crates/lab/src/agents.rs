@@ -150,17 +150,30 @@ pub fn start_replica(run_dir: &Path, n: u8) -> Result<u32> {
 /// of the host. The management link carries only its connected subnet, which the kernel
 /// restores with the link.
 pub fn set_host_links(lab: &crate::Lab, n: u8, up: bool) -> Result<()> {
-    use crate::topology::{replica_in_if, replica_out_if, Role};
-    let state = if up { "up" } else { "down" };
-    let batch = lab.run_dir().join(format!("links-h{n}-{state}.batch"));
-    let lines: String = [
+    set_links(lab, n, &host_links(n), up)
+}
+
+/// Host `n`'s links: management first, then the replica's inside and outside ports.
+pub fn host_links(n: u8) -> [String; 3] {
+    use crate::topology::{replica_in_if, replica_out_if};
+    [
         crate::mgmt::REPLICA_IF.to_string(),
         replica_in_if(n),
         replica_out_if(n),
     ]
-    .iter()
-    .map(|ifn| format!("link set {ifn} {state}\n"))
-    .collect();
+}
+
+/// Sets `links` of host `n` up or down at once (one `ip -batch` in the host's namespace).
+pub fn set_links(lab: &crate::Lab, n: u8, links: &[String], up: bool) -> Result<()> {
+    use crate::topology::Role;
+    let state = if up { "up" } else { "down" };
+    let batch = lab
+        .run_dir()
+        .join(format!("links-h{n}-{state}-{}.batch", links.len()));
+    let lines: String = links
+        .iter()
+        .map(|ifn| format!("link set {ifn} {state}\n"))
+        .collect();
     std::fs::write(&batch, lines).map_err(crate::error::io_err(&batch))?;
     let b = batch.display().to_string();
     lab.exec_ok(Role::Replica(n), &["ip", "-batch", &b])?;
