@@ -224,9 +224,9 @@ fn backups_of(run: &HaRun, i: u32) -> Vec<String> {
 /// A partition: host h1's links go down with every process on it alive. The controller
 /// declares the host dead and fails r1 over (its downloads continue on their backups on
 /// other hosts, byte-exact, same peers at the server, each served once); r1 keeps running,
-/// cut off. Its data links return first: frames from its ports are dropped by the fabric's
-/// fence. When the management link returns, r1 — the same process — rejoins: it drops everything it
-/// held (the flows that failed over and the output it held for them; the fabric fenced it
+/// cut off. Its links return while its agent is stopped (the host still looks dead): frames
+/// from r1's ports are dropped by the fabric's fence. Once the agent answers, r1 — the same
+/// process — rejoins: it drops everything it held (the flows that failed over and the output it held for them; the fabric fenced it
 /// until then), is unfenced, protected again, serves a new download and is a backup of the
 /// other replicas; the output audit stays clean.
 #[test]
@@ -264,20 +264,24 @@ fn a_partitioned_host_fails_over_and_its_replica_rejoins_as_a_backup_without_a_r
     assert_eq!(unsafe { libc::kill(pid, 0) }, 0, "r1 must still run");
     std::thread::sleep(Duration::from_millis(500));
 
-    // Its data links return first, the management link still cut: r1 is still failed over
-    // and fenced, and what its ports emit never leaves the fabric.
-    let links = pliant_lab::agents::host_links(1);
-    pliant_lab::agents::set_links(run.lab(), 1, &links[1..], true).expect("data links up");
+    // The links return while h1's agent is stopped (so the host still looks dead and r1
+    // stays failed over): r1 is fenced, and what its ports emit never leaves the fabric.
+    let agent = pliant_lab::agents::agent_pid(run.lab(), 1).expect("h1's agent");
+    // SAFETY: SIGSTOP/SIGCONT to the agent process this test's lab started, by its PID.
+    assert_eq!(unsafe { libc::kill(agent, libc::SIGSTOP) }, 0);
+    pliant_lab::agents::set_host_links(run.lab(), 1, true).expect("restore h1's links");
     let fenced_before = run.steer_counter("drop_fenced");
     emit_from_replica(&run, 1, 5);
-    std::thread::sleep(Duration::from_millis(200));
+    std::thread::sleep(Duration::from_millis(300));
     let fenced = run.steer_counter("drop_fenced") - fenced_before;
     assert!(
         fenced >= 5,
         "the cut-off r1's frames left the fabric ({fenced} dropped)"
     );
-    // The management link returns: r1 rejoins, the same process.
-    pliant_lab::agents::set_links(run.lab(), 1, &links[..1], true).expect("mgmt link up");
+    assert_eq!(host(&run.cli(&["status"]), "h1")["state"], "dead");
+    // The agent answers again: r1 rejoins, the same process.
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(agent, libc::SIGCONT) }, 0);
     let ev = wait_event(&run, "rejoined", 1, Duration::from_secs(10));
     eprintln!("rejoin: {ev}");
     assert_eq!(run.replica_pid(1), pid, "rejoined without a restart");

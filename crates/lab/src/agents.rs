@@ -145,6 +145,16 @@ pub fn start_replica(run_dir: &Path, n: u8) -> Result<u32> {
         .ok_or_else(|| LabError::Config(format!("agent {} reported no pid", host_name(n))))
 }
 
+/// The PID of host `n`'s agent, as the lab started it.
+pub fn agent_pid(lab: &crate::Lab, n: u8) -> Option<i32> {
+    let role = format!("pliant-agent-{}", host_name(n));
+    lab.state()
+        .procs
+        .iter()
+        .find(|q| q.role == role)
+        .map(|q| q.pid)
+}
+
 /// Cuts (`up = false`) or restores host `n`'s three links — management, inside, outside —
 /// at once (one `ip -batch` in the host's namespace), its processes left alone: a partition
 /// of the host. The management link carries only its connected subnet, which the kernel
@@ -188,12 +198,7 @@ pub fn kill_host(lab: &crate::Lab, n: u8, at_cut: &mut dyn FnMut()) -> Result<St
     set_host_links(lab, n, false)?;
     at_cut();
     let agent_role = format!("pliant-agent-{}", host_name(n));
-    let agent = lab
-        .state()
-        .procs
-        .iter()
-        .find(|q| q.role == agent_role)
-        .map(|q| q.pid);
+    let agent = agent_pid(lab, n);
     let mut done = Vec::new();
     for (what, pid) in [
         (format!("replica r{n}"), lab.replica_pid(n)),

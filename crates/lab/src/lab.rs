@@ -615,7 +615,8 @@ impl Lab {
                 SERVER_MAC,
             ),
         ];
-        for n in 1..=replicas {
+        // Host labs tunnel the replica ports over the management network (below).
+        for n in (1..=replicas).filter(|_| !spec.agents) {
             let rn = self.netns(Role::Replica(n));
             links.push((
                 rn.clone(),
@@ -678,10 +679,16 @@ impl Lab {
                 SETUP_TIMEOUT,
             )?;
         }
-        self.steer = fabric::install(&fab, replicas)?;
         if spec.transport == crate::mgmt::Transport::Tcp {
             crate::mgmt::install(&fab, &self.state.name, replicas)?;
         }
+        if spec.agents {
+            for n in 1..=replicas {
+                crate::mgmt::tunnel_ports(&fab, &self.state.name, n)?;
+            }
+        }
+        // After every replica port exists on the fabric side (tunnels included).
+        self.steer = fabric::install(&fab, replicas)?;
         if spec.ha && !matches!(spec.mode, ReplicaMode::Pliant { .. }) {
             return Err(LabError::Config(
                 "ha = true needs a pliant replica mode".into(),

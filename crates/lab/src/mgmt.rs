@@ -1,8 +1,9 @@
 //! The lab's management network, for labs whose replicas talk over TCP as on separate hosts:
 //! a bridge `mgmt0` in the fabric namespace and a veth `mg0` into each replica namespace
 //! with address `10.254.0.<n>/24`. Only pliant's own channels use it (replication, the
-//! migration peer channel, FTMB loggers); data traffic stays on the fabric's veths, so the
-//! steering programs never see it. The bridge itself has [`CONTROLLER_ADDR`]: the lab's
+//! migration peer channel, FTMB loggers); data traffic stays on the fabric's veths (in labs of
+//! hosts: on VXLAN tunnels over this network, [`tunnel_ports`]), so the steering programs
+//! never see the management traffic itself. The bridge itself has [`CONTROLLER_ADDR`]: the lab's
 //! controller runs in the fabric namespace's network stack and reaches every replica's control
 //! channel over TCP too. Each replica also runs on a private host view of the run directory
 //! ([`crate::host`]): nothing between replicas goes through shared files.
@@ -145,6 +146,61 @@ pub fn connect(fabric: &str, lab: &str, n: u8) -> Result<()> {
     run(&["ip", "-n", &ns, "link", "set", REPLICA_IF, "up"])
 }
 
+/// VXLAN's UDP port (IANA), for the data tunnels of host labs.
+pub const VXLAN_PORT: u16 = 4789;
+/// MTU of the management network when it carries the data tunnels: a full 1500-byte frame
+/// plus VXLAN's 50 bytes of outer headers.
+pub const TUNNEL_UNDERLAY_MTU: u32 = 1600;
+
+/// The VXLAN network identifier of replica `n`'s inside (`outside = false`) or outside port.
+pub fn vni(n: u8, outside: bool) -> u32 {
+    1000 + 2 * u32::from(n) + u32::from(outside)
+}
+
+/// Host labs: replica `n`'s inside and outside ports reach the fabric through VXLAN tunnels
+/// over the management network, as ports on another machine would (a tunnel per port, its
+/// own VNI; the fabric's steering redirects into the tunnel device as into a veth). Each
+/// port keeps its name and MAC, so nothing above the link sees a difference; the host then
+/// shares nothing with the fabric but the management link. The underlay MTU is raised so a
+/// 1500-byte frame fits.
+pub fn tunnel_ports(fabric: &str, lab: &str, n: u8) -> Result<()> {
+    use crate::topology::{fabric_in_if, fabric_out_if, replica_in_if, replica_out_if};
+    use crate::topology::{IN_PORT_MAC, OUT_PORT_MAC};
+    let ns = format!("{lab}-{}", Role::Replica(n).suffix());
+    let mtu = TUNNEL_UNDERLAY_MTU.to_string();
+    run(&["ip", "-n", &ns, "link", "set", REPLICA_IF, "mtu", &mtu])?;
+    run(&[
+        "ip",
+        "-n",
+        fabric,
+        "link",
+        "set",
+        &format!("mg{n}"),
+        "mtu",
+        &mtu,
+    ])?;
+    run(&["ip", "-n", fabric, "link", "set", BRIDGE, "mtu", &mtu])?;
+    let (host, hub) = (addr(n), CONTROLLER_ADDR.to_string());
+    let port = VXLAN_PORT.to_string();
+    for (rif, fif, mac, outside) in [
+        (replica_in_if(n), fabric_in_if(n), IN_PORT_MAC, false),
+        (replica_out_if(n), fabric_out_if(n), OUT_PORT_MAC, true),
+    ] {
+        let id = vni(n, outside).to_string();
+        run(&[
+            "ip", "-n", &ns, "link", "add", &rif, "address", mac, "mtu", "1500", "type", "vxlan",
+            "id", &id, "local", &host, "remote", &hub, "dstport", &port, "dev", REPLICA_IF,
+        ])?;
+        run(&[
+            "ip", "-n", fabric, "link", "add", &fif, "mtu", "1500", "type", "vxlan", "id", &id,
+            "local", &hub, "remote", &host, "dstport", &port, "dev", BRIDGE,
+        ])?;
+        run(&["ip", "-n", &ns, "link", "set", &rif, "up"])?;
+        run(&["ip", "-n", fabric, "link", "set", &fif, "up"])?;
+    }
+    Ok(())
+}
+
 /// Points replica `n`'s channels at its management address: `[migration] peer_socket`, and
 /// with `[ha]` the replication listener and the FTMB logger.
 pub fn tcp_endpoints(sections: &mut toml::Table, n: u8) {
@@ -171,6 +227,18 @@ pub fn controller_keys() -> (String, String) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_tunnelled_port_has_its_own_vni() {
+        let mut seen = std::collections::BTreeSet::new();
+        for n in 1..=u8::MAX {
+            for outside in [false, true] {
+                let v = vni(n, outside);
+                assert!(v < 1 << 24, "VNIs are 24 bits");
+                assert!(seen.insert(v), "r{n} {outside}: VNI {v} reused");
+            }
+        }
+    }
 
     #[test]
     fn tcp_endpoints_point_every_channel_at_the_management_address() {
