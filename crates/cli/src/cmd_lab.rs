@@ -70,6 +70,10 @@ enum LabCmd {
         /// if given, must be N).
         #[arg(long, value_parser = clap::value_parser!(u8).range(1..=32))]
         hosts: Option<u8>,
+        /// With --hosts: each host's replica ports reach the fabric through VXLAN tunnels over
+        /// its management link (the host shares nothing else with the fabric) instead of veths.
+        #[arg(long, requires = "hosts")]
+        tunnels: bool,
     },
     /// Remove a lab (processes, namespaces, run directory), also after a crash.
     Down {
@@ -136,6 +140,7 @@ pub fn run(a: LabArgs) -> Result<(), String> {
             ha_mode,
             realtime_priority,
             hosts,
+            tunnels,
         } => {
             let mut mode = ReplicaMode::parse(&mode).ok_or(format!("unknown mode {mode}"))?;
             if let Some(f) = &nf_config {
@@ -161,6 +166,7 @@ pub fn run(a: LabArgs) -> Result<(), String> {
                 }
                 spec.replicas = h;
                 spec.agents = true;
+                spec.tunnels = tunnels;
                 spec.transport = pliant_lab::mgmt::Transport::Tcp;
             }
             spec.realtime_priority = realtime_priority;

@@ -46,14 +46,14 @@ fn wait_host_state(run: &HaRun, name: &str, state: &str) -> Value {
 
 /// A TCP NAT lab of three hosts with agents (one replica each, HA on, no automatic scaling)
 /// serving `file`; `None` when the test cannot run here.
-fn three_hosts(tag: &str, file: (&str, u64)) -> Option<HaRun> {
+fn three_hosts(tag: &str, file: (&str, u64), links: Tunnels) -> Option<HaRun> {
     let hosts = pliant_lab::agents::hosts_section(3, 20, 400);
     ha_up_spec(
         tag,
         PliantNf::nat(),
         &[file],
         pliant_lab::mgmt::Transport::Tcp,
-        true,
+        Some(links),
         "auto = false\nmax_replicas = 60\n",
         "",
         &hosts,
@@ -62,7 +62,7 @@ fn three_hosts(tag: &str, file: (&str, u64)) -> Option<HaRun> {
 
 #[test]
 fn a_whole_host_lost_mid_transfer_keeps_every_connection_and_a_process_death_is_not_a_host_death() {
-    let Some(mut run) = three_hosts("hosts", ("32M.bin", 32 << 20)) else {
+    let Some(mut run) = three_hosts("hosts", ("32M.bin", 32 << 20), Tunnels::Veth) else {
         return;
     };
     // Every host up, each agent running its replica, under the controller's term.
@@ -221,7 +221,8 @@ fn backups_of(run: &HaRun, i: u32) -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// A partition: host h1's links go down with every process on it alive. The controller
+/// A partition, in a lab whose hosts reach the fabric through VXLAN tunnels over their one
+/// management link: host h1's links go down with every process on it alive. The controller
 /// declares the host dead and fails r1 over (its downloads continue on their backups on
 /// other hosts, byte-exact, same peers at the server, each served once); r1 keeps running,
 /// cut off. Its links return while its agent is stopped (the host still looks dead): frames
@@ -231,7 +232,7 @@ fn backups_of(run: &HaRun, i: u32) -> Vec<String> {
 /// other replicas; the output audit stays clean.
 #[test]
 fn a_partitioned_host_fails_over_and_its_replica_rejoins_as_a_backup_without_a_restart() {
-    let Some(mut run) = three_hosts("hostsp", ("16M.bin", 16 << 20)) else {
+    let Some(mut run) = three_hosts("hostsp", ("16M.bin", 16 << 20), Tunnels::Vxlan) else {
         return;
     };
     wait_host_state(&run, "h3", "up");

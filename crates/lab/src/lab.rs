@@ -190,6 +190,9 @@ pub struct LabSpec {
     /// Each replica namespace is a host with its own `pliant agent`, which starts the host's
     /// replica (pliant modes over TCP only; see [`crate::agents`]).
     pub agents: bool,
+    /// With `agents`: the hosts' replica ports reach the fabric through VXLAN tunnels over
+    /// the management network instead of veths ([`crate::mgmt::tunnel_ports`]).
+    pub tunnels: bool,
 }
 
 impl LabSpec {
@@ -213,6 +216,7 @@ impl LabSpec {
             realtime_priority: None,
             transport: crate::mgmt::Transport::Unix,
             agents: false,
+            tunnels: false,
         }
     }
 
@@ -331,6 +335,11 @@ impl Lab {
                 "host agents need pliant replicas over TCP (transport tcp) run by the pliant \
                  binary (not a replica command)"
                     .into(),
+            ));
+        }
+        if spec.tunnels && !spec.agents {
+            return Err(LabError::Config(
+                "tunnels connect the replica ports of a lab's hosts: they need host agents".into(),
             ));
         }
         std::fs::create_dir_all(&spec.run_root).map_err(io_err(&spec.run_root))?;
@@ -615,8 +624,8 @@ impl Lab {
                 SERVER_MAC,
             ),
         ];
-        // Host labs tunnel the replica ports over the management network (below).
-        for n in (1..=replicas).filter(|_| !spec.agents) {
+        // Tunnelled host labs carry the replica ports over the management network (below).
+        for n in (1..=replicas).filter(|_| !spec.tunnels) {
             let rn = self.netns(Role::Replica(n));
             links.push((
                 rn.clone(),
@@ -682,7 +691,7 @@ impl Lab {
         if spec.transport == crate::mgmt::Transport::Tcp {
             crate::mgmt::install(&fab, &self.state.name, replicas)?;
         }
-        if spec.agents {
+        if spec.tunnels {
             for n in 1..=replicas {
                 crate::mgmt::tunnel_ports(&fab, &self.state.name, n)?;
             }

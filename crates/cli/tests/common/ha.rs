@@ -126,20 +126,25 @@ pub fn ha_up_full(
     ctl_extra: &str,
     sections: &str,
 ) -> Option<HaRun> {
-    ha_up_spec(
-        tag, nf, files, transport, false, policy, ctl_extra, sections,
-    )
+    ha_up_spec(tag, nf, files, transport, None, policy, ctl_extra, sections)
 }
 
 /// [`ha_up_full`], with `agents`: every replica namespace a host whose `pliant agent` starts
 /// its replica (TCP only; the controller then needs a `[hosts]` section in `sections`).
 #[allow(clippy::too_many_arguments)]
+/// How the replica ports of a lab's hosts reach the fabric.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tunnels {
+    Veth,
+    Vxlan,
+}
+
 pub fn ha_up_spec(
     tag: &str,
     nf: PliantNf,
     files: &[(&str, u64)],
     transport: pliant_lab::mgmt::Transport,
-    agents: bool,
+    agents: Option<Tunnels>,
     policy: &str,
     ctl_extra: &str,
     sections: &str,
@@ -157,7 +162,8 @@ pub fn ha_up_spec(
     spec.replicas = 3;
     spec.ha = true;
     spec.transport = transport;
-    spec.agents = agents;
+    spec.agents = agents.is_some();
+    spec.tunnels = agents == Some(Tunnels::Vxlan);
     for (name, size) in files {
         spec = spec.with_file(name, *size);
     }
