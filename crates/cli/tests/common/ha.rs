@@ -129,9 +129,6 @@ pub fn ha_up_full(
     ha_up_spec(tag, nf, files, transport, None, policy, ctl_extra, sections)
 }
 
-/// [`ha_up_full`], with `agents`: every replica namespace a host whose `pliant agent` starts
-/// its replica (TCP only; the controller then needs a `[hosts]` section in `sections`).
-#[allow(clippy::too_many_arguments)]
 /// How the replica ports of a lab's hosts reach the fabric.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Tunnels {
@@ -139,6 +136,9 @@ pub enum Tunnels {
     Vxlan,
 }
 
+/// [`ha_up_full`], with `agents`: every replica namespace a host whose `pliant agent` starts
+/// its replica (TCP only; the controller then needs a `[hosts]` section in `sections`).
+#[allow(clippy::too_many_arguments)]
 pub fn ha_up_spec(
     tag: &str,
     nf: PliantNf,
