@@ -40,7 +40,7 @@ struct SmrBenchArgs {
     #[arg(long)]
     json: bool,
     /// Seconds of load per system and client count (1..=120).
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=120))]
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=120))]
     duration: u32,
     /// One second per run and 1 and 4 clients only (development).
     #[arg(long)]

@@ -388,7 +388,10 @@ mod tests {
         log.sync().unwrap();
         let len = log.len();
         let size = std::fs::metadata(&p).unwrap().len();
-        assert!(size > len && size.is_multiple_of(PREALLOC), "{size} ahead of {len}");
+        assert!(
+            size > len && size.is_multiple_of(PREALLOC),
+            "{size} ahead of {len}"
+        );
         let on_disk = std::fs::read(&p).unwrap();
         assert!(on_disk[len as usize..].iter().all(|&b| b == 0));
         // A crash: no close, the zeros stay.

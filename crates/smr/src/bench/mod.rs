@@ -48,7 +48,7 @@ impl Default for BenchOpts {
         BenchOpts {
             clients: vec![1, 4, 8],
             headline: 4,
-            duration: Duration::from_secs(4),
+            duration: Duration::from_secs(5),
             replicas: 3,
             failover: true,
             failover_conns: 4,
@@ -107,9 +107,11 @@ impl Drop for Scratch {
     }
 }
 
-fn redis(o: &BenchOpts, extra: &[&str]) -> Result<ServerChild, String> {
+/// A redis-server child working in `dir` (a replica writes the RDB it syncs from there).
+fn redis(o: &BenchOpts, dir: &Path, extra: &[&str]) -> Result<ServerChild, String> {
     let port = free_port().map_err(|e| e.to_string())?;
     let mut argv = redis_argv(&o.redis_server, port);
+    argv.extend(["--dir".to_string(), dir.display().to_string()]);
     argv.extend(extra.iter().map(|s| s.to_string()));
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
     ServerChild::spawn(&argv, addr, Duration::from_secs(10)).map_err(|e| e.to_string())
@@ -123,13 +125,13 @@ struct Replicated {
 }
 
 impl Replicated {
-    fn start(o: &BenchOpts) -> Result<Replicated, String> {
-        let primary = redis(o, &[])?;
+    fn start(o: &BenchOpts, dir: &Path) -> Result<Replicated, String> {
+        let primary = redis(o, dir, &[])?;
         let (h, p) = (
             primary.addr.ip().to_string(),
             primary.addr.port().to_string(),
         );
-        let replica = redis(o, &["--replicaof", &h, &p])?;
+        let replica = redis(o, dir, &["--replicaof", &h, &p])?;
         let t0 = Instant::now();
         loop {
             let i = load::info(&replica.addr.to_string())?;
@@ -311,7 +313,7 @@ pub fn run(o: &BenchOpts) -> Result<serde_json::Value, String> {
     let mut acc: Vec<Acc> = SYSTEMS.iter().map(|_| Acc::default()).collect();
 
     progress("starting: a redis-server alone, a 3-replica pliant-smr group, a Redis pair");
-    let single = redis(o, &[]);
+    let single = redis(o, &scratch.0, &[]);
     let argv_server = o.redis_server.clone();
     let group = LocalGroup::start(
         scratch.0.join("smr"),
@@ -327,7 +329,7 @@ pub fn run(o: &BenchOpts) -> Result<serde_json::Value, String> {
             .map_err(|e| e.to_string())?;
         Ok((g, l))
     });
-    let mut pair = Replicated::start(o);
+    let mut pair = Replicated::start(o, &scratch.0);
     let sentinels = match pair.as_mut() {
         Ok(p) => p.start_sentinels(o, &scratch.0),
         Err(e) => Err(e.clone()),
