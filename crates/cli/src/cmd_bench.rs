@@ -189,6 +189,9 @@ fn pg(p: PgBenchArgs) -> Result<(), String> {
     }
     // The JSON contract: one object on the last line of stdout.
     println!("{report}");
+    if pliant_lab::cmd::interrupted() {
+        return Err("interrupted: the report above is partial".into());
+    }
     Ok(())
 }
 
@@ -199,6 +202,7 @@ fn smr(a: SmrBenchArgs) -> Result<(), String> {
         duration: std::time::Duration::from_secs(u64::from(a.duration)),
         replicas: a.replicas,
         failover: !a.no_failover,
+        interrupted: pliant_lab::cmd::interrupted,
         ..bench::BenchOpts::default()
     };
     if a.quick {
@@ -215,6 +219,9 @@ fn smr(a: SmrBenchArgs) -> Result<(), String> {
     };
     // Before any thread starts: every thread and child after this is in the namespace.
     bench::enter_private_netns()?;
+    // Ctrl-C / SIGTERM stop the bench between measurements; servers are then killed and the
+    // scratch directory removed as on success, and the partial report printed.
+    pliant_lab::cmd::defer_interrupts();
     let report = bench::run(&o)?;
     if !a.json {
         println!(
@@ -241,5 +248,8 @@ fn smr(a: SmrBenchArgs) -> Result<(), String> {
     }
     // The JSON contract: one object on the last line of stdout.
     println!("{report}");
+    if pliant_lab::cmd::interrupted() {
+        return Err("interrupted: the report above is partial".into());
+    }
     Ok(())
 }

@@ -41,6 +41,9 @@ pub struct BenchOpts {
     pub sentinel_down_ms: u64,
     pub redis_server: String,
     pub redis_benchmark: String,
+    /// Polled between measurements: true stops the bench (what is measured is reported, the
+    /// rest is an error "interrupted"), and everything is torn down as usual.
+    pub interrupted: fn() -> bool,
 }
 
 impl Default for BenchOpts {
@@ -55,6 +58,7 @@ impl Default for BenchOpts {
             sentinel_down_ms: 1000,
             redis_server: "redis-server".into(),
             redis_benchmark: "redis-benchmark".into(),
+            interrupted: || false,
         }
     }
 }
@@ -335,8 +339,15 @@ pub fn run(o: &BenchOpts) -> Result<serde_json::Value, String> {
         Err(e) => Err(e.clone()),
     };
 
+    let stop = || (o.interrupted)().then(|| Err::<Measure, _>("interrupted".to_string()));
     for &c in &o.clients {
         // unreplicated
+        if let Some(e) = stop() {
+            for (a, name) in acc.iter_mut().zip(SYSTEMS) {
+                a.push(format!("{name}, {c} clients"), e.clone());
+            }
+            continue;
+        }
         let r = single
             .as_ref()
             .map_err(Clone::clone)
@@ -373,7 +384,7 @@ pub fn run(o: &BenchOpts) -> Result<serde_json::Value, String> {
         acc[3].push(format!("redis_sentinel, {c} clients"), r);
     }
 
-    if o.failover {
+    if o.failover && !(o.interrupted)() {
         let warm = Duration::from_secs(1);
         let within = Duration::from_secs(30);
         acc[1].failover = Some(match group {
