@@ -28,6 +28,33 @@ enum BenchCmd {
     /// High availability: no HA vs Pico at 1 kHz and 10 kHz vs Remus mode at 40 Hz vs the kernel
     /// peer (nftables NAT pair with conntrackd + keepalived), plus a failover experiment.
     Ha(crate::cmd_bench_ha::HaArgs),
+    /// Redis state machine replication: redis-benchmark SET/GET unreplicated vs pliant smr
+    /// (3 replicas) vs Redis replication with WAIT 1 0 vs Redis + Sentinel, at 1, 4 and 8
+    /// clients, plus failover trials (failover_ms, acked writes lost, connections kept).
+    Smr(SmrBenchArgs),
+}
+
+#[derive(Args)]
+struct SmrBenchArgs {
+    /// Print only the JSON object on stdout.
+    #[arg(long)]
+    json: bool,
+    /// Seconds of load per system and client count (1..=120).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=120))]
+    duration: u32,
+    /// One second per run and 1 and 4 clients only (development).
+    #[arg(long)]
+    quick: bool,
+    /// Client counts (comma-separated, each 1..=256).
+    #[arg(long, value_delimiter = ',', default_value = "1,4,8",
+          value_parser = clap::value_parser!(u32).range(1..=256))]
+    clients: Vec<u32>,
+    /// Replicas of the pliant smr group (1..=7).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=7))]
+    replicas: u64,
+    /// Skip the failover trials.
+    #[arg(long)]
+    no_failover: bool,
 }
 
 #[derive(Args)]
@@ -86,6 +113,7 @@ pub fn run(a: BenchArgs) -> Result<(), String> {
         BenchCmd::Migrate(m) => crate::cmd_bench_elastic::migrate(m),
         BenchCmd::ScaleIn(s) => crate::cmd_bench_elastic::scale_in(s),
         BenchCmd::Ha(h) => crate::cmd_bench_ha::run(h),
+        BenchCmd::Smr(s) => smr(s),
     }
 }
 
@@ -161,5 +189,67 @@ fn pg(p: PgBenchArgs) -> Result<(), String> {
     }
     // The JSON contract: one object on the last line of stdout.
     println!("{report}");
+    if pliant_lab::cmd::interrupted() {
+        return Err("interrupted: the report above is partial".into());
+    }
+    Ok(())
+}
+
+fn smr(a: SmrBenchArgs) -> Result<(), String> {
+    use pliant_smr::bench;
+    let mut o = bench::BenchOpts {
+        clients: a.clients,
+        duration: std::time::Duration::from_secs(u64::from(a.duration)),
+        replicas: a.replicas,
+        failover: !a.no_failover,
+        interrupted: pliant_lab::cmd::interrupted,
+        ..bench::BenchOpts::default()
+    };
+    if a.quick {
+        o.duration = std::time::Duration::from_secs(1);
+        o.clients.retain(|&c| c <= 4);
+        if o.clients.is_empty() {
+            o.clients = vec![1, 4];
+        }
+    }
+    o.headline = if o.clients.contains(&4) {
+        4
+    } else {
+        o.clients[0]
+    };
+    // Before any thread starts: every thread and child after this is in the namespace.
+    bench::enter_private_netns()?;
+    // Ctrl-C / SIGTERM stop the bench between measurements; servers are then killed and the
+    // scratch directory removed as on success, and the partial report printed.
+    pliant_lab::cmd::defer_interrupts();
+    let report = bench::run(&o)?;
+    if !a.json {
+        println!(
+            "{:<15} {:>10} {:>8} {:>8} {:>8} {:>11} {:>6}",
+            "system", "ops/s", "p50_us", "p99_us", "B/op", "failover_ms", "lost"
+        );
+        for (name, s) in report["systems"].as_object().into_iter().flatten() {
+            let num = |k: &str, d: usize| fmt(s[k].as_f64(), d);
+            println!(
+                "{name:<15} {:>10} {:>8} {:>8} {:>8} {:>11} {:>6}",
+                num("ops_per_s", 0),
+                num("latency_us_p50", 0),
+                num("latency_us_p99", 0),
+                num("bytes_replicated_per_op", 1),
+                num("failover_ms", 0),
+                num("acked_writes_lost", 0),
+            );
+        }
+        println!(
+            "pliant_smr vs unreplicated: ops x{}, p50 latency x{}",
+            fmt(report["ratio_ops_vs_unreplicated"].as_f64(), 3),
+            fmt(report["ratio_latency_p50_vs_unreplicated"].as_f64(), 2)
+        );
+    }
+    // The JSON contract: one object on the last line of stdout.
+    println!("{report}");
+    if pliant_lab::cmd::interrupted() {
+        return Err("interrupted: the report above is partial".into());
+    }
     Ok(())
 }

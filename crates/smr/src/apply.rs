@@ -19,11 +19,11 @@ use raft::prelude::Entry;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Server-side bounds.
 #[derive(Debug, Clone)]
@@ -36,6 +36,9 @@ pub struct ServerLimits {
     pub max_digests: usize,
     /// How often the leader looks for orphaned connections.
     pub reap_every: Duration,
+    /// How long the applier waits for the server's answer to the last write on one
+    /// connection before it writes on another (see [`Applier::order`]).
+    pub order_wait: Duration,
 }
 
 /// FNV-1a 64 parameters (offset basis, prime). FNV because the digest only has to tell two
@@ -97,6 +100,15 @@ impl Digests {
 struct Local {
     stream: TcpStream,
     reader: JoinHandle<()>,
+    /// Bytes the server has sent on this connection so far (counted by its output reader).
+    out: Arc<AtomicU64>,
+}
+
+/// The connection written last and its output count just before that write.
+#[derive(Clone, Copy)]
+struct LastWrite {
+    conn: u64,
+    out_before: u64,
 }
 
 pub struct Applier {
@@ -116,11 +128,12 @@ impl Applier {
         let mut table = Table::default();
         let mut locals: HashMap<u64, Local> = HashMap::new();
         let mut reaped: HashSet<u64> = HashSet::new();
+        let mut last: Option<LastWrite> = None;
         loop {
             match self.entries.recv_timeout(self.limits.reap_every) {
                 Ok(batch) => {
                     for e in batch {
-                        if !self.entry(&e, &mut cursor, &mut table, &mut locals) {
+                        if !self.entry(&e, &mut cursor, &mut table, &mut locals, &mut last) {
                             // Delivery cannot go on without running the server on another
                             // input than its peers: stop here, loudly.
                             self.status.server_failed.store(true, Ordering::SeqCst);
@@ -145,6 +158,7 @@ impl Applier {
         cursor: &mut Cursor,
         table: &mut Table,
         locals: &mut HashMap<u64, Local>,
+        last: &mut Option<LastWrite>,
     ) -> bool {
         if self.status.server_failed.load(Ordering::Relaxed) {
             return false;
@@ -172,7 +186,12 @@ impl Applier {
                 }
             },
             Action::Write => {
+                self.order(ev.conn, *last, locals);
                 if let Some(l) = locals.get_mut(&ev.conn) {
+                    *last = Some(LastWrite {
+                        conn: ev.conn,
+                        out_before: l.out.load(Ordering::Acquire),
+                    });
                     match l.stream.write_all(&ev.bytes) {
                         Ok(()) => {}
                         Err(err) if closed_by_server(&err) => {
@@ -208,6 +227,32 @@ impl Applier {
         true
     }
 
+    /// Before a write on `conn`: when the last write went to another connection, wait until
+    /// the server has answered it (its output count moved), for at most `order_wait`. A server
+    /// reads its connections in whatever order it finds them ready, so two connections'
+    /// bytes written back to back could otherwise run in a different order on each replica
+    /// (with different replies, or a different state when they touch the same data). For a
+    /// server that answers every request (Redis) this keeps the log's order across
+    /// connections; for one that does not answer some write it is a delay of `order_wait`.
+    fn order(&self, conn: u64, last: Option<LastWrite>, locals: &HashMap<u64, Local>) {
+        let Some(prev) = last.filter(|p| p.conn != conn) else {
+            return;
+        };
+        let Some(out) = locals.get(&prev.conn).map(|l| &l.out) else {
+            return; // closed since: it was read to its end
+        };
+        let until = Instant::now() + self.limits.order_wait;
+        let mut spins = 0u32;
+        while out.load(Ordering::Acquire) == prev.out_before && Instant::now() < until {
+            if spins < 64 {
+                std::thread::yield_now();
+                spins += 1;
+            } else {
+                std::thread::sleep(Duration::from_micros(20));
+            }
+        }
+    }
+
     fn open(&self, conn: u64) -> std::io::Result<Local> {
         let s = TcpStream::connect_timeout(&self.server, self.limits.connect_timeout)?;
         s.set_nodelay(true)?;
@@ -218,10 +263,16 @@ impl Applier {
             self.digests.clone(),
             self.limits.max_digests,
         );
+        let out = Arc::new(AtomicU64::new(0));
+        let counted = out.clone();
         let reader = std::thread::Builder::new()
             .name("smr-output".into())
-            .spawn(move || output(r, conn, &sinks, &digests, max))?;
-        Ok(Local { stream: s, reader })
+            .spawn(move || output(r, conn, &sinks, &digests, max, &counted))?;
+        Ok(Local {
+            stream: s,
+            reader,
+            out,
+        })
     }
 
     /// On the leader: a reset for every open connection of an earlier term not served here.
@@ -252,7 +303,14 @@ fn closed_by_server(e: &std::io::Error) -> bool {
 
 /// Reads a local connection's output to its end: hash it, and copy it to the client when this
 /// replica serves that client.
-fn output(mut r: TcpStream, conn: u64, sinks: &Sinks, digests: &Digests, max: usize) {
+fn output(
+    mut r: TcpStream,
+    conn: u64,
+    sinks: &Sinks,
+    digests: &Digests,
+    max: usize,
+    out: &AtomicU64,
+) {
     let mut sink = sinks.get(conn);
     let mut d = Digest::default();
     let mut buf = vec![0u8; 64 << 10];
@@ -261,6 +319,7 @@ fn output(mut r: TcpStream, conn: u64, sinks: &Sinks, digests: &Digests, max: us
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
+        out.fetch_add(n as u64, Ordering::Release);
         d.update(&buf[..n]);
         digests.put(conn, d, max);
         if let Some(s) = sink.as_mut() {

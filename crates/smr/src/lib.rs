@@ -17,8 +17,10 @@
 //! - [`replica`]: all of the above for one replica.
 //! - `rlog`: raft's slog records forwarded to `tracing`.
 //! - [`group`]: replicas and their server children in one process (tests, benchmark).
+//! - [`bench`]: `pliant bench smr`, against Redis alone and Redis's own replication.
 
 pub mod apply;
+pub mod bench;
 pub mod child;
 pub mod deliver;
 pub mod event;

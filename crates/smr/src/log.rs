@@ -10,6 +10,13 @@
 //! and hard state of that round, then one `fdatasync`): the batched fsync. Raft sends the
 //! messages that depend on them (votes, append acks) only after that sync.
 //!
+//! The file is extended ahead of the records in steps of [`PREALLOC`] zero bytes (written and
+//! synced once per step), and records overwrite those zeros in place: the `fdatasync` of a
+//! record then flushes data only, not the file size and its journal commit, which on this
+//! project's disks halves its cost. Zeros read as the end of the log (a record's length is
+//! never 0). A clean close and every open cut the file back to its records, so the zeros only
+//! remain after a crash, where the next open cuts them with any torn record.
+//!
 //! Recovery reads records until the first that is short, over the size bound, or fails its
 //! CRC, and truncates the file there: a crash mid-write leaves at most a torn tail, which held
 //! nothing that was acknowledged (acknowledgement follows the sync).
@@ -20,12 +27,15 @@
 use protobuf::Message as _;
 use raft::prelude::{Entry, HardState};
 use std::fs::{File, OpenOptions};
-use std::io::{self, Read, Seek, SeekFrom, Write};
+use std::io::{self, Read};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 const TAG_ENTRY: u8 = 1;
 const TAG_HARD_STATE: u8 = 2;
 const FRAME: usize = 8;
+/// Zero bytes the file is extended by ahead of its records.
+pub const PREALLOC: u64 = 4 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LogError {
@@ -65,6 +75,10 @@ pub struct Log {
     max_record: usize,
     /// File length, synced or not.
     len: u64,
+    /// Bytes of records in the file (written, synced or not): where the next write goes.
+    written: u64,
+    /// File size: records plus the zeros ahead of them.
+    allocated: u64,
 }
 
 impl Log {
@@ -76,8 +90,9 @@ impl Log {
         };
         let mut file = OpenOptions::new()
             .read(true)
-            .append(true)
+            .write(true)
             .create(true)
+            .truncate(false)
             .open(path)
             .map_err(io_err)?;
         let mut buf = Vec::new();
@@ -88,7 +103,6 @@ impl Log {
             tracing::warn!(path = %path.display(), bytes = truncated, "log: torn tail cut");
             file.set_len(good as u64).map_err(io_err)?;
             file.sync_data().map_err(io_err)?;
-            file.seek(SeekFrom::End(0)).map_err(io_err)?;
         }
         let log = Log {
             path: path.to_path_buf(),
@@ -96,6 +110,8 @@ impl Log {
             pending: Vec::new(),
             max_record,
             len: good as u64,
+            written: good as u64,
+            allocated: good as u64,
         };
         Ok((log, Recovered { truncated, ..rec }))
     }
@@ -124,8 +140,22 @@ impl Log {
             path: self.path.clone(),
             source,
         };
-        self.file.write_all(&self.pending).map_err(io_err)?;
+        let end = self.written + self.pending.len() as u64;
+        if end > self.allocated {
+            // Zeros up to the next step past the records, made durable with the records below
+            // (this one sync also carries the new file size).
+            let to = end.div_ceil(PREALLOC) * PREALLOC + PREALLOC;
+            let zeros = vec![0u8; (to - self.allocated) as usize];
+            self.file
+                .write_all_at(&zeros, self.allocated)
+                .map_err(io_err)?;
+            self.allocated = to;
+        }
+        self.file
+            .write_all_at(&self.pending, self.written)
+            .map_err(io_err)?;
         self.file.sync_data().map_err(io_err)?;
+        self.written = end;
         self.pending.clear();
         Ok(())
     }
@@ -166,6 +196,19 @@ impl Log {
         LogError::Io {
             path: self.path.clone(),
             source: io::Error::new(io::ErrorKind::InvalidData, e.to_string()),
+        }
+    }
+}
+
+impl Drop for Log {
+    /// A clean close: what is still buffered is written (not synced: nothing waits on it, Raft
+    /// only buffers a commit index without a sync), and the zeros ahead are cut off.
+    fn drop(&mut self) {
+        if !self.pending.is_empty() && self.file.write_all_at(&self.pending, self.written).is_ok() {
+            self.written += self.pending.len() as u64;
+        }
+        if self.allocated > self.written {
+            let _ = self.file.set_len(self.written);
         }
     }
 }
@@ -331,6 +374,39 @@ mod tests {
             assert_eq!(rec.entries.len(), 3, "case {i}");
             assert_eq!(&rec.entries[2].data[..], b"again", "case {i}");
         }
+        let _ = std::fs::remove_file(&p);
+    }
+
+    /// While open the file runs ahead of the records with zeros; a crash leaves them, the next
+    /// open reads them as the end and cuts them; a clean close cuts them itself.
+    #[test]
+    fn zeros_ahead_of_the_records_read_as_the_end() {
+        let p = tmp("prealloc");
+        let (mut log, _) = Log::open(&p, 1 << 20).unwrap();
+        log.append_entries(&[entry(1, 1, b"a"), entry(1, 2, b"b")])
+            .unwrap();
+        log.sync().unwrap();
+        let len = log.len();
+        let size = std::fs::metadata(&p).unwrap().len();
+        assert!(
+            size > len && size.is_multiple_of(PREALLOC),
+            "{size} ahead of {len}"
+        );
+        let on_disk = std::fs::read(&p).unwrap();
+        assert!(on_disk[len as usize..].iter().all(|&b| b == 0));
+        // A crash: no close, the zeros stay.
+        std::mem::forget(log);
+        let (mut log, rec) = Log::open(&p, 1 << 20).unwrap();
+        assert_eq!(rec.entries.len(), 2);
+        assert_eq!(rec.truncated, size - len, "the zeros are cut");
+        assert_eq!(std::fs::metadata(&p).unwrap().len(), len);
+        log.append_entries(&[entry(1, 3, b"c")]).unwrap();
+        log.sync().unwrap();
+        let len = log.len();
+        drop(log);
+        assert_eq!(std::fs::metadata(&p).unwrap().len(), len, "a clean close");
+        let (_, rec) = Log::open(&p, 1 << 20).unwrap();
+        assert_eq!((rec.entries.len(), rec.truncated), (3, 0));
         let _ = std::fs::remove_file(&p);
     }
 

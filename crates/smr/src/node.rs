@@ -1,7 +1,8 @@
 //! The Raft thread: one thread owns the `RawNode`, so the library's synchronous API needs no
 //! lock. It ticks the clock, steps peer messages, turns the front's client events into
 //! proposals, and handles each `Ready`: entries and hard state to the log with one fsync,
-//! messages to the transport, committed entries to the applier.
+//! messages to the transport, committed entries to the applier. A `Ready` that changes only
+//! the commit index is not synced (see `on_ready`).
 //!
 //! Proposals are taken in bulk (everything queued, up to a bound) before each `Ready`, so one
 //! fsync and one append round covers many client events under load: the batching.
@@ -148,7 +149,14 @@ impl Node {
             self.log.append_hard_state(hs)?;
             self.raw.mut_store().wl().set_hardstate(hs.clone());
         }
-        self.log.sync()?;
+        // Entries, a term or a vote must be on disk before the messages that depend on them
+        // go out. A hard state whose only change is the commit index need not be (a commit
+        // index lost in a crash is learnt again from the leader; raft says so with
+        // `must_sync`): it stays buffered and reaches the disk with the next sync, so
+        // committing costs no fsync of its own on the path of every request.
+        if rd.must_sync() {
+            self.log.sync()?;
+        }
         self.status
             .log_bytes
             .store(self.log.len(), Ordering::Relaxed);

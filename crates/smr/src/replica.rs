@@ -75,6 +75,7 @@ impl Default for Limits {
                 write_timeout: Duration::from_secs(10),
                 max_digests: 1 << 16,
                 reap_every: Duration::from_millis(500),
+                order_wait: Duration::from_millis(5),
             },
         }
     }

@@ -20,7 +20,7 @@ use pliant_wire::{kinds, role, Conn, Expect, Security};
 use protobuf::Message as _;
 use raft::prelude::Message;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -62,9 +62,23 @@ pub struct TransportStats {
     pub aborted: AtomicU64,
 }
 
+/// How the Raft thread reaches one peer: its queue, the messages in it, the connection the
+/// sender thread keeps (shared, so the Raft thread can write on it directly).
+struct PeerOut {
+    queue: SyncSender<Message>,
+    queued: Arc<AtomicUsize>,
+    conn: Arc<Mutex<Option<pliant_wire::ConnWriter>>>,
+}
+
+/// The bound on a write to a peer (a peer that takes no bytes for this long is cut off).
+const WRITE_TIMEOUT: Duration = Duration::from_secs(1);
+/// The largest message the Raft thread writes itself (acks, heartbeats and appends of a few
+/// entries; a catch-up append goes through the sender thread).
+const DIRECT_MAX: u32 = 64 << 10;
+
 pub struct Transport {
     /// Emptied by [`Transport::stop`]: the senders see their queue close at once.
-    queues: Mutex<HashMap<u64, SyncSender<Message>>>,
+    queues: Mutex<HashMap<u64, PeerOut>>,
     senders: Mutex<Vec<JoinHandle<()>>>,
     server: Mutex<Option<ServerSocket>>,
     conns: Arc<ConnThreads>,
@@ -120,12 +134,25 @@ impl Transport {
         let mut senders = Vec::new();
         for p in members.iter().filter(|p| p.id != me.id) {
             let (tx, rx) = mpsc::sync_channel(limits.queue);
-            queues.insert(p.id, tx);
+            let out = PeerOut {
+                queue: tx,
+                queued: Arc::default(),
+                conn: Arc::default(),
+            };
+            let (queued, conn) = (out.queued.clone(), out.conn.clone());
+            queues.insert(p.id, out);
             let (p, sec, limits) = (p.clone(), sec.clone(), limits.clone());
             let (stats, stopped) = (stats.clone(), stopped.clone());
             let t = std::thread::Builder::new()
                 .name(format!("smr-send-{}", p.id))
-                .spawn(move || send_loop(&p, &sec, &limits, &rx, &stats, &stopped))
+                .spawn(move || {
+                    let out = SendSide {
+                        rx: &rx,
+                        queued: &queued,
+                        conn: &conn,
+                    };
+                    send_loop(&p, &sec, &limits, &out, &stats, &stopped)
+                })
                 .map_err(server::StartError::Spawn)?;
             senders.push(t);
         }
@@ -139,20 +166,38 @@ impl Transport {
         })
     }
 
-    /// Queues messages to their peers; drops what does not fit.
+    /// Sends messages to their peers: directly when the peer's queue is empty and its
+    /// connection up and free, else through the queue; drops what does not fit.
     pub fn send(&self, msgs: Vec<Message>) {
         if msgs.is_empty() {
             return;
         }
         let queues = lock(&self.queues);
         for m in msgs {
-            let Some(q) = queues.get(&m.to) else {
+            let Some(out) = queues.get(&m.to) else {
                 tracing::warn!(to = m.to, "smr: message to a non-member dropped");
                 continue;
             };
-            match q.try_send(m) {
+            if out.queued.load(Ordering::SeqCst) == 0 && m.compute_size() <= DIRECT_MAX {
+                if let Ok(mut g) = out.conn.try_lock() {
+                    if let Some(w) = g.as_mut() {
+                        match write(w, &m) {
+                            Ok(()) => self.stats.sent.fetch_add(1, Ordering::Relaxed),
+                            Err(e) => {
+                                tracing::debug!(peer = m.to, error = %e, "smr: peer connection lost");
+                                *g = None;
+                                self.stats.dropped.fetch_add(1, Ordering::Relaxed)
+                            }
+                        };
+                        continue;
+                    }
+                }
+            }
+            out.queued.fetch_add(1, Ordering::SeqCst);
+            match out.queue.try_send(m) {
                 Ok(()) => {}
                 Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
+                    out.queued.fetch_sub(1, Ordering::SeqCst);
                     self.stats.dropped.fetch_add(1, Ordering::Relaxed);
                 }
             }
@@ -173,11 +218,24 @@ impl Transport {
     }
 }
 
+/// The sender thread's side of a peer.
+struct SendSide<'a> {
+    rx: &'a Receiver<Message>,
+    queued: &'a AtomicUsize,
+    conn: &'a Mutex<Option<pliant_wire::ConnWriter>>,
+}
+
+fn write(w: &mut pliant_wire::ConnWriter, m: &Message) -> Result<(), String> {
+    m.write_to_bytes()
+        .map_err(|e| e.to_string())
+        .and_then(|b| w.send_bytes(kinds::SMR, &b).map_err(|e| e.to_string()))
+}
+
 fn send_loop(
     peer: &PeerSpec,
     sec: &Security,
     limits: &TransportLimits,
-    rx: &Receiver<Message>,
+    out: &SendSide,
     stats: &TransportStats,
     stopped: &AtomicBool,
 ) {
@@ -186,10 +244,9 @@ fn send_loop(
         roles: role::REPLICA,
     };
     let opts = sec.options(&peer.endpoint, expect, limits.max_msg);
-    let mut conn: Option<pliant_wire::ConnWriter> = None;
     let mut retry_at = Instant::now();
     loop {
-        let m = match rx.recv_timeout(limits.idle / 4) {
+        let m = match out.rx.recv_timeout(limits.idle / 4) {
             Ok(m) => m,
             Err(RecvTimeoutError::Timeout) if !stopped.load(Ordering::SeqCst) => continue,
             Err(_) => return,
@@ -197,6 +254,9 @@ fn send_loop(
         if stopped.load(Ordering::SeqCst) {
             return;
         }
+        let mut conn = lock(out.conn);
+        // Counted as queued until here, so the Raft thread does not write past it.
+        out.queued.fetch_sub(1, Ordering::SeqCst);
         if conn.is_none() && Instant::now() >= retry_at {
             match Conn::connect(
                 &peer.endpoint,
@@ -205,7 +265,14 @@ fn send_loop(
                 limits.connect_timeout,
                 &sec.tcp,
             ) {
-                Ok(c) => conn = Some(c.split().2),
+                Ok(c) => {
+                    let w = c.split().2;
+                    if let Err(e) = w.stream().set_write_timeout(Some(WRITE_TIMEOUT)) {
+                        tracing::debug!(peer = peer.id, error = %e, "smr: no write bound");
+                    } else {
+                        *conn = Some(w);
+                    }
+                }
                 Err(e) => {
                     tracing::debug!(peer = peer.id, error = %e, "smr: peer unreachable");
                     retry_at = Instant::now() + limits.redial;
@@ -216,18 +283,15 @@ fn send_loop(
             stats.dropped.fetch_add(1, Ordering::Relaxed);
             continue;
         };
-        let sent = m
-            .write_to_bytes()
-            .map_err(|e| e.to_string())
-            .and_then(|b| w.send_bytes(kinds::SMR, &b).map_err(|e| e.to_string()));
-        match sent {
+        match write(w, &m) {
             Ok(()) => {
                 stats.sent.fetch_add(1, Ordering::Relaxed);
             }
             Err(e) => {
                 tracing::debug!(peer = peer.id, error = %e, "smr: peer connection lost");
                 stats.dropped.fetch_add(1, Ordering::Relaxed);
-                conn = None;
+                *conn = None;
+                retry_at = Instant::now();
             }
         }
     }

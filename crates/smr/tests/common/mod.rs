@@ -85,6 +85,26 @@ impl Group {
         }
     }
 
+    /// Every live replica's output digests once each has `conns` connections, all ended
+    /// (panics after `within`).
+    pub fn ended_digests(
+        &self,
+        conns: usize,
+        within: Duration,
+    ) -> Vec<std::collections::BTreeMap<u64, pliant_smr::apply::Digest>> {
+        let t0 = Instant::now();
+        loop {
+            let d: Vec<_> = self.live().map(|r| r.digests()).collect();
+            if d.iter()
+                .all(|m| m.len() == conns && m.values().all(|x| x.ended))
+            {
+                return d;
+            }
+            assert!(t0.elapsed() < within, "output digests: {d:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// `DEBUG DIGEST` and `DBSIZE` of each live replica's server, read directly.
     pub fn server_states(&self) -> Vec<(u64, String, String)> {
         self.live()
