@@ -12,6 +12,11 @@
 //! 4. etcd is SIGKILLed for 10 s under a download: every controller stands down (none can
 //!    prove it still leads), the replicas forward on, the download completes; once etcd is
 //!    back a controller leads again with the whole replica set and a scale-out goes through.
+//! 5. the leader is SIGKILLed in the middle of a scale-out under a download: the standby leads
+//!    within the takeover bound, the cut-short scale-out is settled (every replica it knows
+//!    alive and protected), and the download completes intact — the fabric kept steering with
+//!    everything it learned (a controller that stands down leaves its steering in place; the
+//!    successor adopts it), so the ring change re-homed no live flow.
 //!
 //! Needs root and etcd (`pliant_testkit`). Run in release:
 //! `cargo test --release -p pliant-cli --test e2e_controller_ha -- --nocapture`.
@@ -338,7 +343,69 @@ fn a_standby_controller_takes_over_and_a_deposed_leader_is_refused() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert_eq!(alive(&status(&leader_dir).expect("status")), 4);
-    drop(a2);
-    drop(b);
+
+    // 5. The leader dies in the middle of a scale-out (under a download): the standby leads
+    // within the takeover bound and settles the half-done operation — the new replica is
+    // either a live, protected member or gone — and no flow is lost.
+    let (leader, standby) = if leader_dir == a2.dir {
+        (a2, b)
+    } else {
+        (b, a2)
+    };
+    let mut dl = run.curl(
+        &f.url,
+        41_200,
+        &format!("{}", f.size_bytes / 6),
+        "mid-scale",
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let mut scaling = Command::new(common::pliant())
+        .args(["scale", "out", "--json", "--api"])
+        .arg(leader.dir.join("api.sock"))
+        .arg("--token-file")
+        .arg(leader.dir.join("token"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("pliant scale out");
+    std::thread::sleep(Duration::from_millis(250));
+    let killed = Instant::now();
+    leader.signal(libc::SIGKILL);
+    let _ = scaling.wait();
+    let (_, took) = wait_leading(&standby.dir, Duration::from_secs(10));
+    let takeover = killed.elapsed().min(took);
+    eprintln!(
+        "leader killed mid-scale-out: the standby leads after {} ms",
+        takeover.as_millis()
+    );
+    assert!(
+        takeover < Duration::from_millis(1500),
+        "takeover took {takeover:?}"
+    );
+    // Settled: every replica the new leader knows is alive and protected, whatever the
+    // scale-out had reached (4 or 5 replicas).
+    let settled = Instant::now();
+    let st = loop {
+        let st = status(&standby.dir).expect("status");
+        let rs = st["replicas"].as_array().cloned().unwrap_or_default();
+        let all_alive = rs.iter().all(|r| r["alive"] == true);
+        let unprotected = st["ha"]["unprotected"].as_array().map_or(1, Vec::len);
+        if all_alive && unprotected == 0 && (4..=5).contains(&rs.len()) {
+            break st;
+        }
+        assert!(
+            settled.elapsed() < Duration::from_secs(20),
+            "the cut-short scale-out was not settled: {st}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    eprintln!(
+        "scale-out cut short settled in {} ms with {} replicas",
+        settled.elapsed().as_millis(),
+        alive(&st)
+    );
+    dl.finish(&f.sha256, "download across a leader's death mid-scale-out");
+    drop(leader);
+    drop(standby);
     drop(etcd);
 }

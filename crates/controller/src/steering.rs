@@ -127,9 +127,15 @@ pub struct FabricSteering {
 impl FabricSteering {
     /// Attaches steering in the fabric namespace `ns` over `replicas`, with `nat_addr` (the
     /// shared external address) steered by port block. If the lab already runs BPF steering
-    /// with pinned maps (a 2+-replica lab), this takes it over: the old maps' placement
-    /// (replica slots, ring, exceptions, conn pins, port owners) is adopted, the filters are
-    /// replaced by ours, and the pins are ours from then on.
+    /// with pinned maps (a 2+-replica lab, or a previous controller), this takes it over: the
+    /// old maps' placement (replica slots, ring, exceptions, conn pins, port owners) is
+    /// adopted, the filters are replaced by ours, and the pins are ours from then on. The
+    /// steering outlives this controller: dropped (a leadership lost, a stop), it leaves the
+    /// filters attached and the maps pinned, so the fabric goes on steering every flow where it
+    /// was and the next leader adopts all of it. (Before, a controller that stood down removed
+    /// the pins and detached the filters: its successor attached fresh maps, and live flows
+    /// whose pins were lost were re-homed by the next ring change — a download broken by a
+    /// leader's death in the middle of a scale-out.)
     pub fn attach_lab(
         ns: &str,
         replicas: &[u32],
@@ -137,7 +143,7 @@ impl FabricSteering {
     ) -> Result<FabricSteering> {
         let pins = pliant_steer::lab::pin_dir(ns);
         let opts = pliant_steer::SteerOptions {
-            pin_dir: pins.join("config").exists().then_some(pins),
+            pin_dir: Some(pins),
             ..Default::default()
         };
         let mut ports = pliant_steer::lab::lab_ports(0);
@@ -149,6 +155,7 @@ impl FabricSteering {
             });
         }
         let mut steer = pliant_steer::Steer::attach(ns, &ports, &opts).map_err(serr)?;
+        steer.keep_on_drop();
         if let Some(a) = nat_addr {
             steer.add_nat_addr(a).map_err(serr)?;
         }

@@ -880,6 +880,7 @@ impl Steer {
                 ns: ns.to_string(),
                 ebpf: Some(ebpf),
                 pin_dir: opts.pin_dir.clone(),
+                keep: false,
             },
             ifindexes,
             attached,
@@ -960,6 +961,15 @@ impl Steer {
         maps
     }
 
+    /// Like [`Steer::persist`] for when this instance is dropped, whenever that is: the
+    /// filters stay attached and the pins stay, so the fabric keeps steering with everything
+    /// it learned (conn pins, exceptions, ring, port owners) and the next owner's
+    /// [`Steer::attach`] on the same `pin_dir` adopts it. For an owner that may stop at any
+    /// time while the fabric must not (a controller that loses its leadership).
+    pub fn keep_on_drop(&mut self) {
+        self.guard.keep = true;
+    }
+
     /// Names of the ports the program is attached to.
     pub fn attached_ports(&self) -> &[String] {
         &self.attached
@@ -973,10 +983,17 @@ struct AttachGuard {
     ns: String,
     ebpf: Option<Ebpf>,
     pin_dir: Option<PathBuf>,
+    /// [`Steer::keep_on_drop`]: filters and pins outlive this instance.
+    keep: bool,
 }
 
 impl Drop for AttachGuard {
     fn drop(&mut self) {
+        if self.keep {
+            // Dropping would detach; forgetting leaks only this process's FDs.
+            std::mem::forget(self.ebpf.take());
+            return;
+        }
         if let Some(ebpf) = self.ebpf.take() {
             let ns = self.ns.clone();
             // If the namespace is gone its interfaces (and our filters) went with it; dropping

@@ -541,11 +541,9 @@ fn filters_are_visible_to_tc_and_removed_on_detach() {
     assert!(!show().contains("pliant_steer"), "{}", show());
 }
 
-#[test]
-fn a_second_owner_takes_over_pinned_maps_without_rehoming_flows() {
-    if !pliant_testkit::require_root() {
-        return;
-    }
+/// Three replicas, steering pinned under the lab's pin directory: the fixture, that directory,
+/// the options naming it, the client's port and the replicas' inside ports.
+fn pinned_three() -> (Fixture, std::path::PathBuf, SteerOptions, Port, Vec<Port>) {
     let fx = Fixture::new(3);
     let dir = pliant_steer::lab::pin_dir(&fx.fabric());
     let opts = SteerOptions {
@@ -556,6 +554,15 @@ fn a_second_owner_takes_over_pinned_maps_without_rehoming_flows() {
     let rin: Vec<Port> = (1..=3)
         .map(|i| Port::open(&fx.replica(i), &format!("r{i}in")))
         .collect();
+    (fx, dir, opts, client, rin)
+}
+
+#[test]
+fn a_second_owner_takes_over_pinned_maps_without_rehoming_flows() {
+    if !pliant_testkit::require_root() {
+        return;
+    }
+    let (fx, dir, opts, client, rin) = pinned_three();
     let mut a = Steer::attach(&fx.fabric(), &lab_ports(3), &opts).expect("attach a");
     a.set_ring_maglev(&[1, 2, 3], 4099).expect("ring");
     client.send(&c2s(35_000, 80, &marker("take", 0)));
@@ -600,6 +607,53 @@ fn a_second_owner_takes_over_pinned_maps_without_rehoming_flows() {
     assert_eq!(filters, 1, "{shown}");
     drop(b);
     assert!(!dir.exists(), "pins removed with their last owner");
+}
+
+/// An owner that stands down (a controller losing its leadership) drops its `Steer` kept with
+/// `keep_on_drop`: the fabric goes on steering with the same filter and maps (a pinned flow's
+/// next packet still reaches its replica), the pins stay, and the next owner adopts the pin
+/// and the exception, so a ring change after the takeover re-homes no live flow.
+#[test]
+fn an_owner_kept_on_drop_leaves_the_fabric_steering_for_its_successor() {
+    if !pliant_testkit::require_root() {
+        return;
+    }
+    let (fx, dir, opts, client, rin) = pinned_three();
+    let mut a = Steer::attach(&fx.fabric(), &lab_ports(3), &opts).expect("attach a");
+    a.keep_on_drop();
+    a.set_ring_maglev(&[1, 2, 3], 4099).expect("ring");
+    client.send(&c2s(36_000, 80, &marker("keep", 0)));
+    let first = arrived(&rin, &marker("keep", 0));
+    assert_eq!(first.len(), 1);
+    a.set_exception(&key(36_001, 80), 3).expect("exception");
+    drop(a);
+    assert!(dir.join("conn").exists(), "pins kept");
+    client.send(&c2s(36_000, 80, &marker("keep", 1)));
+    assert_eq!(
+        arrived(&rin, &marker("keep", 1)),
+        first,
+        "still steered after the drop"
+    );
+
+    let mut b = Steer::attach(&fx.fabric(), &lab_ports(3), &opts).expect("attach b");
+    assert_eq!(
+        b.conn_owner(&key(36_000, 80)).expect("conn"),
+        Some(first[0])
+    );
+    assert_eq!(b.exception(&key(36_001, 80)).expect("exc"), Some(3));
+    let only = if first[0] == 1 { 2 } else { 1 };
+    b.set_ring_maglev(&[only], 4099).expect("ring");
+    client.send(&c2s(36_000, 80, &marker("keep", 2)));
+    assert_eq!(
+        arrived(&rin, &marker("keep", 2)),
+        first,
+        "pinned flow kept across owners"
+    );
+    drop(b);
+    assert!(
+        !dir.exists(),
+        "pins removed with their last (not kept) owner"
+    );
 }
 
 #[test]
