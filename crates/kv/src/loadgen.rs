@@ -449,15 +449,6 @@ pub fn scan_masters(st: &KvState, password: &str) -> Result<Vec<u64>, String> {
     Ok(ids)
 }
 
-/// Keys in slot `slot` on the node at `addr`.
-pub fn keys_in_slot(c: &mut redis::Connection, slot: u16) -> Result<u64, String> {
-    redis::cmd("CLUSTER")
-        .arg("COUNTKEYSINSLOT")
-        .arg(slot)
-        .query(c)
-        .map_err(|e| format!("COUNTKEYSINSLOT {slot}: {e}"))
-}
-
 /// Slot → owning master's node id, from one node's `CLUSTER NODES`.
 pub fn slot_owners(view: &[parse::NodeLine]) -> Vec<Option<String>> {
     let mut owners = vec![None; slots::SLOTS as usize];

@@ -12,7 +12,8 @@
 //!
 //! Data moved is counted as pliant's is: bytes arriving on a host that did not hold them. A key
 //! whose slot changes owner arrives on the new master and, by replication, on its `k` replicas;
-//! the keys are counted with `CLUSTER COUNTKEYSINSLOT` on the new owner when the rebalance is done.
+//! the keys are counted with `CLUSTER COUNTKEYSINSLOT` on every slot's owner when the scale
+//! begins (the rebalance also moves keys written to a slot while it waits its turn: not counted).
 
 use crate::autoscale::Scaled;
 use crate::cluster::Kv;
@@ -51,14 +52,14 @@ fn addr(kv: &Kv, n: &NodeRec) -> String {
     format!("{}:{}", kv.state.host_ip(n.host), n.port)
 }
 
-/// Runs `redis-cli --cluster rebalance` against a node of the cluster (password from the
-/// environment, never the command line); returns its output. The calling thread is in the
-/// fabric namespace, and so is the child.
-fn rebalance(kv: &Kv, extra: &[String]) -> Result<String, String> {
+/// Runs `redis-cli --cluster <sub>` (rebalance, fix) against a node of the cluster (password
+/// from the environment, never the command line); returns its output. The calling thread is in
+/// the fabric namespace, and so is the child.
+fn cluster_cmd(kv: &Kv, sub: &str, extra: &[String]) -> Result<String, String> {
     let first = kv.state.nodes.first().ok_or("no nodes")?;
     let mut child = Command::new("redis-cli")
         .env("REDISCLI_AUTH", kv.password())
-        .args(["--cluster", "rebalance", &addr(kv, first)])
+        .args(["--cluster", sub, &addr(kv, first)])
         .args(extra)
         .args(["--cluster-yes", "--cluster-pipeline", "100"])
         .stdin(Stdio::null())
@@ -101,7 +102,7 @@ fn rebalance(kv: &Kv, extra: &[String]) -> Result<String, String> {
             .take(6)
             .collect::<Vec<_>>()
             .join(" | ");
-        return Err(format!("redis-cli rebalance failed ({status}): {tail}"));
+        return Err(format!("redis-cli {sub} failed ({status}): {tail}"));
     }
     Ok(text)
 }
@@ -113,33 +114,42 @@ fn owners(kv: &Kv) -> Result<Vec<Option<String>>, String> {
     Ok(loadgen::slot_owners(&view))
 }
 
-/// Keys in the slots whose owner changed, counted on the new owner.
-fn keys_moved(
-    kv: &Kv,
-    before: &[Option<String>],
-    after: &[Option<String>],
-) -> Result<(u64, u64), String> {
-    let mut keys = 0;
-    let mut slots = 0;
-    let mut conns: std::collections::HashMap<String, redis::Connection> = Default::default();
-    for (s, (a, b)) in before.iter().zip(after).enumerate() {
-        let Some(b) = b else { continue };
-        if a.as_ref() == Some(b) {
+/// Keys per slot, counted on each slot's owner (one pipeline per owner).
+fn slot_keys(kv: &Kv, owners: &[Option<String>]) -> Result<Vec<u64>, String> {
+    let mut keys = vec![0u64; owners.len()];
+    for n in &kv.state.nodes {
+        let mine: Vec<usize> = (0..owners.len())
+            .filter(|&s| owners[s].as_deref() == Some(n.id.as_str()))
+            .collect();
+        if mine.is_empty() {
             continue;
         }
-        slots += 1;
-        if !conns.contains_key(b) {
-            let n = kv
-                .state
-                .nodes
-                .iter()
-                .find(|n| &n.id == b)
-                .ok_or_else(|| format!("slot {s}: owner {b} not in state"))?;
-            conns.insert(b.clone(), kv.connect(n)?);
+        let mut pipe = redis::pipe();
+        for &s in &mine {
+            pipe.cmd("CLUSTER").arg("COUNTKEYSINSLOT").arg(s);
         }
-        keys += loadgen::keys_in_slot(conns.get_mut(b).expect("inserted"), s as u16)?;
+        let counts: Vec<u64> = pipe
+            .query(&mut kv.connect(n)?)
+            .map_err(|e| format!("COUNTKEYSINSLOT on {}: {e}", addr(kv, n)))?;
+        for (&s, c) in mine.iter().zip(counts) {
+            keys[s] = c;
+        }
     }
-    Ok((keys, slots))
+    Ok(keys)
+}
+
+/// Slots whose owner changed, and the keys they held before (`keys[slot]`).
+pub fn moved_slots(
+    before: &[Option<String>],
+    after: &[Option<String>],
+    keys: &[u64],
+) -> (u64, u64) {
+    before
+        .iter()
+        .zip(after)
+        .zip(keys)
+        .filter(|((a, b), _)| b.is_some() && a != b)
+        .fold((0, 0), |(s, k), (_, &n)| (s + 1, k + n))
 }
 
 /// Waits until every node lists every node of the record, every replica of `pairs` under its
@@ -181,6 +191,9 @@ pub fn scale(
 ) -> Result<PeerScaled, String> {
     let now = kv.state.hosts.len();
     let before = owners(kv)?;
+    // Keys are counted when the scale begins (pliant's moves too): what the rebalance has to move
+    // then, not what the load adds while it runs.
+    let keys_before = slot_keys(kv, &before)?;
     let mut extra: Vec<String> = Vec::new();
     if to > now {
         let mut pairs = Vec::new();
@@ -251,10 +264,22 @@ pub fn scale(
     } else {
         return Ok(PeerScaled::default());
     }
-    let out = rebalance(kv, &extra)?;
+    // What an operator does when a rebalance stops half-way (a slot left migrating, as when a
+    // node answered CLUSTERDOWN under overload): `--cluster fix`, then the rebalance again, once.
+    let out = match cluster_cmd(kv, "rebalance", &extra) {
+        Ok(out) => out,
+        Err(e) => {
+            progress(&format!(
+                "{e}; redis-cli --cluster fix, then the rebalance once more"
+            ));
+            cluster_cmd(kv, "fix", &[])?;
+            wait_agreed(kv, &[])?;
+            cluster_cmd(kv, "rebalance", &extra)?
+        }
+    };
     let (migrations, _) = parse_rebalance(&out);
     let after = owners(kv)?;
-    let (keys, slots) = keys_moved(kv, &before, &after)?;
+    let (slots, keys) = moved_slots(&before, &after, &keys_before);
     progress(&format!(
         "rebalance: {migrations} migrations, {slots} slots, {keys} keys"
     ));
@@ -378,5 +403,14 @@ mod tests {
                    ####\n";
         assert_eq!(parse_rebalance(out), (2, 2731));
         assert_eq!(parse_rebalance("*** No rebalancing needed!"), (0, 0));
+    }
+
+    #[test]
+    fn moved_slots_count_the_keys_they_held() {
+        let a = |s: &str| Some(s.to_string());
+        let before = [a("x"), a("x"), a("y"), None];
+        let after = [a("x"), a("z"), a("z"), a("z")];
+        assert_eq!(moved_slots(&before, &after, &[5, 7, 11, 13]), (3, 31));
+        assert_eq!(moved_slots(&before, &before, &[5, 7, 11, 13]), (0, 0));
     }
 }
