@@ -662,7 +662,7 @@ fn scaler(
                     .as_ref()
                     .map(|p| (p.scaled.moves as u64, p.keys_moved, p.slots_moved))
                     .unwrap_or_default();
-                let r = r.map(|p| p.scaled);
+                let r = r.and_then(|p| p.error.map_or(Ok(p.scaled), Err));
                 record(&r, m, k * copies, s);
                 r
             })

@@ -29,12 +29,14 @@ use std::time::{Duration, Instant};
 const REBALANCE_TIMEOUT: Duration = Duration::from_secs(600);
 const AGREE_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// What a peer scale did, beyond [`Scaled`].
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// What a peer scale did, beyond [`Scaled`]; `error` when the rebalance failed after its retry
+/// (the slots it moved before are counted all the same).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PeerScaled {
     pub scaled: Scaled,
     pub keys_moved: u64,
     pub slots_moved: u64,
+    pub error: Option<String>,
 }
 
 /// `Moving N slots from A to B` lines of `redis-cli --cluster rebalance`: (migrations, slots).
@@ -266,16 +268,23 @@ pub fn scale(
     }
     // What an operator does when a rebalance stops half-way (a slot left migrating, as when a
     // node answered CLUSTERDOWN under overload): `--cluster fix`, then the rebalance again, once.
-    let out = match cluster_cmd(kv, "rebalance", &extra) {
-        Ok(out) => out,
-        Err(e) => {
-            progress(&format!(
-                "{e}; redis-cli --cluster fix, then the rebalance once more"
-            ));
-            cluster_cmd(kv, "fix", &[])?;
-            wait_agreed(kv, &[])?;
-            cluster_cmd(kv, "rebalance", &extra)?
+    let mut run = || -> Result<String, String> {
+        match cluster_cmd(kv, "rebalance", &extra) {
+            Ok(out) => Ok(out),
+            Err(e) => {
+                progress(&format!(
+                    "{e}; redis-cli --cluster fix, then the rebalance once more"
+                ));
+                cluster_cmd(kv, "fix", &[])?;
+                wait_agreed(kv, &[])?;
+                cluster_cmd(kv, "rebalance", &extra)
+            }
         }
+    };
+    // A rebalance that fails still moved the slots it got to: they are counted.
+    let (out, error) = match run() {
+        Ok(out) => (out, None),
+        Err(e) => (String::new(), Some(e)),
     };
     let (migrations, _) = parse_rebalance(&out);
     let after = owners(kv)?;
@@ -283,7 +292,7 @@ pub fn scale(
     progress(&format!(
         "rebalance: {migrations} migrations, {slots} slots, {keys} keys"
     ));
-    if to < now {
+    if error.is_none() && to < now {
         drop_emptied(kv, to, initial, &after, progress)?;
     }
     Ok(PeerScaled {
@@ -293,6 +302,7 @@ pub fn scale(
         },
         keys_moved: keys,
         slots_moved: slots,
+        error,
     })
 }
 
