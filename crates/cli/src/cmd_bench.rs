@@ -1,4 +1,5 @@
-//! `pliant bench forward`: kernel forwarding vs kernel NAT vs pliant NAT on the lab topology.
+//! `pliant bench forward|pg|migrate|scale-in|ha|kv`: forward is kernel forwarding vs kernel NAT
+//! vs pliant NAT on the lab topology; the others live next to their crates.
 //! Progress goes to stderr; the last line of stdout is one JSON object.
 
 use clap::{Args, Subcommand};
@@ -32,6 +33,11 @@ enum BenchCmd {
     /// (3 replicas) vs Redis replication with WAIT 1 0 vs Redis + Sentinel, at 1, 4 and 8
     /// clients, plus failover trials (failover_ms, acked writes lost, connections kept).
     Smr(SmrBenchArgs),
+    /// Elastic Redis Cluster under the seed's sine load, compressed: the offline, online and
+    /// greedy planners and `redis-cli --cluster rebalance` against a fully scaled-out cluster
+    /// (data moved, throughput, host-seconds, moves, acknowledged writes lost), plus the online
+    /// MILP's solve time on 256 partitions.
+    Kv(KvBenchArgs),
 }
 
 #[derive(Args)]
@@ -55,6 +61,52 @@ struct SmrBenchArgs {
     /// Skip the failover trials.
     #[arg(long)]
     no_failover: bool,
+}
+
+#[derive(Args)]
+struct KvBenchArgs {
+    /// Print only the JSON object on stdout.
+    #[arg(long)]
+    json: bool,
+    /// Seconds of sine load per system (five systems run: about 5 × (this + 40 s) in all).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(20..=600))]
+    duration: Option<u32>,
+    /// Short run: 60 s per system.
+    #[arg(long)]
+    quick: bool,
+    /// Sine periods per run.
+    #[arg(long, default_value_t = 1.0)]
+    periods: f64,
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=64))]
+    partitions: u32,
+    #[arg(long, default_value_t = 2)]
+    min_hosts: usize,
+    #[arg(long, default_value_t = 4)]
+    max_hosts: usize,
+    /// CPU quota of every host, percent of one core.
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=400))]
+    cpu_quota_pct: u32,
+    /// Trough and peak of the sine, ops/s (calibrated on the baseline cluster when not given).
+    #[arg(long)]
+    low_ops: Option<f64>,
+    #[arg(long)]
+    high_ops: Option<f64>,
+    /// Writer threads.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=64))]
+    writers: u32,
+    /// One MILP solver run, seconds.
+    #[arg(long, default_value_t = 15.0)]
+    time_limit_s: f64,
+    /// Steps of the offline planner's horizon over the run.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=32))]
+    offline_steps: u32,
+    /// Run only these systems (comma-separated: offline,online,greedy,redis_rebalance); the
+    /// fully scaled-out baseline always runs.
+    #[arg(long, value_delimiter = ',', value_parser = pliant_kv::bench::SYSTEMS)]
+    only: Vec<String>,
+    /// Skip the 256-partition solve-time measurement.
+    #[arg(long)]
+    no_p256: bool,
 }
 
 #[derive(Args)]
@@ -114,7 +166,63 @@ pub fn run(a: BenchArgs) -> Result<(), String> {
         BenchCmd::ScaleIn(s) => crate::cmd_bench_elastic::scale_in(s),
         BenchCmd::Ha(h) => crate::cmd_bench_ha::run(h),
         BenchCmd::Smr(s) => smr(s),
+        BenchCmd::Kv(k) => kv(k),
     }
+}
+
+fn kv(k: KvBenchArgs) -> Result<(), String> {
+    let d = pliant_kv::bench::BenchOpts::default();
+    let opts = pliant_kv::bench::BenchOpts {
+        duration_s: f64::from(k.duration.unwrap_or(if k.quick { 60 } else { 120 })),
+        periods: k.periods,
+        partitions: k.partitions as usize,
+        min_hosts: k.min_hosts,
+        max_hosts: k.max_hosts,
+        cpu_quota_pct: k.cpu_quota_pct,
+        low_ops: k.low_ops,
+        high_ops: k.high_ops,
+        writers: k.writers as usize,
+        time_limit_s: k.time_limit_s,
+        offline_steps: k.offline_steps as usize,
+        only: k.only,
+        p256: !k.no_p256,
+        ..d
+    };
+    // Ctrl-C ends the current run between its steps; its cluster is torn down and the partial
+    // report printed.
+    pliant_lab::cmd::defer_interrupts();
+    let report = pliant_kv::bench::run(&opts)?;
+    if !k.json {
+        eprintln!(
+            "{:<16} {:>14} {:>9} {:>10} {:>6} {:>6}",
+            "system", "data_moved_B", "tput_%", "host_s", "moves", "lost"
+        );
+        let p = &report.planners;
+        for (name, r) in [
+            ("full", &report.full),
+            ("offline", &p.offline),
+            ("online", &p.online),
+            ("greedy", &p.greedy),
+            ("redis_rebalance", &p.redis_rebalance),
+        ] {
+            if let Some(r) = r {
+                eprintln!(
+                    "{name:<16} {:>14} {:>9} {:>10.0} {:>6} {:>6}",
+                    r.data_moved_bytes,
+                    fmt(r.throughput_vs_full_pct, 1),
+                    r.host_seconds,
+                    r.moves,
+                    r.acked_lost
+                );
+            }
+        }
+    }
+    let json = serde_json::to_string(&report).map_err(|e| format!("report to JSON: {e}"))?;
+    println!("{json}");
+    if pliant_lab::cmd::interrupted() {
+        return Err("interrupted: the report above is partial".into());
+    }
+    Ok(())
 }
 
 fn fmt(v: Option<f64>, digits: usize) -> String {

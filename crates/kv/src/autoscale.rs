@@ -171,6 +171,38 @@ impl std::fmt::Display for Round {
     }
 }
 
+/// What one scale did, for its round.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Scaled {
+    pub moves: usize,
+    pub bytes_moved: u64,
+}
+
+/// The scaler of the loop: takes the cluster to the given host count.
+pub type Scaler<'a> =
+    dyn FnMut(&mut Kv, usize, &mut dyn FnMut(&str)) -> Result<Scaled, String> + 'a;
+
+/// A scale with `planner`: `scale::plan` then `scale::execute` (every step keeps k + 1 copies).
+pub fn plan_and_execute(
+    kv: &mut Kv,
+    to: usize,
+    planner: Planner,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Scaled, String> {
+    let so = ScaleOpts {
+        target: to,
+        planner,
+        window: Duration::from_millis(500),
+    };
+    let p = scale::plan(kv, &so)?;
+    progress(&format!("plan: {}", p.summary()));
+    let done = scale::execute(kv, &p, progress)?;
+    Ok(Scaled {
+        moves: done.len(),
+        bytes_moved: p.bytes_moved,
+    })
+}
+
 /// Runs the loop for `duration` (or until `stop` says so), reporting every round to
 /// `on_round` and every move to `progress`. A failed scale is reported in its round and the
 /// loop goes on: every step of a scale keeps k + 1 copies, so a half-done plan is a valid
@@ -183,6 +215,23 @@ pub fn run(
     stop: &dyn Fn() -> bool,
     on_round: &mut dyn FnMut(&Round),
     progress: &mut dyn FnMut(&str),
+) -> Result<Vec<Round>, String> {
+    let mut scaler = |kv: &mut Kv, to: usize, progress: &mut dyn FnMut(&str)| {
+        plan_and_execute(kv, to, planner, progress)
+    };
+    run_with(kv, o, duration, stop, on_round, progress, &mut scaler)
+}
+
+/// [`run`] with any scaler: the same measurements and decisions, another way of moving data
+/// (benchmarks drive a peer's tool with it).
+pub fn run_with(
+    kv: &mut Kv,
+    o: &AutoOpts,
+    duration: Duration,
+    stop: &dyn Fn() -> bool,
+    on_round: &mut dyn FnMut(&Round),
+    progress: &mut dyn FnMut(&str),
+    scaler: &mut Scaler<'_>,
 ) -> Result<Vec<Round>, String> {
     o.validate()?;
     let quota = f64::from(kv.state.cpu_quota_pct) / 100.0;
@@ -216,19 +265,10 @@ pub fn run(
                 r.utilisation * 100.0
             ));
             let ts = Instant::now();
-            let so = ScaleOpts {
-                target: to,
-                planner,
-                window: Duration::from_millis(500),
-            };
-            match scale::plan(kv, &so) {
-                Ok(p) => {
-                    progress(&format!("plan: {}", p.summary()));
-                    r.bytes_moved = p.bytes_moved;
-                    match scale::execute(kv, &p, progress) {
-                        Ok(done) => r.moves = done.len(),
-                        Err(e) => r.error = Some(e),
-                    }
+            match scaler(kv, to, progress) {
+                Ok(done) => {
+                    r.moves = done.moves;
+                    r.bytes_moved = done.bytes_moved;
                 }
                 Err(e) => r.error = Some(e),
             }

@@ -9,16 +9,21 @@
 //! - [`planning`]: the placement problem from measurements, planner runs, plan → steps;
 //! - [`state`]: `state.json`; [`host`]: namespaces, veths, cgroups; [`node`]: one redis-server;
 //! - [`cluster`]: up, open, down; [`moves`]: one move; [`scale`]: plan and execute;
-//! - [`monitor`]: the sampler; [`autoscale`]: the automatic loop (a pure decision per round).
+//! - [`monitor`]: the sampler; [`autoscale`]: the automatic loop (a pure decision per round);
+//! - [`loadgen`]: open-loop acknowledged writers; [`peer`]: `redis-cli --cluster rebalance` as
+//!   the scaler; [`bench`]: `pliant bench kv`.
 
 pub mod autoscale;
+pub mod bench;
 pub mod cluster;
 pub mod host;
 pub mod invariant;
+pub mod loadgen;
 pub mod monitor;
 pub mod moves;
 pub mod node;
 pub mod parse;
+pub mod peer;
 pub mod planning;
 pub mod scale;
 pub mod slots;

@@ -251,7 +251,7 @@ fn failover(kv: &Kv, new: &NodeRec) -> Result<(), String> {
 /// `CLUSTER FORGET` of `old` on every other node (each keeps it banned for a minute, long enough
 /// for the stop that follows); a replica refuses to forget its own master, so that is retried
 /// until gossip has moved it to the new one.
-fn forget_everywhere(kv: &Kv, old: &NodeRec) -> Result<(), String> {
+pub(crate) fn forget_everywhere(kv: &Kv, old: &NodeRec) -> Result<(), String> {
     for n in kv.state.nodes.iter().filter(|n| n.id != old.id) {
         wait_for(
             &format!("node {}:{} to forget {}", n.host, n.port, old.id),

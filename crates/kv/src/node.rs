@@ -123,11 +123,16 @@ pub fn stop(st: &KvState, n: &NodeRec) {
 
 /// An admin connection to node `n` (the calling thread must be in the fabric namespace).
 pub fn connect(st: &KvState, n: &NodeRec, password: &str) -> Result<redis::Connection, String> {
-    let url = format!("redis://:{password}@{}:{}/", st.host_ip(n.host), n.port);
+    connect_addr(&format!("{}:{}", st.host_ip(n.host), n.port), password)
+}
+
+/// An admin connection to `ip:port` (a node named by a `MOVED` reply or `CLUSTER NODES`).
+pub fn connect_addr(addr: &str, password: &str) -> Result<redis::Connection, String> {
+    let url = format!("redis://:{password}@{addr}/");
     let c = redis::Client::open(url.as_str()).map_err(|e| e.to_string())?;
     let con = c
         .get_connection_with_timeout(IO_TIMEOUT)
-        .map_err(|e| format!("{}:{}: {e}", st.host_ip(n.host), n.port))?;
+        .map_err(|e| format!("{addr}: {e}"))?;
     con.set_read_timeout(Some(IO_TIMEOUT))
         .map_err(|e| e.to_string())?;
     con.set_write_timeout(Some(IO_TIMEOUT))

@@ -109,6 +109,65 @@ pub fn plan(kv: &Kv, o: &ScaleOpts) -> Result<ScalePlan, String> {
     })
 }
 
+/// A plan to `target` (pool indices), decided elsewhere (the offline planner's step). `pool[j]` is
+/// the host id of pool index `j`, `None` when no host is that index now: a host is created for
+/// each such index the target uses. The moves are `problem`'s copy-before-drop order from the
+/// cluster's current placement.
+pub fn plan_to(
+    kv: &Kv,
+    problem: &pliant_placement::Problem,
+    pool: &[Option<u32>],
+    target: &pliant_placement::Placement,
+) -> Result<ScalePlan, String> {
+    let st = &kv.state;
+    let mut ids: Vec<u32> = Vec::with_capacity(pool.len());
+    let mut new_hosts = Vec::new();
+    for (j, h) in pool.iter().enumerate() {
+        match h {
+            Some(id) => ids.push(*id),
+            None if target.copies.iter().any(|c| c.contains(&j)) => {
+                let id = st.next_host + new_hosts.len() as u32;
+                new_hosts.push(id);
+                ids.push(id);
+            }
+            // Never named by a step: neither the current placement nor the target uses it.
+            None => ids.push(u32::MAX),
+        }
+    }
+    let index = |id: u32| {
+        pool.iter()
+            .position(|&h| h == Some(id))
+            .ok_or_else(|| format!("host {id} holds copies but is not in the plan's pool"))
+    };
+    let current = st
+        .placement()
+        .iter()
+        .map(|c| c.iter().map(|&h| index(h)).collect::<Result<Vec<_>, _>>())
+        .collect::<Result<Vec<_>, _>>()?;
+    let current = pliant_placement::Placement::new(current);
+    let ops = pliant_placement::moves(problem, Some(&current), target);
+    let bytes_moved = ops
+        .iter()
+        .map(|o| match o {
+            pliant_placement::Op::Copy { bytes, .. } => *bytes,
+            pliant_placement::Op::Drop { .. } => 0,
+        })
+        .sum();
+    Ok(ScalePlan {
+        steps: planning::steps(&ops)?,
+        target: target
+            .copies
+            .iter()
+            .map(|c| c.iter().map(|&j| ids[j]).collect())
+            .collect(),
+        new_hosts,
+        pool: ids,
+        bytes_moved,
+        status: "Offline".into(),
+        solve_time: Duration::ZERO,
+    })
+}
+
 /// Plans and executes; `progress` gets one line per move.
 pub fn scale(
     kv: &mut Kv,

@@ -10,7 +10,7 @@
 //! load averages `fill` × the pool's CPU. Sizes are 1..8 units; the fixed seed makes every run
 //! solve the same instance.
 
-use pliant_placement::instances::{random_problem, Shape};
+use pliant_placement::instances::at_scale;
 use pliant_placement::milp::{plan_offline, plan_online, MilpOptions};
 use pliant_placement::plan::check;
 use pliant_placement::{greedy, Plan, Problem};
@@ -38,19 +38,8 @@ fn main() {
     };
     for partitions in sizes {
         let max_hosts = partitions / 8;
-        let shape = Shape {
-            partitions,
-            max_hosts,
-            k: 1,
-            horizon: 1 + offline.unwrap_or(1),
-            fill_hosts: max_hosts as f64 * fill,
-        };
-        let mut problem = random_problem(42, shape, true);
-        assert!(problem.current.is_some(), "the first-fit start did not fit");
+        let problem = at_scale(partitions, fill, offline.unwrap_or(1));
         let hosts_before = problem.current.as_ref().map_or(0, |c| c.hosts_used());
-        for p in &mut problem.partitions {
-            p.load.remove(0);
-        }
         if offline.is_some() {
             println!("{}", offline_line(&problem, &opts));
             continue;

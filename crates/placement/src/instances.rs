@@ -102,6 +102,27 @@ pub fn random_problem(seed: u64, shape: Shape, with_current: bool) -> Problem {
     problem
 }
 
+/// The solve-time instance at scale: k = 1, a pool of `partitions / 8` hosts, the copies placed
+/// first-fit on one load, then a new load snapshot (each partition's load redrawn) to plan for, the
+/// total load averaging `fill` of the pool's CPU; `horizon` predicted steps after the first-fit one
+/// (1 for the online planner). Seed 42: every caller solves the same instance.
+pub fn at_scale(partitions: usize, fill: f64, horizon: usize) -> Problem {
+    let max_hosts = partitions / 8;
+    let shape = Shape {
+        partitions,
+        max_hosts,
+        k: 1,
+        horizon: 1 + horizon,
+        fill_hosts: max_hosts as f64 * fill,
+    };
+    let mut problem = random_problem(42, shape, true);
+    assert!(problem.current.is_some(), "the first-fit start did not fit");
+    for p in &mut problem.partitions {
+        p.load.remove(0);
+    }
+    problem
+}
+
 /// Copies placed first-fit (hosts in index order) on the loads of `step`; `None` if they do not fit.
 pub fn first_fit(problem: &Problem, step: usize) -> Option<Placement> {
     let mut totals = vec![(0.0f64, 0u64); problem.max_hosts];
