@@ -112,6 +112,12 @@ pub struct HaOpts {
     /// whole host (links cut, replica and agent SIGKILLed), as the kernel peer's failover
     /// kills its master router.
     pub hosts: bool,
+    /// Measurement rounds (>= 1): every selected system is measured once per round, the
+    /// order reversed every other round, and each system reports its median round (by
+    /// transactions/s; the failovers run in the first round only). Two labs on two cores
+    /// differ by several percent from one run to the next; the median of alternating rounds
+    /// is what the ratios against `no_ha` should be read from.
+    pub rounds: u32,
 }
 
 impl Default for HaOpts {
@@ -133,6 +139,7 @@ impl Default for HaOpts {
             transport: pliant_lab::mgmt::Transport::Unix,
             ftmb_on_unix_too: false,
             hosts: false,
+            rounds: 1,
         }
     }
 }
@@ -302,6 +309,11 @@ pub struct HaReport {
     /// Pliant replicas each on a host of its own with an agent (`--hosts`): the number of
     /// hosts; `null` without.
     pub hosts: Option<u8>,
+    /// Measurement rounds (`--rounds`): each system's figures are its median round's.
+    pub rounds: u32,
+    /// Every round's transactions/s per system, in round order (the spread behind the
+    /// medians).
+    pub transactions_per_s_rounds: BTreeMap<String, Vec<f64>>,
     pub duration_s: u32,
     pub connections: u32,
     pub request_bytes: u32,
@@ -380,6 +392,8 @@ impl HaReport {
             bench: "ha",
             transport: opts.transport.label(),
             hosts: opts.hosts.then_some(REPLICAS),
+            rounds: 1,
+            transactions_per_s_rounds: BTreeMap::new(),
             duration_s: opts.duration_s,
             connections: opts.connections,
             request_bytes: opts.request_bytes,
@@ -432,9 +446,108 @@ fn progress(msg: &str) {
 /// its error in the report.
 pub fn run_ha(opts: &HaOpts) -> HaReport {
     let start = Instant::now();
+    let rounds = opts.rounds.max(1);
+    let mut per_round: Vec<[HaSystemReport; 6]> = Vec::new();
+    let mut per_round_unix: Vec<HaSystemReport> = Vec::new();
+    let mut trials: Vec<FailoverReport> = Vec::new();
+    for r in 0..rounds {
+        if rounds > 1 {
+            progress(&format!("round {}/{rounds}", r + 1));
+        }
+        // Failovers in the first round only: later rounds measure the steady state again.
+        let ropts = HaOpts {
+            failover: opts.failover && r == 0,
+            ..opts.clone()
+        };
+        let reverse = r % 2 == 1;
+        let (out, t, unix) = run_round(&ropts, start, reverse);
+        if r == 0 {
+            trials = t;
+        }
+        per_round.push(out);
+        per_round_unix.extend(unix);
+    }
+    let out = median_rounds(&per_round);
+    if opts.failover && !FAILOVER_SYSTEMS.contains(&opts.failover_system.as_str()) {
+        trials = vec![FailoverReport {
+            system: opts.failover_system.clone(),
+            error: Some(format!(
+                "failover_system {} is not one of {FAILOVER_SYSTEMS:?}",
+                opts.failover_system
+            )),
+            ..Default::default()
+        }];
+    }
+    let ftmb_unix = (!per_round_unix.is_empty()).then(|| median_of(&per_round_unix));
+    let mut report = HaReport::new(opts, out, &trials, start.elapsed().as_secs_f64());
+    report.rounds = rounds;
+    for (i, sys) in SYSTEMS.iter().enumerate() {
+        let tps: Vec<f64> = per_round
+            .iter()
+            .filter_map(|o| o[i].transactions_per_s)
+            .collect();
+        if !tps.is_empty() {
+            report
+                .transactions_per_s_rounds
+                .insert(sys.to_string(), tps);
+        }
+    }
+    if let Some(u) = ftmb_unix {
+        report.ftmb_tcp_vs_unix = ratio(report.ftmb.transactions_per_s, u.transactions_per_s);
+        report.ftmb_unix = Some(u);
+    }
+    report
+}
+
+/// Per system, the report of its median round by transactions/s (rounds that measured none
+/// sort last); the first round's own failover (kernel peer, ftmb) is kept with it.
+fn median_rounds(rounds: &[[HaSystemReport; 6]]) -> [HaSystemReport; 6] {
+    let mut out: [HaSystemReport; 6] = Default::default();
+    for (i, o) in out.iter_mut().enumerate() {
+        let of: Vec<HaSystemReport> = rounds.iter().map(|r| r[i].clone()).collect();
+        *o = median_of(&of);
+        if let Some(first) = rounds.first() {
+            o.failover = first[i].failover.clone();
+        }
+    }
+    out
+}
+
+/// The median report by transactions/s (the lower middle of an even count).
+fn median_of(reports: &[HaSystemReport]) -> HaSystemReport {
+    let mut v: Vec<&HaSystemReport> = reports.iter().collect();
+    v.sort_by(|a, b| match (a.transactions_per_s, b.transactions_per_s) {
+        (Some(x), Some(y)) => x.total_cmp(&y),
+        (Some(_), None) => std::cmp::Ordering::Less,
+        (None, Some(_)) => std::cmp::Ordering::Greater,
+        (None, None) => std::cmp::Ordering::Equal,
+    });
+    let measured = v.iter().filter(|r| r.transactions_per_s.is_some()).count();
+    match measured {
+        0 => v.first().map(|r| (*r).clone()).unwrap_or_default(),
+        n => v[(n - 1) / 2].clone(),
+    }
+}
+
+/// One round over the selected systems (in reverse order when `reverse`): their reports, the
+/// pliant failover trials (when this round runs them) and ftmb over unix (when asked).
+fn run_round(
+    opts: &HaOpts,
+    start: Instant,
+    reverse: bool,
+) -> (
+    [HaSystemReport; 6],
+    Vec<FailoverReport>,
+    Option<HaSystemReport>,
+) {
     let mut out: [HaSystemReport; 6] = Default::default();
     let mut trials: Vec<FailoverReport> = Vec::new();
-    for (i, sys) in SYSTEMS.iter().enumerate() {
+    let mut order: Vec<(usize, &str)> = SYSTEMS.iter().copied().enumerate().collect();
+    if reverse {
+        order.reverse();
+    }
+    for (i, sys) in order {
+        let sys = &sys;
         out[i].mode = mode_label(sys).into();
         if !opts.only.is_empty() && !opts.only.iter().any(|o| o == sys) {
             out[i].error = Some("not selected (--only)".into());
@@ -462,16 +575,6 @@ pub fn run_ha(opts: &HaOpts) -> HaReport {
             start.elapsed().as_secs_f64()
         ));
     }
-    if opts.failover && !FAILOVER_SYSTEMS.contains(&opts.failover_system.as_str()) {
-        trials = vec![FailoverReport {
-            system: opts.failover_system.clone(),
-            error: Some(format!(
-                "failover_system {} is not one of {FAILOVER_SYSTEMS:?}",
-                opts.failover_system
-            )),
-            ..Default::default()
-        }];
-    }
     let ftmb_unix = (opts.ftmb_on_unix_too
         && opts.transport == pliant_lab::mgmt::Transport::Tcp
         && !cmd::interrupted()
@@ -484,12 +587,7 @@ pub fn run_ha(opts: &HaOpts) -> HaReport {
         };
         measure_pliant(&unix, "ftmb", false).0
     });
-    let mut report = HaReport::new(opts, out, &trials, start.elapsed().as_secs_f64());
-    if let Some(u) = ftmb_unix {
-        report.ftmb_tcp_vs_unix = ratio(report.ftmb.transactions_per_s, u.transactions_per_s);
-        report.ftmb_unix = Some(u);
-    }
-    report
+    (out, trials, ftmb_unix)
 }
 
 fn mode_label(sys: &str) -> &'static str {
@@ -1944,6 +2042,51 @@ mod tests {
         assert!(!ftmb_protected(
             &serde_json::json!({"mode": "pico", "protected": true})
         ));
+    }
+
+    #[test]
+    fn a_system_reports_its_median_round_and_keeps_the_first_rounds_failover() {
+        let r = |tps: Option<f64>| HaSystemReport {
+            transactions_per_s: tps,
+            ..Default::default()
+        };
+        let tps = |v: &HaSystemReport| v.transactions_per_s;
+        assert_eq!(
+            tps(&median_of(&[
+                r(Some(3.0)),
+                r(None),
+                r(Some(1.0)),
+                r(Some(2.0))
+            ])),
+            Some(2.0)
+        );
+        assert_eq!(
+            tps(&median_of(&[
+                r(Some(4.0)),
+                r(Some(1.0)),
+                r(Some(3.0)),
+                r(Some(2.0))
+            ])),
+            Some(2.0)
+        );
+        assert_eq!(tps(&median_of(&[r(None), r(None)])), None);
+        assert_eq!(tps(&median_of(&[])), None);
+        let mut first: [HaSystemReport; 6] = Default::default();
+        first[1] = r(Some(9.0));
+        first[1].failover = Some(FailoverReport {
+            recovery_ms: Some(12.0),
+            ..Default::default()
+        });
+        let mut second: [HaSystemReport; 6] = Default::default();
+        second[1] = r(Some(5.0));
+        let mut third: [HaSystemReport; 6] = Default::default();
+        third[1] = r(Some(7.0));
+        let m = median_rounds(&[first, second, third]);
+        assert_eq!(m[1].transactions_per_s, Some(7.0));
+        assert_eq!(
+            m[1].failover.as_ref().and_then(|f| f.recovery_ms),
+            Some(12.0)
+        );
     }
 
     #[test]

@@ -38,6 +38,10 @@ pub struct HaArgs {
     /// Failover trials on the pliant system, each in a fresh lab (1..=200).
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=200))]
     pub trials: u32,
+    /// Measurement rounds: every system once per round, the order reversed every other
+    /// round; each reports its median round (the failovers run in the first round only).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=15))]
+    pub rounds: u32,
     /// UDP probe flows timing the failover (every 2 ms each).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=256))]
     pub probe_flows: u16,
@@ -181,6 +185,7 @@ pub fn run(a: HaArgs) -> Result<(), String> {
         },
         ftmb_on_unix_too: a.transport == "both",
         hosts: a.hosts.is_some(),
+        rounds: a.rounds,
         ..HaOpts::default()
     };
     // Ctrl-C stops between measurements; labs are torn down and the partial report printed.
