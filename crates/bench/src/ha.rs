@@ -118,6 +118,8 @@ pub struct HaOpts {
     /// differ by several percent from one run to the next; the median of alternating rounds
     /// is what the ratios against `no_ha` should be read from.
     pub rounds: u32,
+    /// With `hosts`: the hosts' replica ports are VXLAN tunnels over their management links.
+    pub tunnels: bool,
 }
 
 impl Default for HaOpts {
@@ -140,6 +142,7 @@ impl Default for HaOpts {
             ftmb_on_unix_too: false,
             hosts: false,
             rounds: 1,
+            tunnels: false,
         }
     }
 }
@@ -1192,6 +1195,7 @@ fn pliant_up(opts: &HaOpts, sys: &str) -> Result<PliantSys, String> {
     if opts.hosts {
         spec.transport = pliant_lab::mgmt::Transport::Tcp;
         spec.agents = true;
+        spec.tunnels = opts.tunnels;
     }
     let lab = Lab::up(spec).map_err(|e| format!("lab up: {e}"))?;
     let dir = lab.run_dir().join("bench-ha");

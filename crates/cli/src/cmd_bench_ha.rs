@@ -42,6 +42,10 @@ pub struct HaArgs {
     /// round; each reports its median round (the failovers run in the first round only).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=15))]
     pub rounds: u32,
+    /// With --hosts: the hosts' replica ports are VXLAN tunnels over their management links
+    /// (`pliant lab up --tunnels`) instead of veths.
+    #[arg(long, requires = "hosts")]
+    pub tunnels: bool,
     /// UDP probe flows timing the failover (every 2 ms each).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=256))]
     pub probe_flows: u16,
@@ -186,6 +190,7 @@ pub fn run(a: HaArgs) -> Result<(), String> {
         ftmb_on_unix_too: a.transport == "both",
         hosts: a.hosts.is_some(),
         rounds: a.rounds,
+        tunnels: a.tunnels,
         ..HaOpts::default()
     };
     // Ctrl-C stops between measurements; labs are torn down and the partial report printed.

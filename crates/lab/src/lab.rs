@@ -693,7 +693,7 @@ impl Lab {
         }
         if spec.tunnels {
             for n in 1..=replicas {
-                crate::mgmt::tunnel_ports(&fab, &self.state.name, n)?;
+                crate::mgmt::tunnel_ports(&fab, &self.state.name, n, spec.disable_offloads)?;
             }
         }
         // After every replica port exists on the fabric side (tunnels included).

@@ -163,7 +163,7 @@ pub fn vni(n: u8, outside: bool) -> u32 {
 /// port keeps its name and MAC, so nothing above the link sees a difference; the host then
 /// shares nothing with the fabric but the management link. The underlay MTU is raised so a
 /// 1500-byte frame fits.
-pub fn tunnel_ports(fabric: &str, lab: &str, n: u8) -> Result<()> {
+pub fn tunnel_ports(fabric: &str, lab: &str, n: u8, disable_offloads: bool) -> Result<()> {
     use crate::topology::{fabric_in_if, fabric_out_if, replica_in_if, replica_out_if};
     use crate::topology::{IN_PORT_MAC, OUT_PORT_MAC};
     let ns = format!("{lab}-{}", Role::Replica(n).suffix());
@@ -195,6 +195,21 @@ pub fn tunnel_ports(fabric: &str, lab: &str, n: u8) -> Result<()> {
             "ip", "-n", fabric, "link", "add", &fif, "mtu", "1500", "type", "vxlan", "id", &id,
             "local", &hub, "remote", &host, "dstport", &port, "dev", BRIDGE,
         ])?;
+        if disable_offloads {
+            // As on the veths of other labs (`LabSpec::disable_offloads`). Not every feature
+            // is changeable on a tunnel device; ethtool then exits non-zero although the others
+            // were changed, so only a spawn failure is fatal.
+            for (n_s, ifn) in [(ns.as_str(), rif.as_str()), (fabric, fif.as_str())] {
+                let argv: Vec<String> = [
+                    "ip", "netns", "exec", n_s, "ethtool", "-K", ifn, "tx", "off", "tso", "off",
+                    "gso", "off", "gro", "off",
+                ]
+                .iter()
+                .map(|x| x.to_string())
+                .collect();
+                cmd::run(&argv, SETUP_TIMEOUT)?;
+            }
+        }
         run(&["ip", "-n", &ns, "link", "set", &rif, "up"])?;
         run(&["ip", "-n", fabric, "link", "set", &fif, "up"])?;
     }
