@@ -34,6 +34,9 @@ enum PgCmd {
         #[arg(long, default_value_t = pliant_pg::proxy::DEFAULT_PROBE_DEAD_AFTER_MS,
               value_parser = clap::value_parser!(u64).range(250..=600_000))]
         probe_dead_after_ms: u64,
+        /// Event-loop threads that relay the established sessions (0 = one per four CPUs, at least one).
+        #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=64))]
+        relay_threads: u64,
     },
     /// Stop the proxy and servers and remove the namespaces.
     Down,
@@ -49,6 +52,7 @@ pub fn run(a: PgArgs) -> Result<(), String> {
             async_fallback_ms,
             tls,
             probe_dead_after_ms,
+            relay_threads,
         } => pliant_pg::cmd::up(
             foreground,
             &pliant_pg::cmd::UpOpts {
@@ -56,6 +60,7 @@ pub fn run(a: PgArgs) -> Result<(), String> {
                 async_fallback_ms,
                 tls,
                 probe_dead_after_ms,
+                relay_threads: relay_threads as usize,
             },
         )?,
         PgCmd::Down => pliant_pg::cmd::down()?,

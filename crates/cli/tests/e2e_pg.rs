@@ -676,6 +676,79 @@ fn pg_bad_input_gets_postgres_errors() {
     assert!(st["auth_failures"].as_u64().unwrap_or(0) >= 2, "{st}");
 }
 
+fn rss_kb() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// All sessions share one relay loop here: a client that asks for ~200 MB of rows and then
+/// stops reading must stall only itself (its server is not read past a bounded outbox), and
+/// get every row once it reads again.
+#[test]
+fn pg_a_client_that_stops_reading_stalls_nobody_else() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !usable() {
+        return;
+    }
+    let lab = Lab::up_with(|pc| {
+        pc.auth = AuthMethod::Md5;
+        pc.relay_threads = 1;
+    });
+    let mut slow = raw_login(&lab, &lab.cl.cfg.password.clone());
+    assert_eq!(until_ready(&mut slow), (vec![], b'I'));
+    let rss0 = rss_kb();
+    let rows = 20_000u64;
+    proto::write_frames(
+        &mut slow,
+        &[proto::query(&format!(
+            "SELECT repeat('x', 10000) FROM generate_series(1, {rows})"
+        ))],
+    )
+    .expect("write");
+    // The server produces far more than the socket buffers and the outbox hold.
+    std::thread::sleep(Duration::from_millis(1500));
+    let mut fast = lab.client();
+    for i in 0..50 {
+        assert_eq!(
+            fast.scalar(&format!("SELECT {i} + 1"))
+                .expect("query")
+                .as_deref(),
+            Some((i + 1).to_string().as_str()),
+            "another session on the same loop is served"
+        );
+    }
+    let grown_mb = rss_kb().saturating_sub(rss0) / 1024;
+    eprintln!("proxy process grew {grown_mb} MB while its client held back ~200 MB");
+    assert!(
+        grown_mb < 64,
+        "back-pressure: the proxy buffered {grown_mb} MB for a client that does not read"
+    );
+    // The slow client reads everything, intact.
+    let mut got = 0u64;
+    loop {
+        let f = proto::read_frame(&mut slow).expect("read").expect("frame");
+        match f.tag {
+            b'D' => {
+                let cols = proto::data_row_columns(&f.body).expect("row");
+                assert_eq!(cols[0].as_deref().map(str::len), Some(10_000));
+                got += 1;
+            }
+            b'E' => panic!("error: {:?}", proto::error_field(&f.body, b'M')),
+            b'Z' => break,
+            _ => {}
+        }
+    }
+    assert_eq!(got, rows);
+    assert_eq!(raw_query(&mut slow, "SELECT 1"), (vec![], b'I'));
+}
+
 /// Reads up to ReadyForQuery: the SQLSTATEs of the errors on the way and the status.
 fn until_ready(s: &mut TcpStream) -> (Vec<String>, u8) {
     let mut codes = Vec::new();

@@ -214,6 +214,7 @@ pub fn proxy_config(c: &Cluster, primary: usize) -> ProxyConfig {
         startup_timeout_ms: crate::proxy::DEFAULT_STARTUP_TIMEOUT_MS,
         tls: None,
         server_tls: None,
+        relay_threads: 0,
     }
 }
 
@@ -389,6 +390,10 @@ pub fn run(o: BenchOpts) -> Result<Value, String> {
                                "tps_rounds": s.iter().map(|r| r.tps).collect::<Vec<_>>()}})
     };
     res.insert("tls".into(), o.tls.into());
+    res.insert(
+        "proxy_relay_threads".into(),
+        crate::proxy::default_relay_threads().into(),
+    );
     res.insert("tps_unprotected".into(), tps(&un).into());
     res.insert("tps_syncrep".into(), tps(&sy).into());
     res.insert("tps_pliant".into(), tps(&pl).into());

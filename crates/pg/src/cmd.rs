@@ -73,6 +73,8 @@ pub struct UpOpts {
     /// How long a primary whose health probe is slow (but answering) may stay unanswered
     /// before it is failed over (ms; see the proxy's health detector).
     pub probe_dead_after_ms: u64,
+    /// Event-loop threads relaying the sessions (0 = one per four CPUs, at least one).
+    pub relay_threads: usize,
 }
 
 impl Default for UpOpts {
@@ -82,6 +84,7 @@ impl Default for UpOpts {
             async_fallback_ms: crate::bench::DEFAULT_ASYNC_FALLBACK_MS,
             tls: false,
             probe_dead_after_ms: crate::proxy::DEFAULT_PROBE_DEAD_AFTER_MS,
+            relay_threads: 0,
         }
     }
 }
@@ -111,6 +114,8 @@ pub fn up(foreground: bool, opts: &UpOpts) -> Result<String, String> {
         .args(opts.tls.then_some("--tls"))
         .arg("--probe-dead-after-ms")
         .arg(opts.probe_dead_after_ms.to_string())
+        .arg("--relay-threads")
+        .arg(opts.relay_threads.to_string())
         .stdin(std::process::Stdio::null())
         .stdout(log.try_clone().map_err(|e| e.to_string())?)
         .stderr(log)
@@ -185,6 +190,7 @@ fn serve_cluster(
     pc.auth = opts.auth;
     pc.async_fallback_ms = Some(opts.async_fallback_ms).filter(|ms| *ms > 0);
     pc.probe_dead_after_ms = opts.probe_dead_after_ms;
+    pc.relay_threads = opts.relay_threads;
     if let Some(p) = pki {
         crate::bench::require_tls(&mut pc, p);
     }

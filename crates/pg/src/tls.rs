@@ -395,6 +395,50 @@ impl Stream {
         }
     }
 
+    /// Switches the socket between blocking (login, failover: sequential steps with
+    /// timeouts) and non-blocking (the relay's event loops).
+    pub fn set_nonblocking(&self, on: bool) -> io::Result<()> {
+        self.tcp().set_nonblocking(on)
+    }
+
+    /// Non-blocking write for the relay: a plain socket writes what it takes now (`Ok(0)`
+    /// never: a full socket is `WouldBlock`); TLS encrypts into the connection's own buffer
+    /// (possibly 0 bytes when that is full) and sends nothing yet: [`Stream::flush_nb`] does.
+    pub fn write_nb(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Stream::Plain(s) => match s.write(buf) {
+                Ok(0) if !buf.is_empty() => Err(io::ErrorKind::WriteZero.into()),
+                r => r,
+            },
+            Stream::Tls(t) => t.conn.writer().write(buf),
+        }
+    }
+
+    /// Sends TLS records already encrypted, without blocking: `Ok(true)` when none is left.
+    /// Plain sockets keep nothing back.
+    pub fn flush_nb(&mut self) -> io::Result<bool> {
+        let Stream::Tls(t) = self else {
+            return Ok(true);
+        };
+        while t.conn.wants_write() {
+            match t.conn.write_tls(&mut t.sock) {
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(true)
+    }
+
+    /// TLS records wait to be sent (the socket was full).
+    pub fn wants_write(&self) -> bool {
+        match self {
+            Stream::Plain(_) => false,
+            Stream::Tls(t) => t.conn.wants_write(),
+        }
+    }
+
     /// Decrypted bytes are waiting that the socket's readiness would not announce.
     pub fn buffered(&mut self) -> bool {
         match self {
