@@ -17,6 +17,11 @@
 //!    alive and protected), and the download completes intact — the fabric kept steering with
 //!    everything it learned (a controller that stands down leaves its steering in place; the
 //!    successor adopts it), so the ring change re-homed no live flow.
+//! 6. the leader is SIGKILLed in the middle of a migration whose destination replica is
+//!    SIGSTOPped (the move cannot finish first): a third controller, standing by, leads within
+//!    the takeover bound, the move is settled (the flow on exactly one replica, its source or
+//!    its destination), and the moved flow's download completes intact after the destination
+//!    resumes.
 //!
 //! Needs root and etcd (`pliant_testkit`). Run in release:
 //! `cargo test --release -p pliant-cli --test e2e_controller_ha -- --nocapture`.
@@ -405,6 +410,189 @@ fn a_standby_controller_takes_over_and_a_deposed_leader_is_refused() {
         alive(&st)
     );
     dl.finish(&f.sha256, "download across a leader's death mid-scale-out");
+    drop(leader);
+
+    // 6. The leader dies in the middle of a migration whose destination hangs (SIGSTOPped, so
+    // the move cannot finish before the kill): a new standby leads within the takeover bound
+    // and settles the move — the flow ends on exactly one replica, the source or the
+    // destination — the destination resumes, and the moved flow's download completes intact.
+    let leader = standby;
+    let dir_c = run.dir.join("c");
+    let port_c = free_port();
+    let cfg_c = cfg_a
+        .replace(&run.dir.display().to_string(), &dir_c.display().to_string())
+        .replace("name = \"a\"", "name = \"c\"")
+        .replace(&format!(":{port_a}\""), &format!(":{port_c}\""));
+    let standby = start(&run, &dir_c, &cfg_c);
+    common::wait_for(
+        "c waits as a standby",
+        Duration::from_secs(10),
+        || matches!(status(&dir_c), Err(e) if e.contains("standby")),
+    );
+    let mut dl = run.curl(
+        &f.url,
+        41_300,
+        &format!("{}", f.size_bytes / 10),
+        "mid-move",
+    );
+    let flows_of = |dir: &Path| -> Vec<(u64, Vec<String>)> {
+        let out = controller_cli(dir, &["flows", "--json"]);
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+        v["replicas"]
+            .as_array()
+            .map(|rs| {
+                rs.iter()
+                    .filter(|r| r["alive"] == true)
+                    .map(|r| {
+                        let keys = r["flows"]
+                            .as_array()
+                            .map(|fs| {
+                                fs.iter()
+                                    .filter_map(|f| f["key"].as_str().map(String::from))
+                                    .collect()
+                            })
+                            .unwrap_or_default();
+                        (r["replica"].as_u64().unwrap_or(0), keys)
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let mut found = None;
+    common::wait_for(
+        "the download's flow on a replica",
+        Duration::from_secs(10),
+        || {
+            found = flows_of(&leader.dir).into_iter().find_map(|(r, keys)| {
+                keys.into_iter()
+                    .find(|k| k.contains(":41300 "))
+                    .map(|k| (r, k))
+            });
+            found.is_some()
+        },
+    );
+    let (from, key) = found.expect("flow found");
+    let to = (1..=3u8)
+        .find(|n| u64::from(*n) != from)
+        .expect("a destination");
+    let to_pid = run.lab().replica_pid(to).expect("destination's PID");
+    run.stopped.push(to_pid);
+    std::thread::sleep(Duration::from_millis(700));
+    // SAFETY: a replica process of this test's own lab, by PID.
+    unsafe { libc::kill(to_pid, libc::SIGSTOP) };
+    let mut moving = Command::new(common::pliant())
+        .args([
+            "migrate",
+            "--json",
+            "--flow",
+            &key,
+            "--to",
+            &format!("r{to}"),
+        ])
+        .arg("--api")
+        .arg(leader.dir.join("api.sock"))
+        .arg("--token-file")
+        .arg(leader.dir.join("token"))
+        .stdout(std::fs::File::create(run.dir.join("migrate.out")).expect("file"))
+        .stderr(std::fs::File::create(run.dir.join("migrate.err")).expect("file"))
+        .spawn()
+        .expect("pliant migrate");
+    // The kill must come while the move runs: once its intent is in etcd (written before the
+    // destination is asked anything), not while the request is still being looked up.
+    let intent_key = format!("/pliant/e2e-{}/intent/migration", std::process::id());
+    let spawned = Instant::now();
+    loop {
+        let out = Command::new("etcdctl")
+            .args([
+                "--endpoints",
+                &etcd.spec.client_url(),
+                "--command-timeout",
+                "1s",
+            ])
+            .arg(format!("--cacert={}", pki.ca.display()))
+            .arg(format!("--cert={}", pki.client_cert.display()))
+            .arg(format!("--key={}", pki.client_key.display()))
+            .args(["get", "--print-value-only", &intent_key])
+            .output()
+            .expect("etcdctl");
+        if !out.stdout.is_empty() {
+            break;
+        }
+        assert!(
+            matches!(moving.try_wait(), Ok(None)) && spawned.elapsed() < Duration::from_secs(10),
+            "the move's intent never appeared in etcd ({:?}): {} {}",
+            spawned.elapsed(),
+            std::fs::read_to_string(run.dir.join("migrate.out")).unwrap_or_default(),
+            std::fs::read_to_string(run.dir.join("migrate.err")).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    eprintln!(
+        "the move's intent is in etcd {} ms after the request",
+        spawned.elapsed().as_millis()
+    );
+    let killed = Instant::now();
+    leader.signal(libc::SIGKILL);
+    let _ = moving.wait();
+    let (_, took) = wait_leading(&dir_c, Duration::from_secs(10));
+    let takeover = killed.elapsed().min(took);
+    // SAFETY: as above.
+    unsafe { libc::kill(to_pid, libc::SIGCONT) };
+    eprintln!(
+        "leader killed mid-migration (r{from} -> r{to}, r{to} hung): c leads after {} ms",
+        takeover.as_millis()
+    );
+    assert!(
+        takeover < Duration::from_millis(1500),
+        "takeover took {takeover:?}"
+    );
+    // Settled: every replica alive and protected, and the move's intent (left in the store
+    // by the dead leader: the move was under way) resolved by the new leader. The flow has at
+    // most one owner all along, its source or its destination (none once the download ended).
+    let settled = Instant::now();
+    let log_c = dir_c.join("controller.log");
+    loop {
+        let st = status(&dir_c).expect("status");
+        let rs = st["replicas"].as_array().cloned().unwrap_or_default();
+        let all_alive = rs.iter().all(|r| r["alive"] == true);
+        let unprotected = st["ha"]["unprotected"].as_array().map_or(1, Vec::len);
+        let owners: Vec<u64> = flows_of(&dir_c)
+            .into_iter()
+            .filter(|(_, keys)| keys.contains(&key))
+            .map(|(r, _)| r)
+            .collect();
+        assert!(
+            owners.len() <= 1 && owners.iter().all(|o| *o == from || *o == u64::from(to)),
+            "the flow's owners: {owners:?} (from r{from}, to r{to})"
+        );
+        let log = std::fs::read_to_string(&log_c).unwrap_or_default();
+        let resolved = log
+            .lines()
+            .find(|l| l.contains("intent_resolved"))
+            .map(String::from);
+        if all_alive && unprotected == 0 {
+            if let Some(r) = resolved {
+                assert!(
+                    (r.contains("rolled_back") || r.contains("completed"))
+                        && r.contains(&format!("\"from\":{from}"))
+                        && r.contains(&format!("\"to\":{to}")),
+                    "{r}"
+                );
+                eprintln!(
+                    "migration cut short settled in {} ms (flow on {owners:?}): {r}",
+                    settled.elapsed().as_millis()
+                );
+                break;
+            }
+        }
+        assert!(
+            settled.elapsed() < Duration::from_secs(20),
+            "the cut-short migration was not settled: {st}\n{}",
+            pliant_lab::log_tail(&log_c, 20)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    dl.finish(&f.sha256, "download across a leader's death mid-migration");
     drop(leader);
     drop(standby);
     drop(etcd);
