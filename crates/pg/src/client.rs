@@ -150,6 +150,11 @@ impl Client {
     }
 
     /// Sets the read timeout for later calls.
+    /// The connection itself, after login (to drive the protocol by hand: tests).
+    pub fn stream(&mut self) -> &mut Stream {
+        &mut self.s
+    }
+
     pub fn set_timeout(&self, t: Duration) {
         let _ = self.s.set_read_timeout(Some(t));
     }
