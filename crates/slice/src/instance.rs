@@ -204,6 +204,11 @@ impl<A: SessionApp> Instance<A> {
     pub fn hold_table(&self) -> &str {
         self.inner.hold.table()
     }
+
+    /// This instance's packet hold (its mode, its queue's counters).
+    pub fn hold(&self) -> &PacketHold {
+        &self.inner.hold
+    }
 }
 
 impl<A: SessionApp> Drop for Instance<A> {

@@ -56,6 +56,27 @@ pub fn tcp_counter(name: &str) -> u64 {
         .expect("number")
 }
 
+/// A `TcpExt:` counter of /proc/net/netstat in the calling thread's namespace
+/// (`TCPTimeouts`, `TCPLossProbes`, ...).
+pub fn tcpext_counter(name: &str) -> u64 {
+    let text = std::fs::read_to_string("/proc/thread-self/net/netstat").expect("read netstat");
+    let mut lines = text.lines().filter(|l| l.starts_with("TcpExt:"));
+    let (names, values) = (
+        lines.next().expect("TcpExt header"),
+        lines.next().expect("TcpExt values"),
+    );
+    let i = names
+        .split_whitespace()
+        .position(|n| n == name)
+        .unwrap_or_else(|| panic!("no TcpExt counter {name}"));
+    values
+        .split_whitespace()
+        .nth(i)
+        .expect("value")
+        .parse()
+        .expect("number")
+}
+
 /// Polls `cond` until it holds or `limit` passes.
 pub fn wait_until(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
     let end = Instant::now() + limit;
@@ -80,6 +101,8 @@ fn line(c: usize, n: u64) -> String {
 pub struct Client {
     /// The client's own address (the session's remote end at the server).
     pub local: std::net::SocketAddr,
+    /// The client's socket, for its TCP_INFO.
+    sock: TcpStream,
     pub checked: Arc<AtomicU64>,
     sent: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
@@ -98,6 +121,7 @@ pub fn start_client(addr: &str, c: usize) -> Client {
         Arc::new(AtomicBool::new(false)),
     );
     let mut w = s.try_clone().unwrap();
+    let sock = s.try_clone().unwrap();
     let (sent_w, checked_w, stop_w) = (sent.clone(), checked.clone(), stop.clone());
     let writer = std::thread::spawn(move || {
         let mut n = 0u64;
@@ -144,6 +168,7 @@ pub fn start_client(addr: &str, c: usize) -> Client {
     });
     Client {
         local,
+        sock,
         sent,
         checked,
         stop,
@@ -152,7 +177,60 @@ pub fn start_client(addr: &str, c: usize) -> Client {
     }
 }
 
+/// What a client socket's TCP_INFO says about its retransmissions.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Retrans {
+    pub total_retrans: u64,
+    /// Retransmission timeouts that fired (tcpi_total_rto, Linux 6.7+).
+    pub rto: u64,
+    /// Time spent in RTO recovery, ms (tcpi_total_rto_time).
+    pub rto_ms: u64,
+}
+
+impl std::ops::Add for Retrans {
+    type Output = Retrans;
+    fn add(self, o: Retrans) -> Retrans {
+        Retrans {
+            total_retrans: self.total_retrans + o.total_retrans,
+            rto: self.rto + o.rto,
+            rto_ms: self.rto_ms + o.rto_ms,
+        }
+    }
+}
+
+/// TCP_INFO of `s` (offsets of struct tcp_info, linux/tcp.h).
+pub fn retrans(s: &TcpStream) -> Retrans {
+    let mut b = [0u8; 256];
+    let mut len = b.len() as libc::socklen_t;
+    // SAFETY: `b` is writable for `len` bytes.
+    let r = unsafe {
+        libc::getsockopt(
+            std::os::fd::AsRawFd::as_raw_fd(s),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            b.as_mut_ptr().cast(),
+            &mut len,
+        )
+    };
+    assert_eq!(r, 0, "TCP_INFO");
+    let u32_at = |o: usize| u64::from(u32::from_ne_bytes(b[o..o + 4].try_into().unwrap()));
+    Retrans {
+        total_retrans: u32_at(100),
+        rto: if len >= 248 {
+            u64::from(u16::from_ne_bytes([b[240], b[241]]))
+        } else {
+            0
+        },
+        rto_ms: if len >= 248 { u32_at(244) } else { 0 },
+    }
+}
+
 impl Client {
+    /// The client socket's retransmissions so far.
+    pub fn retrans(&self) -> Retrans {
+        retrans(&self.sock)
+    }
+
     /// Stops streaming, and checks every line was answered byte-exact and the server closed.
     pub fn finish(self) -> u64 {
         self.stop.store(true, Ordering::Relaxed);
