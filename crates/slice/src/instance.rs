@@ -300,6 +300,27 @@ impl<A: SessionApp> Inner<A> {
         Ok(())
     }
 
+    /// [`Inner::freeze`] for many sessions: every thread is told first, then each is joined, so
+    /// they stop in parallel. In the order of `ids`; `None` for a session that is not here or
+    /// ended meanwhile.
+    pub(crate) fn freeze_many(&self, ids: &[u64]) -> Vec<Option<Frozen<A>>> {
+        let handles: Vec<Option<Handle<A>>> = {
+            let mut sessions = lock(&self.sessions);
+            ids.iter().map(|id| sessions.remove(id)).collect()
+        };
+        for h in handles.iter().flatten() {
+            h.freeze.store(true, Ordering::SeqCst);
+            let _ = (&h.wake).write_all(&[1]);
+        }
+        handles
+            .into_iter()
+            .map(|h| match h?.thread.join() {
+                Ok(Exit::Frozen(f)) => Some(f),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Stops session `id` between two reads and takes it over; `None` when there is no such
     /// session or it ended meanwhile.
     pub(crate) fn freeze(&self, id: u64) -> Option<Frozen<A>> {

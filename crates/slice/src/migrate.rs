@@ -49,7 +49,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 #[derive(Debug, Serialize, Deserialize)]
-enum ToDest {
+pub(crate) enum ToDest {
     Prepare {
         session_id: u64,
         app: Vec<u8>,
@@ -57,20 +57,30 @@ enum ToDest {
     },
     Slice(Vec<u8>),
     Released,
+    /// A batch ([`crate::batch`]): the Prepare of each session.
+    PrepareBatch(Vec<crate::batch::Prepared>),
+    /// Capsules of the batch; `more`: another `Slices` follows (a frame holds at most
+    /// `MAX_FRAME` bytes).
+    Slices {
+        capsules: Vec<Vec<u8>>,
+        more: bool,
+    },
 }
 
 #[derive(Debug, Serialize, Deserialize)]
-enum ToSource {
+pub(crate) enum ToSource {
     Ready,
     Refused(String),
     Restored,
     Failed(String),
     Serving,
+    /// Per capsule of a batch, in order: `None` restored, `Some(why)` not.
+    RestoredBatch(Vec<Option<String>>),
 }
 
 /// Frame bound of the channel: a capsule and its envelope.
-const MAX_FRAME: usize = MAX_BODY + 1024;
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+pub(crate) const MAX_FRAME: usize = MAX_BODY + 1024;
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// What a move did.
 #[derive(Debug, Clone)]
@@ -128,11 +138,11 @@ pub enum MigrateError {
     Unconfirmed(FrameError),
 }
 
-fn send(conn: &mut Conn, m: &impl Serialize) -> Result<(), FrameError> {
+pub(crate) fn send(conn: &mut Conn, m: &impl Serialize) -> Result<(), FrameError> {
     conn.send(kinds::SLICE, m)
 }
 
-fn recv<T: for<'de> Deserialize<'de>>(conn: &mut Conn) -> Result<T, FrameError> {
+pub(crate) fn recv<T: for<'de> Deserialize<'de>>(conn: &mut Conn) -> Result<T, FrameError> {
     let (kind, m) = conn.recv()?;
     if kind != kinds::SLICE {
         return Err(FrameError::Io(std::io::Error::new(
@@ -152,13 +162,7 @@ impl<A: SessionApp> Instance<A> {
         peer_name: &str,
     ) -> Result<Moved, MigrateError> {
         let inner = &self.inner;
-        let sec = &inner.security;
-        let expect = Expect {
-            name: Some(peer_name.to_string()),
-            roles: role::REPLICA,
-        };
-        let opts = sec.options(peer, expect, MAX_FRAME);
-        let mut conn = Conn::connect(peer, &sec.identity, &opts, CONNECT_TIMEOUT, &sec.tcp)?;
+        let mut conn = connect(inner, peer, peer_name)?;
         let t0 = Instant::now();
         let f = inner.freeze(id).ok_or(MigrateError::NoSession(id))?;
         let moved = move_frozen(inner, &mut conn, f, t0)?;
@@ -170,8 +174,23 @@ impl<A: SessionApp> Instance<A> {
     }
 }
 
+/// The slice channel to the instance `peer_name` at `peer`, authenticated both ways.
+pub(crate) fn connect<A: SessionApp>(
+    inner: &Inner<A>,
+    peer: &Endpoint,
+    peer_name: &str,
+) -> Result<Conn, ConnError> {
+    let sec = &inner.security;
+    let expect = Expect {
+        name: Some(peer_name.to_string()),
+        roles: role::REPLICA,
+    };
+    let opts = sec.options(peer, expect, MAX_FRAME);
+    Conn::connect(peer, &sec.identity, &opts, CONNECT_TIMEOUT, &sec.tcp)
+}
+
 /// Puts a frozen session back to work where it is (nothing was handed over).
-fn resume<A: SessionApp>(
+pub(crate) fn resume<A: SessionApp>(
     inner: &Arc<Inner<A>>,
     f: Frozen<A>,
     tuple: Option<(SocketAddr, SocketAddr)>,
@@ -294,8 +313,11 @@ fn move_frozen<A: SessionApp>(
         Err(e) => Some(e.to_string()),
     };
     if let Some(dest) = failure {
+        // Restored before the release: the queueing hold writes the held segments back at
+        // once, and they must find the socket (not the listener, which would reset).
+        let here = restore_here(inner, &slice, app, out, id);
         inner.hold.release(&tuple.0, &tuple.1).ok();
-        return match restore_here(inner, &slice, app, out, id) {
+        return match here {
             Ok(()) => Err(MigrateError::DestRestore(dest)),
             Err(local) => Err(MigrateError::Lost { dest, local }),
         };
@@ -331,7 +353,9 @@ const TUPLE_FREE_WAIT: Duration = Duration::from_secs(2);
 /// descriptor to the child until the child's `exec`, and a close in that window is finished
 /// only then. Measured here: a move failing with the tuple in use while another thread of the
 /// same process started `nft`.
-fn restore_when_free(c: &crate::capsule::TcpCapsule) -> Result<std::net::TcpStream, RepairError> {
+pub(crate) fn restore_when_free(
+    c: &crate::capsule::TcpCapsule,
+) -> Result<std::net::TcpStream, RepairError> {
     let end = Instant::now() + TUPLE_FREE_WAIT;
     let mut step = Duration::from_micros(100);
     loop {
@@ -346,7 +370,7 @@ fn restore_when_free(c: &crate::capsule::TcpCapsule) -> Result<std::net::TcpStre
 }
 
 /// The source's way back when the destination could not restore after the source closed.
-fn restore_here<A: SessionApp>(
+pub(crate) fn restore_here<A: SessionApp>(
     inner: &Arc<Inner<A>>,
     slice: &Slice,
     app: A,
@@ -390,19 +414,23 @@ pub(crate) fn serve_peer<A: SessionApp>(inner: &Arc<Inner<A>>, s: Stream) {
             return;
         }
     };
-    while let Ok(ToDest::Prepare {
-        session_id,
-        app,
-        netns,
-    }) = recv::<ToDest>(&mut conn)
-    {
-        if take_slice(inner, &mut conn, session_id, &app, netns).is_err() {
+    loop {
+        let done = match recv::<ToDest>(&mut conn) {
+            Ok(ToDest::Prepare {
+                session_id,
+                app,
+                netns,
+            }) => take_slice(inner, &mut conn, session_id, &app, netns),
+            Ok(ToDest::PrepareBatch(items)) => crate::batch::take_batch(inner, &mut conn, items),
+            _ => return,
+        };
+        if done.is_err() {
             return;
         }
     }
 }
 
-fn refuse<A>(inner: &Inner<A>, conn: &mut Conn, why: String) -> Result<(), FrameError> {
+pub(crate) fn refuse<A>(inner: &Inner<A>, conn: &mut Conn, why: String) -> Result<(), FrameError> {
     inner.stats.refused_capsules.fetch_add(1, Ordering::Relaxed);
     tracing::warn!(peer = %conn.peer.name, %why, "slice refused");
     send(conn, &ToSource::Refused(why))
