@@ -582,11 +582,15 @@ pub fn restore(c: &TcpCapsule) -> Result<TcpStream, RepairError> {
         "SO_SNDBUFFORCE",
         c.sent_part().len(),
     )?;
+    // Room for the unread bytes and for everything the client may send into the window the
+    // source advertised: a restored socket starts from the default buffer, and data beyond
+    // it is dropped (the client retransmits it, after a retransmission timeout if it was its
+    // last). Seen with a bulk flow moved mid-transfer: 1-3 client RTOs in 5 moves.
     fit_buffer(
         raw,
         libc::SO_RCVBUFFORCE,
         "SO_RCVBUFFORCE",
-        c.recv_queue.len(),
+        c.recv_queue.len() + c.window.rcv_wnd as usize,
     )?;
     select_queue(raw, TCP_SEND_QUEUE)?;
     refill(raw, "refill send queue", c.sent_part())?;
