@@ -10,6 +10,7 @@
 //! application.
 
 pub mod batch;
+pub mod bench;
 pub mod capsule;
 pub mod demo;
 pub mod format;
