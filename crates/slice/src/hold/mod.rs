@@ -24,7 +24,7 @@ mod queue;
 
 use std::net::SocketAddr;
 
-pub use queue::QueueStats;
+pub use queue::{QueueBounds, QueueStats};
 
 #[derive(Debug, thiserror::Error)]
 pub enum HoldError {
@@ -115,8 +115,13 @@ impl PacketHold {
 
     /// The queueing hold, or why not.
     pub fn queueing(tag: &str) -> Result<PacketHold, HoldError> {
+        PacketHold::queueing_bounded(tag, QueueBounds::default())
+    }
+
+    /// The queueing hold with other bounds than the default ones.
+    pub fn queueing_bounded(tag: &str, bounds: QueueBounds) -> Result<PacketHold, HoldError> {
         Ok(PacketHold {
-            imp: Imp::Queue(Box::new(queue::QueueHold::create(tag)?)),
+            imp: Imp::Queue(Box::new(queue::QueueHold::create(tag, bounds)?)),
             fallback: None,
         })
     }

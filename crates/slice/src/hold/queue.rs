@@ -25,7 +25,7 @@
 //! redirected, and the key is removed with BPF_MAP_LOOKUP_AND_DELETE_ELEM, so the release knows
 //! how many frames to wait for (the last ones may still be on their way to the socket).
 //!
-//! Bounds: per connection `MAX_PACKETS` frames and `MAX_BYTES` bytes (beyond: dropped in the
+//! Bounds ([`QueueBounds`]): per connection 8,192 frames and 32 MiB (beyond: dropped in the
 //! program and counted, the client retransmits those); all connections together the packet
 //! socket's receive buffer (`RCVBUF`; beyond: the kernel drops, counted as `socket_drops`).
 
@@ -51,8 +51,24 @@ const LAYOUT_VERSION: u32 = 1;
 const TC_PRIORITY: u16 = 20;
 /// skb mark of the frames written back; the program lets them through.
 pub(super) const REINJECT_MARK: u32 = 0x534c_4943; // "SLIC"
-const MAX_PACKETS: u32 = 8192;
-const MAX_BYTES: u32 = 32 << 20;
+/// How much the queue keeps per held connection; beyond, segments are dropped and counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueueBounds {
+    pub packets: u32,
+    pub bytes: u32,
+}
+
+impl Default for QueueBounds {
+    fn default() -> Self {
+        // More than a client can have in flight into any window this crate's sockets
+        // advertise on loopback in practice (4 MiB in flight in the bench's bulk flow).
+        QueueBounds {
+            packets: 8192,
+            bytes: 32 << 20,
+        }
+    }
+}
+
 const RCVBUF: libc::c_int = 64 << 20;
 /// Longest frame on loopback (MTU 65536) and its Ethernet header.
 const FRAME_MAX: usize = 65536 + 14;
@@ -294,7 +310,7 @@ fn in_netns<T: Send>(ns: &OwnedFd, f: impl FnOnce() -> T + Send) -> io::Result<T
 }
 
 impl QueueHold {
-    pub(super) fn create(tag: &str) -> Result<QueueHold, HoldError> {
+    pub(super) fn create(tag: &str, bounds: QueueBounds) -> Result<QueueHold, HoldError> {
         static N: AtomicU64 = AtomicU64::new(0);
         let _ = tag; // interface names are 15 bytes: no room for the tag
         let name = format!(
@@ -309,7 +325,7 @@ impl QueueHold {
         let made = (|| {
             ip(&["link", "set", &a, "up"])?;
             ip(&["link", "set", &b, "up"])?;
-            QueueHold::load(&name, &a, &b, netns)
+            QueueHold::load(&name, &a, &b, netns, bounds)
         })();
         if made.is_err() {
             let _ = ip(&["link", "del", &a]);
@@ -317,7 +333,13 @@ impl QueueHold {
         made
     }
 
-    fn load(name: &str, a: &str, b: &str, netns: OwnedFd) -> Result<QueueHold, HoldError> {
+    fn load(
+        name: &str,
+        a: &str,
+        b: &str,
+        netns: OwnedFd,
+        bounds: QueueBounds,
+    ) -> Result<QueueHold, HoldError> {
         let ia = ifindex(a)?;
         let rx = packet_socket(ia, libc::ETH_P_ALL as u16, libc::SOCK_NONBLOCK)
             .map_err(sys("packet socket on the hold veth"))?;
@@ -338,8 +360,8 @@ impl QueueHold {
             0,
             Config {
                 queue_ifindex: ia as u32,
-                max_packets: MAX_PACKETS,
-                max_bytes: MAX_BYTES,
+                max_packets: bounds.packets,
+                max_bytes: bounds.bytes,
                 reinject_mark: REINJECT_MARK,
             },
             0,
