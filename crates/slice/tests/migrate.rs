@@ -121,10 +121,14 @@ fn streaming_sessions_move_back_and_forth_without_a_reset_or_a_lost_byte() {
     for c in &clients {
         assert!(c.progresses(100));
     }
-    let client_retrans = clients
-        .iter()
-        .map(Client::retrans)
-        .fold(common::Retrans::default(), |a, b| a + b);
+    let client_retrans =
+        clients
+            .iter()
+            .map(Client::retrans)
+            .fold(common::Retrans::default(), |a, b| common::Retrans {
+                total_retrans: a.total_retrans + b.total_retrans,
+                rto: a.rto + b.rto,
+            });
     let lines: u64 = clients.into_iter().map(Client::finish).sum();
     let rsts = tcp_counter("OutRsts");
     let n = pauses.len();
