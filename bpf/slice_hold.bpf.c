@@ -1,11 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 //
 // pliant slice: the queueing packet hold (crates/slice/src/hold/queue.rs). A tc program on the
-// clsact ingress of loopback. A TCP segment whose 4-tuple (client -> instance) is in `held` is
+// clsact ingress of loopback and of the namespace's other interfaces. A TCP segment whose 4-tuple (client -> instance) is in `held` is
 // redirected to the egress of the instance's hold veth, where the instance's packet socket
 // reads it (taps run before the device transmits) and keeps it until the move is over; then
-// the instance writes it back onto loopback, marked `reinject_mark`, which this program lets
-// through. Everything else goes on to the next filter (TC_ACT_UNSPEC), so the holds of several
+// the instance writes it back through a raw IP socket, marked `reinject_mark`, which this
+// program lets through. Everything else goes on to the next filter (TC_ACT_UNSPEC), so the holds of several
 // instances on one interface do not hide each other's segments.
 //
 // Bounded per held 4-tuple (config max_packets / max_bytes): beyond the bound the segment is

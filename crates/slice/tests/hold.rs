@@ -195,3 +195,77 @@ fn beyond_its_bound_the_queue_drops_and_counts_and_the_client_retransmits() {
     assert_eq!(got, want);
     assert!(common::tcp_counter("RetransSegs") >= 1);
 }
+
+#[test]
+fn segments_arriving_on_another_interface_are_queued_too() {
+    if !private_netns() {
+        return;
+    }
+    // The client in a namespace of its own behind a veth pair: its segments reach this
+    // namespace on slsrv0, not on loopback.
+    let ip = |args: &[&str]| {
+        let st = Command::new("ip").args(args).status().unwrap();
+        assert!(st.success(), "ip {args:?}");
+    };
+    ip(&[
+        "link", "add", "slsrv0", "type", "veth", "peer", "name", "slcli0",
+    ]);
+    ip(&["addr", "add", "10.9.0.1/24", "dev", "slsrv0"]);
+    ip(&["link", "set", "slsrv0", "up"]);
+    let l = TcpListener::bind("10.9.0.1:0").unwrap();
+    let server = l.local_addr().unwrap();
+    let (tid_tx, tid_rx) = std::sync::mpsc::channel();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let client = std::thread::spawn(move || {
+        // SAFETY: unshare(CLONE_NEWNET) affects only this thread.
+        assert_eq!(unsafe { libc::unshare(libc::CLONE_NEWNET) }, 0);
+        // SAFETY: gettid has no preconditions.
+        tid_tx.send(unsafe { libc::gettid() }).unwrap();
+        go_rx.recv().unwrap();
+        for args in [
+            &["addr", "add", "10.9.0.2/24", "dev", "slcli0"][..],
+            &["link", "set", "slcli0", "up"],
+        ] {
+            assert!(Command::new("ip").args(args).status().unwrap().success());
+        }
+        // The socket keeps its namespace after this thread ends.
+        TcpStream::connect(server).unwrap()
+    });
+    let tid = tid_rx.recv().unwrap().to_string();
+    ip(&["link", "set", "slcli0", "netns", &tid]);
+    go_tx.send(()).unwrap();
+    let mut c = client.join().unwrap();
+    let (mut s, remote) = l.accept().unwrap();
+    let local = s.local_addr().unwrap();
+
+    // Created with slsrv0 present: its filter is on it too.
+    let h = PacketHold::create("t").unwrap();
+    assert_eq!(h.mode(), pliant_slice::hold::HoldMode::Queue);
+    assert!(
+        run(&["tc", "filter", "show", "dev", "slsrv0", "ingress"]).contains("pliant_slice_hold")
+    );
+    h.hold(&local, &remote).unwrap();
+    c.set_nodelay(true).unwrap();
+    for i in 0..5u8 {
+        c.write_all(&[b'a' + i; 100]).unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(unread(&s), 0, "a held segment reached the socket");
+    h.release(&local, &remote).unwrap();
+    let mut got = vec![0u8; 500];
+    s.read_exact(&mut got).unwrap();
+    let want: Vec<u8> = (0..5u8).flat_map(|i| [b'a' + i; 100]).collect();
+    assert_eq!(got, want);
+    let st = h.queue_stats().unwrap();
+    assert!(st.reinjected >= 5, "{st:?}");
+    // The client retransmitted at most its tail-loss probe.
+    assert!(pliant_slice::load::retrans(&c).unwrap().total_retrans <= 1);
+    c.write_all(b"more").unwrap();
+    let mut buf = [0u8; 4];
+    s.read_exact(&mut buf).unwrap();
+    assert_eq!(&buf, b"more");
+    drop(h);
+    assert!(
+        !run(&["tc", "filter", "show", "dev", "slsrv0", "ingress"]).contains("pliant_slice_hold")
+    );
+}

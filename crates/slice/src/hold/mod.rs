@@ -9,10 +9,10 @@
 //! socket is in place, the client's segments of that 4-tuple are kept from the TCP stack.
 //!
 //! Two ways, one chosen when the hold is created ([`HoldMode`]):
-//! - [`queue`] (preferred): a tc-BPF program on loopback's ingress diverts the held segments
-//!   to a packet socket, and [`PacketHold::release`] writes them back in their order: the
-//!   client loses nothing, so a move never costs it a retransmission timeout. Covers clients
-//!   that reach the instance over loopback (one host, like the rest of this crate).
+//! - [`queue`] (preferred): a tc-BPF program on the ingress of loopback and of every other
+//!   interface present at creation diverts the held segments to a packet socket, and
+//!   [`PacketHold::release`] writes them back in their order: the client loses nothing, so a
+//!   move does not cost it a retransmission timeout.
 //! - [`drop`] (fallback when the queue cannot be set up, or forced with
 //!   `PLIANT_SLICE_HOLD=drop`): an nftables set dropping the held segments at prerouting on
 //!   every interface; the client retransmits them after the release, about one move in a

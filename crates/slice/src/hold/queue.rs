@@ -4,7 +4,8 @@
 //! This kernel has neither nft_queue nor iptables (no NFQUEUE), so the queue is built from what
 //! it has (tc-BPF with clsact, veth, packet sockets):
 //! ```text
-//!   lo ingress: pliant_slice_hold (bpf/slice_hold.bpf.c)
+//!   lo ingress (and every other interface present at creation): pliant_slice_hold
+//!   (bpf/slice_hold.bpf.c)
 //!     held 4-tuple -> bpf_redirect to the egress of veth <name>a
 //!                       packet socket on <name>a reads it (taps see a frame before the
 //!                       device sends it) and keeps it in its receive buffer;
@@ -186,6 +187,31 @@ fn ifindex(name: &str) -> Result<i32, HoldError> {
     } else {
         Ok(i as i32)
     }
+}
+
+/// The names of the calling thread's network namespace's interfaces.
+fn interfaces() -> Vec<String> {
+    // SAFETY: if_nameindex returns an array ending with a zero entry, freed below.
+    let list = unsafe { libc::if_nameindex() };
+    if list.is_null() {
+        return Vec::new();
+    }
+    let mut names = Vec::new();
+    let mut i = 0;
+    loop {
+        // SAFETY: within the array, up to and including its zero terminator.
+        let e = unsafe { &*list.add(i) };
+        if e.if_index == 0 || e.if_name.is_null() {
+            break;
+        }
+        // SAFETY: a NUL-terminated name owned by the array.
+        let n = unsafe { std::ffi::CStr::from_ptr(e.if_name) };
+        names.push(n.to_string_lossy().into_owned());
+        i += 1;
+    }
+    // SAFETY: the array if_nameindex returned, freed once.
+    unsafe { libc::if_freenameindex(list) };
+    names
 }
 
 fn open_ns() -> Result<OwnedFd, HoldError> {
@@ -378,7 +404,25 @@ impl QueueHold {
                 "object layout {version:?}, loader {LAYOUT_VERSION}"
             )));
         }
-        for (prog, dev) in [(SINK, b), (PROGRAM, "lo")] {
+        // Every interface the client's segments may arrive on: loopback first, then the
+        // others present now (not the holds' own veths). An interface added later is not
+        // covered.
+        let mut devs = vec![(SINK, b.to_string()), (PROGRAM, "lo".to_string())];
+        devs.extend(
+            interfaces()
+                .into_iter()
+                .filter(|n| n != "lo" && !n.starts_with("psh"))
+                .map(|n| (PROGRAM, n)),
+        );
+        for prog in [SINK, PROGRAM] {
+            let p: &mut SchedClassifier = ebpf
+                .program_mut(prog)
+                .ok_or_else(|| HoldError::Bpf(format!("no program {prog}")))?
+                .try_into()
+                .map_err(|e: aya::programs::ProgramError| bpf_err(prog)(e.to_string()))?;
+            p.load().map_err(|e| bpf_err(prog)(format!("load: {e}")))?;
+        }
+        for (prog, dev) in &devs {
             // An existing clsact qdisc (another instance's hold on lo) is fine.
             let _ = tc::qdisc_add_clsact(dev);
             let p: &mut SchedClassifier = ebpf
@@ -386,7 +430,6 @@ impl QueueHold {
                 .ok_or_else(|| HoldError::Bpf(format!("no program {prog}")))?
                 .try_into()
                 .map_err(|e: aya::programs::ProgramError| bpf_err(prog)(e.to_string()))?;
-            p.load().map_err(|e| bpf_err(prog)(format!("load: {e}")))?;
             p.attach_with_options(
                 dev,
                 TcAttachType::Ingress,
