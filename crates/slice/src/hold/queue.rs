@@ -543,6 +543,21 @@ impl QueueHold {
             q.sent.remove(k);
             q.frames.remove(k);
         }
+        // Frames of connections no longer held arrived after their release gave up waiting:
+        // their socket exists, so they go now rather than stay here (counted as missing
+        // then; the client may have retransmitted them meanwhile, a duplicate is harmless).
+        let late: Vec<Key> = {
+            let held = lock(&self.held);
+            q.frames
+                .keys()
+                .filter(|k| held.get(k, 0).is_err())
+                .copied()
+                .collect()
+        };
+        for k in &late {
+            q.reinject(k, &self.counters);
+            q.sent.remove(k);
+        }
         match missing {
             Some(m) => Err(HoldError::NotHeld(m)),
             None => Ok(()),
