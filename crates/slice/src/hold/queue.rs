@@ -320,18 +320,20 @@ fn lookup_and_delete(map: &MapData, key: &Key) -> io::Result<Val> {
 
 /// Runs `f` on a thread in the network namespace `ns`: the filters are detached and the veth
 /// deleted by interface index or name in the *current* namespace, which may not be the one the
-/// hold was created in (a test's instance created on a thread of another namespace).
-fn in_netns<T: Send>(ns: &OwnedFd, f: impl FnOnce() -> T + Send) -> io::Result<T> {
+/// hold was created in (a test's instance created on a thread of another namespace). When the
+/// thread cannot enter it, `f` does not run and is handed back: run elsewhere it would detach
+/// by index in the wrong namespace (loopback is index 1 in every one).
+fn in_netns<T: Send, F: FnOnce() -> T + Send>(ns: &OwnedFd, f: F) -> Result<T, (io::Error, F)> {
     std::thread::scope(|s| {
         s.spawn(|| {
             // SAFETY: setns on this helper thread only.
             if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-                return Err(io::Error::last_os_error());
+                return Err((io::Error::last_os_error(), f));
             }
             Ok(f())
         })
         .join()
-        .unwrap_or_else(|_| Err(io::Error::other("panicked")))
+        .unwrap_or_else(|_| panic!("dropping a packet hold panicked"))
     })
 }
 
@@ -748,7 +750,11 @@ impl Drop for QueueHold {
         match done {
             Ok(Ok(())) => {}
             Ok(Err(e)) => tracing::warn!(error = %e, "hold veth left behind"),
-            Err(e) => tracing::warn!(error = %e, "hold filters left behind"),
+            Err((e, f)) => {
+                // Forgetting leaks this process's descriptors; the filters stay attached.
+                std::mem::forget(f);
+                tracing::warn!(error = %e, "hold filters and veth left behind");
+            }
         }
     }
 }
