@@ -49,6 +49,8 @@ enum Exit<A> {
 struct Handle<A> {
     /// The client's address (the connection's remote end).
     peer: Option<SocketAddr>,
+    /// The network namespace of the session's socket (its nsfs inode).
+    netns: Option<u64>,
     wake: UnixStream,
     /// Set before the wake byte is sent: a session busy reading sees it between two reads
     /// without going back to poll.
@@ -277,6 +279,7 @@ impl<A: SessionApp> Inner<A> {
         let freeze_seen = freeze.clone();
         let id = f.id;
         let peer = f.sock.peer_addr().ok();
+        let netns = crate::repair::socket_netns(&f.sock).ok();
         let me = self.clone();
         let mut sessions = lock(&self.sessions);
         let thread = std::thread::Builder::new()
@@ -292,12 +295,19 @@ impl<A: SessionApp> Inner<A> {
             id,
             Handle {
                 peer,
+                netns,
                 wake: wake_w,
                 freeze,
                 thread,
             },
         );
         Ok(())
+    }
+
+    /// The network namespace of session `id`'s socket (`None` inside: it could not be read);
+    /// `None` when the session is not here.
+    pub(crate) fn session_netns(&self, id: u64) -> Option<Option<u64>> {
+        lock(&self.sessions).get(&id).map(|h| h.netns)
     }
 
     /// [`Inner::freeze`] for many sessions: every thread is told first, then each is joined, so

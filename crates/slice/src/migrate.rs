@@ -8,11 +8,11 @@
 //! ```text
 //!   source                                         destination
 //!   connect + handshake (refused: session untouched)
-//!   freeze the session thread
-//!   Prepare(id, application capsule, netns)    ->  load the application capsule, check the
-//!                                                  network namespace
+//!   Prepare(id, a new session's application    ->  load the application capsule, check the
+//!           capsule, netns of the socket)          network namespace
 //!                                              <-  Ready | Refused(why)
-//!   (Refused: resume, nothing else was touched)
+//!   (Refused: nothing was touched)
+//!   freeze the session thread
 //!   hold the 4-tuple; TCP_REPAIR on; capture;
 //!   recheck rcv_nxt; close in repair mode
 //!   (no FIN, no RST; the 4-tuple is free now)
@@ -28,9 +28,10 @@
 //! 4-tuple, even in repair mode. The hold covers the client's segments from before the
 //! capture (a segment acknowledged by the source after its capture would be lost with it)
 //! until the restored socket exists (a segment finding no socket, or the listener, would be
-//! answered with a RST). Everything the destination can check without the kernel capsule
-//! (the application capsule, the namespace) is checked before the hold, so the hold lasts
-//! one round trip (the client retransmits the segments it drops). Until
+//! answered with a RST). Everything the destination can check without the session's state
+//! (that it reads this application's capsules, the namespace) is checked before the freeze,
+//! so neither the pause nor the hold includes that round trip; the session's own application
+//! capsule is loaded with the restore, and if that fails the source restores the session. Until
 //! the source has closed, every failure leaves the session where it was; after, the source
 //! still holds the whole capsule and restores it itself if the destination cannot.
 
@@ -99,7 +100,7 @@ pub struct Moved {
 pub struct Phases {
     /// The session thread stopped and handed its state back.
     pub frozen: Duration,
-    /// The destination checked the application capsule and the namespace.
+    /// Zero: the destination checks the application and the namespace before the freeze.
     pub ready: Duration,
     /// The client's segments are held.
     pub held: Duration,
@@ -163,6 +164,7 @@ impl<A: SessionApp> Instance<A> {
     ) -> Result<Moved, MigrateError> {
         let inner = &self.inner;
         let mut conn = connect(inner, peer, peer_name)?;
+        prepare(inner, &mut conn, id)?;
         let t0 = Instant::now();
         let f = inner.freeze(id).ok_or(MigrateError::NoSession(id))?;
         let moved = move_frozen(inner, &mut conn, f, t0)?;
@@ -209,6 +211,37 @@ pub(crate) fn resume<A: SessionApp>(
     }
 }
 
+/// Asks the destination, before the session is frozen, whether it can take it: the network
+/// namespace of the session's socket (recorded when its thread started) and an application
+/// capsule of this application (a new session's: the session's own state is only known once
+/// it is frozen, and is checked again, with the restore, after the close; a failure there
+/// makes the source restore the session itself). The session runs on meanwhile, so this
+/// round trip is not part of the pause.
+fn prepare<A: SessionApp>(inner: &Inner<A>, conn: &mut Conn, id: u64) -> Result<(), MigrateError> {
+    let netns = inner
+        .session_netns(id)
+        .ok_or(MigrateError::NoSession(id))?
+        .ok_or_else(|| {
+            MigrateError::Capture(RepairError::Sys {
+                op: "SIOCGSKNS",
+                source: std::io::Error::other("the session's network namespace is unknown"),
+            })
+        })?;
+    let m = ToDest::Prepare {
+        session_id: id,
+        app: A::new_session().save(),
+        netns,
+    };
+    match send(conn, &m).and_then(|_| recv::<ToSource>(conn)) {
+        Ok(ToSource::Ready) => Ok(()),
+        Ok(ToSource::Refused(why)) => Err(MigrateError::Refused(why)),
+        Ok(other) => Err(MigrateError::Refused(format!(
+            "unexpected answer {other:?}"
+        ))),
+        Err(e) => Err(MigrateError::Channel(e)),
+    }
+}
+
 fn move_frozen<A: SessionApp>(
     inner: &Arc<Inner<A>>,
     conn: &mut Conn,
@@ -229,39 +262,6 @@ fn move_frozen<A: SessionApp>(
             }));
         }
     };
-    let netns = match repair::socket_netns(&f.sock) {
-        Ok(n) => n,
-        Err(e) => {
-            resume(inner, f, None);
-            return Err(MigrateError::Capture(RepairError::Sys {
-                op: "SIOCGSKNS",
-                source: e,
-            }));
-        }
-    };
-    let prepare = ToDest::Prepare {
-        session_id: f.id,
-        app: f.app.save(),
-        netns,
-    };
-    match send(conn, &prepare).and_then(|_| recv::<ToSource>(conn)) {
-        Ok(ToSource::Ready) => {}
-        Ok(ToSource::Refused(why)) => {
-            resume(inner, f, None);
-            return Err(MigrateError::Refused(why));
-        }
-        Ok(other) => {
-            resume(inner, f, None);
-            return Err(MigrateError::Refused(format!(
-                "unexpected answer {other:?}"
-            )));
-        }
-        Err(e) => {
-            resume(inner, f, None);
-            return Err(MigrateError::Channel(e));
-        }
-    }
-    ph.ready = t0.elapsed();
     if let Err(e) = inner.hold.hold(&tuple.0, &tuple.1) {
         resume(inner, f, None);
         return Err(MigrateError::Hold(e));
