@@ -24,6 +24,10 @@
 //!                                                  session with unsent + pending output
 //!                                              <-  Serving
 //! ```
+//! With a queueing hold at the source (`Prepare.queued`), the destination ends repair mode
+//! and runs the session right after the restore and answers the slice with `Serving`; the
+//! source then releases the hold (the segments queued meanwhile, the answer to the window
+//! probe among them, are written back) and the move is over: no `Released` round trip.
 //! The close must come before the restore: the kernel refuses a second socket with a live
 //! 4-tuple, even in repair mode. The hold covers the client's segments from before the
 //! capture (a segment acknowledged by the source after its capture would be lost with it)
@@ -55,6 +59,9 @@ pub(crate) enum ToDest {
         session_id: u64,
         app: Vec<u8>,
         netns: u64,
+        /// The source's hold queues: the destination may end repair mode and run the session
+        /// as soon as it is restored, and answer `Serving` at once (see `take_slice`).
+        queued: bool,
     },
     Slice(Vec<u8>),
     Released,
@@ -86,7 +93,8 @@ pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// What a move did.
 #[derive(Debug, Clone)]
 pub struct Moved {
-    /// Freeze at the source to the destination serving the session.
+    /// Freeze request at the source to the end of the move: the destination serving the
+    /// session and the hold released (with a dropping hold the release comes first).
     pub pause: Duration,
     pub capsule_bytes: usize,
     /// The TCP options the moved connection had negotiated.
@@ -106,7 +114,7 @@ pub struct Phases {
     pub held: Duration,
     /// Repair mode entered, kernel state captured, slice encoded, source socket closed.
     pub captured: Duration,
-    /// The destination restored the socket.
+    /// The destination restored the socket (with a queueing hold: and serves the session).
     pub restored: Duration,
     /// The hold is released.
     pub released: Duration,
@@ -231,6 +239,7 @@ fn prepare<A: SessionApp>(inner: &Inner<A>, conn: &mut Conn, id: u64) -> Result<
         session_id: id,
         app: A::new_session().save(),
         netns,
+        queued: inner.hold.mode() == crate::hold::HoldMode::Queue,
     };
     match send(conn, &m).and_then(|_| recv::<ToSource>(conn)) {
         Ok(ToSource::Ready) => Ok(()),
@@ -306,8 +315,14 @@ fn move_frozen<A: SessionApp>(
     }
     ph.captured = t0.elapsed();
     let answer = send(conn, &ToDest::Slice(bytes.clone())).and_then(|_| recv::<ToSource>(conn));
+    // `Serving`: the destination runs the session already (queueing hold, see take_slice).
+    let mut serving = false;
     let failure = match answer {
         Ok(ToSource::Restored) => None,
+        Ok(ToSource::Serving) => {
+            serving = true;
+            None
+        }
         Ok(ToSource::Failed(why)) => Some(why),
         Ok(other) => Some(format!("unexpected answer {other:?}")),
         Err(e) => Some(e.to_string()),
@@ -327,15 +342,17 @@ fn move_frozen<A: SessionApp>(
         tracing::error!(error = %e, "releasing the packet hold");
     }
     ph.released = t0.elapsed();
-    send(conn, &ToDest::Released)
-        .and_then(|_| recv::<ToSource>(conn))
-        .map_err(MigrateError::Unconfirmed)
-        .and_then(|a| match a {
-            ToSource::Serving => Ok(()),
-            other => Err(MigrateError::Unconfirmed(FrameError::Io(
-                std::io::Error::other(format!("unexpected answer {other:?}")),
-            ))),
-        })?;
+    if !serving {
+        send(conn, &ToDest::Released)
+            .and_then(|_| recv::<ToSource>(conn))
+            .map_err(MigrateError::Unconfirmed)
+            .and_then(|a| match a {
+                ToSource::Serving => Ok(()),
+                other => Err(MigrateError::Unconfirmed(FrameError::Io(
+                    std::io::Error::other(format!("unexpected answer {other:?}")),
+                ))),
+            })?;
+    }
     Ok(Moved {
         pause: Duration::ZERO,
         capsule_bytes: bytes.len(),
@@ -420,7 +437,8 @@ pub(crate) fn serve_peer<A: SessionApp>(inner: &Arc<Inner<A>>, s: Stream) {
                 session_id,
                 app,
                 netns,
-            }) => take_slice(inner, &mut conn, session_id, &app, netns),
+                queued,
+            }) => take_slice(inner, &mut conn, session_id, &app, netns, queued),
             Ok(ToDest::PrepareBatch(items)) => crate::batch::take_batch(inner, &mut conn, items),
             _ => return,
         };
@@ -443,6 +461,7 @@ fn take_slice<A: SessionApp>(
     session_id: u64,
     app: &[u8],
     netns: u64,
+    queued: bool,
 ) -> Result<(), FrameError> {
     // Checked before Ready: the source still holds the session and resumes it.
     match repair::thread_netns() {
@@ -484,10 +503,19 @@ fn take_slice<A: SessionApp>(
             return send(conn, &ToSource::Failed(why));
         }
     };
-    send(conn, &ToSource::Restored)?;
-    // The source releases the hold before saying so; if it went away meanwhile, the session
-    // is ours all the same.
-    let released = recv::<ToDest>(conn);
+    // With a queueing hold at the source, nothing the client sends is lost while it is held:
+    // the answer to the window probe of TCP_REPAIR_OFF, and to whatever the session writes,
+    // is queued and written back at the release. So the session runs now and the source
+    // releases on `Serving`: one round trip less in the pause. A dropping hold would drop
+    // that answer: then repair mode ends only after the release (`Released`).
+    let released = if queued {
+        None
+    } else {
+        send(conn, &ToSource::Restored)?;
+        // The source releases the hold before saying so; if it went away meanwhile, the
+        // session is ours all the same.
+        Some(recv::<ToDest>(conn))
+    };
     if let Err(e) = repair::leave_repair(&sock) {
         tracing::error!(error = %e, "leaving repair mode on a restored socket");
     }
@@ -502,7 +530,9 @@ fn take_slice<A: SessionApp>(
         })
         .map_err(FrameError::Io)?;
     inner.stats.moved_in.fetch_add(1, Ordering::Relaxed);
-    released?;
+    if let Some(r) = released {
+        r?;
+    }
     send(conn, &ToSource::Serving)
 }
 
