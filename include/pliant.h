@@ -164,9 +164,9 @@ typedef struct PliantPkt PliantPkt;
 
 /**
  * A packet hold of the calling thread's network namespace (pliant-slice's queueing hold:
- * a tc-BPF filter on loopback and a veth pair; or, when that cannot be set up, an nftables
- * table dropping the held segments), from `pliant_slice_hold_open` until
- * `pliant_slice_hold_close`.
+ * a tc-BPF filter on loopback and the other interfaces present at the open, and a veth pair;
+ * or, when that cannot be set up, an nftables table dropping the held segments), from
+ * `pliant_slice_hold_open` until `pliant_slice_hold_close`.
  */
 typedef struct PliantSliceHold PliantSliceHold;
 
