@@ -163,7 +163,9 @@ typedef struct PliantCtx PliantCtx;
 typedef struct PliantPkt PliantPkt;
 
 /**
- * A packet-hold table (an nftables table of the calling process's network namespace), from
+ * A packet hold of the calling thread's network namespace (pliant-slice's queueing hold:
+ * a tc-BPF filter on loopback and the other interfaces present at the open, and a veth pair;
+ * or, when that cannot be set up, an nftables table dropping the held segments), from
  * `pliant_slice_hold_open` until `pliant_slice_hold_close`.
  */
 typedef struct PliantSliceHold PliantSliceHold;
@@ -832,30 +834,33 @@ int pliant_slice_restore(const uint8_t *buf,
                          size_t *app_len);
 
 /**
- * Opens a packet-hold table in the calling thread's network namespace (`tag`, may be null,
- * names it in `nft list tables`). Null on failure (see `pliant_slice_last_error`).
+ * Opens a packet hold in the calling thread's network namespace (`tag`, may be null, names
+ * the nftables table of the dropping fallback). Null on failure (see
+ * `pliant_slice_last_error`).
  * # Safety
  * `tag` null or a NUL-terminated string.
  */
 PliantSliceHold *pliant_slice_hold_open(const char *tag);
 
 /**
- * Deletes the table (every connection it still held is let through).
+ * Removes the hold (every connection it still held is let through; segments it kept are
+ * not written back).
  * # Safety
  * `h` null or an open hold, closed once.
  */
 void pliant_slice_hold_close(PliantSliceHold *h);
 
 /**
- * Drops the client's segments of `fd`'s connection from now on (before the capture).
+ * Keeps the client's segments of `fd`'s connection from the stack from now on (before the
+ * capture): queued, or dropped by the fallback.
  * # Safety
  * `h` null or an open hold.
  */
 int pliant_slice_hold(PliantSliceHold *h, int fd);
 
 /**
- * Lets the client's segments of `fd`'s connection through again (`fd` may be the restored
- * socket: it has the same addresses).
+ * Lets the client's segments of `fd`'s connection through again, the queued ones first, in
+ * order (`fd` may be the restored socket: it has the same addresses; it must exist by then).
  * # Safety
  * `h` null or an open hold.
  */

@@ -1,7 +1,8 @@
 /*
  * test_slice.c - a C server moves one live TCP session through pliant's Slice calls and goes
  * on serving it: the client sees every byte once, in order, and no reset. Run in a network
- * namespace of its own (the Makefile uses `unshare --net`): it adds an nftables table there.
+ * namespace of its own (the Makefile uses `unshare --net`): its packet hold adds a veth pair
+ * and a filter on loopback there (or an nftables table, the fallback).
  *
  * The session: the client sends bytes the server has not read yet (they travel in the
  * capsule's receive queue), the server has written bytes the client has not read yet (the

@@ -1,4 +1,4 @@
-//! `pliant bench forward|pg|migrate|scale-in|ha|kv`: forward is kernel forwarding vs kernel NAT
+//! `pliant bench forward|pg|migrate|scale-in|ha|kv|slice`: forward is kernel forwarding vs kernel NAT
 //! vs pliant NAT on the lab topology; the others live next to their crates.
 //! Progress goes to stderr; the last line of stdout is one JSON object.
 
@@ -38,6 +38,10 @@ enum BenchCmd {
     /// (data moved, throughput, host-seconds, moves, acknowledged writes lost), plus the online
     /// MILP's solve time on 256 partitions.
     Kv(KvBenchArgs),
+    /// Live TCP session moves between two instances (pliant-slice): pause per move, resets,
+    /// corrupted bytes, client retransmission stalls, the throughput dip of a bulk flow moved
+    /// mid-transfer and the drain of 1,000 sessions.
+    Slice(crate::cmd_bench_slice::SliceArgs),
 }
 
 #[derive(Args)]
@@ -167,6 +171,7 @@ pub fn run(a: BenchArgs) -> Result<(), String> {
         BenchCmd::Ha(h) => crate::cmd_bench_ha::run(h),
         BenchCmd::Smr(s) => smr(s),
         BenchCmd::Kv(k) => kv(k),
+        BenchCmd::Slice(s) => crate::cmd_bench_slice::run(s),
     }
 }
 

@@ -7,6 +7,7 @@ mod cmd_agent;
 mod cmd_bench;
 mod cmd_bench_elastic;
 mod cmd_bench_ha;
+mod cmd_bench_slice;
 mod cmd_controller;
 mod cmd_hub;
 mod cmd_keys;

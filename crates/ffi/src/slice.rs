@@ -29,7 +29,9 @@ use std::os::fd::{FromRawFd, IntoRawFd};
 use std::os::raw::{c_char, c_int};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-/// A packet-hold table (an nftables table of the calling process's network namespace), from
+/// A packet hold of the calling thread's network namespace (pliant-slice's queueing hold:
+/// a tc-BPF filter on loopback and the other interfaces present at the open, and a veth pair;
+/// or, when that cannot be set up, an nftables table dropping the held segments), from
 /// `pliant_slice_hold_open` until `pliant_slice_hold_close`.
 pub struct PliantSliceHold {
     hold: PacketHold,
@@ -240,8 +242,9 @@ pub unsafe extern "C" fn pliant_slice_restore(
     })
 }
 
-/// Opens a packet-hold table in the calling thread's network namespace (`tag`, may be null,
-/// names it in `nft list tables`). Null on failure (see `pliant_slice_last_error`).
+/// Opens a packet hold in the calling thread's network namespace (`tag`, may be null, names
+/// the nftables table of the dropping fallback). Null on failure (see
+/// `pliant_slice_last_error`).
 /// # Safety
 /// `tag` null or a NUL-terminated string.
 #[no_mangle]
@@ -269,7 +272,8 @@ pub unsafe extern "C" fn pliant_slice_hold_open(tag: *const c_char) -> *mut Plia
     })
 }
 
-/// Deletes the table (every connection it still held is let through).
+/// Removes the hold (every connection it still held is let through; segments it kept are
+/// not written back).
 /// # Safety
 /// `h` null or an open hold, closed once.
 #[no_mangle]
@@ -304,7 +308,8 @@ fn change_hold(h: *mut PliantSliceHold, fd: c_int, add: bool) -> c_int {
     })
 }
 
-/// Drops the client's segments of `fd`'s connection from now on (before the capture).
+/// Keeps the client's segments of `fd`'s connection from the stack from now on (before the
+/// capture): queued, or dropped by the fallback.
 /// # Safety
 /// `h` null or an open hold.
 #[no_mangle]
@@ -312,8 +317,8 @@ pub unsafe extern "C" fn pliant_slice_hold(h: *mut PliantSliceHold, fd: c_int) -
     change_hold(h, fd, true)
 }
 
-/// Lets the client's segments of `fd`'s connection through again (`fd` may be the restored
-/// socket: it has the same addresses).
+/// Lets the client's segments of `fd`'s connection through again, the queued ones first, in
+/// order (`fd` may be the restored socket: it has the same addresses; it must exist by then).
 /// # Safety
 /// `h` null or an open hold.
 #[no_mangle]

@@ -49,6 +49,8 @@ enum Exit<A> {
 struct Handle<A> {
     /// The client's address (the connection's remote end).
     peer: Option<SocketAddr>,
+    /// The network namespace of the session's socket (its nsfs inode).
+    netns: Option<u64>,
     wake: UnixStream,
     /// Set before the wake byte is sent: a session busy reading sees it between two reads
     /// without going back to poll.
@@ -204,6 +206,11 @@ impl<A: SessionApp> Instance<A> {
     pub fn hold_table(&self) -> &str {
         self.inner.hold.table()
     }
+
+    /// This instance's packet hold (its mode, its queue's counters).
+    pub fn hold(&self) -> &PacketHold {
+        &self.inner.hold
+    }
 }
 
 impl<A: SessionApp> Drop for Instance<A> {
@@ -272,6 +279,7 @@ impl<A: SessionApp> Inner<A> {
         let freeze_seen = freeze.clone();
         let id = f.id;
         let peer = f.sock.peer_addr().ok();
+        let netns = crate::repair::socket_netns(&f.sock).ok();
         let me = self.clone();
         let mut sessions = lock(&self.sessions);
         let thread = std::thread::Builder::new()
@@ -287,12 +295,40 @@ impl<A: SessionApp> Inner<A> {
             id,
             Handle {
                 peer,
+                netns,
                 wake: wake_w,
                 freeze,
                 thread,
             },
         );
         Ok(())
+    }
+
+    /// The network namespace of session `id`'s socket (`None` inside: it could not be read);
+    /// `None` when the session is not here.
+    pub(crate) fn session_netns(&self, id: u64) -> Option<Option<u64>> {
+        lock(&self.sessions).get(&id).map(|h| h.netns)
+    }
+
+    /// [`Inner::freeze`] for many sessions: every thread is told first, then each is joined, so
+    /// they stop in parallel. In the order of `ids`; `None` for a session that is not here or
+    /// ended meanwhile.
+    pub(crate) fn freeze_many(&self, ids: &[u64]) -> Vec<Option<Frozen<A>>> {
+        let handles: Vec<Option<Handle<A>>> = {
+            let mut sessions = lock(&self.sessions);
+            ids.iter().map(|id| sessions.remove(id)).collect()
+        };
+        for h in handles.iter().flatten() {
+            h.freeze.store(true, Ordering::SeqCst);
+            let _ = (&h.wake).write_all(&[1]);
+        }
+        handles
+            .into_iter()
+            .map(|h| match h?.thread.join() {
+                Ok(Exit::Frozen(f)) => Some(f),
+                _ => None,
+            })
+            .collect()
     }
 
     /// Stops session `id` between two reads and takes it over; `None` when there is no such

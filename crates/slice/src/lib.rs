@@ -9,11 +9,14 @@
 //! without a reset. [`instance`] is a session server built on it; [`demo`] is its example
 //! application.
 
+pub mod batch;
+pub mod bench;
 pub mod capsule;
 pub mod demo;
 pub mod format;
 pub mod hold;
 pub mod instance;
+pub mod load;
 pub mod migrate;
 pub mod nfnl;
 pub mod repair;

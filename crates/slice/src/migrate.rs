@@ -8,11 +8,11 @@
 //! ```text
 //!   source                                         destination
 //!   connect + handshake (refused: session untouched)
-//!   freeze the session thread
-//!   Prepare(id, application capsule, netns)    ->  load the application capsule, check the
-//!                                                  network namespace
+//!   Prepare(id, a new session's application    ->  load the application capsule, check the
+//!           capsule, netns of the socket)          network namespace
 //!                                              <-  Ready | Refused(why)
-//!   (Refused: resume, nothing else was touched)
+//!   (Refused: nothing was touched)
+//!   freeze the session thread
 //!   hold the 4-tuple; TCP_REPAIR on; capture;
 //!   recheck rcv_nxt; close in repair mode
 //!   (no FIN, no RST; the 4-tuple is free now)
@@ -24,13 +24,18 @@
 //!                                                  session with unsent + pending output
 //!                                              <-  Serving
 //! ```
+//! With a queueing hold at the source (`Prepare.queued`), the destination ends repair mode
+//! and runs the session right after the restore and answers the slice with `Serving`; the
+//! source then releases the hold (the segments queued meanwhile, the answer to the window
+//! probe among them, are written back) and the move is over: no `Released` round trip.
 //! The close must come before the restore: the kernel refuses a second socket with a live
 //! 4-tuple, even in repair mode. The hold covers the client's segments from before the
 //! capture (a segment acknowledged by the source after its capture would be lost with it)
 //! until the restored socket exists (a segment finding no socket, or the listener, would be
-//! answered with a RST). Everything the destination can check without the kernel capsule
-//! (the application capsule, the namespace) is checked before the hold, so the hold lasts
-//! one round trip (the client retransmits the segments it drops). Until
+//! answered with a RST). Everything the destination can check without the session's state
+//! (that it reads this application's capsules, the namespace) is checked before the freeze,
+//! so neither the pause nor the hold includes that round trip; the session's own application
+//! capsule is loaded with the restore, and if that fails the source restores the session. Until
 //! the source has closed, every failure leaves the session where it was; after, the source
 //! still holds the whole capsule and restores it itself if the destination cannot.
 
@@ -49,33 +54,47 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 #[derive(Debug, Serialize, Deserialize)]
-enum ToDest {
+pub(crate) enum ToDest {
     Prepare {
         session_id: u64,
         app: Vec<u8>,
         netns: u64,
+        /// The source's hold queues: the destination may end repair mode and run the session
+        /// as soon as it is restored, and answer `Serving` at once (see `take_slice`).
+        queued: bool,
     },
     Slice(Vec<u8>),
     Released,
+    /// A batch ([`crate::batch`]): the Prepare of each session.
+    PrepareBatch(Vec<crate::batch::Prepared>),
+    /// Capsules of the batch; `more`: another `Slices` follows (a frame holds at most
+    /// `MAX_FRAME` bytes).
+    Slices {
+        capsules: Vec<Vec<u8>>,
+        more: bool,
+    },
 }
 
 #[derive(Debug, Serialize, Deserialize)]
-enum ToSource {
+pub(crate) enum ToSource {
     Ready,
     Refused(String),
     Restored,
     Failed(String),
     Serving,
+    /// Per capsule of a batch, in order: `None` restored, `Some(why)` not.
+    RestoredBatch(Vec<Option<String>>),
 }
 
 /// Frame bound of the channel: a capsule and its envelope.
-const MAX_FRAME: usize = MAX_BODY + 1024;
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+pub(crate) const MAX_FRAME: usize = MAX_BODY + 1024;
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// What a move did.
 #[derive(Debug, Clone)]
 pub struct Moved {
-    /// Freeze at the source to the destination serving the session.
+    /// Freeze request at the source to the end of the move: the destination serving the
+    /// session and the hold released (with a dropping hold the release comes first).
     pub pause: Duration,
     pub capsule_bytes: usize,
     /// The TCP options the moved connection had negotiated.
@@ -89,13 +108,13 @@ pub struct Moved {
 pub struct Phases {
     /// The session thread stopped and handed its state back.
     pub frozen: Duration,
-    /// The destination checked the application capsule and the namespace.
+    /// Zero: the destination checks the application and the namespace before the freeze.
     pub ready: Duration,
     /// The client's segments are held.
     pub held: Duration,
     /// Repair mode entered, kernel state captured, slice encoded, source socket closed.
     pub captured: Duration,
-    /// The destination restored the socket.
+    /// The destination restored the socket (with a queueing hold: and serves the session).
     pub restored: Duration,
     /// The hold is released.
     pub released: Duration,
@@ -128,11 +147,11 @@ pub enum MigrateError {
     Unconfirmed(FrameError),
 }
 
-fn send(conn: &mut Conn, m: &impl Serialize) -> Result<(), FrameError> {
+pub(crate) fn send(conn: &mut Conn, m: &impl Serialize) -> Result<(), FrameError> {
     conn.send(kinds::SLICE, m)
 }
 
-fn recv<T: for<'de> Deserialize<'de>>(conn: &mut Conn) -> Result<T, FrameError> {
+pub(crate) fn recv<T: for<'de> Deserialize<'de>>(conn: &mut Conn) -> Result<T, FrameError> {
     let (kind, m) = conn.recv()?;
     if kind != kinds::SLICE {
         return Err(FrameError::Io(std::io::Error::new(
@@ -152,13 +171,8 @@ impl<A: SessionApp> Instance<A> {
         peer_name: &str,
     ) -> Result<Moved, MigrateError> {
         let inner = &self.inner;
-        let sec = &inner.security;
-        let expect = Expect {
-            name: Some(peer_name.to_string()),
-            roles: role::REPLICA,
-        };
-        let opts = sec.options(peer, expect, MAX_FRAME);
-        let mut conn = Conn::connect(peer, &sec.identity, &opts, CONNECT_TIMEOUT, &sec.tcp)?;
+        let mut conn = connect(inner, peer, peer_name)?;
+        prepare(inner, &mut conn, id)?;
         let t0 = Instant::now();
         let f = inner.freeze(id).ok_or(MigrateError::NoSession(id))?;
         let moved = move_frozen(inner, &mut conn, f, t0)?;
@@ -170,8 +184,23 @@ impl<A: SessionApp> Instance<A> {
     }
 }
 
+/// The slice channel to the instance `peer_name` at `peer`, authenticated both ways.
+pub(crate) fn connect<A: SessionApp>(
+    inner: &Inner<A>,
+    peer: &Endpoint,
+    peer_name: &str,
+) -> Result<Conn, ConnError> {
+    let sec = &inner.security;
+    let expect = Expect {
+        name: Some(peer_name.to_string()),
+        roles: role::REPLICA,
+    };
+    let opts = sec.options(peer, expect, MAX_FRAME);
+    Conn::connect(peer, &sec.identity, &opts, CONNECT_TIMEOUT, &sec.tcp)
+}
+
 /// Puts a frozen session back to work where it is (nothing was handed over).
-fn resume<A: SessionApp>(
+pub(crate) fn resume<A: SessionApp>(
     inner: &Arc<Inner<A>>,
     f: Frozen<A>,
     tuple: Option<(SocketAddr, SocketAddr)>,
@@ -187,6 +216,38 @@ fn resume<A: SessionApp>(
     }
     if let Err(e) = inner.run(f) {
         tracing::error!(error = %e, "resuming a session");
+    }
+}
+
+/// Asks the destination, before the session is frozen, whether it can take it: the network
+/// namespace of the session's socket (recorded when its thread started) and an application
+/// capsule of this application (a new session's: the session's own state is only known once
+/// it is frozen, and is checked again, with the restore, after the close; a failure there
+/// makes the source restore the session itself). The session runs on meanwhile, so this
+/// round trip is not part of the pause.
+fn prepare<A: SessionApp>(inner: &Inner<A>, conn: &mut Conn, id: u64) -> Result<(), MigrateError> {
+    let netns = inner
+        .session_netns(id)
+        .ok_or(MigrateError::NoSession(id))?
+        .ok_or_else(|| {
+            MigrateError::Capture(RepairError::Sys {
+                op: "SIOCGSKNS",
+                source: std::io::Error::other("the session's network namespace is unknown"),
+            })
+        })?;
+    let m = ToDest::Prepare {
+        session_id: id,
+        app: A::new_session().save(),
+        netns,
+        queued: inner.hold.mode() == crate::hold::HoldMode::Queue,
+    };
+    match send(conn, &m).and_then(|_| recv::<ToSource>(conn)) {
+        Ok(ToSource::Ready) => Ok(()),
+        Ok(ToSource::Refused(why)) => Err(MigrateError::Refused(why)),
+        Ok(other) => Err(MigrateError::Refused(format!(
+            "unexpected answer {other:?}"
+        ))),
+        Err(e) => Err(MigrateError::Channel(e)),
     }
 }
 
@@ -210,39 +271,6 @@ fn move_frozen<A: SessionApp>(
             }));
         }
     };
-    let netns = match repair::socket_netns(&f.sock) {
-        Ok(n) => n,
-        Err(e) => {
-            resume(inner, f, None);
-            return Err(MigrateError::Capture(RepairError::Sys {
-                op: "SIOCGSKNS",
-                source: e,
-            }));
-        }
-    };
-    let prepare = ToDest::Prepare {
-        session_id: f.id,
-        app: f.app.save(),
-        netns,
-    };
-    match send(conn, &prepare).and_then(|_| recv::<ToSource>(conn)) {
-        Ok(ToSource::Ready) => {}
-        Ok(ToSource::Refused(why)) => {
-            resume(inner, f, None);
-            return Err(MigrateError::Refused(why));
-        }
-        Ok(other) => {
-            resume(inner, f, None);
-            return Err(MigrateError::Refused(format!(
-                "unexpected answer {other:?}"
-            )));
-        }
-        Err(e) => {
-            resume(inner, f, None);
-            return Err(MigrateError::Channel(e));
-        }
-    }
-    ph.ready = t0.elapsed();
     if let Err(e) = inner.hold.hold(&tuple.0, &tuple.1) {
         resume(inner, f, None);
         return Err(MigrateError::Hold(e));
@@ -287,15 +315,24 @@ fn move_frozen<A: SessionApp>(
     }
     ph.captured = t0.elapsed();
     let answer = send(conn, &ToDest::Slice(bytes.clone())).and_then(|_| recv::<ToSource>(conn));
+    // `Serving`: the destination runs the session already (queueing hold, see take_slice).
+    let mut serving = false;
     let failure = match answer {
         Ok(ToSource::Restored) => None,
+        Ok(ToSource::Serving) => {
+            serving = true;
+            None
+        }
         Ok(ToSource::Failed(why)) => Some(why),
         Ok(other) => Some(format!("unexpected answer {other:?}")),
         Err(e) => Some(e.to_string()),
     };
     if let Some(dest) = failure {
+        // Restored before the release: the queueing hold writes the held segments back at
+        // once, and they must find the socket (not the listener, which would reset).
+        let here = restore_here(inner, &slice, app, out, id);
         inner.hold.release(&tuple.0, &tuple.1).ok();
-        return match restore_here(inner, &slice, app, out, id) {
+        return match here {
             Ok(()) => Err(MigrateError::DestRestore(dest)),
             Err(local) => Err(MigrateError::Lost { dest, local }),
         };
@@ -305,15 +342,17 @@ fn move_frozen<A: SessionApp>(
         tracing::error!(error = %e, "releasing the packet hold");
     }
     ph.released = t0.elapsed();
-    send(conn, &ToDest::Released)
-        .and_then(|_| recv::<ToSource>(conn))
-        .map_err(MigrateError::Unconfirmed)
-        .and_then(|a| match a {
-            ToSource::Serving => Ok(()),
-            other => Err(MigrateError::Unconfirmed(FrameError::Io(
-                std::io::Error::other(format!("unexpected answer {other:?}")),
-            ))),
-        })?;
+    if !serving {
+        send(conn, &ToDest::Released)
+            .and_then(|_| recv::<ToSource>(conn))
+            .map_err(MigrateError::Unconfirmed)
+            .and_then(|a| match a {
+                ToSource::Serving => Ok(()),
+                other => Err(MigrateError::Unconfirmed(FrameError::Io(
+                    std::io::Error::other(format!("unexpected answer {other:?}")),
+                ))),
+            })?;
+    }
     Ok(Moved {
         pause: Duration::ZERO,
         capsule_bytes: bytes.len(),
@@ -331,7 +370,9 @@ const TUPLE_FREE_WAIT: Duration = Duration::from_secs(2);
 /// descriptor to the child until the child's `exec`, and a close in that window is finished
 /// only then. Measured here: a move failing with the tuple in use while another thread of the
 /// same process started `nft`.
-fn restore_when_free(c: &crate::capsule::TcpCapsule) -> Result<std::net::TcpStream, RepairError> {
+pub(crate) fn restore_when_free(
+    c: &crate::capsule::TcpCapsule,
+) -> Result<std::net::TcpStream, RepairError> {
     let end = Instant::now() + TUPLE_FREE_WAIT;
     let mut step = Duration::from_micros(100);
     loop {
@@ -346,7 +387,7 @@ fn restore_when_free(c: &crate::capsule::TcpCapsule) -> Result<std::net::TcpStre
 }
 
 /// The source's way back when the destination could not restore after the source closed.
-fn restore_here<A: SessionApp>(
+pub(crate) fn restore_here<A: SessionApp>(
     inner: &Arc<Inner<A>>,
     slice: &Slice,
     app: A,
@@ -390,19 +431,24 @@ pub(crate) fn serve_peer<A: SessionApp>(inner: &Arc<Inner<A>>, s: Stream) {
             return;
         }
     };
-    while let Ok(ToDest::Prepare {
-        session_id,
-        app,
-        netns,
-    }) = recv::<ToDest>(&mut conn)
-    {
-        if take_slice(inner, &mut conn, session_id, &app, netns).is_err() {
+    loop {
+        let done = match recv::<ToDest>(&mut conn) {
+            Ok(ToDest::Prepare {
+                session_id,
+                app,
+                netns,
+                queued,
+            }) => take_slice(inner, &mut conn, session_id, &app, netns, queued),
+            Ok(ToDest::PrepareBatch(items)) => crate::batch::take_batch(inner, &mut conn, items),
+            _ => return,
+        };
+        if done.is_err() {
             return;
         }
     }
 }
 
-fn refuse<A>(inner: &Inner<A>, conn: &mut Conn, why: String) -> Result<(), FrameError> {
+pub(crate) fn refuse<A>(inner: &Inner<A>, conn: &mut Conn, why: String) -> Result<(), FrameError> {
     inner.stats.refused_capsules.fetch_add(1, Ordering::Relaxed);
     tracing::warn!(peer = %conn.peer.name, %why, "slice refused");
     send(conn, &ToSource::Refused(why))
@@ -415,6 +461,7 @@ fn take_slice<A: SessionApp>(
     session_id: u64,
     app: &[u8],
     netns: u64,
+    queued: bool,
 ) -> Result<(), FrameError> {
     // Checked before Ready: the source still holds the session and resumes it.
     match repair::thread_netns() {
@@ -456,10 +503,19 @@ fn take_slice<A: SessionApp>(
             return send(conn, &ToSource::Failed(why));
         }
     };
-    send(conn, &ToSource::Restored)?;
-    // The source releases the hold before saying so; if it went away meanwhile, the session
-    // is ours all the same.
-    let released = recv::<ToDest>(conn);
+    // With a queueing hold at the source, nothing the client sends is lost while it is held:
+    // the answer to the window probe of TCP_REPAIR_OFF, and to whatever the session writes,
+    // is queued and written back at the release. So the session runs now and the source
+    // releases on `Serving`: one round trip less in the pause. A dropping hold would drop
+    // that answer: then repair mode ends only after the release (`Released`).
+    let released = if queued {
+        None
+    } else {
+        send(conn, &ToSource::Restored)?;
+        // The source releases the hold before saying so; if it went away meanwhile, the
+        // session is ours all the same.
+        Some(recv::<ToDest>(conn))
+    };
     if let Err(e) = repair::leave_repair(&sock) {
         tracing::error!(error = %e, "leaving repair mode on a restored socket");
     }
@@ -474,7 +530,9 @@ fn take_slice<A: SessionApp>(
         })
         .map_err(FrameError::Io)?;
     inner.stats.moved_in.fetch_add(1, Ordering::Relaxed);
-    released?;
+    if let Some(r) = released {
+        r?;
+    }
     send(conn, &ToSource::Serving)
 }
 

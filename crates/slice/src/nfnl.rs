@@ -136,13 +136,27 @@ impl NfTables {
     /// Adds (`add`) or deletes the element `key` of `table`/`set` (family inet), and waits for
     /// the kernel's answer. Adding an element present, or deleting one absent, is an error.
     pub fn set_element(&mut self, table: &str, set: &str, key: &[u8], add: bool) -> io::Result<()> {
-        let mut attrs = Vec::with_capacity(128);
+        self.set_elements(table, set, &[key.to_vec()], add)
+    }
+
+    /// [`NfTables::set_element`] for several keys in one message (one transaction: all or
+    /// none).
+    pub fn set_elements(
+        &mut self,
+        table: &str,
+        set: &str,
+        keys: &[Vec<u8>],
+        add: bool,
+    ) -> io::Result<()> {
+        let mut attrs = Vec::with_capacity(128 + keys.len() * 64);
         attr(&mut attrs, NFTA_SET_ELEM_LIST_TABLE, &cstr(table));
         attr(&mut attrs, NFTA_SET_ELEM_LIST_SET, &cstr(set));
         nested(&mut attrs, NFTA_SET_ELEM_LIST_ELEMENTS, |b| {
-            nested(b, NFTA_LIST_ELEM, |b| {
-                nested(b, NFTA_SET_ELEM_KEY, |b| attr(b, NFTA_DATA_VALUE, key));
-            });
+            for key in keys {
+                nested(b, NFTA_LIST_ELEM, |b| {
+                    nested(b, NFTA_SET_ELEM_KEY, |b| attr(b, NFTA_DATA_VALUE, key));
+                });
+            }
         });
         let (ty, flags) = if add {
             (NFT_MSG_NEWSETELEM, NLM_F_CREATE | NLM_F_EXCL)

@@ -212,8 +212,9 @@ pub fn enter_repair(s: &TcpStream) -> Result<(), RepairError> {
 /// window, so a restored socket learns what the peer already has (acknowledging the sent part
 /// of the restored send queue) and its current window without waiting for a retransmission
 /// timeout, which on a fresh socket starts at one second. TCP_REPAIR_OFF_NO_WP (no probe) is
-/// for a peer not reachable yet; callers here end repair only after the packet hold for the
-/// connection is released, so the probe and its answer get through.
+/// for a peer not reachable yet; here the answer always gets through: callers end repair
+/// after the packet hold for the connection is released, or, with the queueing hold, before
+/// (the answer is queued and written back at the release).
 pub fn leave_repair(s: &TcpStream) -> Result<(), RepairError> {
     set_tcp(s.as_raw_fd(), libc::TCP_REPAIR, TCP_REPAIR_OFF).map_err(sys("TCP_REPAIR off"))
 }
@@ -582,11 +583,15 @@ pub fn restore(c: &TcpCapsule) -> Result<TcpStream, RepairError> {
         "SO_SNDBUFFORCE",
         c.sent_part().len(),
     )?;
+    // Room for the unread bytes and for everything the client may send into the window the
+    // source advertised: a restored socket starts from the default buffer, and data beyond
+    // it is dropped (the client retransmits it, after a retransmission timeout if it was its
+    // last). Seen with a bulk flow moved mid-transfer: 1-3 client RTOs in 5 moves.
     fit_buffer(
         raw,
         libc::SO_RCVBUFFORCE,
         "SO_RCVBUFFORCE",
-        c.recv_queue.len(),
+        c.recv_queue.len() + c.window.rcv_wnd as usize,
     )?;
     select_queue(raw, TCP_SEND_QUEUE)?;
     refill(raw, "refill send queue", c.sent_part())?;

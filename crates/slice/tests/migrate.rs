@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{private_netns, start_client, tcp_counter, wait_until, Client};
+use common::{private_netns, start_client, tcp_counter, tcpext_counter, wait_until, Client};
 use pliant_slice::demo::LineApp;
 use pliant_slice::instance::{Config, Instance, SessionApp};
 use pliant_slice::migrate::MigrateError;
@@ -121,6 +121,14 @@ fn streaming_sessions_move_back_and_forth_without_a_reset_or_a_lost_byte() {
     for c in &clients {
         assert!(c.progresses(100));
     }
+    let client_retrans =
+        clients
+            .iter()
+            .map(Client::retrans)
+            .fold(common::Retrans::default(), |a, b| common::Retrans {
+                total_retrans: a.total_retrans + b.total_retrans,
+                rto: a.rto + b.rto,
+            });
     let lines: u64 = clients.into_iter().map(Client::finish).sum();
     let rsts = tcp_counter("OutRsts");
     let n = pauses.len();
@@ -134,6 +142,11 @@ fn streaming_sessions_move_back_and_forth_without_a_reset_or_a_lost_byte() {
         pct(&mut gaps, 0.99),
         pct(&mut gaps, 1.0),
     );
+    let stalls = gaps
+        .iter()
+        .filter(|g| **g >= Duration::from_millis(200))
+        .count();
+    eprintln!("slice e2e clients: {client_retrans:?}; gaps >= 200 ms: {stalls}");
     eprintln!(
         "slice e2e client-observed gap (move start to next reply): p50 {g50:?} p99 {g99:?} \
          max {gmax:?}"
@@ -156,6 +169,25 @@ fn streaming_sessions_move_back_and_forth_without_a_reset_or_a_lost_byte() {
         p(|x| x.released),
     );
     eprintln!("slice e2e slowest move: {slowest:?}");
+    if std::env::var("SLICE_NETSTAT").is_ok() {
+        eprintln!(
+            "{}",
+            std::fs::read_to_string("/proc/thread-self/net/netstat").unwrap()
+        );
+    }
+    eprintln!(
+        "slice e2e hold: {} (fallback: {:?}), queue a {:?} b {:?}; kernel: TCPTimeouts {} \
+         TCPLossProbes {} TCPLossProbeRecovery {} RetransSegs {} TCPSpuriousRTOs {}",
+        a.hold().mode().as_str(),
+        a.hold().fallback_reason(),
+        a.hold().queue_stats(),
+        b.hold().queue_stats(),
+        tcpext_counter("TCPTimeouts"),
+        tcpext_counter("TCPLossProbes"),
+        tcpext_counter("TCPLossProbeRecovery"),
+        tcp_counter("RetransSegs"),
+        tcpext_counter("TCPSpuriousRTOs"),
+    );
     assert!(n >= 100, "only {n} migrations in {budget:?}");
     assert_eq!(rsts, 0, "a RST left this namespace");
     for i in [&a, &b] {

@@ -1,0 +1,760 @@
+//! The queueing hold: the client's segments of a held connection are kept, not dropped, and
+//! written back in their order on release, so the client never has to retransmit them.
+//!
+//! This kernel has neither nft_queue nor iptables (no NFQUEUE), so the queue is built from what
+//! it has (tc-BPF with clsact, veth, packet sockets):
+//! ```text
+//!   lo ingress (and every other interface present at creation): pliant_slice_hold
+//!   (bpf/slice_hold.bpf.c)
+//!     held 4-tuple -> bpf_redirect to the egress of veth <name>a
+//!                       packet socket on <name>a reads it (taps see a frame before the
+//!                       device sends it) and keeps it in its receive buffer;
+//!                       <name>b's ingress (pliant_slice_hold_sink) drops what arrives
+//!     otherwise    -> next filter / the stack
+//!   release: the kept packets of the connection, checksum completed, are sent through a raw
+//!   IP socket marked REINJECT_MARK (the route to a local address is loopback), which the
+//!   program lets through, then the key goes.
+//! ```
+//! Why a raw IP socket and not the packet socket on lo: a frame written on lo arrives without
+//! a route, and the input route lookup refuses 127/8 on any device (martian, drop reason
+//! IP_LOCALNET) unless the receiving socket already caches an input route. A restored socket
+//! has none until its first segment arrives, so every written-back frame was dropped and the
+//! client had to retransmit it all the same (found with the kfree_skb tracepoint). A packet
+//! sent through the output path carries its route to the stack on the other side of lo.
+//! The program and the maps belong to this process (aya, like crates/steer); the filters and the
+//! veth pair go with the hold. A frame is charged to its connection in the BPF map before it is
+//! redirected, and the key is removed with BPF_MAP_LOOKUP_AND_DELETE_ELEM, so the release knows
+//! how many frames to wait for (the last ones may still be on their way to the socket).
+//!
+//! Bounds ([`QueueBounds`]): per connection 8,192 frames and 32 MiB (beyond: dropped in the
+//! program and counted, the client retransmits those); all connections together the packet
+//! socket's receive buffer (`RCVBUF`; beyond: the kernel drops, counted as `socket_drops`).
+
+use super::frames::{complete_tcp_checksum, Key, ETH_HLEN};
+use super::HoldError;
+use aya::maps::{Array, HashMap, IterableMap, MapData};
+use aya::programs::tc::{self, NlOptions, SchedClassifier, TcAttachOptions, TcAttachType};
+use aya::{Ebpf, EbpfLoader};
+use std::collections::HashMap as Map;
+use std::io;
+use std::net::SocketAddr;
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/slice_hold.bpf.o"));
+const PROGRAM: &str = "pliant_slice_hold";
+const SINK: &str = "pliant_slice_hold_sink";
+const LAYOUT_VERSION: u32 = 1;
+/// tc filter priority of the hold's filters (steering uses 10).
+const TC_PRIORITY: u16 = 20;
+/// skb mark of the frames written back; the program lets them through.
+pub(super) const REINJECT_MARK: u32 = 0x534c_4943; // "SLIC"
+/// How much the queue keeps per held connection; beyond, segments are dropped and counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueueBounds {
+    pub packets: u32,
+    pub bytes: u32,
+}
+
+impl Default for QueueBounds {
+    fn default() -> Self {
+        // More than a client can have in flight into any window this crate's sockets
+        // advertise on loopback in practice (4 MiB in flight in the bench's bulk flow).
+        QueueBounds {
+            packets: 8192,
+            bytes: 32 << 20,
+        }
+    }
+}
+
+const RCVBUF: libc::c_int = 64 << 20;
+/// Longest frame on loopback (MTU 65536) and its Ethernet header.
+const FRAME_MAX: usize = 65536 + 14;
+/// How long a release waits for frames charged to its connection that have not reached the
+/// packet socket yet (they are microseconds behind; this bounds a frame lost in between).
+const STRAGGLER_WAIT: Duration = Duration::from_millis(20);
+
+/// Layout = `struct hold_val`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct Val {
+    packets: u32,
+    bytes: u32,
+    over: u32,
+    pad: u32,
+}
+// SAFETY: four u32, no padding.
+unsafe impl aya::Pod for Val {}
+
+/// Layout = `struct hold_config`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct Config {
+    queue_ifindex: u32,
+    max_packets: u32,
+    max_bytes: u32,
+    reinject_mark: u32,
+}
+// SAFETY: four u32, no padding.
+unsafe impl aya::Pod for Config {}
+
+/// What the queue did since it was created.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct QueueStats {
+    /// Frames kept and written back.
+    pub reinjected: u64,
+    /// Frames dropped by the program beyond a connection's bound.
+    pub over_limit: u64,
+    /// Frames charged to a released connection that never reached the socket in time.
+    pub missing: u64,
+    /// Frames the kernel dropped because the packet socket's buffer was full.
+    pub socket_drops: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    reinjected: AtomicU64,
+    over_limit: AtomicU64,
+    missing: AtomicU64,
+    socket_drops: AtomicU64,
+}
+
+/// Frames read from the socket, per connection, until that connection's release.
+struct Queue {
+    rx: OwnedFd,
+    /// Raw IP sockets (header included) of each family, for writing packets back.
+    tx4: OwnedFd,
+    tx6: OwnedFd,
+    frames: Map<Key, Vec<Vec<u8>>>,
+    /// Frames written back per connection being released.
+    sent: Map<Key, u32>,
+    buf: Vec<u8>,
+}
+
+pub(super) struct QueueHold {
+    name: String,
+    netns: OwnedFd,
+    ebpf: Option<Ebpf>,
+    held: Mutex<HashMap<MapData, Key, Val>>,
+    queue: Mutex<Queue>,
+    counters: Counters,
+}
+
+impl std::fmt::Debug for QueueHold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QueueHold")
+            .field("name", &self.name)
+            .finish()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn bpf_err(what: &str) -> impl FnOnce(String) -> HoldError + '_ {
+    move |e| HoldError::Bpf(format!("{what}: {e}"))
+}
+
+fn sys(op: &'static str) -> impl FnOnce(io::Error) -> HoldError {
+    move |source| HoldError::Sys { op, source }
+}
+
+fn ip(args: &[&str]) -> Result<(), HoldError> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|source| HoldError::Spawn { cmd: "ip", source })?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(HoldError::Command {
+            what: format!("ip {}", args.join(" ")),
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        })
+    }
+}
+
+fn ifindex(name: &str) -> Result<i32, HoldError> {
+    let c = std::ffi::CString::new(name).expect("interface names have no NUL");
+    // SAFETY: `c` is a valid NUL-terminated string.
+    let i = unsafe { libc::if_nametoindex(c.as_ptr()) };
+    if i == 0 {
+        Err(sys("if_nametoindex")(io::Error::last_os_error()))
+    } else {
+        Ok(i as i32)
+    }
+}
+
+/// The names of the calling thread's network namespace's interfaces.
+fn interfaces() -> Vec<String> {
+    // SAFETY: if_nameindex returns an array ending with a zero entry, freed below.
+    let list = unsafe { libc::if_nameindex() };
+    if list.is_null() {
+        return Vec::new();
+    }
+    let mut names = Vec::new();
+    let mut i = 0;
+    loop {
+        // SAFETY: within the array, up to and including its zero terminator.
+        let e = unsafe { &*list.add(i) };
+        if e.if_index == 0 || e.if_name.is_null() {
+            break;
+        }
+        // SAFETY: a NUL-terminated name owned by the array.
+        let n = unsafe { std::ffi::CStr::from_ptr(e.if_name) };
+        names.push(n.to_string_lossy().into_owned());
+        i += 1;
+    }
+    // SAFETY: the array if_nameindex returned, freed once.
+    unsafe { libc::if_freenameindex(list) };
+    names
+}
+
+fn open_ns() -> Result<OwnedFd, HoldError> {
+    let f = std::fs::File::open("/proc/thread-self/ns/net").map_err(sys("open netns"))?;
+    Ok(OwnedFd::from(f))
+}
+
+fn setsockopt_int(fd: &OwnedFd, level: i32, opt: i32, v: libc::c_int) -> io::Result<()> {
+    // SAFETY: `v` is an int that lives for the call.
+    let r = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            level,
+            opt,
+            (&v as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+/// A raw socket of `family` that sends whole IP packets (IPPROTO_RAW: header included),
+/// marked so the hold's program lets them through.
+fn raw_socket(family: libc::c_int) -> io::Result<OwnedFd> {
+    // SAFETY: plain socket creation.
+    let fd = unsafe {
+        libc::socket(
+            family,
+            libc::SOCK_RAW | libc::SOCK_CLOEXEC,
+            libc::IPPROTO_RAW,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor we own.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    setsockopt_int(&fd, libc::SOL_SOCKET, libc::SO_MARK, REINJECT_MARK as i32)?;
+    Ok(fd)
+}
+
+fn packet_socket(ifindex: i32, protocol: u16, flags: i32) -> io::Result<OwnedFd> {
+    let proto_be = protocol.to_be();
+    // SAFETY: plain socket creation.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_PACKET,
+            libc::SOCK_RAW | libc::SOCK_CLOEXEC | flags,
+            libc::c_int::from(proto_be),
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor we own.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: zeroed sockaddr_ll is valid; the fields that matter are set below.
+    let mut sa: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+    sa.sll_family = libc::AF_PACKET as u16;
+    sa.sll_protocol = proto_be;
+    sa.sll_ifindex = ifindex;
+    // SAFETY: `sa` is a sockaddr_ll of the size given.
+    let r = unsafe {
+        libc::bind(
+            fd.as_raw_fd(),
+            (&sa as *const libc::sockaddr_ll).cast(),
+            std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t,
+        )
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(fd)
+}
+
+/// BPF_MAP_LOOKUP_AND_DELETE_ELEM (aya 0.14 has no call for it on hash maps): the entry's last
+/// value and its removal in one step, so no frame is charged between the two.
+fn lookup_and_delete(map: &MapData, key: &Key) -> io::Result<Val> {
+    const BPF_MAP_LOOKUP_AND_DELETE_ELEM: libc::c_long = 21;
+    let mut val = Val::default();
+    // union bpf_attr for map element commands: map_fd u32, pad, key u64, value u64, flags u64.
+    let mut attr = [0u8; 32];
+    let fd = map.fd().as_fd().as_raw_fd() as u32;
+    attr[0..4].copy_from_slice(&fd.to_ne_bytes());
+    attr[8..16].copy_from_slice(&(key as *const Key as u64).to_ne_bytes());
+    attr[16..24].copy_from_slice(&(&mut val as *mut Val as u64).to_ne_bytes());
+    // SAFETY: attr is a bpf_attr prefix whose pointers (key, val) outlive the call.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_MAP_LOOKUP_AND_DELETE_ELEM,
+            attr.as_ptr(),
+            attr.len() as libc::c_uint,
+        )
+    };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(val)
+    }
+}
+
+/// Runs `f` on a thread in the network namespace `ns`: the filters are detached and the veth
+/// deleted by interface index or name in the *current* namespace, which may not be the one the
+/// hold was created in (a test's instance created on a thread of another namespace). When the
+/// thread cannot enter it, `f` does not run and is handed back: run elsewhere it would detach
+/// by index in the wrong namespace (loopback is index 1 in every one).
+fn in_netns<T: Send, F: FnOnce() -> T + Send>(ns: &OwnedFd, f: F) -> Result<T, (io::Error, F)> {
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            // SAFETY: setns on this helper thread only.
+            if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                return Err((io::Error::last_os_error(), f));
+            }
+            Ok(f())
+        })
+        .join()
+        .unwrap_or_else(|_| panic!("dropping a packet hold panicked"))
+    })
+}
+
+impl QueueHold {
+    pub(super) fn create(tag: &str, bounds: QueueBounds) -> Result<QueueHold, HoldError> {
+        static N: AtomicU64 = AtomicU64::new(0);
+        let _ = tag; // interface names are 15 bytes: no room for the tag
+        let name = format!(
+            "psh{:x}{:x}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        );
+        let (a, b) = (format!("{name}a"), format!("{name}b"));
+        let netns = open_ns()?;
+        ip(&["link", "add", &a, "type", "veth", "peer", "name", &b])?;
+        // From here on a failure deletes the pair (with it the filter on b).
+        let made = (|| {
+            ip(&["link", "set", &a, "up"])?;
+            ip(&["link", "set", &b, "up"])?;
+            QueueHold::load(&name, &a, &b, netns, bounds)
+        })();
+        if made.is_err() {
+            let _ = ip(&["link", "del", &a]);
+        }
+        made
+    }
+
+    fn load(
+        name: &str,
+        a: &str,
+        b: &str,
+        netns: OwnedFd,
+        bounds: QueueBounds,
+    ) -> Result<QueueHold, HoldError> {
+        let ia = ifindex(a)?;
+        let rx = packet_socket(ia, libc::ETH_P_ALL as u16, libc::SOCK_NONBLOCK)
+            .map_err(sys("packet socket on the hold veth"))?;
+        setsockopt_int(&rx, libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, RCVBUF)
+            .map_err(sys("SO_RCVBUFFORCE"))?;
+        let tx4 = raw_socket(libc::AF_INET).map_err(sys("raw IPv4 socket"))?;
+        let tx6 = raw_socket(libc::AF_INET6).map_err(sys("raw IPv6 socket"))?;
+
+        let mut ebpf = EbpfLoader::new()
+            .load(OBJECT)
+            .map_err(|e| HoldError::Bpf(format!("loading: {e}")))?;
+        let mut cfg: Array<MapData, Config> = Array::try_from(
+            ebpf.take_map("config")
+                .ok_or_else(|| HoldError::Bpf("no map config".into()))?,
+        )
+        .map_err(|e| bpf_err("map config")(e.to_string()))?;
+        cfg.set(
+            0,
+            Config {
+                queue_ifindex: ia as u32,
+                max_packets: bounds.packets,
+                max_bytes: bounds.bytes,
+                reinject_mark: REINJECT_MARK,
+            },
+            0,
+        )
+        .map_err(|e| bpf_err("config")(e.to_string()))?;
+        let held: HashMap<MapData, Key, Val> = HashMap::try_from(
+            ebpf.take_map("held")
+                .ok_or_else(|| HoldError::Bpf("no map held".into()))?,
+        )
+        .map_err(|e| bpf_err("map held")(e.to_string()))?;
+        let version = u32_symbol(OBJECT, "hold_layout_version");
+        if version != Some(LAYOUT_VERSION) {
+            return Err(HoldError::Bpf(format!(
+                "object layout {version:?}, loader {LAYOUT_VERSION}"
+            )));
+        }
+        // Every interface the client's segments may arrive on: loopback first, then the
+        // others present now (not the holds' own veths). An interface added later is not
+        // covered.
+        let mut devs = vec![(SINK, b.to_string()), (PROGRAM, "lo".to_string())];
+        devs.extend(
+            interfaces()
+                .into_iter()
+                .filter(|n| n != "lo" && !n.starts_with("psh"))
+                .map(|n| (PROGRAM, n)),
+        );
+        for prog in [SINK, PROGRAM] {
+            let p: &mut SchedClassifier = ebpf
+                .program_mut(prog)
+                .ok_or_else(|| HoldError::Bpf(format!("no program {prog}")))?
+                .try_into()
+                .map_err(|e: aya::programs::ProgramError| bpf_err(prog)(e.to_string()))?;
+            p.load().map_err(|e| bpf_err(prog)(format!("load: {e}")))?;
+        }
+        for (prog, dev) in &devs {
+            // An existing clsact qdisc (another instance's hold on lo) is fine.
+            let _ = tc::qdisc_add_clsact(dev);
+            let p: &mut SchedClassifier = ebpf
+                .program_mut(prog)
+                .ok_or_else(|| HoldError::Bpf(format!("no program {prog}")))?
+                .try_into()
+                .map_err(|e: aya::programs::ProgramError| bpf_err(prog)(e.to_string()))?;
+            p.attach_with_options(
+                dev,
+                TcAttachType::Ingress,
+                TcAttachOptions::Netlink(NlOptions {
+                    priority: TC_PRIORITY,
+                    ..Default::default()
+                }),
+            )
+            .map_err(|e| bpf_err(prog)(format!("attach to {dev}: {e}")))?;
+        }
+        Ok(QueueHold {
+            name: name.to_string(),
+            netns,
+            ebpf: Some(ebpf),
+            held: Mutex::new(held),
+            queue: Mutex::new(Queue {
+                rx,
+                tx4,
+                tx6,
+                frames: Map::new(),
+                sent: Map::new(),
+                buf: vec![0u8; FRAME_MAX + 1],
+            }),
+            counters: Counters::default(),
+        })
+    }
+
+    pub(super) fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub(super) fn hold(&self, conns: &[(SocketAddr, SocketAddr)]) -> Result<(), HoldError> {
+        const BPF_NOEXIST: u64 = 1;
+        let mut held = lock(&self.held);
+        for (i, (l, r)) in conns.iter().enumerate() {
+            let k = Key::of(l, r);
+            if let Err(e) = held.insert(k, Val::default(), BPF_NOEXIST) {
+                // All or none: the ones added before are taken back (nothing was queued for
+                // them that matters: their owner has not been captured yet).
+                for (l, r) in &conns[..i] {
+                    let _ = held.remove(&Key::of(l, r));
+                }
+                return Err(match e {
+                    aya::maps::MapError::SyscallError(s)
+                        if s.io_error.raw_os_error() == Some(libc::EEXIST) =>
+                    {
+                        HoldError::AlreadyHeld(k.describe())
+                    }
+                    e => HoldError::Bpf(format!("hold {}: {e}", k.describe())),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes back what was kept for each connection, in order, then lets its segments pass.
+    /// Releasing a connection not held is an error (after the others were released).
+    pub(super) fn release(&self, conns: &[(SocketAddr, SocketAddr)]) -> Result<(), HoldError> {
+        let keys: Vec<Key> = conns.iter().map(|(l, r)| Key::of(l, r)).collect();
+        let mut q = lock(&self.queue);
+        // What arrived so far goes back while the keys still hold: a segment the client sends
+        // meanwhile is queued behind them, not overtaking them.
+        q.drain(&self.counters)?;
+        for k in &keys {
+            q.reinject(k, &self.counters);
+        }
+        let mut owed: Map<Key, u32> = Map::new();
+        let mut missing = None;
+        {
+            let held = lock(&self.held);
+            for k in &keys {
+                match lookup_and_delete(IterableMap::map(&*held), k) {
+                    Ok(v) => {
+                        self.counters
+                            .over_limit
+                            .fetch_add(u64::from(v.over), Ordering::Relaxed);
+                        owed.insert(*k, v.packets);
+                    }
+                    Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
+                        missing.get_or_insert_with(|| k.describe());
+                    }
+                    Err(e) => return Err(sys("BPF_MAP_LOOKUP_AND_DELETE_ELEM")(e)),
+                }
+            }
+        }
+        // Frames charged to a key before its removal may still be on their way.
+        let deadline = Instant::now() + STRAGGLER_WAIT;
+        loop {
+            owed.retain(|k, n| {
+                let got = q.sent.get(k).copied().unwrap_or(0);
+                got < *n
+            });
+            if owed.is_empty() {
+                break;
+            }
+            if Instant::now() >= deadline {
+                let short: u64 = owed
+                    .iter()
+                    .map(|(k, n)| u64::from(n - q.sent.get(k).copied().unwrap_or(0)))
+                    .sum();
+                self.counters.missing.fetch_add(short, Ordering::Relaxed);
+                break;
+            }
+            q.wait_readable(Duration::from_millis(1));
+            q.drain(&self.counters)?;
+            for k in owed.keys() {
+                q.reinject(k, &self.counters);
+            }
+        }
+        for k in &keys {
+            q.sent.remove(k);
+            q.frames.remove(k);
+        }
+        // Frames of connections no longer held arrived after their release gave up waiting:
+        // their socket exists, so they go now rather than stay here (counted as missing
+        // then; the client may have retransmitted them meanwhile, a duplicate is harmless).
+        let late: Vec<Key> = {
+            let held = lock(&self.held);
+            q.frames
+                .keys()
+                .filter(|k| held.get(k, 0).is_err())
+                .copied()
+                .collect()
+        };
+        for k in &late {
+            q.reinject(k, &self.counters);
+            q.sent.remove(k);
+        }
+        match missing {
+            Some(m) => Err(HoldError::NotHeld(m)),
+            None => Ok(()),
+        }
+    }
+
+    pub(super) fn stats(&self) -> QueueStats {
+        let c = &self.counters;
+        QueueStats {
+            reinjected: c.reinjected.load(Ordering::Relaxed),
+            over_limit: c.over_limit.load(Ordering::Relaxed),
+            missing: c.missing.load(Ordering::Relaxed),
+            socket_drops: c.socket_drops.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// A `u32` global of the object (`const volatile` in `.rodata`), read from the ELF symbols.
+fn u32_symbol(obj: &[u8], name: &str) -> Option<u32> {
+    use object::{Object, ObjectSection, ObjectSymbol};
+    let f = object::File::parse(obj).ok()?;
+    let sym = f.symbols().find(|s| s.name() == Ok(name))?;
+    let sec = f.section_by_index(sym.section_index()?).ok()?;
+    let data = sec.data().ok()?;
+    let off = (sym.address() - sec.address()) as usize;
+    let b = data.get(off..off + 4)?;
+    Some(u32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
+}
+
+impl Queue {
+    /// Reads every frame the socket has into `frames`.
+    fn drain(&mut self, c: &Counters) -> Result<(), HoldError> {
+        loop {
+            // SAFETY: zeroed sockaddr_ll is valid for the kernel to fill.
+            let mut sa: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+            let mut sl = std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t;
+            // SAFETY: `buf` is writable for its length, `sa` for `sl`.
+            let n = unsafe {
+                libc::recvfrom(
+                    self.rx.as_raw_fd(),
+                    self.buf.as_mut_ptr().cast(),
+                    self.buf.len(),
+                    libc::MSG_TRUNC,
+                    (&mut sa as *mut libc::sockaddr_ll).cast(),
+                    &mut sl,
+                )
+            };
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                match e.kind() {
+                    io::ErrorKind::WouldBlock => break,
+                    io::ErrorKind::Interrupted => continue,
+                    _ => return Err(sys("recvfrom on the hold veth")(e)),
+                }
+            }
+            let n = n as usize;
+            // Only frames sent out of the veth are ours (what arrives on it is the stack's own
+            // chatter from the far end); a frame longer than loopback's MTU cannot be one.
+            if sa.sll_pkttype != libc::PACKET_OUTGOING || n > FRAME_MAX {
+                continue;
+            }
+            let frame = self.buf[..n].to_vec();
+            if let Some((k, _)) = Key::of_frame(&frame) {
+                self.frames.entry(k).or_default().push(frame);
+            }
+        }
+        if let Ok(d) = packet_drops(&self.rx) {
+            c.socket_drops.fetch_add(u64::from(d), Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    fn wait_readable(&self, t: Duration) {
+        let mut p = libc::pollfd {
+            fd: self.rx.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd.
+        unsafe { libc::poll(&mut p, 1, t.as_millis() as libc::c_int) };
+    }
+
+    /// Sends the packets kept for `k` back to the stack, in the order they came.
+    fn reinject(&mut self, k: &Key, c: &Counters) {
+        let Some(frames) = self.frames.remove(k) else {
+            return;
+        };
+        for mut f in frames {
+            *self.sent.entry(*k).or_default() += 1;
+            let Some((_, l4)) = Key::of_frame(&f) else {
+                continue;
+            };
+            if !complete_tcp_checksum(&mut f, l4) {
+                continue;
+            }
+            let r = send_ip(&self.tx4, &self.tx6, k, &f[ETH_HLEN..]);
+            match r {
+                Ok(()) => {
+                    c.reinjected.fetch_add(1, Ordering::Relaxed);
+                }
+                // Lost like a dropped segment: the client retransmits it.
+                Err(e) => {
+                    tracing::warn!(error = %e, conn = %k.describe(), "writing a held segment back")
+                }
+            }
+        }
+    }
+}
+
+/// Sends one IP packet of connection `k` (to its destination) through the raw socket of its
+/// family.
+fn send_ip(tx4: &OwnedFd, tx6: &OwnedFd, k: &Key, packet: &[u8]) -> io::Result<()> {
+    // SAFETY: zeroed sockaddr_in / sockaddr_in6 are valid; family and address set below.
+    let mut sa4: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    let mut sa6: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
+    let (fd, sa, len) = if k.family == 4 {
+        sa4.sin_family = libc::AF_INET as libc::sa_family_t;
+        sa4.sin_addr.s_addr = u32::from_ne_bytes([k.daddr[0], k.daddr[1], k.daddr[2], k.daddr[3]]);
+        (
+            tx4,
+            (&sa4 as *const libc::sockaddr_in).cast::<libc::sockaddr>(),
+            std::mem::size_of::<libc::sockaddr_in>(),
+        )
+    } else {
+        sa6.sin6_family = libc::AF_INET6 as libc::sa_family_t;
+        sa6.sin6_addr.s6_addr = k.daddr;
+        (
+            tx6,
+            (&sa6 as *const libc::sockaddr_in6).cast::<libc::sockaddr>(),
+            std::mem::size_of::<libc::sockaddr_in6>(),
+        )
+    };
+    loop {
+        // SAFETY: `packet` and the address are live for the call, their sizes passed.
+        let r = unsafe {
+            libc::sendto(
+                fd.as_raw_fd(),
+                packet.as_ptr().cast(),
+                packet.len(),
+                0,
+                sa,
+                len as libc::socklen_t,
+            )
+        };
+        if r >= 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// PACKET_STATISTICS: frames the kernel dropped since the last call (the call resets them).
+fn packet_drops(fd: &OwnedFd) -> io::Result<u32> {
+    let mut st = libc::tpacket_stats {
+        tp_packets: 0,
+        tp_drops: 0,
+    };
+    let mut len = std::mem::size_of::<libc::tpacket_stats>() as libc::socklen_t;
+    // SAFETY: `st` is writable for `len`.
+    let r = unsafe {
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_PACKET,
+            libc::PACKET_STATISTICS,
+            (&mut st as *mut libc::tpacket_stats).cast(),
+            &mut len,
+        )
+    };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(st.tp_drops)
+    }
+}
+
+impl Drop for QueueHold {
+    fn drop(&mut self) {
+        let ebpf = self.ebpf.take();
+        let a = format!("{}a", self.name);
+        let done = in_netns(&self.netns, move || {
+            drop(ebpf);
+            ip(&["link", "del", &a])
+        });
+        match done {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(error = %e, "hold veth left behind"),
+            Err((e, f)) => {
+                // Forgetting leaks this process's descriptors; the filters stay attached.
+                std::mem::forget(f);
+                tracing::warn!(error = %e, "hold filters and veth left behind");
+            }
+        }
+    }
+}
