@@ -366,7 +366,7 @@ pub fn status_json(s: &Shared) -> serde_json::Value {
 }
 
 /// How coarsely sessions record that the primary spoke (ms): a store per frame from every
-/// session thread would contend on one cache line; the detector's windows are far coarser.
+/// relay loop would contend on one cache line; the detector's windows are far coarser.
 const HEARD_GRANULARITY_MS: u64 = 10;
 
 /// Milliseconds since `sh.clock`, from 1 (0 stands for "never").

@@ -14,7 +14,7 @@
 //!   --tls` and the tests; keys written 0600.
 //!
 //! Handshakes have one deadline for the whole exchange, so a client trickling bytes cannot
-//! hold a session thread longer than the startup timeout.
+//! hold a login thread longer than the startup timeout.
 
 use crate::proto;
 use rustls::pki_types::pem::PemObject;
