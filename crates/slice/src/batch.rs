@@ -394,20 +394,7 @@ pub(crate) fn take_batch<A: SessionApp>(
     }
     let released = recv::<ToDest>(conn);
     for (slice, app, sock) in restored {
-        if let Err(e) = repair::leave_repair(&sock) {
-            tracing::error!(error = %e, "leaving repair mode on a restored socket");
-        }
-        let mut out = slice.tcp.unsent_part().to_vec();
-        out.extend_from_slice(&slice.pending_out);
-        inner
-            .run(Frozen {
-                id: slice.session_id,
-                sock,
-                app,
-                out,
-            })
-            .map_err(FrameError::Io)?;
-        inner.stats.moved_in.fetch_add(1, Ordering::Relaxed);
+        crate::migrate::start_restored(inner, &slice, app, sock)?;
     }
     released?;
     send(conn, &ToSource::Serving)

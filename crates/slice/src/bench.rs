@@ -122,11 +122,7 @@ fn loadavg() -> String {
 
 /// A `Tcp:` counter of the calling thread's network namespace.
 fn tcp_counter(name: &str) -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/thread-self/net/snmp").ok()?;
-    let mut lines = text.lines().filter(|l| l.starts_with("Tcp:"));
-    let (names, values) = (lines.next()?, lines.next()?);
-    let i = names.split_whitespace().position(|n| n == name)?;
-    values.split_whitespace().nth(i)?.parse().ok()
+    crate::load::net_counter("snmp", "Tcp:", name)
 }
 
 /// A new network namespace for the calling thread (and what it starts), loopback up.

@@ -353,3 +353,14 @@ pub struct StreamOutcome {
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
+
+/// A counter of the calling thread's network namespace from `/proc/thread-self/net/<file>`
+/// (`snmp`, `netstat`): the value under `name` in the two lines starting with `section`
+/// (`Tcp:`, `TcpExt:`). None if the file, section or name is missing.
+pub fn net_counter(file: &str, section: &str, name: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(format!("/proc/thread-self/net/{file}")).ok()?;
+    let mut lines = text.lines().filter(|l| l.starts_with(section));
+    let (names, values) = (lines.next()?, lines.next()?);
+    let i = names.split_whitespace().position(|n| n == name)?;
+    values.split_whitespace().nth(i)?.parse().ok()
+}

@@ -455,6 +455,31 @@ pub(crate) fn refuse<A>(inner: &Inner<A>, conn: &mut Conn, why: String) -> Resul
 }
 
 /// One slice: `Err` ends the connection.
+/// Ends repair mode on a restored socket and runs its session here: the never-sent part of
+/// the send queue goes out first, then the output the session had pending.
+pub(crate) fn start_restored<A: SessionApp>(
+    inner: &Arc<Inner<A>>,
+    slice: &Slice,
+    app: A,
+    sock: std::net::TcpStream,
+) -> Result<(), FrameError> {
+    if let Err(e) = repair::leave_repair(&sock) {
+        tracing::error!(error = %e, "leaving repair mode on a restored socket");
+    }
+    let mut out = slice.tcp.unsent_part().to_vec();
+    out.extend_from_slice(&slice.pending_out);
+    inner
+        .run(Frozen {
+            id: slice.session_id,
+            sock,
+            app,
+            out,
+        })
+        .map_err(FrameError::Io)?;
+    inner.stats.moved_in.fetch_add(1, Ordering::Relaxed);
+    Ok(())
+}
+
 fn take_slice<A: SessionApp>(
     inner: &Arc<Inner<A>>,
     conn: &mut Conn,
@@ -516,20 +541,7 @@ fn take_slice<A: SessionApp>(
         // session is ours all the same.
         Some(recv::<ToDest>(conn))
     };
-    if let Err(e) = repair::leave_repair(&sock) {
-        tracing::error!(error = %e, "leaving repair mode on a restored socket");
-    }
-    let mut out = slice.tcp.unsent_part().to_vec();
-    out.extend_from_slice(&slice.pending_out);
-    inner
-        .run(Frozen {
-            id: slice.session_id,
-            sock,
-            app,
-            out,
-        })
-        .map_err(FrameError::Io)?;
-    inner.stats.moved_in.fetch_add(1, Ordering::Relaxed);
+    start_restored(inner, &slice, app, sock)?;
     if let Some(r) = released {
         r?;
     }

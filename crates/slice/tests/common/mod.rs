@@ -34,43 +34,15 @@ pub fn private_netns() -> bool {
 /// A `Tcp:` counter of /proc/net/snmp in the calling thread's namespace (`OutRsts`, `OutSegs`,
 /// `EstabResets`, ...).
 pub fn tcp_counter(name: &str) -> u64 {
-    let text = std::fs::read_to_string("/proc/thread-self/net/snmp").expect("read snmp");
-    let mut lines = text.lines().filter(|l| l.starts_with("Tcp:"));
-    let (names, values) = (
-        lines.next().expect("Tcp header"),
-        lines.next().expect("Tcp values"),
-    );
-    let i = names
-        .split_whitespace()
-        .position(|n| n == name)
-        .unwrap_or_else(|| panic!("no Tcp counter {name}"));
-    values
-        .split_whitespace()
-        .nth(i)
-        .expect("value")
-        .parse()
-        .expect("number")
+    pliant_slice::load::net_counter("snmp", "Tcp:", name)
+        .unwrap_or_else(|| panic!("no Tcp counter {name}"))
 }
 
 /// A `TcpExt:` counter of /proc/net/netstat in the calling thread's namespace
 /// (`TCPTimeouts`, `TCPLossProbes`, ...).
 pub fn tcpext_counter(name: &str) -> u64 {
-    let text = std::fs::read_to_string("/proc/thread-self/net/netstat").expect("read netstat");
-    let mut lines = text.lines().filter(|l| l.starts_with("TcpExt:"));
-    let (names, values) = (
-        lines.next().expect("TcpExt header"),
-        lines.next().expect("TcpExt values"),
-    );
-    let i = names
-        .split_whitespace()
-        .position(|n| n == name)
-        .unwrap_or_else(|| panic!("no TcpExt counter {name}"));
-    values
-        .split_whitespace()
-        .nth(i)
-        .expect("value")
-        .parse()
-        .expect("number")
+    pliant_slice::load::net_counter("netstat", "TcpExt:", name)
+        .unwrap_or_else(|| panic!("no TcpExt counter {name}"))
 }
 
 /// Polls `cond` until it holds or `limit` passes.
