@@ -296,7 +296,6 @@ impl Session {
     }
 
     fn client_input(&mut self, tmp: &mut [u8]) -> Step {
-        let sh = self.sh.clone();
         match self.c.read_some(tmp) {
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Step::Go,
             Ok(0) | Err(_) => {
@@ -315,7 +314,7 @@ impl Session {
                 }
                 Ok(None) => break,
                 Err(e) => {
-                    sh.stats.protocol_errors.fetch_add(1, SeqCst);
+                    self.sh.stats.protocol_errors.fetch_add(1, SeqCst);
                     step = self.fatal("08P01", &format!("invalid frontend message: {e}"));
                     break;
                 }
@@ -371,7 +370,7 @@ impl Session {
                     break;
                 }
                 ClientAction::Violation => {
-                    sh.stats.protocol_errors.fetch_add(1, SeqCst);
+                    self.sh.stats.protocol_errors.fetch_add(1, SeqCst);
                     step = self.fatal("08P01", &format!("invalid frontend message type {}", f.tag));
                     break;
                 }
@@ -383,7 +382,7 @@ impl Session {
         self.cbuf.drain(..used);
         if self.held.len() > crate::session::MAX_INFLIGHT_BYTES {
             // A client pipelining megabytes behind a COMMIT that waits for its txid.
-            sh.stats.protocol_errors.fetch_add(1, SeqCst);
+            self.sh.stats.protocol_errors.fetch_add(1, SeqCst);
             return self.fatal("54000", "pliant: too much data pipelined behind a COMMIT");
         }
         Step::Go
