@@ -57,7 +57,12 @@ pub fn read_frame(r: &mut impl Read) -> Result<Option<Frame>, ProtoError> {
     let mut hdr = [0u8; 5];
     let mut got = 0;
     while got < 5 {
-        let n = r.read(&mut hdr[got..])?;
+        // A signal (a handler, or a stop and continue of the process while the socket has a
+        // read timeout) interrupts the read without anything being wrong with the stream.
+        let n = match r.read(&mut hdr[got..]) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            n => n?,
+        };
         if n == 0 {
             if got == 0 {
                 return Ok(None);
@@ -117,9 +122,13 @@ pub enum Startup {
 /// Reads the startup packet.
 pub fn read_startup(r: &mut impl Read) -> Result<Option<Startup>, ProtoError> {
     let mut lenb = [0u8; 4];
-    match r.read(&mut lenb[..1])? {
-        0 => return Ok(None),
-        _ => r.read_exact(&mut lenb[1..])?,
+    loop {
+        match r.read(&mut lenb[..1]) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Ok(0) => return Ok(None),
+            Ok(_) => break r.read_exact(&mut lenb[1..])?,
+            Err(e) => return Err(e.into()),
+        }
     }
     let len = i32::from_be_bytes(lenb) as i64;
     if !(8..=MAX_STARTUP_BYTES as i64).contains(&len) {
@@ -326,6 +335,41 @@ pub fn write_frames(w: &mut impl Write, frames: &[Frame]) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Hands out one byte per read and fails every other read with EINTR, as a socket with
+    /// a read timeout does when the process is stopped and continued.
+    struct Interrupting<'a> {
+        data: &'a [u8],
+        tick: bool,
+    }
+
+    impl Read for Interrupting<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            self.tick = !self.tick;
+            if self.tick {
+                return Err(io::ErrorKind::Interrupted.into());
+            }
+            if self.data.is_empty() || buf.is_empty() {
+                return Ok(0);
+            }
+            buf[0] = self.data[0];
+            self.data = &self.data[1..];
+            Ok(1)
+        }
+    }
+
+    #[test]
+    fn an_interrupted_read_is_retried_not_an_error() {
+        let mut wire = Vec::new();
+        write_frames(&mut wire, &[Frame::new(b'Q', b"SELECT 1\0".to_vec())]).unwrap();
+        let mut r = Interrupting {
+            data: &wire,
+            tick: false,
+        };
+        let f = read_frame(&mut r).expect("read").expect("a frame");
+        assert_eq!((f.tag, &f.body[..]), (b'Q', &b"SELECT 1\0"[..]));
+        assert!(read_frame(&mut r).expect("clean end").is_none());
+    }
 
     #[test]
     fn frame_round_trip_and_incremental_parse() {
