@@ -41,7 +41,8 @@ pub struct StatsArgs {
     #[arg(long)]
     pub socket: String,
     /// Identity directory to authenticate with (ADMIN or CONTROLLER role; see `pliant keys`).
-    /// Default: none, or the lab's admin identity for a socket in a lab's run directory.
+    /// Default: none, or the lab's admin identity for a socket in a lab's run directory or
+    /// in one of its hosts' directories.
     #[arg(long)]
     pub identity: Option<std::path::PathBuf>,
     /// Print the raw JSON answer instead of a summary.
@@ -50,6 +51,10 @@ pub struct StatsArgs {
     /// Print the Prometheus text exposition instead.
     #[arg(long, conflicts_with = "json")]
     pub metrics: bool,
+    /// Print the high-availability status instead (JSON: mode, groups with their seqs and
+    /// held output, output-commit counters, standby copies, replication links).
+    #[arg(long, conflicts_with_all = ["json", "metrics"])]
+    pub ha: bool,
 }
 
 #[derive(Args)]
@@ -153,9 +158,8 @@ fn client(
                 .map_err(|e| format!("--identity {}: {e}", d.display()))?,
         ),
         None => match &ep {
-            pliant_wire::Endpoint::Unix(p) => p
-                .parent()
-                .and_then(|run| pliant_lab::ha::lab_security(run, pliant_lab::ha::ADMIN)),
+            pliant_wire::Endpoint::Unix(p) => pliant_lab::ha::lab_run_dir_of(p)
+                .and_then(|run| pliant_lab::ha::lab_security(&run, pliant_lab::ha::ADMIN)),
             pliant_wire::Endpoint::Tcp(_) => None,
         },
     };
@@ -176,6 +180,13 @@ pub fn stats(a: StatsArgs) -> Result<(), String> {
     if a.metrics {
         let v = ask(&a.socket, a.identity.as_deref(), Request::Metrics)?;
         print!("{}", v["metrics"].as_str().unwrap_or_default());
+        return Ok(());
+    }
+    if a.ha {
+        println!(
+            "{}",
+            ask(&a.socket, a.identity.as_deref(), Request::HaStatus)?
+        );
         return Ok(());
     }
     let v = ask(&a.socket, a.identity.as_deref(), Request::Stats)?;

@@ -212,6 +212,7 @@ impl ControllerSection {
             security,
             template: self.control_endpoint.clone(),
             term: Default::default(),
+            kept: Default::default(),
         })
     }
 }

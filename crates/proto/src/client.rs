@@ -148,6 +148,18 @@ impl Client {
         req: &R,
         started: Instant,
     ) -> Result<Value, ControlError> {
+        self.call_kept(&mut link, req, started)
+    }
+
+    /// [`Client::call_on`] on a link the caller keeps for later requests (a controller's
+    /// heartbeats reuse one authenticated link per replica). After an error the link's
+    /// state is unknown: drop it.
+    pub fn call_kept<R: Command>(
+        &self,
+        link: &mut Link,
+        req: &R,
+        started: Instant,
+    ) -> Result<Value, ControlError> {
         let wait = if req.is_slow() {
             SLOW_TIMEOUT
         } else {

@@ -253,6 +253,11 @@ pub fn start(o: &ControlOptions) -> Result<(ControlServer, ControlHandle), Strin
     for ep in eps {
         let sh = shared.clone();
         let s = ServerSocket::start(&ep, &tcp, "pliant-control", move |l, stop| {
+            // The controller's TCP probes (reset before sending a byte) then never wake
+            // this thread; every client sends its request or handshake first.
+            if let Err(e) = l.defer_accept_until_data(IO_TIMEOUT) {
+                tracing::warn!(error = %e, "control listener: TCP_DEFER_ACCEPT");
+            }
             pliant_wire::server::accept_until_stopped(
                 &l,
                 &stop,
@@ -316,6 +321,14 @@ pub(crate) fn channel() -> Result<(Shared, ControlHandle), String> {
 
 /// One accepted connection: the uid fence of a unix peer, a serving slot, a thread.
 fn accept_one(stream: Stream, sh: &Shared) {
+    // A liveness probe (the controller's connect-and-close, up to a hundred a second per
+    // replica) is told from a client before a thread is started for it: the probe gave
+    // its answer when the connection was accepted, and a thread each cost the packet loop
+    // CPU on a loaded host.
+    if stream.closed_before_sending() {
+        sh.handshakes_aborted.fetch_add(1, Ordering::Relaxed);
+        return;
+    }
     // Counted in `control_errors` below, with the other refusals.
     let other_uid = AtomicU64::new(0);
     if !pliant_wire::server::same_uid_peer(&stream, &other_uid, "control") {

@@ -171,6 +171,28 @@ pub fn tune_tcp(s: &TcpStream, t: &TcpTuning) -> io::Result<()> {
     )
 }
 
+/// Closes a TCP stream with a reset instead of a FIN (SO_LINGER with a zero timeout): for a
+/// connection that only proved the peer listens, so that a listener that defers accepting
+/// until data arrives ([`Listener::defer_accept_until_data`]) discards it in the kernel,
+/// without ever waking its server.
+pub fn close_with_reset(s: TcpStream) {
+    let l = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    // SAFETY: `l` lives across the call and its size is passed; the fd is `s`'s, open here.
+    unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&l as *const libc::linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        )
+    };
+    drop(s);
+}
+
 /// A connected stream, unix or TCP.
 #[derive(Debug)]
 pub enum Stream {
@@ -216,6 +238,23 @@ impl Stream {
 
     pub fn is_unix(&self) -> bool {
         matches!(self, Stream::Unix(_))
+    }
+
+    /// The peer closed the connection without sending a byte, as far as can be told without
+    /// waiting (a non-blocking peek reads the end of the stream): a liveness probe, not a
+    /// client. False when bytes wait, nothing has arrived yet, or the peek fails.
+    pub fn closed_before_sending(&self) -> bool {
+        let mut b = [0u8; 1];
+        // SAFETY: `b` is valid for writes of its length for the duration of the call.
+        let n = unsafe {
+            libc::recv(
+                self.as_raw_fd(),
+                b.as_mut_ptr().cast(),
+                b.len(),
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
+        n == 0
     }
 
     /// The peer's uid on a unix socket (SO_PEERCRED); `None` on TCP, where the kernel cannot
@@ -405,6 +444,23 @@ impl Listener {
         }
     }
 
+    /// For a protocol whose client speaks first (every pliant-wire handshake does): the
+    /// kernel completes a TCP handshake but wakes the server only once the client's first
+    /// bytes arrive, for up to `wait` (then as usual). A connection that is reset before
+    /// sending anything (a liveness probe, [`close_with_reset`]) never reaches `accept`, and
+    /// one that connects and stays silent holds no thread meanwhile. Nothing on unix.
+    pub fn defer_accept_until_data(&self, wait: Duration) -> io::Result<()> {
+        match self {
+            Listener::Unix { .. } => Ok(()),
+            Listener::Tcp(l, _) => setsockopt_int(
+                l.as_raw_fd(),
+                libc::IPPROTO_TCP,
+                libc::TCP_DEFER_ACCEPT,
+                wait.as_secs().clamp(1, i32::MAX as u64) as i32,
+            ),
+        }
+    }
+
     /// The endpoint actually bound (a TCP port 0 becomes the kernel's choice).
     pub fn local_endpoint(&self) -> io::Result<Endpoint> {
         match self {
@@ -494,6 +550,43 @@ pub fn remove_if_same(path: &Path, id: (u64, u64)) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_deferring_listener_never_wakes_for_a_reset_probe_but_takes_a_speaking_client() {
+        let l = Listener::bind(&"127.0.0.1:0".parse().unwrap(), &TcpTuning::default()).unwrap();
+        l.defer_accept_until_data(Duration::from_secs(3)).unwrap();
+        l.set_nonblocking(true).unwrap();
+        let Endpoint::Tcp(a) = l.local_endpoint().unwrap() else {
+            panic!("tcp")
+        };
+        // Connected (the kernel answered the SYN), reset before a byte: nothing to accept.
+        close_with_reset(TcpStream::connect(&a).unwrap());
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(matches!(l.accept(), Err(e) if e.kind() == io::ErrorKind::WouldBlock));
+        // Without the reset, a FIN would complete the connection: accepted, already closed.
+        drop(TcpStream::connect(&a).unwrap());
+        let probe = wait_accept(&l);
+        assert!(probe.closed_before_sending());
+        // A client that speaks is accepted, and is not taken for a probe.
+        let mut c = TcpStream::connect(&a).unwrap();
+        c.write_all(b"hi").unwrap();
+        let s = wait_accept(&l);
+        assert!(!s.closed_before_sending());
+        drop(c);
+    }
+
+    fn wait_accept(l: &Listener) -> Stream {
+        for _ in 0..200 {
+            match l.accept() {
+                Ok(s) => return s,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    std::thread::sleep(Duration::from_millis(5))
+                }
+                Err(e) => panic!("accept: {e}"),
+            }
+        }
+        panic!("nothing to accept within 1 s")
+    }
 
     #[test]
     fn endpoints_parse_both_kinds_and_refuse_junk() {

@@ -297,9 +297,10 @@ impl Controller {
     /// (`ha::probe`); a refused connection fails the replica over at once.
     ///
     /// Over TCP every member is probed at once (each probe may wait up to
-    /// `probe_timeout_ms`; a silent host must not delay the detection of another's death),
-    /// and each verdict is acted on as it comes. Unix probes never wait: in turn, on this
-    /// thread.
+    /// `probe_timeout_ms`; a silent host must not delay the detection of another's death):
+    /// non-blocking connects polled together on this thread (`ha::probe_tcp_many`), each
+    /// verdict acted on as it comes, a failover on a thread of its own. Unix probes never
+    /// wait: in turn, on this thread.
     pub fn ha_watch_once(&self) {
         if !self.ha_enabled() {
             return;
@@ -311,20 +312,50 @@ impl Controller {
                 Duration::from_millis(st.ha.cfg.suspect_after_ms),
             )
         };
-        let tcp = self.settings.control.is_tcp();
-        fan_out(&self.ha_members(), tcp, |(i, sock)| {
+        let members = self.ha_members();
+        let fail = |i: u32, why: &str| {
+            self.counters.ha.probes_dead.fetch_add(1, Ordering::Relaxed);
+            if let Err(e) = self.failover(i, why) {
+                self.event(
+                    "failover_error",
+                    json!({"replica": i, "error": e.to_string()}),
+                );
+            }
+        };
+        // Unix probes never wait: in turn, here. TCP probes: all at once.
+        let mut eps: Vec<(u32, String)> = Vec::new();
+        for (i, sock) in &members {
             self.counters.ha.probes.fetch_add(1, Ordering::Relaxed);
-            let verdict = self.settings.control.probe(sock, tcp_timeout);
-            self.note_probe(*i, &verdict, tcp, suspect_after);
-            if let Probe::Dead(why) = verdict {
-                self.counters.ha.probes_dead.fetch_add(1, Ordering::Relaxed);
-                if let Err(e) = self.failover(*i, &why) {
-                    self.event(
-                        "failover_error",
-                        json!({"replica": i, "error": e.to_string()}),
-                    );
+            match self.settings.control.endpoint(sock) {
+                pliant_wire::Endpoint::Tcp(a) => eps.push((*i, a)),
+                pliant_wire::Endpoint::Unix(p) => {
+                    let verdict = crate::ha::probe(&p);
+                    self.note_probe(*i, &verdict, false, suspect_after);
+                    if let Probe::Dead(why) = verdict {
+                        fail(*i, &why);
+                    }
                 }
             }
+        }
+        if eps.is_empty() {
+            return;
+        }
+        // A dead replica's failover starts as its verdict comes, on a thread of its own: the
+        // verdicts of the others (a silent host's only at the timeout) are not held up.
+        std::thread::scope(|sc| {
+            crate::ha::probe_tcp_many(&eps, tcp_timeout, |i, verdict| {
+                self.note_probe(i, &verdict, true, suspect_after);
+                if let Probe::Dead(why) = verdict {
+                    let (fail, w) = (&fail, why.clone());
+                    let started = std::thread::Builder::new()
+                        .name("ctl-failover".into())
+                        .spawn_scoped(sc, move || fail(i, &w));
+                    if let Err(e) = started {
+                        tracing::warn!(error = %e, "failover thread; failing over in turn");
+                        fail(i, &why);
+                    }
+                }
+            });
         });
     }
 
@@ -389,7 +420,7 @@ impl Controller {
         }
         let answers = fan_out(&self.answering(&members), true, |(i, sock)| {
             let fetched = Instant::now();
-            let r = self.settings.control.client(sock, timeout).ha_status();
+            let r = self.settings.control.ha_status(sock, timeout);
             (*i, fetched, r)
         });
         for (i, fetched, r) in &answers {
@@ -574,7 +605,7 @@ impl Controller {
         // Fetched from every answering member at once, acted on in order (as `ha_poll`).
         let answers = fan_out(&self.answering(members), true, |(i, sock)| {
             let fetched = Instant::now();
-            let r = self.settings.control.client(sock, timeout).ftmb_status();
+            let r = self.settings.control.ftmb_status(sock, timeout);
             (*i, fetched, r)
         });
         for (i, fetched, r) in &answers {
