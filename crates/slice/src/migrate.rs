@@ -170,18 +170,27 @@ impl<A: SessionApp> Instance<A> {
         peer: &Endpoint,
         peer_name: &str,
     ) -> Result<Moved, MigrateError> {
-        let inner = &self.inner;
-        let mut conn = connect(inner, peer, peer_name)?;
-        prepare(inner, &mut conn, id)?;
-        let t0 = Instant::now();
-        let f = inner.freeze(id).ok_or(MigrateError::NoSession(id))?;
-        let moved = move_frozen(inner, &mut conn, f, t0)?;
-        inner.stats.moved_out.fetch_add(1, Ordering::Relaxed);
-        Ok(Moved {
-            pause: t0.elapsed(),
-            ..moved
-        })
+        migrate(&self.inner, id, peer, peer_name)
     }
+}
+
+/// [`Instance::migrate`].
+pub(crate) fn migrate<A: SessionApp>(
+    inner: &Arc<Inner<A>>,
+    id: u64,
+    peer: &Endpoint,
+    peer_name: &str,
+) -> Result<Moved, MigrateError> {
+    let mut conn = connect(inner, peer, peer_name)?;
+    prepare(inner, &mut conn, id)?;
+    let t0 = Instant::now();
+    let f = inner.freeze(id).ok_or(MigrateError::NoSession(id))?;
+    let moved = move_frozen(inner, &mut conn, f, t0)?;
+    inner.stats.moved_out.fetch_add(1, Ordering::Relaxed);
+    Ok(Moved {
+        pause: t0.elapsed(),
+        ..moved
+    })
 }
 
 /// The slice channel to the instance `peer_name` at `peer`, authenticated both ways.

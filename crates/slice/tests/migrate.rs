@@ -26,6 +26,7 @@ fn instance_on<A: SessionApp>(ca: &Ca, name: &str, clients: &str, peer: Endpoint
         clients: clients.parse().unwrap(),
         peer,
         security: Security::new(id),
+        control: None,
     })
     .unwrap()
 }
