@@ -9,7 +9,7 @@
 //! `cargo test --release -p pliant-cli --test e2e_slice_cmds -- --nocapture`.
 
 use pliant_slice::demo::parse_ready;
-use pliant_slice::load::{net_counter, StreamClient};
+use pliant_slice::load::{net_counter, IdleSessions, StreamClient};
 use serde_json::Value;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -166,6 +166,19 @@ fn list(control: &str, op: &str) -> Vec<(String, String)> {
         .collect()
 }
 
+/// Idle sessions drained in the last step.
+const IDLE: usize = 400;
+
+/// A child killed (by its own pid) and reaped when dropped, also when the test fails.
+struct Reaped(Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// Every client gets 50 more replies (its session is served, wherever it is now).
 fn all_progress(clients: &[StreamClient]) {
     for c in clients {
@@ -296,6 +309,77 @@ fn slice_commands_list_and_migrate_live_sessions_over_the_control_channel() {
     let sa = ok_json(&strs(&slice("stats", &a.control, op, &["--json"])));
     assert_eq!(sa["moved_out"], 3, "{sa}");
     assert_eq!(sa["session_errors"], 0, "{sa}");
+
+    // A longer drain back, B -> A: the 3 streams and 400 idle sessions, one at a time; `list`
+    // on another connection is answered meanwhile, showing the drain half done.
+    let mut idle =
+        IdleSessions::connect(&b.clients, IDLE, Duration::from_secs(10)).expect("idle sessions");
+    idle.round()
+        .expect("idle sessions answered before the drain");
+    let t = Instant::now();
+    while list(&b.control, op).len() < IDLE + 3 {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "idle sessions listed"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let drain_args = slice(
+        "migrate",
+        &b.control,
+        op,
+        &["--to", &a.peer, "--to-name", "slice-a", "--all", "--json"],
+    );
+    let t = Instant::now();
+    let mut drain = Reaped(
+        Command::new(pliant())
+            .args(&drain_args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run pliant slice migrate"),
+    );
+    let mut lists = Vec::new();
+    while drain.0.try_wait().expect("drain status").is_none() {
+        let l = Instant::now();
+        let n = list(&b.control, op).len();
+        lists.push((l.elapsed(), n));
+    }
+    let drain_took = t.elapsed();
+    let out = std::mem::replace(&mut drain.0, Command::new("true").spawn().expect("true"))
+        .wait_with_output()
+        .expect("drain output");
+    let (so, se) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    eprintln!(
+        "drain of {} in {drain_took:?}; lists meanwhile {lists:?}",
+        IDLE + 3
+    );
+    assert!(out.status.success(), "{se}");
+    let d: Value = serde_json::from_str(so.trim()).unwrap_or_else(|e| panic!("{e}: {so}"));
+    assert_eq!(d["moved"], IDLE as u64 + 3, "{d}");
+    assert_eq!(d["failed"], 0, "{d}");
+    assert!(
+        lists.iter().any(|(_, n)| 0 < *n && *n < IDLE + 3),
+        "a list answered in the middle of the drain: {lists:?}"
+    );
+    assert!(
+        lists.iter().all(|(took, _)| *took < Duration::from_secs(2)),
+        "{lists:?}"
+    );
+    if drain_took > Duration::from_millis(1500) {
+        assert!(
+            se.contains(&format!("/{} done", IDLE + 3)),
+            "progress: {se}"
+        );
+    }
+    assert!(list(&b.control, op).is_empty());
+    idle.round()
+        .expect("idle sessions answered after the drain");
+    assert_eq!(idle.corrupted_bytes(), 0);
+    all_progress(&clients);
 
     for c in clients {
         let o = c.finish();

@@ -17,8 +17,9 @@
 //! ```
 //! Each connection is served on its own thread (at most [`MAX_CONNECTIONS`]), so a long
 //! migration on one does not hold up a `List` on another. The sessions of a `Migrate` move one
-//! at a time ([`Instance::migrate`]), each answered as it ends; a client that goes away stops
-//! the migration after the session being moved.
+//! at a time over one slice channel ([`crate::instance::Instance::migrate_each`]), each
+//! answered as it ends; a client that goes away stops the migration after the session being
+//! moved.
 
 use crate::instance::{Inner, SessionApp};
 use crate::migrate::{MigrateError, Moved};
@@ -171,7 +172,14 @@ pub enum Reply {
 pub(crate) trait Service: Send + Sync + 'static {
     fn sessions(&self) -> Vec<SessionInfo>;
     fn stats(&self) -> StatsReport;
-    fn migrate(self: &Arc<Self>, id: u64, to: &Endpoint, to_name: &str) -> Outcome;
+    /// Moves `ids` one at a time (see [`crate::instance::Instance::migrate_each`]).
+    fn migrate_each(
+        self: &Arc<Self>,
+        ids: &[u64],
+        to: &Endpoint,
+        to_name: &str,
+        each: &mut dyn FnMut(Outcome) -> bool,
+    );
 }
 
 impl<A: SessionApp> Service for Inner<A> {
@@ -200,8 +208,14 @@ impl<A: SessionApp> Service for Inner<A> {
         }
     }
 
-    fn migrate(self: &Arc<Self>, id: u64, to: &Endpoint, to_name: &str) -> Outcome {
-        Outcome::of(id, crate::migrate::migrate(self, id, to, to_name))
+    fn migrate_each(
+        self: &Arc<Self>,
+        ids: &[u64],
+        to: &Endpoint,
+        to_name: &str,
+        each: &mut dyn FnMut(Outcome) -> bool,
+    ) {
+        crate::migrate::migrate_each(self, ids, to, to_name, |id, r| each(Outcome::of(id, r)))
     }
 }
 
@@ -344,10 +358,12 @@ fn answer<S: Service>(service: &Arc<S>, conn: &mut Conn, req: Request) -> Result
                     total: ids.len() as u64,
                 },
             )?;
-            for id in ids {
-                let o = service.migrate(id, &to, &to_name);
-                reply(conn, &Reply::Outcome(o))?;
-            }
+            let mut sent = Ok(());
+            service.migrate_each(&ids, &to, &to_name, &mut |o| {
+                sent = reply(conn, &Reply::Outcome(o));
+                sent.is_ok()
+            });
+            sent?;
             reply(conn, &Reply::Done)
         }
     }
@@ -633,19 +649,31 @@ mod tests {
                 ..StatsReport::default()
             }
         }
-        fn migrate(self: &Arc<Self>, id: u64, _: &Endpoint, to_name: &str) -> Outcome {
-            std::thread::sleep(self.slow);
-            if to_name != "b" {
-                return Outcome::Failed {
-                    id,
-                    reason: format!("no instance {to_name}"),
+        fn migrate_each(
+            self: &Arc<Self>,
+            ids: &[u64],
+            _: &Endpoint,
+            to_name: &str,
+            each: &mut dyn FnMut(Outcome) -> bool,
+        ) {
+            for &id in ids {
+                std::thread::sleep(self.slow);
+                let o = if to_name != "b" {
+                    Outcome::Failed {
+                        id,
+                        reason: format!("no instance {to_name}"),
+                    }
+                } else {
+                    self.moved.lock().unwrap().push(id);
+                    Outcome::Moved {
+                        id,
+                        pause_us: 10,
+                        capsule_bytes: 100,
+                    }
                 };
-            }
-            self.moved.lock().unwrap().push(id);
-            Outcome::Moved {
-                id,
-                pause_us: 10,
-                capsule_bytes: 100,
+                if !each(o) {
+                    return;
+                }
             }
         }
     }

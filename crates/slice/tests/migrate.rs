@@ -406,3 +406,54 @@ fn an_ipv6_session_moves_back_and_forth() {
     c.finish();
     assert_eq!(tcp_counter("OutRsts"), 0);
 }
+
+#[test]
+fn migrate_each_moves_sessions_over_one_channel_and_goes_on_after_a_failure() {
+    if !private_netns() {
+        return;
+    }
+    let ca = Ca::generate(None).unwrap();
+    let a: Instance<LineApp> = instance(&ca, "slice-a");
+    let b: Instance<LineApp> = instance(&ca, "slice-b");
+    let addr = client_addr(&a);
+    let clients: Vec<Client> = (0..3).map(|c| start_client(&addr, c)).collect();
+    assert!(wait_until(Duration::from_secs(5), || a.session_ids().len() == 3));
+    let here = a.session_ids();
+    // A session that is not here between two that are: it fails, the channel is opened again
+    // and the next one moves.
+    let ids = [here[0], 0xdead, here[1], here[2]];
+    let mut seen = Vec::new();
+    a.migrate_each(&ids, b.peer_endpoint(), "slice-b", |id, r| {
+        seen.push((id, r.map(|m| m.capsule_bytes)));
+        true
+    });
+    assert_eq!(seen.len(), 4);
+    for (i, (id, r)) in seen.iter().enumerate() {
+        assert_eq!(*id, ids[i]);
+        match (i, r) {
+            (1, Err(MigrateError::NoSession(0xdead))) => {}
+            (1, r) => panic!("unknown session: {r:?}"),
+            (_, Ok(bytes)) => assert!(*bytes > 0),
+            (_, Err(e)) => panic!("session {id:x}: {e}"),
+        }
+    }
+    assert!(a.session_ids().is_empty());
+    assert_eq!(b.session_ids(), here);
+    for c in &clients {
+        assert!(c.progresses(100), "a moved session stalled");
+    }
+    // `false` stops before the next session.
+    let mut calls = 0;
+    b.migrate_each(&here, a.peer_endpoint(), "slice-a", |_, r| {
+        assert!(r.is_ok());
+        calls += 1;
+        false
+    });
+    assert_eq!(calls, 1);
+    assert_eq!(a.session_ids().len(), 1);
+    assert_eq!(b.session_ids().len(), 2);
+    for c in clients {
+        c.finish();
+    }
+    assert_eq!(tcp_counter("OutRsts"), 0);
+}

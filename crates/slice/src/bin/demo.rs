@@ -78,9 +78,10 @@ fn serve(a: &ServeArgs) -> Result<(), String> {
                         }
                     }
                 };
-                for id in targets {
-                    say(Outcome::of(id, inst.migrate(id, &ep, peer_name)).to_string());
-                }
+                inst.migrate_each(&targets, &ep, peer_name, |id, r| {
+                    say(Outcome::of(id, r).to_string());
+                    true
+                });
                 say("done".into());
             }
             ["stats"] => {
