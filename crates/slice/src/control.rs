@@ -63,6 +63,24 @@ pub enum Request {
     },
 }
 
+impl Request {
+    /// What a log line says of the request (not every id of a long `Migrate`).
+    pub fn summary(&self) -> String {
+        match self {
+            Request::List => "list".into(),
+            Request::Stats => "stats".into(),
+            Request::Migrate {
+                to,
+                to_name,
+                sessions,
+            } => match sessions {
+                Which::All => format!("migrate all to {to_name} at {to}"),
+                Which::Ids(ids) => format!("migrate {} sessions to {to_name} at {to}", ids.len()),
+            },
+        }
+    }
+}
+
 /// The sessions of a `Migrate`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Which {
@@ -232,7 +250,6 @@ pub(crate) struct ControlServer {
 pub(crate) struct Counters {
     pub(crate) refused: AtomicU64,
     pub(crate) aborted: AtomicU64,
-    pub(crate) over_bound: AtomicU64,
 }
 
 impl ControlServer {
@@ -255,7 +272,6 @@ impl ControlServer {
                 match cs.spawn(s, MAX_CONNECTIONS, "slice-control-conn", serve) {
                     Ok(()) => {}
                     Err(SpawnRefused::OverBound(s)) => {
-                        counters.over_bound.fetch_add(1, Ordering::Relaxed);
                         tracing::warn!(
                             "slice control: {MAX_CONNECTIONS} connections open, one refused"
                         );
@@ -327,7 +343,7 @@ fn serve_conn<S: Service>(service: &Arc<S>, sec: &Security, s: Stream, counters:
             }
             Err(_) => return,
         };
-        tracing::info!(%client, ?req, "slice control request");
+        tracing::info!(%client, request = %req.summary(), "slice control request");
         if answer(service, &mut conn, req).is_err() {
             return;
         }
@@ -408,6 +424,11 @@ pub enum ClientError {
     Forbidden { ep: Endpoint, why: String },
     #[error("cannot reach the instance's control channel: {0}")]
     Connect(ConnError),
+    #[error(
+        "the instance's control channel failed the handshake (is it an instance of this \
+         identity's CA, and the one named?): {0}"
+    )]
+    Handshake(ConnError),
     #[error("control channel to {ep}: {source}")]
     Channel { ep: Endpoint, source: FrameError },
     #[error("instance {ep}: {msg}")]
@@ -447,6 +468,7 @@ impl Client {
                     ep,
                     source: pliant_wire::SessionError::Refused(why),
                 } => ClientError::Forbidden { ep, why },
+                e @ ConnError::Handshake { .. } => ClientError::Handshake(e),
                 e => ClientError::Connect(e),
             })?;
         let st = conn.reader.stream();
@@ -552,7 +574,7 @@ mod tests {
     use super::*;
     use pliant_wire::frame::{decode_body, encode_body};
     use pliant_wire::Ca;
-    use std::sync::Mutex;
+    use std::sync::{Condvar, Mutex};
 
     fn round_trip<T>(m: &T) -> T
     where
@@ -623,11 +645,32 @@ mod tests {
         assert!(decode_body::<Request>(&m[..m.len() - 1]).is_err());
     }
 
-    /// Sessions 1..=3; a move takes `slow` and is recorded.
+    /// Sessions 1..=3; a move is recorded. A gated fake's moves wait for the gate to open.
     struct Fake {
-        slow: Duration,
+        gate: Option<(Mutex<bool>, Condvar)>,
+        /// A migration has started.
+        moving: AtomicBool,
         moved: Mutex<Vec<u64>>,
         counters: Arc<Counters>,
+    }
+
+    impl Fake {
+        fn open(&self) {
+            if let Some((m, cv)) = &self.gate {
+                *m.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = true;
+                cv.notify_all();
+            }
+        }
+    }
+
+    /// Opens the gate when dropped: a failing test must not leave a move waiting at it (the
+    /// server's drop joins its connection threads).
+    struct OpenOnDrop(Arc<Fake>);
+
+    impl Drop for OpenOnDrop {
+        fn drop(&mut self) {
+            self.0.open();
+        }
     }
 
     impl Service for Fake {
@@ -656,8 +699,11 @@ mod tests {
             to_name: &str,
             each: &mut dyn FnMut(Outcome) -> bool,
         ) {
+            self.moving.store(true, Ordering::SeqCst);
+            if let Some((m, cv)) = &self.gate {
+                let _open = cv.wait_while(m.lock().unwrap(), |open| !*open).unwrap();
+            }
             for &id in ids {
-                std::thread::sleep(self.slow);
                 let o = if to_name != "b" {
                     Outcome::Failed {
                         id,
@@ -678,11 +724,12 @@ mod tests {
         }
     }
 
-    fn serve(slow: Duration) -> (Ca, Arc<Fake>, ControlServer) {
+    fn serve(gated: bool) -> (Ca, Arc<Fake>, ControlServer) {
         let ca = Ca::generate(None).unwrap();
         let sec = Security::new(ca.issue("inst-a", role::REPLICA, 600).unwrap());
         let fake = Arc::new(Fake {
-            slow,
+            gate: gated.then(|| (Mutex::new(false), Condvar::new())),
+            moving: AtomicBool::new(false),
             moved: Mutex::new(Vec::new()),
             counters: Arc::default(),
         });
@@ -703,7 +750,7 @@ mod tests {
 
     #[test]
     fn only_admin_or_controller_identities_of_the_ca_get_in() {
-        let (ca, fake, srv) = serve(Duration::ZERO);
+        let (ca, fake, srv) = serve(false);
         for r in [role::ADMIN, role::CONTROLLER, role::ADMIN | role::REPLICA] {
             let mut c = client(&ca, "op", r, &srv).unwrap();
             assert_eq!(c.list().unwrap().len(), 3);
@@ -715,7 +762,10 @@ mod tests {
             assert!(msg.contains("intruder") && msg.contains("role"), "{msg}");
         }
         let other = Ca::generate(None).unwrap();
-        assert!(client(&other, "op", role::ADMIN, &srv).is_err());
+        let e = client(&other, "op", role::ADMIN, &srv)
+            .err()
+            .expect("refused");
+        assert!(matches!(e, ClientError::Handshake(_)), "{e}");
         // The three role refusals are counted (the server counts after telling the client, so
         // wait for it); the other CA's client gives up on the instance's certificate first.
         let t = std::time::Instant::now();
@@ -726,7 +776,11 @@ mod tests {
         // The client insists on the instance's name when given one.
         let sec = Security::new(ca.issue("op", role::ADMIN, 600).unwrap());
         let e = Client::connect(srv.endpoint(), &sec, Some("inst-z"), Duration::from_secs(5));
-        assert!(e.err().unwrap().to_string().contains("inst-z"));
+        let e = e.err().expect("another instance");
+        assert!(
+            matches!(e, ClientError::Handshake(_)) && e.to_string().contains("inst-z"),
+            "{e}"
+        );
         assert!(
             Client::connect(srv.endpoint(), &sec, Some("inst-a"), Duration::from_secs(5)).is_ok()
         );
@@ -734,7 +788,8 @@ mod tests {
 
     #[test]
     fn an_unknown_id_moves_nothing_and_a_long_move_does_not_block_a_list() {
-        let (ca, fake, srv) = serve(Duration::from_millis(300));
+        let (ca, fake, srv) = serve(true);
+        let _open = OpenOnDrop(fake.clone());
         let mut c = client(&ca, "op", role::ADMIN, &srv).unwrap();
         let to = Endpoint::Tcp("127.0.0.1:1".into());
         let e = c
@@ -761,22 +816,25 @@ mod tests {
                 (all, seen)
             })
         };
-        std::thread::sleep(Duration::from_millis(100));
         let t = std::time::Instant::now();
-        let listed = c.list().unwrap();
-        assert!(
-            t.elapsed() < Duration::from_millis(250),
-            "{:?}",
-            t.elapsed()
-        );
-        assert!(listed.len() >= 2, "{listed:?}");
+        while !fake.moving.load(Ordering::SeqCst) {
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "the migration started"
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        // The migration is held at its gate: a list and stats on another connection are
+        // answered meanwhile (a blocked one would fail after ANSWER_TIMEOUT).
+        assert_eq!(c.list().unwrap().len(), 3);
         assert_eq!(c.stats().unwrap().name, "fake");
+        fake.open();
         let (all, seen) = mover.join().unwrap();
         assert_eq!(seen, vec![(1, 3), (2, 3), (3, 3)]);
         assert!(all.iter().all(|o| matches!(o, Outcome::Moved { .. })));
         assert!(c.list().unwrap().is_empty());
         // A failed move is an outcome, not an error of the request.
-        let (ca2, fake2, srv2) = serve(Duration::ZERO);
+        let (ca2, fake2, srv2) = serve(false);
         let mut c2 = client(&ca2, "op", role::ADMIN, &srv2).unwrap();
         let out = c2
             .migrate(&to, "x", Which::Ids(vec![1, 1]), |_, _| {})
