@@ -191,14 +191,11 @@ pub(crate) trait Service: Send + Sync + 'static {
     fn sessions(&self) -> Vec<SessionInfo>;
     fn stats(&self) -> StatsReport;
     /// Moves `ids` one at a time (see [`crate::instance::Instance::migrate_each`]).
-    fn migrate_each(
-        self: &Arc<Self>,
-        ids: &[u64],
-        to: &Endpoint,
-        to_name: &str,
-        each: &mut dyn FnMut(Outcome) -> bool,
-    );
+    fn migrate_each(self: &Arc<Self>, ids: &[u64], to: &Endpoint, name: &str, each: Each);
 }
+
+/// Gets each session's outcome as its move ends; `false` stops the migration there.
+pub(crate) type Each<'a> = &'a mut dyn FnMut(Outcome) -> bool;
 
 impl<A: SessionApp> Service for Inner<A> {
     fn sessions(&self) -> Vec<SessionInfo> {
@@ -226,14 +223,8 @@ impl<A: SessionApp> Service for Inner<A> {
         }
     }
 
-    fn migrate_each(
-        self: &Arc<Self>,
-        ids: &[u64],
-        to: &Endpoint,
-        to_name: &str,
-        each: &mut dyn FnMut(Outcome) -> bool,
-    ) {
-        crate::migrate::migrate_each(self, ids, to, to_name, |id, r| each(Outcome::of(id, r)))
+    fn migrate_each(self: &Arc<Self>, ids: &[u64], to: &Endpoint, name: &str, each: Each) {
+        crate::migrate::migrate_each(self, ids, to, name, |id, r| each(Outcome::of(id, r)))
     }
 }
 
@@ -692,22 +683,16 @@ mod tests {
                 ..StatsReport::default()
             }
         }
-        fn migrate_each(
-            self: &Arc<Self>,
-            ids: &[u64],
-            _: &Endpoint,
-            to_name: &str,
-            each: &mut dyn FnMut(Outcome) -> bool,
-        ) {
+        fn migrate_each(self: &Arc<Self>, ids: &[u64], _: &Endpoint, name: &str, each: Each) {
             self.moving.store(true, Ordering::SeqCst);
             if let Some((m, cv)) = &self.gate {
                 let _open = cv.wait_while(m.lock().unwrap(), |open| !*open).unwrap();
             }
             for &id in ids {
-                let o = if to_name != "b" {
+                let o = if name != "b" {
                     Outcome::Failed {
                         id,
-                        reason: format!("no instance {to_name}"),
+                        reason: format!("no instance {name}"),
                     }
                 } else {
                     self.moved.lock().unwrap().push(id);

@@ -38,6 +38,17 @@ fn client_addr<A: SessionApp>(i: &Instance<A>) -> String {
     }
 }
 
+/// Instances `slice-a` and `slice-b` of one CA, and `n` streaming clients served by `slice-a`.
+fn two_instances_with_clients(n: usize) -> (Instance<LineApp>, Instance<LineApp>, Vec<Client>) {
+    let ca = Ca::generate(None).unwrap();
+    let a: Instance<LineApp> = instance(&ca, "slice-a");
+    let b: Instance<LineApp> = instance(&ca, "slice-b");
+    let addr = client_addr(&a);
+    let clients: Vec<Client> = (0..n).map(|c| start_client(&addr, c)).collect();
+    assert!(wait_until(Duration::from_secs(5), || a.session_ids().len() == n));
+    (a, b, clients)
+}
+
 fn pct(v: &mut [Duration], p: f64) -> Duration {
     v.sort_unstable();
     v[((v.len() - 1) as f64 * p).round() as usize]
@@ -48,12 +59,7 @@ fn streaming_sessions_move_back_and_forth_without_a_reset_or_a_lost_byte() {
     if !private_netns() {
         return;
     }
-    let ca = Ca::generate(None).unwrap();
-    let a: Instance<LineApp> = instance(&ca, "slice-a");
-    let b: Instance<LineApp> = instance(&ca, "slice-b");
-    let addr = client_addr(&a);
-    let clients: Vec<Client> = (0..4).map(|c| start_client(&addr, c)).collect();
-    assert!(wait_until(Duration::from_secs(5), || a.session_ids().len() == 4));
+    let (a, b, clients) = two_instances_with_clients(4);
     for c in &clients {
         assert!(c.progresses(100));
     }
@@ -412,12 +418,7 @@ fn migrate_each_moves_sessions_over_one_channel_and_goes_on_after_a_failure() {
     if !private_netns() {
         return;
     }
-    let ca = Ca::generate(None).unwrap();
-    let a: Instance<LineApp> = instance(&ca, "slice-a");
-    let b: Instance<LineApp> = instance(&ca, "slice-b");
-    let addr = client_addr(&a);
-    let clients: Vec<Client> = (0..3).map(|c| start_client(&addr, c)).collect();
-    assert!(wait_until(Duration::from_secs(5), || a.session_ids().len() == 3));
+    let (a, b, clients) = two_instances_with_clients(3);
     let here = a.session_ids();
     // A session that is not here between two that are: it fails, the channel is opened again
     // and the next one moves.
