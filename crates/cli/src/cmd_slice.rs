@@ -172,9 +172,15 @@ fn list(at: &InstanceArgs, json: bool) -> Result<(), String> {
         );
         return Ok(());
     }
+    // Written, not println!'d: a reader that stops early (`| head`) ends the listing quietly.
+    let mut out = std::io::stdout().lock();
     for s in &sessions {
         let client = s.client.map_or_else(|| "-".into(), |c| c.to_string());
-        println!("{:x} {client}", s.id);
+        match writeln!(out, "{:x} {client}", s.id) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => return Ok(()),
+            Err(e) => return Err(format!("stdout: {e}")),
+        }
     }
     Ok(())
 }
