@@ -366,7 +366,7 @@ fn slice_commands_list_and_migrate_live_sessions_over_the_control_channel() {
         "a list answered in the middle of the drain: {lists:?}"
     );
     assert!(
-        lists.iter().all(|(took, _)| *took < Duration::from_secs(2)),
+        lists.iter().all(|(took, _)| *took < Duration::from_secs(5)),
         "{lists:?}"
     );
     if drain_took > Duration::from_millis(1500) {
