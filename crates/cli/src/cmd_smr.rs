@@ -3,6 +3,7 @@
 //! prints where clients connect (the leader's front), follows leadership changes, and stops
 //! everything (servers killed by PID) on SIGINT/SIGTERM. See crates/smr/README.md.
 
+use crate::signals::TermSignals;
 use clap::{Args, Subcommand};
 use pliant_smr::group::LocalGroup;
 use pliant_smr::Limits;
@@ -99,38 +100,4 @@ fn up(n: u64, dir: PathBuf, tcp: bool, ready_s: u64, command: Vec<String>) -> Re
     }
     drop(g);
     Ok(())
-}
-
-/// SIGINT and SIGTERM blocked in every thread and taken with `sigtimedwait`.
-struct TermSignals {
-    set: libc::sigset_t,
-}
-
-impl TermSignals {
-    fn block() -> Result<TermSignals, String> {
-        // SAFETY: the set is initialised by sigemptyset before use; pthread_sigmask only reads
-        // it and changes this thread's mask.
-        unsafe {
-            let mut set: libc::sigset_t = std::mem::zeroed();
-            libc::sigemptyset(&mut set);
-            libc::sigaddset(&mut set, libc::SIGINT);
-            libc::sigaddset(&mut set, libc::SIGTERM);
-            let rc = libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
-            if rc != 0 {
-                return Err(format!("blocking SIGINT/SIGTERM: error {rc}"));
-            }
-            Ok(TermSignals { set })
-        }
-    }
-
-    /// A pending SIGINT/SIGTERM, waiting up to `t`.
-    fn wait(&self, t: Duration) -> Option<i32> {
-        let ts = libc::timespec {
-            tv_sec: t.as_secs() as libc::time_t,
-            tv_nsec: t.subsec_nanos() as libc::c_long,
-        };
-        // SAFETY: `self.set` is an initialised set; a null siginfo is allowed.
-        let sig = unsafe { libc::sigtimedwait(&self.set, std::ptr::null_mut(), &ts) };
-        (sig > 0).then_some(sig)
-    }
 }

@@ -15,7 +15,9 @@ mod cmd_kv;
 mod cmd_lab;
 mod cmd_pg;
 mod cmd_replica;
+mod cmd_slice;
 mod cmd_smr;
+mod signals;
 
 #[derive(Parser)]
 #[command(
@@ -68,6 +70,9 @@ enum Cmd {
     Keys(cmd_keys::KeysArgs),
     /// State machine replication of an unmodified TCP server: its input ordered by Raft.
     Smr(cmd_smr::SmrArgs),
+    /// Live TCP sessions moved between server instances: run the example server, list its
+    /// sessions, read its counters, migrate sessions to another instance.
+    Slice(cmd_slice::SliceArgs),
 }
 
 fn main() {
@@ -92,6 +97,7 @@ fn main() {
         Cmd::Hub(a) => cmd_hub::run(a),
         Cmd::Keys(a) => cmd_keys::run(a),
         Cmd::Smr(a) => cmd_smr::run(a),
+        Cmd::Slice(a) => cmd_slice::run(a),
     };
     if let Err(e) = res {
         eprintln!("pliant: error: {e}");

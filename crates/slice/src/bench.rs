@@ -164,6 +164,7 @@ fn instance(ca: &Ca, name: &str) -> Result<Instance<LineApp>, String> {
         clients: "127.0.0.1:0".parse().expect("an address"),
         peer: Endpoint::Tcp("127.0.0.1:0".into()),
         security: Security::new(id),
+        control: None,
     })
     .map_err(|e| format!("instance {name}: {e}"))
 }

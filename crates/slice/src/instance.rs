@@ -7,6 +7,7 @@
 //! reads, and hand all three back: nothing of the session is then left anywhere else but in
 //! the kernel's socket, which the capsule captures.
 
+use crate::control::ControlServer;
 use crate::hold::{HoldError, PacketHold};
 use pliant_wire::endpoint::{Endpoint, Listener, Stream, TcpTuning};
 use pliant_wire::server::{self, ConnThreads, ServerSocket, StartError};
@@ -82,6 +83,9 @@ pub struct Config {
     /// Where peer instances send slices.
     pub peer: Endpoint,
     pub security: Security,
+    /// Where operators list, count and move sessions ([`crate::control`]); none: no control
+    /// channel.
+    pub control: Option<Endpoint>,
 }
 
 pub(crate) struct Inner<A> {
@@ -90,6 +94,8 @@ pub(crate) struct Inner<A> {
     pub(crate) hold: PacketHold,
     pub(crate) security: Security,
     pub stats: Stats,
+    /// The control channel's counters.
+    pub(crate) control: Arc<crate::control::Counters>,
     stopping: AtomicBool,
 }
 
@@ -105,6 +111,8 @@ pub enum InstanceError {
     Clients(SocketAddr, StartError),
     #[error("listening for peers on {0}: {1}")]
     Peers(Endpoint, StartError),
+    #[error("listening for control clients on {0}: {1}")]
+    Control(Endpoint, StartError),
 }
 
 /// A running instance.
@@ -113,6 +121,7 @@ pub struct Instance<A: SessionApp> {
     clients: ServerSocket,
     peers: ServerSocket,
     peer_conns: Arc<ConnThreads>,
+    control: Option<ControlServer>,
 }
 
 fn random_id() -> u64 {
@@ -131,6 +140,7 @@ impl<A: SessionApp> Instance<A> {
             sessions: Mutex::new(HashMap::new()),
             security: cfg.security,
             stats: Stats::default(),
+            control: Arc::default(),
             stopping: AtomicBool::new(false),
         });
         let i = inner.clone();
@@ -159,11 +169,24 @@ impl<A: SessionApp> Instance<A> {
             },
         )
         .map_err(|e| InstanceError::Peers(cfg.peer.clone(), e))?;
+        let control = match &cfg.control {
+            Some(ep) => Some(
+                ControlServer::start(
+                    ep,
+                    inner.security.clone(),
+                    inner.clone(),
+                    inner.control.clone(),
+                )
+                .map_err(|e| InstanceError::Control(ep.clone(), e))?,
+            ),
+            None => None,
+        };
         Ok(Instance {
             inner,
             clients,
             peers,
             peer_conns,
+            control,
         })
     }
 
@@ -181,6 +204,11 @@ impl<A: SessionApp> Instance<A> {
         self.peers.endpoint()
     }
 
+    /// Where control clients connect, if the instance has a control channel.
+    pub fn control_endpoint(&self) -> Option<&Endpoint> {
+        self.control.as_ref().map(ControlServer::endpoint)
+    }
+
     pub fn stats(&self) -> &Stats {
         &self.inner.stats
     }
@@ -194,12 +222,7 @@ impl<A: SessionApp> Instance<A> {
 
     /// The sessions this instance serves now, with their clients' addresses.
     pub fn sessions(&self) -> Vec<(u64, Option<SocketAddr>)> {
-        let mut v: Vec<_> = lock(&self.inner.sessions)
-            .iter()
-            .map(|(id, h)| (*id, h.peer))
-            .collect();
-        v.sort_unstable();
-        v
+        self.inner.sessions_with_clients()
     }
 
     /// The name of this instance's packet-hold table.
@@ -216,6 +239,8 @@ impl<A: SessionApp> Instance<A> {
 impl<A: SessionApp> Drop for Instance<A> {
     fn drop(&mut self) {
         self.inner.stopping.store(true, Ordering::SeqCst);
+        // First: a control connection may be moving sessions.
+        drop(self.control.take());
         self.clients.stop_accepting();
         self.peers.stop_accepting();
         self.peer_conns.shutdown_and_join();
@@ -271,6 +296,16 @@ fn accept_clients<A: SessionApp>(inner: &Arc<Inner<A>>, l: &Listener, stop: &Uni
 }
 
 impl<A: SessionApp> Inner<A> {
+    /// The sessions served now with their clients' addresses, by id.
+    pub(crate) fn sessions_with_clients(&self) -> Vec<(u64, Option<SocketAddr>)> {
+        let mut v: Vec<_> = lock(&self.sessions)
+            .iter()
+            .map(|(id, h)| (*id, h.peer))
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
     /// Runs a session (new, restored or resumed) on its own thread.
     pub(crate) fn run(self: &Arc<Self>, f: Frozen<A>) -> io::Result<()> {
         f.sock.set_nonblocking(true)?;

@@ -12,6 +12,7 @@
 pub mod batch;
 pub mod bench;
 pub mod capsule;
+pub mod control;
 pub mod demo;
 pub mod format;
 pub mod hold;

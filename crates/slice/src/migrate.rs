@@ -170,18 +170,67 @@ impl<A: SessionApp> Instance<A> {
         peer: &Endpoint,
         peer_name: &str,
     ) -> Result<Moved, MigrateError> {
-        let inner = &self.inner;
-        let mut conn = connect(inner, peer, peer_name)?;
-        prepare(inner, &mut conn, id)?;
-        let t0 = Instant::now();
-        let f = inner.freeze(id).ok_or(MigrateError::NoSession(id))?;
-        let moved = move_frozen(inner, &mut conn, f, t0)?;
-        inner.stats.moved_out.fetch_add(1, Ordering::Relaxed);
-        Ok(Moved {
-            pause: t0.elapsed(),
-            ..moved
-        })
+        let mut conn = connect(&self.inner, peer, peer_name)?;
+        move_one(&self.inner, &mut conn, id)
     }
+
+    /// Moves the sessions `ids` to `peer_name` one at a time, each as [`Instance::migrate`]
+    /// (its own freeze, hold and pause), over one slice channel (opened again after a move
+    /// that failed: only a completed move leaves the channel in a known state). `each` gets
+    /// every session's result as it ends; `false` from it stops before the next session.
+    pub fn migrate_each(
+        &self,
+        ids: &[u64],
+        peer: &Endpoint,
+        peer_name: &str,
+        each: impl FnMut(u64, Result<Moved, MigrateError>) -> bool,
+    ) {
+        migrate_each(&self.inner, ids, peer, peer_name, each)
+    }
+}
+
+/// [`Instance::migrate_each`].
+pub(crate) fn migrate_each<A: SessionApp>(
+    inner: &Arc<Inner<A>>,
+    ids: &[u64],
+    peer: &Endpoint,
+    peer_name: &str,
+    mut each: impl FnMut(u64, Result<Moved, MigrateError>) -> bool,
+) {
+    let mut conn: Option<Conn> = None;
+    for &id in ids {
+        let c = match conn.take() {
+            Some(c) => Ok(c),
+            None => connect(inner, peer, peer_name),
+        };
+        let r = c.map_err(MigrateError::from).and_then(|mut c| {
+            let r = move_one(inner, &mut c, id);
+            if r.is_ok() {
+                conn = Some(c);
+            }
+            r
+        });
+        if !each(id, r) {
+            return;
+        }
+    }
+}
+
+/// One move on an open slice channel.
+fn move_one<A: SessionApp>(
+    inner: &Arc<Inner<A>>,
+    conn: &mut Conn,
+    id: u64,
+) -> Result<Moved, MigrateError> {
+    prepare(inner, conn, id)?;
+    let t0 = Instant::now();
+    let f = inner.freeze(id).ok_or(MigrateError::NoSession(id))?;
+    let moved = move_frozen(inner, conn, f, t0)?;
+    inner.stats.moved_out.fetch_add(1, Ordering::Relaxed);
+    Ok(Moved {
+        pause: t0.elapsed(),
+        ..moved
+    })
 }
 
 /// The slice channel to the instance `peer_name` at `peer`, authenticated both ways.

@@ -17,6 +17,7 @@ fn instance(ca: &Ca, name: &str) -> Instance<LineApp> {
         clients: "127.0.0.1:0".parse().unwrap(),
         peer: Endpoint::Tcp("127.0.0.1:0".into()),
         security: Security::new(id),
+        control: None,
     })
     .unwrap()
 }
@@ -114,6 +115,7 @@ fn a_refused_batch_stays_whole_where_it_was() {
         clients: "127.0.0.1:0".parse().unwrap(),
         peer: Endpoint::Tcp("127.0.0.1:0".into()),
         security: Security::new(id),
+        control: None,
     })
     .unwrap();
     let Endpoint::Tcp(addr) = a.client_endpoint().clone() else {

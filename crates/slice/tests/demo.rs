@@ -5,7 +5,6 @@ mod common;
 
 use common::{private_netns, start_client, tcp_counter};
 use std::io::{BufRead, BufReader, Lines, Write};
-use std::path::PathBuf;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
 /// A demo process, killed (by its own pid) and reaped when dropped, even when the test fails.
@@ -29,15 +28,8 @@ impl Demo {
         let stdin = child.stdin.take().unwrap();
         let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
         let ready = out.next().unwrap().unwrap();
-        let field = |k: &str| {
-            ready
-                .split_whitespace()
-                .find_map(|w| w.strip_prefix(k))
-                .unwrap_or_else(|| panic!("{k} in {ready:?}"))
-                .to_string()
-        };
-        let clients = field("clients=tcp:");
-        let peer = field("peer=");
+        let pliant_slice::demo::Ready { clients, peer, .. } =
+            pliant_slice::demo::parse_ready(&ready).unwrap_or_else(|| panic!("{ready:?}"));
         Demo {
             child,
             stdin,
@@ -70,24 +62,12 @@ impl Drop for Demo {
     }
 }
 
-struct TempDir(PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 #[test]
 fn two_demo_processes_hand_a_live_session_back_and_forth() {
     if !private_netns() {
         return;
     }
-    let dir = TempDir(std::env::temp_dir().join(format!(
-        "pliant-slice-demo-{}-{:?}",
-        std::process::id(),
-        std::thread::current().id()
-    )));
+    let dir = pliant_testkit::TempDir::new("pliant-slice-demo");
     let st = Command::new(env!("CARGO_BIN_EXE_pliant-slice-demo"))
         .arg("keys")
         .arg(&dir.0)

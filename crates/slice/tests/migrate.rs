@@ -26,6 +26,7 @@ fn instance_on<A: SessionApp>(ca: &Ca, name: &str, clients: &str, peer: Endpoint
         clients: clients.parse().unwrap(),
         peer,
         security: Security::new(id),
+        control: None,
     })
     .unwrap()
 }
@@ -35,6 +36,17 @@ fn client_addr<A: SessionApp>(i: &Instance<A>) -> String {
         Endpoint::Tcp(a) => a.clone(),
         e => panic!("client endpoint {e:?}"),
     }
+}
+
+/// Instances `slice-a` and `slice-b` of one CA, and `n` streaming clients served by `slice-a`.
+fn two_instances_with_clients(n: usize) -> (Instance<LineApp>, Instance<LineApp>, Vec<Client>) {
+    let ca = Ca::generate(None).unwrap();
+    let a: Instance<LineApp> = instance(&ca, "slice-a");
+    let b: Instance<LineApp> = instance(&ca, "slice-b");
+    let addr = client_addr(&a);
+    let clients: Vec<Client> = (0..n).map(|c| start_client(&addr, c)).collect();
+    assert!(wait_until(Duration::from_secs(5), || a.session_ids().len() == n));
+    (a, b, clients)
 }
 
 fn pct(v: &mut [Duration], p: f64) -> Duration {
@@ -47,12 +59,7 @@ fn streaming_sessions_move_back_and_forth_without_a_reset_or_a_lost_byte() {
     if !private_netns() {
         return;
     }
-    let ca = Ca::generate(None).unwrap();
-    let a: Instance<LineApp> = instance(&ca, "slice-a");
-    let b: Instance<LineApp> = instance(&ca, "slice-b");
-    let addr = client_addr(&a);
-    let clients: Vec<Client> = (0..4).map(|c| start_client(&addr, c)).collect();
-    assert!(wait_until(Duration::from_secs(5), || a.session_ids().len() == 4));
+    let (a, b, clients) = two_instances_with_clients(4);
     for c in &clients {
         assert!(c.progresses(100));
     }
@@ -403,5 +410,51 @@ fn an_ipv6_session_moves_back_and_forth() {
         std::mem::swap(&mut src, &mut dst);
     }
     c.finish();
+    assert_eq!(tcp_counter("OutRsts"), 0);
+}
+
+#[test]
+fn migrate_each_moves_sessions_over_one_channel_and_goes_on_after_a_failure() {
+    if !private_netns() {
+        return;
+    }
+    let (a, b, clients) = two_instances_with_clients(3);
+    let here = a.session_ids();
+    // A session that is not here between two that are: it fails, the channel is opened again
+    // and the next one moves.
+    let ids = [here[0], 0xdead, here[1], here[2]];
+    let mut seen = Vec::new();
+    a.migrate_each(&ids, b.peer_endpoint(), "slice-b", |id, r| {
+        seen.push((id, r.map(|m| m.capsule_bytes)));
+        true
+    });
+    assert_eq!(seen.len(), 4);
+    for (i, (id, r)) in seen.iter().enumerate() {
+        assert_eq!(*id, ids[i]);
+        match (i, r) {
+            (1, Err(MigrateError::NoSession(0xdead))) => {}
+            (1, r) => panic!("unknown session: {r:?}"),
+            (_, Ok(bytes)) => assert!(*bytes > 0),
+            (_, Err(e)) => panic!("session {id:x}: {e}"),
+        }
+    }
+    assert!(a.session_ids().is_empty());
+    assert_eq!(b.session_ids(), here);
+    for c in &clients {
+        assert!(c.progresses(100), "a moved session stalled");
+    }
+    // `false` stops before the next session.
+    let mut calls = 0;
+    b.migrate_each(&here, a.peer_endpoint(), "slice-a", |_, r| {
+        assert!(r.is_ok());
+        calls += 1;
+        false
+    });
+    assert_eq!(calls, 1);
+    assert_eq!(a.session_ids().len(), 1);
+    assert_eq!(b.session_ids().len(), 2);
+    for c in clients {
+        c.finish();
+    }
     assert_eq!(tcp_counter("OutRsts"), 0);
 }

@@ -229,6 +229,33 @@ mod tests {
     }
 }
 
+/// A directory of a test, removed with what it holds when dropped (also when the test fails).
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    /// A new empty directory in the system's temporary directory, named
+    /// `<prefix>-<pid>-<nanoseconds>` so that no two tests or runs share one.
+    pub fn new(prefix: &str) -> TempDir {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or_default();
+        let p = std::env::temp_dir().join(format!("{prefix}-{}-{nanos}", std::process::id()));
+        std::fs::create_dir_all(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+        TempDir(p)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// A deterministic xorshift64 generator for seeded tests (one seed reproduces one interleaving);
 /// the seed must be non-zero.
 #[derive(Clone, Debug)]

@@ -5,7 +5,8 @@
 //! pliant-slice-demo keys DIR NAME...      a CA and one identity directory DIR/NAME per name
 //! pliant-slice-demo serve --name N --identity DIR/N --clients 127.0.0.1:7000 --peer 127.0.0.1:7100
 //! ```
-//! `serve` prints `ready clients=ADDR peer=ENDPOINT` once listening, then reads commands on
+//! `serve` prints `ready clients=ADDR peer=ENDPOINT` (and `control=ENDPOINT` with `--control`,
+//! the channel `pliant slice` commands use) once listening, then reads commands on
 //! its standard input, one per line, and answers each on its standard output:
 //! - `list`: `sessions ID...` (hex ids);
 //! - `move ID|all PEER-ENDPOINT PEER-NAME`: one `moved ID pause_us=N capsule=BYTES` or
@@ -13,11 +14,10 @@
 //! - `stats`: counters; `quit` (or end of input): stop, closing the sessions still here.
 
 use clap::{Parser, Subcommand};
-use pliant_slice::demo::LineApp;
-use pliant_slice::instance::{Config, Instance};
-use pliant_wire::{role, Ca, Endpoint, Security};
+use pliant_slice::control::Outcome;
+use pliant_slice::demo::{self, ServeArgs};
+use pliant_wire::Endpoint;
 use std::io::{BufRead, Write};
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 
@@ -33,31 +33,14 @@ enum Cmd {
     /// Makes a CA in DIR and an identity directory DIR/NAME (replica role) for each name.
     Keys { dir: PathBuf, names: Vec<String> },
     /// Serves clients and takes commands on stdin.
-    Serve {
-        #[arg(long)]
-        name: String,
-        #[arg(long)]
-        identity: PathBuf,
-        #[arg(long, default_value = "127.0.0.1:0")]
-        clients: SocketAddr,
-        #[arg(long, default_value = "127.0.0.1:0")]
-        peer: Endpoint,
-    },
+    Serve(ServeArgs),
 }
-
-/// One year: a demo's identities outlive any run of it.
-const VALID_SECS: u64 = 365 * 24 * 3600;
 
 fn main() {
     let cli = Cli::parse();
     let r = match cli.cmd {
-        Cmd::Keys { dir, names } => keys(&dir, &names),
-        Cmd::Serve {
-            name,
-            identity,
-            clients,
-            peer,
-        } => serve(name, &identity, clients, peer),
+        Cmd::Keys { dir, names } => demo::keys(&dir, &names),
+        Cmd::Serve(a) => serve(&a),
     };
     if let Err(e) = r {
         eprintln!("pliant-slice-demo: {e}");
@@ -65,41 +48,15 @@ fn main() {
     }
 }
 
-fn keys(dir: &std::path::Path, names: &[String]) -> Result<(), String> {
-    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let ca = Ca::generate(Some(dir)).map_err(|e| e.to_string())?;
-    for n in names {
-        ca.issue_to(&dir.join(n), n, role::REPLICA, VALID_SECS)
-            .map_err(|e| format!("{n}: {e}"))?;
-    }
-    Ok(())
-}
-
-fn serve(
-    name: String,
-    identity: &std::path::Path,
-    clients: SocketAddr,
-    peer: Endpoint,
-) -> Result<(), String> {
-    let security = Security::load(identity, Default::default()).map_err(|e| e.to_string())?;
-    let inst: Instance<LineApp> = Instance::start(Config {
-        name,
-        clients,
-        peer,
-        security,
-    })
-    .map_err(|e| e.to_string())?;
+fn serve(a: &ServeArgs) -> Result<(), String> {
+    let inst = demo::start(a)?;
     let out = std::io::stdout();
     let say = |line: String| {
         let mut o = out.lock();
         let _ = writeln!(o, "{line}");
         let _ = o.flush();
     };
-    say(format!(
-        "ready clients={} peer={}",
-        inst.client_endpoint(),
-        inst.peer_endpoint()
-    ));
+    say(demo::ready_line(&inst));
     for line in std::io::stdin().lock().lines() {
         let Ok(line) = line else { break };
         let words: Vec<&str> = line.split_whitespace().collect();
@@ -121,16 +78,10 @@ fn serve(
                         }
                     }
                 };
-                for id in targets {
-                    match inst.migrate(id, &ep, peer_name) {
-                        Ok(m) => say(format!(
-                            "moved {id:x} pause_us={} capsule={}",
-                            m.pause.as_micros(),
-                            m.capsule_bytes
-                        )),
-                        Err(e) => say(format!("failed {id:x} {e}")),
-                    }
-                }
+                inst.migrate_each(&targets, &ep, peer_name, |id, r| {
+                    say(Outcome::of(id, r).to_string());
+                    true
+                });
                 say("done".into());
             }
             ["stats"] => {
