@@ -122,6 +122,21 @@ fn run(args: &[&str]) -> Result<()> {
 /// Creates the bridge in `fabric` and connects replicas `1..=replicas` of lab `lab`.
 pub fn install(fabric: &str, lab: &str, replicas: u8) -> Result<()> {
     run(&["ip", "-n", fabric, "link", "add", BRIDGE, "type", "bridge"])?;
+    // Where br_netfilter is loaded (container hosts load it), a new namespace starts with
+    // bridged frames sent through the IP firewall hooks: per frame of the replication,
+    // logging and control channels, for nothing (the fabric has no rules for them). Off in
+    // the fabric; without the module these keys do not exist and nothing needs turning off.
+    let keys = [
+        "net.bridge.bridge-nf-call-iptables",
+        "net.bridge.bridge-nf-call-ip6tables",
+        "net.bridge.bridge-nf-call-arptables",
+    ];
+    if std::path::Path::new("/proc/sys/net/bridge").exists() {
+        let settings: Vec<String> = keys.iter().map(|k| format!("{k}=0")).collect();
+        let mut args = vec!["sysctl", "-qw"];
+        args.extend(settings.iter().map(String::as_str));
+        cmd::run_ok(&cmd::in_ns(fabric, &args), SETUP_TIMEOUT)?;
+    }
     let ctl = format!("{CONTROLLER_ADDR}/24");
     run(&["ip", "-n", fabric, "addr", "add", &ctl, "dev", BRIDGE])?;
     run(&["ip", "-n", fabric, "link", "set", BRIDGE, "up"])?;
