@@ -157,9 +157,16 @@ fn queued_segments_are_written_back_in_order_on_release() {
     let veth = format!("{}a", h.table());
     assert!(run(&["ip", "link", "show"]).contains(&veth));
     assert!(run(&["tc", "filter", "show", "dev", "lo", "ingress"]).contains("pliant_slice_hold"));
+    // A second hold shares lo's qdisc; the qdisc outlives the first one out.
+    let h2 = PacketHold::create("t2").unwrap();
     drop(h);
     assert!(!run(&["ip", "link", "show"]).contains(&veth));
+    assert!(run(&["tc", "filter", "show", "dev", "lo", "ingress"]).contains("pliant_slice_hold"));
+    assert!(run(&["tc", "qdisc", "show", "dev", "lo"]).contains("clsact"));
+    // The last one out leaves the interface as it found it.
+    drop(h2);
     assert!(!run(&["tc", "filter", "show", "dev", "lo", "ingress"]).contains("pliant_slice_hold"));
+    assert!(!run(&["tc", "qdisc", "show", "dev", "lo"]).contains("clsact"));
 }
 
 #[test]

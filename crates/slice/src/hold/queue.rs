@@ -138,6 +138,8 @@ pub(super) struct QueueHold {
     name: String,
     netns: OwnedFd,
     ebpf: Option<Ebpf>,
+    /// The interfaces whose ingress the hold's program filters (the hold's own veth aside).
+    devs: Vec<String>,
     held: Mutex<HashMap<MapData, Key, Val>>,
     queue: Mutex<Queue>,
     counters: Counters,
@@ -190,6 +192,28 @@ fn ifindex(name: &str) -> Result<i32, HoldError> {
 }
 
 /// The names of the calling thread's network namespace's interfaces.
+/// Deletes the clsact qdisc of `dev` once no filter is left on it, in either direction. A
+/// hold adds the qdisc where there is none (and several holds share one on lo); the last one
+/// out removes it, so a host does not keep a qdisc on its interfaces for every server that
+/// ever held a session. A qdisc with someone else's filters stays; so does one whose filters
+/// cannot be listed. An empty clsact does nothing, so one a user made on purpose and left
+/// empty is no loss either.
+fn remove_empty_clsact(dev: &str) {
+    let filters = |dir: &str| {
+        Command::new("tc")
+            .args(["filter", "show", "dev", dev, dir])
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| o.stdout.iter().all(u8::is_ascii_whitespace))
+    };
+    if filters("ingress") == Some(true) && filters("egress") == Some(true) {
+        let _ = Command::new("tc")
+            .args(["qdisc", "del", "dev", dev, "clsact"])
+            .output();
+    }
+}
+
 fn interfaces() -> Vec<String> {
     // SAFETY: if_nameindex returns an array ending with a zero entry, freed below.
     let list = unsafe { libc::if_nameindex() };
@@ -446,6 +470,11 @@ impl QueueHold {
             name: name.to_string(),
             netns,
             ebpf: Some(ebpf),
+            devs: devs
+                .into_iter()
+                .filter(|(prog, _)| *prog == PROGRAM)
+                .map(|(_, d)| d)
+                .collect(),
             held: Mutex::new(held),
             queue: Mutex::new(Queue {
                 rx,
@@ -743,8 +772,12 @@ impl Drop for QueueHold {
     fn drop(&mut self) {
         let ebpf = self.ebpf.take();
         let a = format!("{}a", self.name);
+        let devs = std::mem::take(&mut self.devs);
         let done = in_netns(&self.netns, move || {
             drop(ebpf);
+            for d in &devs {
+                remove_empty_clsact(d);
+            }
             ip(&["link", "del", &a])
         });
         match done {
