@@ -726,6 +726,9 @@ fn tx_opts(opts: &HaOpts, server: Ipv4Addr, dur: Duration) -> TxClientOpts {
     o
 }
 
+/// First source port of the measured transaction connections (`TxClientOpts::sport_base`).
+const TX_SPORT_BASE: u16 = 42_000;
+
 fn tx_err(e: txload::TxError) -> BenchError {
     BenchError::Tool {
         tool: "txload",
@@ -735,11 +738,15 @@ fn tx_err(e: txload::TxError) -> BenchError {
 
 /// txload + CPU + replication bytes into `r`.
 fn measure_txload(opts: &HaOpts, sut: &dyn Sut, r: &mut HaSystemReport) -> Result<(), BenchError> {
-    let o = tx_opts(
+    let mut o = tx_opts(
         opts,
         sut.server_ip(),
         Duration::from_secs(u64::from(opts.duration_s)),
     );
+    // The same flows on the same replicas for every system of the run (each is measured in
+    // a lab of its own, once: no earlier connection of these ports is in TIME_WAIT there; a
+    // failover run in the same lab afterwards uses ephemeral ports).
+    o.sport_base = Some(TX_SPORT_BASE);
     let sizes = if opts.size_sigma > 0.0 {
         format!("lognormal (sigma {})", opts.size_sigma)
     } else {

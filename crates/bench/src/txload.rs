@@ -223,6 +223,11 @@ pub struct TxClientOpts {
     /// Probe flow `i` sends from source port `base + i` (placed by the caller, e.g. spread over
     /// a ring's replicas); `None`: ephemeral ports.
     pub probe_sport_base: Option<u16>,
+    /// Connection `i` connects from source port `base + i`; `None`: ephemeral ports. A
+    /// fabric places flows by a hash of their addresses and ports, so with fixed ports every
+    /// system measured in one run carries the same flows on the same replicas: their ratio
+    /// then measures the systems, not how evenly the kernel's random ports fell that time.
+    pub sport_base: Option<u16>,
     pub seed: u64,
 }
 
@@ -242,6 +247,7 @@ impl TxClientOpts {
             probe_port: PROBE_PORT,
             probe_interval: Duration::from_millis(2),
             probe_sport_base: None,
+            sport_base: None,
             seed: 0x5eed,
         }
     }
@@ -264,9 +270,32 @@ impl TxClientOpts {
         if self.duration.is_zero() {
             return Err(TxError::Options("duration must be > 0".into()));
         }
+        if let Some(b) = self.sport_base {
+            if b == 0 || u32::from(b) + self.connections > u32::from(u16::MAX) + 1 {
+                return Err(TxError::Options(format!(
+                    "source ports {b}..{} are not all valid ports",
+                    u32::from(b) + self.connections
+                )));
+            }
+        }
         self.request.validate("request")?;
         self.response.validate("response")
     }
+}
+
+/// A TCP connection from source port `port` (SO_REUSEADDR: a port of an earlier run may still
+/// be in TIME_WAIT towards another peer).
+fn connect_from(port: u16, to: &SocketAddr, timeout: Duration) -> std::io::Result<TcpStream> {
+    use socket2::{Domain, Socket, Type};
+    let s = Socket::new(Domain::for_address(*to), Type::STREAM, None)?;
+    s.set_reuse_address(true)?;
+    let any: SocketAddr = match to {
+        SocketAddr::V4(_) => (std::net::Ipv4Addr::UNSPECIFIED, port).into(),
+        SocketAddr::V6(_) => (std::net::Ipv6Addr::UNSPECIFIED, port).into(),
+    };
+    s.bind(&any.into())?;
+    s.connect_timeout(&(*to).into(), timeout)?;
+    Ok(s.into())
 }
 
 /// What happened on one connection.
@@ -879,12 +908,14 @@ pub fn run_client(
     let mut conns = Vec::with_capacity(opts.connections as usize);
     let addr = SocketAddr::V4(opts.server);
     for i in 0..opts.connections {
-        let s = TcpStream::connect_timeout(&addr, opts.connect_timeout).map_err(|source| {
-            TxError::Connect {
-                conn: i,
-                addr: opts.server,
-                source,
-            }
+        let s = match opts.sport_base {
+            None => TcpStream::connect_timeout(&addr, opts.connect_timeout),
+            Some(b) => connect_from(b + i as u16, &addr, opts.connect_timeout),
+        }
+        .map_err(|source| TxError::Connect {
+            conn: i,
+            addr: opts.server,
+            source,
         })?;
         s.set_nodelay(true).map_err(sys("TCP_NODELAY"))?;
         s.set_nonblocking(true).map_err(sys("nonblocking"))?;
@@ -1150,6 +1181,28 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(r.probe_recovery_ms(), Some(7.5));
+    }
+
+    #[test]
+    fn fixed_source_ports_are_used_and_checked() {
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let to = l.local_addr().expect("addr");
+        // A port the kernel just handed out and took back: free.
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|x| x.local_addr())
+            .expect("free port")
+            .port();
+        let c = connect_from(port, &to, Duration::from_secs(1)).expect("connect");
+        assert_eq!(c.local_addr().expect("local").port(), port);
+        let (_, peer) = l.accept().expect("accept");
+        assert_eq!(peer.port(), port);
+        let mut o = TxClientOpts::new("127.0.0.1:9".parse().unwrap(), 16, Duration::from_secs(1));
+        o.sport_base = Some(65_530);
+        assert!(matches!(o.validate(), Err(TxError::Options(m)) if m.contains("65530")));
+        o.sport_base = Some(65_520);
+        assert!(o.validate().is_ok());
+        o.sport_base = Some(0);
+        assert!(o.validate().is_err());
     }
 
     #[test]
