@@ -120,6 +120,9 @@ pub struct HaOpts {
     pub rounds: u32,
     /// With `hosts`: the hosts' replica ports are VXLAN tunnels over their management links.
     pub tunnels: bool,
+    /// First source port of the measured transaction connections, the same for every system
+    /// of a round (`run_ha` draws one per round); `None`: ephemeral ports.
+    pub tx_sport_base: Option<u16>,
 }
 
 impl Default for HaOpts {
@@ -143,6 +146,7 @@ impl Default for HaOpts {
             hosts: false,
             rounds: 1,
             tunnels: false,
+            tx_sport_base: None,
         }
     }
 }
@@ -458,8 +462,10 @@ pub fn run_ha(opts: &HaOpts) -> HaReport {
             progress(&format!("round {}/{rounds}", r + 1));
         }
         // Failovers in the first round only: later rounds measure the steady state again.
+        // One draw of source ports per round, for every system of it (see `TX_SPORT_SPAN`).
         let ropts = HaOpts {
             failover: opts.failover && r == 0,
+            tx_sport_base: opts.tx_sport_base.or_else(|| Some(random_sport_base(opts))),
             ..opts.clone()
         };
         let reverse = r % 2 == 1;
@@ -726,8 +732,30 @@ fn tx_opts(opts: &HaOpts, server: Ipv4Addr, dur: Duration) -> TxClientOpts {
     o
 }
 
-/// First source port of the measured transaction connections (`TxClientOpts::sport_base`).
-const TX_SPORT_BASE: u16 = 42_000;
+/// Where the measured transaction connections' source ports are drawn, once per round
+/// (`TxClientOpts::sport_base`): the fabric places flows by a hash of addresses and ports, so
+/// one draw for all systems of a round compares them on the same placement of flows on
+/// replicas, and a new draw each round samples other placements (one fixed set of ports
+/// measures one placement, even or not, every time).
+const TX_SPORT_SPAN: std::ops::Range<u16> = 20_000..60_000;
+
+/// A random first port in [`TX_SPORT_SPAN`] with room for every connection.
+fn random_sport_base(opts: &HaOpts) -> u16 {
+    let mut b = [0u8; 2];
+    // SAFETY: `b` is valid for writes of its length for the duration of the call.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    let r = if n == 2 {
+        u16::from_le_bytes(b)
+    } else {
+        // No random source: the clock's nanoseconds are random enough for ports.
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos() as u16)
+    };
+    let room = TX_SPORT_SPAN.end - TX_SPORT_SPAN.start;
+    let conns = opts.connections.min(u32::from(room) / 2) as u16;
+    TX_SPORT_SPAN.start + r % (room - conns)
+}
 
 fn tx_err(e: txload::TxError) -> BenchError {
     BenchError::Tool {
@@ -743,10 +771,10 @@ fn measure_txload(opts: &HaOpts, sut: &dyn Sut, r: &mut HaSystemReport) -> Resul
         sut.server_ip(),
         Duration::from_secs(u64::from(opts.duration_s)),
     );
-    // The same flows on the same replicas for every system of the run (each is measured in
-    // a lab of its own, once: no earlier connection of these ports is in TIME_WAIT there; a
-    // failover run in the same lab afterwards uses ephemeral ports).
-    o.sport_base = Some(TX_SPORT_BASE);
+    // The same flows on the same replicas for every system of the round (each is measured
+    // in a lab of its own, once: no earlier connection of these ports is in TIME_WAIT there;
+    // a failover run in the same lab afterwards uses ephemeral ports).
+    o.sport_base = opts.tx_sport_base;
     let sizes = if opts.size_sigma > 0.0 {
         format!("lognormal (sigma {})", opts.size_sigma)
     } else {
@@ -2165,6 +2193,28 @@ mod tests {
         assert_eq!(s.pre_kill_gap_ms_max, Some(5.0));
         assert_eq!(s.trials_other_stall_over_pre_kill_gap, 1);
         assert_eq!(s.failed_replica_stall_ms_max, Some(90.0));
+    }
+
+    #[test]
+    fn source_ports_are_drawn_within_their_span_with_room_for_every_connection() {
+        let mut seen = std::collections::BTreeSet::new();
+        for conns in [1u32, 32, 4096] {
+            let o = HaOpts {
+                connections: conns,
+                ..HaOpts::default()
+            };
+            for _ in 0..200 {
+                let b = random_sport_base(&o);
+                assert!(TX_SPORT_SPAN.contains(&b), "{b}");
+                assert!(
+                    u32::from(b) + conns <= u32::from(TX_SPORT_SPAN.end),
+                    "{b} + {conns}"
+                );
+                seen.insert(b);
+            }
+        }
+        // Drawn, not fixed.
+        assert!(seen.len() > 100, "{}", seen.len());
     }
 
     #[test]
