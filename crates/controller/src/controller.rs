@@ -208,12 +208,11 @@ fn now_ms() -> u64 {
 /// a round gets its own).
 pub const MAX_ROUND_THREADS: usize = 64;
 
-/// `f` over every item, all at once when `parallel` (a scoped thread each, at most
-/// [`MAX_ROUND_THREADS`] at a time), so a round of probes takes about its slowest probe, not
-/// their sum; in order on the calling thread otherwise (or where a thread cannot be started).
-/// Results in the items' order.
-fn fan_out<I: Sync, R: Send>(items: &[I], parallel: bool, f: impl Fn(&I) -> R + Sync) -> Vec<R> {
-    if !parallel || items.len() < 2 {
+/// `f` over every item, all at once (a scoped thread each, at most [`MAX_ROUND_THREADS`] at a
+/// time), so a round of requests takes about its slowest answer, not their sum; on the calling
+/// thread for a single item or where a thread cannot be started. Results in the items' order.
+fn fan_out<I: Sync, R: Send>(items: &[I], f: impl Fn(&I) -> R + Sync) -> Vec<R> {
+    if items.len() < 2 {
         return items.iter().map(&f).collect();
     }
     let f = &f;
@@ -569,7 +568,7 @@ impl Controller {
         let ha_on = self.ha_enabled();
         // Every replica at once, each answer recorded as it comes (a short state lock, no
         // I/O under it): a replica that does not answer delays no other's heartbeat.
-        let outcomes = fan_out(&targets, true, |(i, sock)| {
+        let outcomes = fan_out(&targets, |(i, sock)| {
             let res = self.settings.control.heartbeat(sock, timeout);
             self.record_beat(*i, res)
         });

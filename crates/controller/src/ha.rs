@@ -624,7 +624,7 @@ pub fn probe_tcp_many<K: Copy>(
             });
         match started {
             Ok((s, true)) => {
-                let _ = s.set_linger(Some(std::time::Duration::ZERO));
+                pliant_wire::endpoint::close_with_reset(s.into());
                 on_verdict(*k, Probe::Listening);
             }
             Ok((s, false)) => pending.push((*k, a, s)),
@@ -669,7 +669,7 @@ pub fn probe_tcp_many<K: Copy>(
             };
             if outcome.is_ok() {
                 // Reset, not closed, as in `probe_tcp`.
-                let _ = s.set_linger(Some(std::time::Duration::ZERO));
+                pliant_wire::endpoint::close_with_reset(s.into());
             }
             on_verdict(k, at(a, connect_verdict(Transport::Tcp, &outcome)));
         }

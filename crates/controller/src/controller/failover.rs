@@ -418,7 +418,7 @@ impl Controller {
             self.ftmb_poll(&members, timeout, min_gap);
             return;
         }
-        let answers = fan_out(&self.answering(&members), true, |(i, sock)| {
+        let answers = fan_out(&self.answering(&members), |(i, sock)| {
             let fetched = Instant::now();
             let r = self.settings.control.ha_status(sock, timeout);
             (*i, fetched, r)
@@ -603,7 +603,7 @@ impl Controller {
     fn ftmb_poll(&self, members: &[(u32, PathBuf)], timeout: Duration, min_gap: Duration) {
         let cfg = self.ha_config();
         // Fetched from every answering member at once, acted on in order (as `ha_poll`).
-        let answers = fan_out(&self.answering(members), true, |(i, sock)| {
+        let answers = fan_out(&self.answering(members), |(i, sock)| {
             let fetched = Instant::now();
             let r = self.settings.control.ftmb_status(sock, timeout);
             (*i, fetched, r)
