@@ -19,6 +19,7 @@ fn main() {
         patroni_trials: env("PG_PATRONI_TRIALS", 3),
         rounds: env("PG_ROUNDS", 2),
         tls: std::env::var_os("PG_TLS").is_some(),
+        rate: None,
     };
     let r = if std::env::var_os("PG_ONLY_PATRONI").is_some() {
         pliant_pg::patroni::run(&pliant_pg::patroni::PatroniOpts {

@@ -35,6 +35,9 @@ pub struct BenchOpts {
     /// proxy and pgbouncer (`sslmode=require`), the proxy to the servers (verified), the bank
     /// and idle sessions; the Patroni peer runs without.
     pub tls: bool,
+    /// pgbench `-R`: a fixed transaction rate instead of as fast as possible (CPU per
+    /// transaction is then comparable between systems on a noisy machine).
+    pub rate: Option<u32>,
 }
 
 impl Default for BenchOpts {
@@ -48,6 +51,7 @@ impl Default for BenchOpts {
             patroni_trials: 3,
             rounds: 2,
             tls: false,
+            rate: None,
         }
     }
 }
@@ -60,6 +64,8 @@ pub struct Run {
     pub p99_ms: f64,
     pub failed: u64,
     pub aborted_clients: u32,
+    /// Transactions in pgbench's per-transaction log.
+    pub transactions: u64,
 }
 
 fn progress(s: &str) {
@@ -69,7 +75,7 @@ fn progress(s: &str) {
 /// What pgbench itself does before a TPC-B run unless told not to (`-n`, which the runs use
 /// because they go through proxies): vacuum the small hot tables and empty the history, so
 /// every run starts from the same database. Run directly on the primary, not timed.
-fn reset_tpcb(cl: &Cluster, primary: usize) -> Result<(), String> {
+pub fn reset_tpcb(cl: &Cluster, primary: usize) -> Result<(), String> {
     let mut c = cl.client(primary, Duration::from_secs(60))?;
     for sql in [
         "VACUUM pgbench_branches",
@@ -116,6 +122,9 @@ pub fn pgbench(
         .arg(format!("--log-prefix={}", logdir.join("tx").display()));
     if select_only {
         cmd.arg("-S");
+    }
+    if let Some(r) = o.rate {
+        cmd.args(["-R", &r.to_string()]);
     }
     if o.tls {
         cmd.env("PGSSLMODE", "require");
@@ -175,6 +184,7 @@ pub fn pgbench(
         p99_ms: pct(0.99),
         failed,
         aborted_clients,
+        transactions: lat.len() as u64,
     })
 }
 
