@@ -163,7 +163,10 @@ impl Planners {
 pub struct Goals {
     /// offline < online < greedy in data moved.
     pub data_moved_offline_lt_online_lt_greedy: Option<bool>,
-    /// Every planner's throughput at least 88 % of the baseline's.
+    /// The optimisers' (offline and online) throughput at least 88 % of the baseline's: the
+    /// seed's claim (2-12 % below a fully scaled-out cluster) is about them; its greedy
+    /// first-fit baseline came out 15-22 % below the offline optimiser, and ours is reported
+    /// (`throughput_vs_full_pct`) but not held to it.
     pub throughput_within_12pct: Option<bool>,
     pub zero_acked_lost: Option<bool>,
 }
@@ -179,7 +182,7 @@ pub fn goals(p: &Planners) -> Goals {
             all[0].data_moved_bytes < all[1].data_moved_bytes
                 && all[1].data_moved_bytes < all[2].data_moved_bytes,
         ),
-        throughput_within_12pct: all
+        throughput_within_12pct: all[..2]
             .iter()
             .map(|r| r.throughput_vs_full_pct.map(|t| t >= 88.0))
             .collect::<Option<Vec<bool>>>()
@@ -454,6 +457,11 @@ pub fn rates(o: &BenchOpts, m: &CpuModel) -> Sine {
     }
 }
 
+/// The offline planner's costs, the seed's (Table 5.1: S = 1000 per host and step, I = 100 per
+/// partition migrated).
+pub const OFFLINE_HOST_STEP_COST: f64 = 1000.0;
+pub const OFFLINE_MOVE_COST: f64 = 100.0;
+
 /// The offline planner's plan over the forecast, solved before the load starts (it is the
 /// planner that knows the future), with the problem its moves are derived from and the pool
 /// (index → host id) it starts from.
@@ -511,10 +519,13 @@ fn offline_plan(kv: &Kv, o: &BenchOpts, l0: Load0) -> Result<OfflinePlan, String
         max_hosts: pool.len(),
         k: o.k,
         current: Some(current),
-        // A host-step outweighs every copy a step can move: hosts first, then copies moved.
+        // The seed's weights (its Table 5.1): a host for one step costs S = 1000, moving a
+        // partition I = 100 (every partition counts as one unit: the forecast has no sizes).
+        // So a host-step is worth ten copies moved: the plan keeps a host a step longer rather
+        // than move more than ten copies to empty it, and buys no host-step with a reshuffle.
         costs: Costs {
-            host_step: (o.partitions * (o.k + 1)) as f64 * 2.0,
-            per_byte_moved: 1.0,
+            host_step: OFFLINE_HOST_STEP_COST,
+            per_byte_moved: OFFLINE_MOVE_COST,
             ..Costs::default()
         },
     };
@@ -970,6 +981,9 @@ mod tests {
             .errors
             .push("planner: no placement".into());
         assert_eq!(goals(&p).zero_acked_lost, Some(true));
+        // The greedy baseline's throughput is reported, not held to the optimisers' goal.
+        p.greedy = r(30, 81.0, 0);
+        assert_eq!(goals(&p).throughput_within_12pct, Some(true));
         p.online = r(40, 80.0, 1);
         let g = goals(&p);
         assert_eq!(g.data_moved_offline_lt_online_lt_greedy, Some(false));

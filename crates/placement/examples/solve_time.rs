@@ -3,7 +3,7 @@
 //! `cargo run --release -p pliant-placement --example solve_time [-- [--fill=0.6] [--exact] 256 512]`
 //!
 //! `--offline=T`: the offline planner instead, over T predicted steps after the first-fit one,
-//! next to greedy on the same steps.
+//! next to greedy first-fit and the repair heuristic on the same steps.
 //!
 //! The instance: k = 1 (two copies), a pool of partitions / 8 hosts, the copies placed first-fit
 //! on one load, then a new load snapshot (each partition's load redrawn) to plan for. The total
@@ -101,5 +101,6 @@ fn offline_line(problem: &Problem, opts: &MilpOptions) -> serde_json::Value {
         "horizon": problem.horizon(),
         "milp": result(plan_offline(problem, opts)),
         "greedy": result(greedy::plan_offline(problem)),
+        "repair": result(greedy::repair_offline(problem)),
     })
 }

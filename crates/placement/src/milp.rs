@@ -182,7 +182,7 @@ pub fn plan_offline(problem: &Problem, opts: &MilpOptions) -> Result<Plan, PlanE
 
     // Greedy's plan is feasible: the answer is never worse than it. (Handing it to CBC as a start
     // made its search worse in a trial at 128 partitions, so it is only compared with.)
-    let greedy = crate::greedy::plan_offline(problem).ok();
+    let greedy = crate::greedy::repair_offline(problem).ok();
 
     let sol = match model.solve() {
         Ok(sol) => sol,
@@ -284,7 +284,7 @@ pub fn plan_online(problem: &Problem, opts: &MilpOptions) -> Result<Plan, PlanEr
 fn warm_start(problem: &Problem, n: usize) -> Option<Placement> {
     let candidates = [
         problem.current.clone(),
-        crate::greedy::plan_online(problem)
+        crate::greedy::repair_online(problem)
             .ok()
             .map(|p| p.steps[0].placement.clone()),
     ];
