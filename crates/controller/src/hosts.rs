@@ -15,7 +15,7 @@
 
 use crate::agent::{Agent, AgentError, Started};
 use pliant_proto::agent::{AgentRequest, AgentStatus, SlotState};
-use pliant_proto::{Client, ControlError};
+use pliant_proto::{Client, ControlError, KeptLinks};
 use pliant_wire::{role, Endpoint, Security};
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -194,6 +194,9 @@ pub struct HostWatch {
     security: Option<Security>,
     term: Arc<AtomicU64>,
     views: Mutex<Vec<View>>,
+    /// Poll links kept between rounds (a poll every `poll_ms` per agent would otherwise cost
+    /// a handshake each).
+    kept: KeptLinks,
     pub polls: AtomicU64,
     pub poll_failures: AtomicU64,
 }
@@ -224,6 +227,7 @@ impl HostWatch {
             security,
             term,
             views: Mutex::new(views),
+            kept: KeptLinks::default(),
             polls: AtomicU64::new(0),
             poll_failures: AtomicU64::new(0),
         }
@@ -353,7 +357,11 @@ impl HostWatch {
             Ok(c) => c,
             Err(w) => return (Poll::Silent(w), None),
         };
-        match c.ask::<AgentStatus, _>(&AgentRequest::AgentStatus) {
+        let peer = format!("{}@{}", e.name, e.endpoint);
+        match self
+            .kept
+            .ask::<AgentStatus, _>(&peer, &c, &AgentRequest::AgentStatus)
+        {
             Ok(s) => (Poll::Answered, Some(s)),
             Err(ControlError::Io { reason, .. }) if reason.contains("refused") => {
                 (Poll::Refused(reason), None)

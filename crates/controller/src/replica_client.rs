@@ -3,10 +3,10 @@
 //! it is reached — that unix socket, or a TCP endpoint from a template (a replica on another
 //! host) — and with which identity (the controller's, CONTROLLER role).
 
-use pliant_proto::{reply, Client, Link, Request};
+use pliant_proto::{reply, Client, KeptLinks, Request};
 use pliant_wire::{Endpoint, Security};
-use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::time::Duration;
 
 pub use pliant_proto::reply::FlowEntry;
 pub use pliant_proto::ControlError as ReplicaError;
@@ -25,40 +25,6 @@ pub struct Dialer {
     pub term: std::sync::Arc<std::sync::atomic::AtomicU64>,
     /// Heartbeat links kept open between rounds, shared by clones.
     pub kept: KeptLinks,
-}
-
-/// One open control link per replica socket, reused by the heartbeats: a new connection per
-/// heartbeat costs both ends a handshake (two signatures, two verifications and an X25519
-/// agreement), on a loaded host more CPU than the request itself, and a thread start at
-/// the replica. A link is taken out while in use and put back only after a good answer.
-#[derive(Clone, Default)]
-pub struct KeptLinks(
-    std::sync::Arc<std::sync::Mutex<std::collections::HashMap<PathBuf, Vec<Link>>>>,
-);
-
-/// Links kept per replica: the heartbeat and the HA poll may ask at the same moment.
-const KEPT_PER_REPLICA: usize = 2;
-
-impl std::fmt::Debug for KeptLinks {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let n = self.0.lock().map(|m| m.len()).unwrap_or(0);
-        write!(f, "KeptLinks({n})")
-    }
-}
-
-impl KeptLinks {
-    fn take(&self, socket: &Path) -> Option<Link> {
-        self.0.lock().ok()?.get_mut(socket)?.pop()
-    }
-
-    fn put(&self, socket: &Path, link: Link) {
-        if let Ok(mut m) = self.0.lock() {
-            let v = m.entry(socket.to_path_buf()).or_default();
-            if v.len() < KEPT_PER_REPLICA {
-                v.push(link);
-            }
-        }
-    }
 }
 
 impl Dialer {
@@ -158,26 +124,7 @@ impl Dialer {
         timeout: Duration,
     ) -> Result<serde_json::Value, ReplicaError> {
         let c = self.client(socket, timeout);
-        if let Some(mut link) = self.kept.take(socket) {
-            let started = Instant::now();
-            match c.call_kept(&mut link, req, started) {
-                Ok(v) => {
-                    self.kept.put(socket, link);
-                    return Ok(v);
-                }
-                // A kept link that fails at once was closed under us (the replica restarted,
-                // or dropped it idle): one fresh try tells whether the replica answers. One
-                // that failed by waiting out the timeout is the replica's silence: reported
-                // as such, not waited out twice.
-                Err(e) if started.elapsed() >= timeout / 2 => return Err(e),
-                Err(_) => {}
-            }
-        }
-        let started = Instant::now();
-        let mut link = c.connect()?;
-        let v = c.call_kept(&mut link, req, started)?;
-        self.kept.put(socket, link);
-        Ok(v)
+        self.kept.call(&socket.to_string_lossy(), &c, req)
     }
 
     /// `flows`: (total, the listed flows).

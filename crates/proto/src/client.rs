@@ -1,6 +1,7 @@
-//! The client side of the control channel: one connection per [`Client`] call (a heartbeat a
-//! second per replica costs one handshake; a connection never outlives a request that timed
-//! out, so a late answer can never be taken for the next request's).
+//! The client side of the control channel: one connection per [`Client`] call, or links
+//! kept between the requests of a polling loop ([`KeptLinks`]); either way a connection never
+//! outlives a request that timed out, so a late answer can never be taken for the next
+//! request's.
 
 use crate::link::{Link, MAX_ANSWER};
 use crate::reply::{self, FlowEntry};
@@ -11,6 +12,8 @@ use pliant_wire::frame::FrameError;
 use pliant_wire::{role, Endpoint, Expect, Security};
 use serde::de::DeserializeOwned;
 use serde_json::Value;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// How long a slow request (`migrate_out`, `ftmb_protect`, `ftmb_activate`) may take to be
@@ -33,6 +36,76 @@ pub enum ControlError {
         cmd: String,
         reason: String,
     },
+}
+
+/// Authenticated links kept between the rounds of a polling loop (the controller's heartbeats
+/// and status polls of replicas, its polls of host agents), per peer. A new connection per
+/// request costs both ends a handshake (two signatures, two verifications and an X25519
+/// agreement), on a loaded host more CPU than the request itself, and a thread start at the
+/// peer. A link is taken out while in use and put back only after a good answer, so a link
+/// that timed out (its late answer still on the way) is never used again.
+#[derive(Clone, Default)]
+pub struct KeptLinks(Arc<Mutex<HashMap<String, Vec<Link>>>>);
+
+/// Links kept per peer: two requests of different loops (a heartbeat and an HA poll) may ask
+/// at the same moment.
+const KEPT_PER_PEER: usize = 2;
+
+impl std::fmt::Debug for KeptLinks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.0.lock().map(|m| m.len()).unwrap_or(0);
+        write!(f, "KeptLinks({n})")
+    }
+}
+
+impl KeptLinks {
+    fn take(&self, peer: &str) -> Option<Link> {
+        self.0.lock().ok()?.get_mut(peer)?.pop()
+    }
+
+    fn put(&self, peer: &str, link: Link) {
+        if let Ok(mut m) = self.0.lock() {
+            let v = m.entry(peer.to_owned()).or_default();
+            if v.len() < KEPT_PER_PEER {
+                v.push(link);
+            }
+        }
+    }
+
+    /// [`Client::call`] on a link kept for `peer` from an earlier request, or a new one
+    /// (kept afterwards). A kept link that fails at once was closed under us (the peer
+    /// restarted, or dropped it idle): one fresh try tells whether the peer answers. One that
+    /// failed by waiting out the client's timeout is the peer's silence: reported as such, not
+    /// waited out twice.
+    pub fn call<R: Command>(&self, peer: &str, c: &Client, req: &R) -> Result<Value, ControlError> {
+        if let Some(mut link) = self.take(peer) {
+            let started = Instant::now();
+            match c.call_kept(&mut link, req, started) {
+                Ok(v) => {
+                    self.put(peer, link);
+                    return Ok(v);
+                }
+                Err(e) if started.elapsed() >= c.timeout / 2 => return Err(e),
+                Err(_) => {}
+            }
+        }
+        let started = Instant::now();
+        let mut link = c.connect()?;
+        let v = c.call_kept(&mut link, req, started)?;
+        self.put(peer, link);
+        Ok(v)
+    }
+
+    /// [`KeptLinks::call`] and the strict decoding of the answer's typed part.
+    pub fn ask<T: DeserializeOwned, R: Command>(
+        &self,
+        peer: &str,
+        c: &Client,
+        req: &R,
+    ) -> Result<T, ControlError> {
+        let v = self.call(peer, c, req)?;
+        c.decode(&v, req)
+    }
 }
 
 /// Where a replica's control channel is and how to authenticate to it.
@@ -221,7 +294,15 @@ impl Client {
     /// [`Client::call`] and the strict decoding of the answer's typed part.
     pub fn ask<T: DeserializeOwned, R: Command>(&self, req: &R) -> Result<T, ControlError> {
         let v = self.call(req)?;
-        reply::decode(&v).map_err(|reason| ControlError::Malformed {
+        self.decode(&v, req)
+    }
+
+    fn decode<T: DeserializeOwned, R: Command>(
+        &self,
+        v: &Value,
+        req: &R,
+    ) -> Result<T, ControlError> {
+        reply::decode(v).map_err(|reason| ControlError::Malformed {
             ep: self.ep.to_string(),
             cmd: req.name().into(),
             reason,
@@ -295,6 +376,71 @@ mod tests {
         // Far below the handshake's own 3 s default: the client's bound applied.
         assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
         drop(held.join());
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// Polls on kept links: one connection (one handshake) for many requests; a link the
+    /// peer closed is replaced by one fresh connection within the same call, and the answer
+    /// still comes.
+    #[test]
+    fn kept_links_reuse_one_connection_and_replace_one_the_peer_closed() {
+        use std::io::Write;
+        use std::sync::atomic::{AtomicU64, Ordering};
+        let dir = std::env::temp_dir().join(format!("pliant-proto-kept-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("r1.sock");
+        let _ = std::fs::remove_file(&path);
+        let l = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let accepted = Arc::new(AtomicU64::new(0));
+        let a = accepted.clone();
+        // Serves `stats` on each connection; the first connection is closed after 3 answers.
+        std::thread::spawn(move || {
+            for s in l.incoming() {
+                let Ok(mut s) = s else { return };
+                let n = a.fetch_add(1, Ordering::SeqCst);
+                std::thread::spawn(move || {
+                    let mut buf = Vec::new();
+                    let mut answered = 0;
+                    while pliant_wire::frame::read_frame_into(&mut s, 1 << 16, &mut buf).is_ok() {
+                        let mut out = Vec::new();
+                        pliant_wire::frame::push_plain(
+                            pliant_wire::kinds::CONTROL,
+                            br#"{"ok":true}"#,
+                            &mut out,
+                        );
+                        if s.write_all(&out).is_err() {
+                            return;
+                        }
+                        answered += 1;
+                        if n == 0 && answered == 3 {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        let c = Client::new(Endpoint::Unix(path), None).with_timeout(Duration::from_secs(5));
+        let kept = KeptLinks::default();
+        for _ in 0..3 {
+            kept.call("r1", &c, &Request::Stats).unwrap();
+        }
+        assert_eq!(
+            accepted.load(Ordering::SeqCst),
+            1,
+            "three requests, one connection"
+        );
+        // The server closed that link: the next call notices at once and dials again.
+        let t = Instant::now();
+        kept.call("r1", &c, &Request::Stats).unwrap();
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        for _ in 0..5 {
+            kept.call("r1", &c, &Request::Stats).unwrap();
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 2, "{kept:?}");
+        // Another peer has links of its own.
+        let other = KeptLinks::default();
+        other.call("r1-again", &c, &Request::Stats).unwrap();
+        assert_eq!(accepted.load(Ordering::SeqCst), 3);
         let _ = std::fs::remove_dir_all(dir);
     }
 

@@ -23,7 +23,7 @@ pub mod reply;
 pub mod request;
 
 pub use agent::AgentRequest;
-pub use client::{Client, ControlError};
+pub use client::{Client, ControlError, KeptLinks};
 pub use fence::TermFence;
 pub use link::Link;
 pub use request::Request;
