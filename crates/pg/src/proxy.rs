@@ -289,14 +289,28 @@ impl Proxy {
             tls_out,
             relay,
         });
+        // Named threads: `top -H`, perf and /proc tell the relay loops from the rest.
+        // A thread that cannot start stops the ones already started (they watch `shutdown`).
+        let named = |name: String, f: Box<dyn FnOnce() + Send>| {
+            std::thread::Builder::new()
+                .name(name)
+                .spawn(f)
+                .map_err(|e| {
+                    shared.shutdown.store(true, SeqCst);
+                    format!("proxy thread: {e}")
+                })
+        };
         let s1 = shared.clone();
-        let acc = std::thread::spawn(move || accept_loop(l, s1));
+        let acc = named("pg-accept".into(), Box::new(move || accept_loop(l, s1)))?;
         let s2 = shared.clone();
-        let ctl = std::thread::spawn(move || controller(s2));
+        let ctl = named("pg-controller".into(), Box::new(move || controller(s2)))?;
         let mut threads = vec![acc, ctl];
         for i in 0..shared.relay.threads() {
             let s = shared.clone();
-            threads.push(std::thread::spawn(move || relay::run(s, i)));
+            threads.push(named(
+                format!("pg-relay-{i}"),
+                Box::new(move || relay::run(s, i)),
+            )?);
         }
         Ok(Proxy {
             shared,
