@@ -600,7 +600,6 @@ pub fn probe_tcp_many<K: Copy>(
 ) {
     use socket2::{Domain, Socket, Type};
     use std::net::ToSocketAddrs;
-    use std::os::fd::AsRawFd;
     let deadline = std::time::Instant::now() + timeout;
     let mut pending: Vec<(K, std::net::SocketAddr, Socket)> = Vec::new();
     let mut in_turn = Vec::new();
@@ -631,11 +630,30 @@ pub fn probe_tcp_many<K: Copy>(
             Err(e) => on_verdict(*k, at(a, connect_verdict(Transport::Tcp, &Err(e)))),
         }
     }
-    while !pending.is_empty() {
+    finish_connects(pending, deadline, &mut on_verdict);
+    for (k, ep) in in_turn {
         let left = deadline.saturating_duration_since(std::time::Instant::now());
-        if left.is_zero() {
-            break;
-        }
+        on_verdict(
+            k,
+            probe_tcp(ep, left.max(std::time::Duration::from_millis(1))),
+        );
+    }
+}
+
+/// Waits until `deadline` for the pending non-blocking connects and gives each its verdict.
+fn finish_connects<K: Copy>(
+    mut pending: Vec<(K, std::net::SocketAddr, socket2::Socket)>,
+    deadline: std::time::Instant,
+    on_verdict: &mut impl FnMut(K, Probe),
+) {
+    use std::os::fd::AsRawFd;
+    // The last round polls without waiting once the bound has passed: a connect that completed
+    // while this thread was held up (resolving a name, descheduled on a busy host) is seen as
+    // what it is, not reported as one that timed out.
+    let mut last = false;
+    while !pending.is_empty() && !last {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        last = left.is_zero();
         let mut fds: Vec<libc::pollfd> = pending
             .iter()
             .map(|(_, _, s)| libc::pollfd {
@@ -644,12 +662,16 @@ pub fn probe_tcp_many<K: Copy>(
                 revents: 0,
             })
             .collect();
-        let ms = left.as_millis().clamp(1, i32::MAX as u128) as i32;
+        let ms = if last {
+            0
+        } else {
+            left.as_millis().clamp(1, i32::MAX as u128) as i32
+        };
         // SAFETY: `fds` is a valid array of `fds.len()` pollfd for the duration of the call.
         let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
         if n < 0 {
             let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
+            if e.kind() == std::io::ErrorKind::Interrupted && !last {
                 continue;
             }
             for (k, a, _) in pending.drain(..) {
@@ -677,13 +699,6 @@ pub fn probe_tcp_many<K: Copy>(
     for (k, a, _) in pending {
         let timed_out = Err(std::io::ErrorKind::TimedOut.into());
         on_verdict(k, at(a, connect_verdict(Transport::Tcp, &timed_out)));
-    }
-    for (k, ep) in in_turn {
-        let left = deadline.saturating_duration_since(std::time::Instant::now());
-        on_verdict(
-            k,
-            probe_tcp(ep, left.max(std::time::Duration::from_millis(1))),
-        );
     }
 }
 
@@ -981,6 +996,22 @@ mod tests {
         );
         // It waited for its bound (the SYN was dropped, not answered): a causal lower bound.
         assert!(t0.elapsed() >= Duration::from_millis(300));
+    }
+
+    /// A connect that completed while the probing thread was held up past the bound (a slow
+    /// name lookup of another endpoint, a busy host) is a live endpoint, not a timed-out one:
+    /// past the deadline the pending connects are still polled once, without waiting.
+    #[test]
+    fn a_connect_completed_while_the_prober_was_held_up_is_listening_not_timed_out() {
+        use std::time::{Duration, Instant};
+        let listening = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = listening.local_addr().unwrap();
+        let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        s.connect(&a.into()).unwrap();
+        let passed = Instant::now() - Duration::from_millis(50);
+        let mut got = Vec::new();
+        finish_connects(vec![(1u32, a, s)], passed, &mut |k, v| got.push((k, v)));
+        assert_eq!(got, vec![(1, Probe::Listening)]);
     }
 
     #[test]
