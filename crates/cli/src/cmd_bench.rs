@@ -111,6 +111,10 @@ struct KvBenchArgs {
     /// Skip the 256-partition solve-time measurement.
     #[arg(long)]
     no_p256: bool,
+    /// Spread the writes evenly over the partitions instead of the seed's temporally skewed
+    /// normal load (a hot spot sliding once over every partition during the run).
+    #[arg(long)]
+    even: bool,
 }
 
 #[derive(Args)]
@@ -191,6 +195,7 @@ fn kv(k: KvBenchArgs) -> Result<(), String> {
         offline_steps: k.offline_steps as usize,
         only: k.only,
         p256: !k.no_p256,
+        skewed: !k.even,
         ..d
     };
     // Ctrl-C ends the current run between its steps; its cluster is torn down and the partial

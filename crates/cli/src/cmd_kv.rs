@@ -88,6 +88,10 @@ enum KvCmd {
         max_hosts: usize,
         #[arg(long, default_value_t = 3)]
         in_after: u32,
+        /// Never move copies without a scale (by default a host above `--high` while the
+        /// cluster has room sheds copies: a rebalance on the same hosts).
+        #[arg(long)]
+        no_rebalance: bool,
         #[arg(long)]
         json: bool,
         #[command(flatten)]
@@ -193,6 +197,7 @@ pub fn run(a: KvArgs) -> Result<(), String> {
             min_hosts,
             max_hosts,
             in_after,
+            no_rebalance,
             json,
             planner,
         } => {
@@ -205,6 +210,7 @@ pub fn run(a: KvArgs) -> Result<(), String> {
                 in_after,
                 interval: Duration::try_from_secs_f64(interval_s)
                     .map_err(|e| format!("--interval-s {interval_s}: {e}"))?,
+                rebalance: !no_rebalance,
             };
             o.validate()?;
             let planner = planner.planner()?;

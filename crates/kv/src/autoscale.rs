@@ -40,6 +40,9 @@ pub struct AutoOpts {
     pub in_after: u32,
     /// One measurement window (a round).
     pub interval: Duration,
+    /// Move copies without changing the host count when one host runs above `high` while the
+    /// cluster as a whole does not ([`imbalanced`]): a hot partition's host sheds copies.
+    pub rebalance: bool,
 }
 
 impl Default for AutoOpts {
@@ -52,6 +55,7 @@ impl Default for AutoOpts {
             max_hosts: 8,
             in_after: 3,
             interval: Duration::from_secs(2),
+            rebalance: true,
         }
     }
 }
@@ -89,6 +93,8 @@ pub enum Decision {
     Hold,
     Out(usize),
     In(usize),
+    /// Plan again on the same hosts (this many): the load is badly spread.
+    Rebalance(usize),
 }
 
 /// The decision for one round: `hosts` now, `load` (cores) measured, `quota` cores per host,
@@ -131,6 +137,19 @@ pub fn decide(
         return (Decision::Hold, streak);
     }
     (Decision::Hold, 0)
+}
+
+/// Whether a round that keeps the host count should move copies: some host above `high` of
+/// its quota while the whole cluster is not (the capacity is there, the load is badly spread:
+/// more hosts would not be needed), and at least `in_after` rounds since the last scale or
+/// rebalance (the moves settle and the measurement shows their effect first).
+pub fn imbalanced(o: &AutoOpts, host_cpus: &[f64], quota: f64, rounds_since_move: u32) -> bool {
+    if !o.rebalance || host_cpus.is_empty() || quota <= 0.0 || rounds_since_move < o.in_after {
+        return false;
+    }
+    let total: f64 = host_cpus.iter().map(|c| c.max(0.0)).sum();
+    let hottest = host_cpus.iter().copied().fold(0.0f64, f64::max);
+    hottest > o.high * quota && total <= o.high * quota * host_cpus.len() as f64
 }
 
 /// One round of the loop, for the event log (`pliant kv auto --json`) and benchmarks.
@@ -237,6 +256,7 @@ pub fn run_with(
     let quota = f64::from(kv.state.cpu_quota_pct) / 100.0;
     let t0 = Instant::now();
     let mut streak = 0;
+    let mut since_move = 0u32;
     let mut rounds = Vec::new();
     while t0.elapsed() < duration && !stop() {
         let snap = monitor::measure(&kv.state, kv.password(), o.interval);
@@ -245,8 +265,17 @@ pub fn run_with(
         let load: f64 = snap.hosts.iter().map(|h| h.cpu).sum();
         let ops: f64 = snap.partitions.iter().map(|p| p.ops_per_s).sum();
         let hosts = kv.state.hosts.len();
-        let (d, s) = decide(o, hosts, load, quota, kv.state.k, streak);
+        let (mut d, s) = decide(o, hosts, load, quota, kv.state.k, streak);
         streak = s;
+        let cpus: Vec<f64> = snap.hosts.iter().map(|h| h.cpu).collect();
+        if d == Decision::Hold && imbalanced(o, &cpus, quota, since_move) {
+            d = Decision::Rebalance(hosts);
+        }
+        since_move = if d == Decision::Hold {
+            since_move.saturating_add(1)
+        } else {
+            0
+        };
         let mut r = Round {
             t_s: t0.elapsed().as_secs_f64(),
             hosts,
@@ -259,11 +288,20 @@ pub fn run_with(
             scale_s: 0.0,
             error: None,
         };
-        if let Decision::Out(to) | Decision::In(to) = d {
-            progress(&format!(
-                "load {load:.2} cores on {hosts} hosts ({:.0}% of quota): scale to {to}",
-                r.utilisation * 100.0
-            ));
+        if let Decision::Out(to) | Decision::In(to) | Decision::Rebalance(to) = d {
+            if matches!(d, Decision::Rebalance(_)) {
+                progress(&format!(
+                    "hottest host at {:.0}% of its quota, {:.0}% on average: rebalance on {to} \
+                     hosts",
+                    cpus.iter().copied().fold(0.0f64, f64::max) / quota * 100.0,
+                    r.utilisation * 100.0
+                ));
+            } else {
+                progress(&format!(
+                    "load {load:.2} cores on {hosts} hosts ({:.0}% of quota): scale to {to}",
+                    r.utilisation * 100.0
+                ));
+            }
             let ts = Instant::now();
             match scaler(kv, to, progress) {
                 Ok(done) => {
@@ -318,6 +356,29 @@ mod tests {
     }
 
     #[test]
+    fn a_hot_host_on_a_cluster_with_room_rebalances_an_overloaded_or_settling_one_does_not() {
+        let o = o();
+        let q = 1.0;
+        // One host at 95 %, the cluster at 55 %: rebalance (once the last moves settled).
+        assert!(imbalanced(&o, &[0.95, 0.3, 0.4], q, o.in_after));
+        assert!(!imbalanced(&o, &[0.95, 0.3, 0.4], q, o.in_after - 1));
+        // Every host busy: more hosts, not moves, are the answer (decide's business).
+        assert!(!imbalanced(&o, &[0.95, 0.9, 0.85], q, 10));
+        // Nobody above `high`.
+        assert!(!imbalanced(&o, &[0.79, 0.2, 0.2], q, 10));
+        assert!(!imbalanced(
+            &AutoOpts {
+                rebalance: false,
+                ..o.clone()
+            },
+            &[0.95, 0.3],
+            q,
+            10
+        ));
+        assert!(!imbalanced(&o, &[], q, 10));
+    }
+
+    #[test]
     fn thresholds_are_checked() {
         assert!(AutoOpts::default().validate().is_ok());
         let bad = AutoOpts {
@@ -357,6 +418,7 @@ mod tests {
                 max_hosts,
                 in_after: 1 + next(4) as u32,
                 interval: Duration::from_secs(1),
+                rebalance: true,
             };
             assert!(o.validate().is_ok(), "{o:?}");
             let k = next(3) as usize;
@@ -378,6 +440,7 @@ mod tests {
                     assert!(hosts > ceil || streak + 1 >= o.in_after && util < o.low);
                 }
                 Decision::Hold => assert!(s <= streak + 1),
+                Decision::Rebalance(_) => panic!("decide never rebalances (imbalanced does)"),
             }
             if let Decision::Out(n) | Decision::In(n) = d {
                 // The same load on the new host count: nothing more to do.

@@ -12,7 +12,7 @@
 
 use crate::autoscale::{self, AutoOpts, Scaled};
 use crate::cluster::{DownOnDrop, Kv, UpOpts};
-use crate::loadgen::{self, Load, LoadOpts, Sine};
+use crate::loadgen::{self, Load, LoadOpts, Sine, Spread};
 use crate::monitor;
 use crate::node;
 use crate::peer;
@@ -60,6 +60,23 @@ pub struct BenchOpts {
     pub dir: PathBuf,
     /// Loop rounds.
     pub interval: Duration,
+    /// Spread the load over the partitions as the seed's temporally skewed normal (a hot spot
+    /// sliding once over every partition during the run, σ = partitions / 4) instead of evenly.
+    pub skewed: bool,
+}
+
+impl BenchOpts {
+    /// How the runs spread their writes over the partitions.
+    pub fn spread(&self) -> Spread {
+        if self.skewed {
+            Spread::SlidingNormal {
+                sigma: (self.partitions as f64 / 4.0).max(0.5),
+                sweep_s: self.duration_s,
+            }
+        } else {
+            Spread::Even
+        }
+    }
 }
 
 impl Default for BenchOpts {
@@ -84,6 +101,7 @@ impl Default for BenchOpts {
             only: Vec::new(),
             dir: std::env::temp_dir(),
             interval: Duration::from_secs(2),
+            skewed: true,
         }
     }
 }
@@ -202,6 +220,8 @@ pub struct Report {
     pub bench: &'static str,
     pub duration_s: f64,
     pub sine: Option<Sine>,
+    /// How the writes were spread over the partitions.
+    pub spread: Spread,
     /// The hosts' redis CPU against the rate, measured on the baseline.
     pub cpu_model: Option<CpuModel>,
     pub partitions: usize,
@@ -227,22 +247,54 @@ fn loadavg() -> String {
 /// Offline forecast: per step, per partition, the load of one copy in units of a host's capacity
 /// at the loop's target utilisation (`quota × target`), from the step's peak rate.
 pub fn forecast_loads(
-    sine: &Sine,
-    duration_s: f64,
-    steps: usize,
+    load: &Forecast,
     cpu: &CpuModel,
     partitions: usize,
     copies: usize,
     host_cores: f64,
 ) -> Vec<Vec<f64>> {
-    let dt = duration_s / steps as f64;
-    let per_step: Vec<f64> = (0..steps)
+    let steps = load.steps.max(1);
+    let dt = load.duration_s / steps as f64;
+    // Each partition's load in a step is its highest over the step, sampled (the rate and the
+    // shares both move within it), at the sine's peak inside the step too.
+    const SAMPLES: usize = 32;
+    let per_step: Vec<Vec<f64>> = (0..steps)
         .map(|s| {
-            let cores = cpu.cores(sine.peak(s as f64 * dt, (s + 1) as f64 * dt));
-            cores / (partitions * copies) as f64 / host_cores
+            let (a, b) = (s as f64 * dt, (s + 1) as f64 * dt);
+            let r = load.sine.peak(a, b);
+            let grid = (0..=SAMPLES).map(|k| a + (b - a) * k as f64 / SAMPLES as f64);
+            let peak_t = grid
+                .clone()
+                .min_by(|x, y| {
+                    (load.sine.rate(*x) - r)
+                        .abs()
+                        .total_cmp(&(load.sine.rate(*y) - r).abs())
+                })
+                .unwrap_or(a);
+            let mut col = vec![0.0f64; partitions];
+            for t in grid.chain([peak_t]) {
+                let cores = cpu.cores(load.sine.rate(t));
+                for (c, share) in col.iter_mut().zip(load.spread.shares(partitions, t)) {
+                    // The model's cores are every process's (masters and replicas): each copy
+                    // carries its even part of its partition's share.
+                    *c = c.max(cores * share / copies as f64 / host_cores);
+                }
+            }
+            col
         })
         .collect();
-    (0..partitions).map(|_| per_step.clone()).collect()
+    (0..partitions)
+        .map(|i| per_step.iter().map(|col| col[i]).collect())
+        .collect()
+}
+
+/// What the offline planner is told about the load to come.
+pub struct Forecast<'a> {
+    pub sine: &'a Sine,
+    pub spread: &'a Spread,
+    pub duration_s: f64,
+    /// Steps of the horizon over `duration_s`.
+    pub steps: usize,
 }
 
 /// When the offline executor starts the move to step `s`: at the step's start, a step earlier
@@ -394,6 +446,7 @@ fn measure_at(kv: &Kv, dir: &Path, o: &BenchOpts, rate: f64, i: u64) -> Result<(
         value_bytes: o.value_bytes,
         k: o.k,
         id_base: (1 << 40) + (i << 36),
+        spread: Spread::Even,
     };
     let load = Load::start(dir, &lo, Instant::now())?;
     std::thread::sleep(Duration::from_secs(2));
@@ -475,9 +528,12 @@ fn offline_plan(kv: &Kv, o: &BenchOpts, l0: Load0) -> Result<OfflinePlan, String
     let steps = o.offline_steps.max(1);
     let q = f64::from(o.cpu_quota_pct) / 100.0;
     let mut loads = forecast_loads(
-        &l0.sine,
-        o.duration_s,
-        steps,
+        &Forecast {
+            sine: &l0.sine,
+            spread: &o.spread(),
+            duration_s: o.duration_s,
+            steps,
+        },
         &l0.cpu,
         o.partitions,
         o.k + 1,
@@ -636,7 +692,11 @@ fn scaler(
             }
         }
     };
-    let ao = auto_opts(o);
+    // The peer's tool balances slot counts, blind to load: it is only asked to scale.
+    let ao = AutoOpts {
+        rebalance: sys != System::Rebalance,
+        ..auto_opts(o)
+    };
     let mut sc: Box<autoscale::Scaler<'_>> = match sys {
         System::Full => return Ok(()),
         System::Offline => {
@@ -762,6 +822,7 @@ fn run_inner(
             value_bytes: o.value_bytes,
             k: o.k,
             id_base: 0,
+            spread: o.spread(),
         },
         t0,
     )?;
@@ -896,6 +957,7 @@ pub fn run(o: &BenchOpts) -> Result<Report, String> {
         bench: "kv",
         duration_s: o.duration_s,
         sine: None,
+        spread: o.spread(),
         cpu_model: None,
         partitions: o.partitions,
         k: o.k,
@@ -1070,7 +1132,13 @@ mod tests {
             idle_cores: 0.0,
             cores_per_op: 40e-6,
         };
-        let l = forecast_loads(&s, 80.0, 8, &cpu, 8, 2, 0.2 * 0.65);
+        let f = |spread| Forecast {
+            sine: &s,
+            spread,
+            duration_s: 80.0,
+            steps: 8,
+        };
+        let l = forecast_loads(&f(&Spread::Even), &cpu, 8, 2, 0.2 * 0.65);
         assert_eq!(l.len(), 8);
         assert_eq!(l[0].len(), 8);
         let total = |t: usize| l.iter().map(|p| p[t]).sum::<f64>() * 2.0;
@@ -1078,6 +1146,25 @@ mod tests {
         assert!(total(0) < total(3) && total(7) < total(4));
         // Steps 3 and 4 hold the peak.
         assert!((total(3) - total(4)).abs() < 1e-9);
+        // Skewed: the same total at each sample, the hot spot's partition loaded most.
+        let sk = Spread::SlidingNormal {
+            sigma: 2.0,
+            sweep_s: 80.0,
+        };
+        let k = forecast_loads(&f(&sk), &cpu, 8, 2, 0.2 * 0.65);
+        for (step, hot) in [(0, 0), (3, 3), (6, 6)] {
+            let col: Vec<f64> = k.iter().map(|p| p[step]).collect();
+            let max = col.iter().copied().fold(0.0, f64::max);
+            assert!(
+                (col[hot] - max).abs() < 1e-12 || col[hot] > 0.8 * max,
+                "{col:?}"
+            );
+            // The step's per-partition peaks are at least the even split and no more than
+            // the whole step's peak load.
+            let sum: f64 = col.iter().sum::<f64>() * 2.0;
+            assert!(sum >= total(step) - 1e-9, "{sum} {}", total(step));
+            assert!(col.iter().all(|&x| x * 2.0 <= total(3) + 1e-9));
+        }
         let hosts = [2, 3, 4, 4, 4, 3, 2, 2];
         assert_eq!(offline_start(0, &hosts, 10.0), 0.0);
         assert_eq!(offline_start(1, &hosts, 10.0), 0.0);

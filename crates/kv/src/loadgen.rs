@@ -70,6 +70,85 @@ impl Sine {
     }
 }
 
+/// How the offered load is spread over the partitions.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Spread {
+    /// Every partition gets the same share.
+    Even,
+    /// The seed's temporally skewed normal load ("TNORM", its Table 5.2): partition `i` gets a
+    /// share proportional to `exp(-d² / 2σ²)`, `d` its distance (around the ring of partitions)
+    /// to a centre that slides once over every partition in `sweep_s` seconds, so every
+    /// partition is hot once and cold most of the time.
+    SlidingNormal { sigma: f64, sweep_s: f64 },
+}
+
+impl Spread {
+    /// The share of each of `partitions` partitions at `t` seconds (they add up to 1).
+    pub fn shares(&self, partitions: usize, t: f64) -> Vec<f64> {
+        let p = partitions.max(1);
+        match *self {
+            Spread::Even => vec![1.0 / p as f64; p],
+            Spread::SlidingNormal { sigma, sweep_s } => {
+                let n = p as f64;
+                let centre = (n * t / sweep_s.max(1e-9)).rem_euclid(n);
+                let w: Vec<f64> = (0..p)
+                    .map(|i| {
+                        let d = (i as f64 - centre).abs();
+                        let d = d.min(n - d);
+                        (-d * d / (2.0 * sigma * sigma).max(1e-9)).exp()
+                    })
+                    .collect();
+                let sum: f64 = w.iter().sum();
+                w.into_iter().map(|x| x / sum).collect()
+            }
+        }
+    }
+}
+
+/// Picks partitions so that the counts follow changing shares closely: each pick adds every
+/// partition's share to its credit and takes the partition with the most credit (which pays
+/// one). Deterministic; over any window the counts differ from the shares by less than one per
+/// partition.
+#[derive(Clone, Debug, Default)]
+struct Picker {
+    credit: Vec<f64>,
+}
+
+impl Picker {
+    fn pick(&mut self, shares: &[f64]) -> usize {
+        self.credit.resize(shares.len(), 0.0);
+        for (c, s) in self.credit.iter_mut().zip(shares) {
+            *c += s;
+        }
+        let best = (0..shares.len())
+            .max_by(|&a, &b| self.credit[a].total_cmp(&self.credit[b]))
+            .unwrap_or(0);
+        if let Some(c) = self.credit.get_mut(best) {
+            *c -= 1.0;
+        }
+        best
+    }
+}
+
+/// The next id of the sequence `id(0), id(1), ...` whose key lands in partition `p`, from
+/// `cursors[p]` on (advanced past it). Every `n` belongs to one partition, so ids handed out
+/// for different partitions never repeat.
+fn next_in_partition(
+    cursors: &mut Vec<u64>,
+    partitions: usize,
+    p: usize,
+    id: impl Fn(u64) -> u64,
+) -> u64 {
+    cursors.resize(partitions, 0);
+    let mut n = cursors[p];
+    while slots::partition_of(slots::key_slot(key(id(n)).as_bytes()), partitions) != p {
+        n += 1;
+    }
+    cursors[p] = n + 1;
+    id(n)
+}
+
 /// The key of id `n` (no hash tag: ids spread over every slot).
 pub fn key(n: u64) -> String {
     format!("b:{n:010}")
@@ -137,6 +216,8 @@ pub struct LoadOpts {
     pub k: usize,
     /// Ids are `id_base + writer + writers × n`: distinct bases keep phases apart.
     pub id_base: u64,
+    /// How the writes are spread over the partitions (`Even`: whatever slot each id hashes to).
+    pub spread: Spread,
 }
 
 impl Load {
@@ -158,6 +239,9 @@ impl Load {
                     o: o.clone(),
                     me: w as u64,
                     map: vec![None; slots::SLOTS as usize],
+                    partitions: st.partitions,
+                    cursors: Vec::new(),
+                    picker: Picker::default(),
                     conns: HashMap::new(),
                     acked: Vec::new(),
                 };
@@ -200,6 +284,11 @@ struct Writer {
     me: u64,
     /// Slot → master address (`ip:port`).
     map: Vec<Option<String>>,
+    partitions: usize,
+    /// Per partition, the next `n` of this writer's id sequence to look at for a key of that
+    /// partition (skewed spreads only; see [`next_in_partition`]).
+    cursors: Vec<u64>,
+    picker: Picker,
     conns: HashMap<String, redis::Connection>,
     acked: Vec<u64>,
 }
@@ -239,7 +328,7 @@ impl Writer {
                 c.dropped.fetch_add(drop, Ordering::Relaxed);
             }
             while issued < due {
-                let id = self.o.id_base + self.me + self.o.writers as u64 * issued;
+                let id = self.next_id(t, issued);
                 queue.push(Item { id, ask: None });
                 issued += 1;
             }
@@ -252,6 +341,23 @@ impl Writer {
             }
         }
         std::mem::take(&mut self.acked)
+    }
+
+    /// The id of this writer's `issued`-th write: the `issued`-th of its sequence when the
+    /// spread is even, else the next unused one of its sequence whose key lands in the
+    /// partition the spread picks now.
+    fn id(&self, n: u64) -> u64 {
+        self.o.id_base + self.me + self.o.writers as u64 * n
+    }
+
+    fn next_id(&mut self, t: f64, issued: u64) -> u64 {
+        if self.o.spread == Spread::Even || self.partitions == 0 {
+            return self.id(issued);
+        }
+        let shares = self.o.spread.shares(self.partitions, t);
+        let p = self.picker.pick(&shares);
+        let (base, w) = (self.o.id_base + self.me, self.o.writers as u64);
+        next_in_partition(&mut self.cursors, self.partitions, p, |n| base + w * n)
     }
 
     /// Sends pipelines of [`BATCH`] keys per master (a shorter last one only on `flush`); returns
@@ -491,6 +597,73 @@ mod tests {
         assert!((s.peak(80.0, 100.0) - 500.0).abs() < 1e-9);
         let f = Sine::flat(7.0);
         assert!((f.rate(3.3) - 7.0).abs() < 1e-12 && (f.offered(2.0) - 14.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn the_sliding_normal_is_hot_where_its_centre_is_and_visits_every_partition() {
+        let even = Spread::Even.shares(8, 3.0);
+        assert_eq!(even, vec![0.125; 8]);
+        let sk = Spread::SlidingNormal {
+            sigma: 2.0,
+            sweep_s: 80.0,
+        };
+        let argmax = |v: &[f64]| (0..v.len()).max_by(|&a, &b| v[a].total_cmp(&v[b])).unwrap();
+        let mut hottest = Vec::new();
+        for step in 0..8 {
+            let sh = sk.shares(8, step as f64 * 10.0);
+            assert!((sh.iter().sum::<f64>() - 1.0).abs() < 1e-9);
+            assert!(sh.iter().all(|&x| x > 0.0));
+            hottest.push(argmax(&sh));
+            // σ = P/4: the hottest partition several times the coldest, below a third.
+            let (hi, lo) = (sh[argmax(&sh)], sh.iter().copied().fold(1.0, f64::min));
+            assert!(hi > 5.0 * lo && hi < 0.34, "{sh:?}");
+        }
+        assert_eq!(
+            hottest,
+            (0..8).collect::<Vec<_>>(),
+            "one partition after the other"
+        );
+        // Around the ring: at t = sweep the centre is back at partition 0.
+        assert_eq!(argmax(&sk.shares(8, 80.0)), 0);
+    }
+
+    #[test]
+    fn picks_follow_changing_shares_within_one_per_partition() {
+        let mut p = Picker::default();
+        let mut count = vec![0u32; 4];
+        let shares = [0.5, 0.25, 0.125, 0.125];
+        for i in 1..=400u32 {
+            count[p.pick(&shares)] += 1;
+            for (c, s) in count.iter().zip(shares) {
+                assert!(
+                    (f64::from(*c) - s * f64::from(i)).abs() < 1.0 + 1e-9,
+                    "{count:?}"
+                );
+            }
+        }
+        // The shares change: the picks follow.
+        let mut later = vec![0u32; 4];
+        for _ in 0..100 {
+            later[p.pick(&[0.0, 0.0, 0.0, 1.0])] += 1;
+        }
+        assert!(later[3] >= 99, "{later:?}");
+    }
+
+    #[test]
+    fn ids_for_a_partition_land_in_it_and_never_repeat() {
+        let mut cursors = Vec::new();
+        let mut seen = std::collections::HashSet::new();
+        let id = |n: u64| 7 + 3 * n;
+        for i in 0..2000usize {
+            let p = (i * 7919) % 8;
+            let x = next_in_partition(&mut cursors, 8, p, id);
+            assert_eq!(
+                slots::partition_of(slots::key_slot(key(x).as_bytes()), 8),
+                p
+            );
+            assert_eq!((x - 7) % 3, 0, "from the writer's own sequence");
+            assert!(seen.insert(x), "id {x} handed out twice");
+        }
     }
 
     #[test]
