@@ -327,8 +327,13 @@ impl Writer {
                 issued += drop;
                 c.dropped.fetch_add(drop, Ordering::Relaxed);
             }
+            // The shares change with time, not per write: once per tick.
+            let shares = match self.o.spread {
+                Spread::Even => Vec::new(),
+                sk => sk.shares(self.partitions, t),
+            };
             while issued < due {
-                let id = self.next_id(t, issued);
+                let id = self.next_id(&shares, issued);
                 queue.push(Item { id, ask: None });
                 issued += 1;
             }
@@ -350,12 +355,12 @@ impl Writer {
         self.o.id_base + self.me + self.o.writers as u64 * n
     }
 
-    fn next_id(&mut self, t: f64, issued: u64) -> u64 {
-        if self.o.spread == Spread::Even || self.partitions == 0 {
+    /// `shares`: the spread's shares now (empty for an even spread).
+    fn next_id(&mut self, shares: &[f64], issued: u64) -> u64 {
+        if shares.is_empty() || self.partitions == 0 {
             return self.id(issued);
         }
-        let shares = self.o.spread.shares(self.partitions, t);
-        let p = self.picker.pick(&shares);
+        let p = self.picker.pick(shares);
         let (base, w) = (self.o.id_base + self.me, self.o.writers as u64);
         next_in_partition(&mut self.cursors, self.partitions, p, |n| base + w * n)
     }
