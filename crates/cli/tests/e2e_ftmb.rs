@@ -106,21 +106,33 @@ def run():
         t = time.time()
         s = socket.socket()
         s.settimeout(20)
-        got, err = 0, None
+        got, err, phase, sport = 0, None, "connect", 0
         try:
             s.connect((host, port))
+            sport = s.getsockname()[1]
+            phase = "send"
             s.sendall(b"GET\n")
+            phase = "recv"
             while True:
                 d = s.recv(65536)
                 if not d:
                     break
                 got += len(d)
         except ConnectionResetError as e:
-            err = ("resets", repr(e))
+            err, msg = "resets", repr(e)
         except Exception as e:
-            err = ("errors", repr(e))
+            err, msg = "errors", repr(e)
         finally:
+            try:
+                sport = s.getsockname()[1]
+            except OSError:
+                pass
             s.close()
+        if err:
+            # When, where and on which source port: enough to line a failure up with the
+            # kills and the replica that owned the flow.
+            err = (err, {"error": msg, "phase": phase, "sport": sport, "got": got,
+                         "start_unix_ms": int(t * 1000)})
         ms = (time.time() - t) * 1000.0
         with lock:
             tot["max_ms"] = max(tot["max_ms"], ms)
@@ -448,6 +460,8 @@ fn survives_kills(transport: pliant_lab::mgmt::Transport, kills: usize) {
     let mut next = 40_000u16;
     let mut rows = Vec::new();
     let mut audit_checked_max = 0u64;
+    // (victim, unix ms of its kill): to line short-connection failures up with the kills.
+    let mut kill_times: Vec<(u32, f64)> = Vec::new();
     let t_all = Instant::now();
     for kill in 0..kills {
         let members = run.members();
@@ -519,6 +533,7 @@ fn survives_kills(transport: pliant_lab::mgmt::Transport, kills: usize) {
             downloads_state(&mut dls)
         );
         let killed = run.kill(victim);
+        kill_times.push((victim, killed.unix_ms));
         victims.insert(kill, victim);
         let rec = run.wait_failover(victim, killed.unix_ms, Duration::from_secs(10));
         eprintln!(
@@ -653,8 +668,14 @@ fn survives_kills(transport: pliant_lab::mgmt::Transport, kills: usize) {
         .unwrap_or_else(|| panic!("short client printed no totals: {text}"));
     eprintln!("short connections: {short}");
     assert!(short["ok"].as_u64().unwrap_or(0) > 100, "{short}");
-    assert_eq!(short["resets"], 0, "short connections reset: {short}");
-    assert_eq!(short["errors"], 0, "short connections failed: {short}");
+    assert_eq!(
+        short["resets"], 0,
+        "short connections reset: {short}; kills (replica, unix ms): {kill_times:?}"
+    );
+    assert_eq!(
+        short["errors"], 0,
+        "short connections failed: {short}; kills (replica, unix ms): {kill_times:?}"
+    );
     assert_eq!(short["short_reads"], 0, "short connections cut: {short}");
     // No recovered mapping collided with a live one's external port, none landed in the
     // host's own pool.

@@ -13,7 +13,7 @@ use crate::migrator::{MigrateError, Migrator};
 use crate::policy::{self, Decision, Move, Policy, ReplicaLoad};
 use crate::ports::PortBlocks;
 use crate::replica_client::{self as rc, FlowEntry};
-use crate::steering::Steering;
+use crate::steering::{self, Steering};
 use crate::store::{self, Store};
 use pliant_proto::reply::SharedExport;
 use pliant_proto::Request;
@@ -1601,15 +1601,18 @@ impl Controller {
         // may have started through the exception after the listing (it was not pinned), and
         // the ring could send its next packets elsewhere (a second mapping of one tuple, a
         // reset). Dead owners' exceptions just go (their pins are flushed at failover).
+        // The outside side of a translated flow is never pinned (see `steering::nat_side`): its
+        // exception just goes, and return traffic falls back to the port's owner.
         let live: BTreeSet<u32> = self.live_indexes().into_iter().collect();
-        let (of_live, of_dead): (Vec<_>, Vec<_>) =
-            stale.iter().partition(|(_, o)| live.contains(o));
-        let dead_keys: Vec<FlowKey> = of_dead.iter().map(|(k, _)| *k).collect();
-        {
-            let mut s = lock(&self.steering);
-            s.demote_exceptions(&of_live)?;
-            s.remove_exceptions(&dead_keys)?;
-        }
+        let mut s = lock(&self.steering);
+        let nat = s.nat_addrs();
+        let (to_pin, to_drop): (Vec<_>, Vec<_>) = stale
+            .iter()
+            .partition(|(k, o)| live.contains(o) && !steering::nat_side(k, &nat));
+        let drop_keys: Vec<FlowKey> = to_drop.iter().map(|(k, _)| *k).collect();
+        s.demote_exceptions(&to_pin)?;
+        s.remove_exceptions(&drop_keys)?;
+        drop(s);
         let stale: Vec<FlowKey> = stale.into_iter().map(|(k, _)| k).collect();
         self.save_exceptions(&stale, None)?;
         self.counters

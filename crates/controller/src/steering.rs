@@ -4,6 +4,7 @@
 
 use pliant_state::FlowKey;
 use std::collections::BTreeMap;
+use std::net::IpAddr;
 use std::ops::RangeInclusive;
 
 #[derive(Debug, thiserror::Error)]
@@ -25,8 +26,11 @@ pub trait Steering: Send {
     /// then remove): packets of the key keep going where they went. For exceptions of flows
     /// that looked ended: a new flow reusing the 5-tuple may have started through the
     /// exception since (its first packet did not pin it), and must not be re-homed by the
-    /// ring mid-connection. Pins are bounded by the fabric's LRU, exceptions are not.
+    /// ring mid-connection. Pins are bounded by the fabric's LRU, exceptions are not. The
+    /// caller leaves out keys of a NAT's outside side ([`nat_side`]).
     fn demote_exceptions(&mut self, entries: &[(FlowKey, u32)]) -> Result<usize>;
+    /// The shared external addresses whose return traffic goes by port owner.
+    fn nat_addrs(&self) -> Vec<IpAddr>;
     fn set_port_owner(&mut self, range: RangeInclusive<u16>, owner: Option<u32>) -> Result<()>;
     /// Drops the fabric's learned pins to `index` (after it is drained).
     fn flush_pins(&mut self, index: u32) -> Result<usize>;
@@ -47,6 +51,17 @@ pub struct MemSteering {
     pub pins: BTreeMap<FlowKey, u32>,
     pub port_owner: BTreeMap<u16, u32>,
     pub fenced: BTreeMap<u32, bool>,
+    pub nat_addrs: Vec<IpAddr>,
+}
+
+/// Whether `key` is the outside side of a translated flow (one end is a NAT address): its
+/// packets go by port owner, and the only replica that can give a later connection the same
+/// NAT port is the port's owner. So an exception for such a key of a flow that ended must go,
+/// not become a pin: a pin to another replica (the one the flow had moved or failed over to)
+/// would outlive the flow and capture the return traffic of the owner's next connection with
+/// that port and peer, which then never completes.
+pub fn nat_side(key: &FlowKey, nat: &[IpAddr]) -> bool {
+    nat.contains(&key.lo().0) || nat.contains(&key.hi().0)
 }
 
 impl Steering for MemSteering {
@@ -102,6 +117,9 @@ impl Steering for MemSteering {
         self.fenced.insert(index, fenced);
         Ok(())
     }
+    fn nat_addrs(&self) -> Vec<IpAddr> {
+        self.nat_addrs.clone()
+    }
     fn stats(&self) -> serde_json::Value {
         let fenced: Vec<u32> = self
             .fenced
@@ -122,6 +140,8 @@ fn serr(e: impl std::fmt::Display) -> SteeringError {
 pub struct FabricSteering {
     pub steer: pliant_steer::Steer,
     pub ring_size: u32,
+    /// The NAT addresses this controller put in the fabric.
+    pub nat_addrs: Vec<IpAddr>,
 }
 
 impl FabricSteering {
@@ -162,6 +182,7 @@ impl FabricSteering {
         let mut f = FabricSteering {
             steer,
             ring_size: pliant_steer::maglev::DEFAULT_RING_SIZE,
+            nat_addrs: nat_addr.into_iter().collect(),
         };
         f.set_ring(replicas)?;
         Ok(f)
@@ -215,6 +236,9 @@ impl Steering for FabricSteering {
     fn set_fenced(&mut self, index: u32, fenced: bool) -> Result<()> {
         self.steer.set_replica_fenced(index, fenced).map_err(serr)
     }
+    fn nat_addrs(&self) -> Vec<IpAddr> {
+        self.nat_addrs.clone()
+    }
     fn stats(&self) -> serde_json::Value {
         match self.steer.stats() {
             Ok(s) => {
@@ -265,6 +289,9 @@ impl Steering for LabLinkSteering {
     }
     fn flush_pins(&mut self, index: u32) -> Result<usize> {
         self.mem.flush_pins(index)
+    }
+    fn nat_addrs(&self) -> Vec<IpAddr> {
+        self.mem.nat_addrs()
     }
     fn set_fenced(&mut self, index: u32, fenced: bool) -> Result<()> {
         let n = u8::try_from(index).map_err(|_| SteeringError(format!("no replica r{index}")))?;

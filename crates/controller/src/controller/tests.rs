@@ -469,6 +469,9 @@ impl Steering for SharedSteer {
     fn flush_pins(&mut self, i: u32) -> crate::steering::Result<usize> {
         self.0.lock().unwrap().flush_pins(i)
     }
+    fn nat_addrs(&self) -> Vec<std::net::IpAddr> {
+        self.0.lock().unwrap().nat_addrs()
+    }
     fn set_fenced(&mut self, i: u32, f: bool) -> crate::steering::Result<()> {
         self.0.lock().unwrap().set_fenced(i, f)
     }
@@ -2297,4 +2300,28 @@ fn a_move_cut_short_whose_destination_hangs_is_rolled_back_once_it_answers() {
     assert_eq!((cs.w.flows(1), cs.w.flows(2)), (5, 1));
     assert!(cs.moved.len() == 3);
     let _ = std::fs::remove_dir_all(&cs.dir);
+}
+
+#[test]
+fn exception_gc_pins_an_ended_flows_inside_key_but_never_its_nat_side() {
+    let (_w, steer, c) = setup_with("gc-nat-side", 2, manual(), HaConfig::off());
+    steer.0.lock().unwrap().nat_addrs = vec!["10.77.2.1".parse().unwrap()];
+    // Flow 0 had moved to r2 and ended there: its inside key and its NAT-side alias are
+    // steered to r2 by exceptions that nothing lists any more.
+    let keys: Vec<FlowKey> = std::iter::once(&flow(0).key)
+        .chain(flow(0).aliases.iter())
+        .map(|k| k.parse().unwrap())
+        .collect();
+    let entries: Vec<(FlowKey, u32)> = keys.iter().map(|k| (*k, 2)).collect();
+    steer.0.lock().unwrap().set_exceptions(&entries).unwrap();
+    c.save_exceptions(&keys, Some(2)).unwrap();
+    let (saved, _) = c.gc_listing().unwrap().expect("exceptions to collect");
+    assert_eq!(c.gc_apply(&saved, &BTreeSet::new()).unwrap(), 2);
+    let s = steer.0.lock().unwrap();
+    assert!(s.exceptions.is_empty(), "{:?}", s.exceptions);
+    // A connection reusing the inside 5-tuple through the exception stays at r2; the NAT
+    // side goes back to the port's owner: a pin there would take the owner's next
+    // connection with that port and peer to r2, which has no mapping for it.
+    assert_eq!(s.pins.get(&keys[0]), Some(&2));
+    assert_eq!(s.pins.get(&keys[1]), None, "NAT side pinned: {:?}", s.pins);
 }
