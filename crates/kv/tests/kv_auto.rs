@@ -2,10 +2,11 @@
 //! needs; under a write load above the hosts' CPU quotas it scales out; every scale keeps
 //! k + 1 copies of every partition, and no round fails.
 
+mod common;
+
 use pliant_kv::autoscale::{self, AutoOpts, Decision, Round};
 use pliant_kv::cluster::{self, Kv, UpOpts};
 use pliant_kv::invariant;
-use pliant_kv::slots;
 use pliant_kv::state::KvState;
 use pliant_kv::Planner;
 use std::path::PathBuf;
@@ -16,54 +17,17 @@ use std::time::{Duration, Instant};
 const PARTITIONS: usize = 8;
 const LOADERS: usize = 4;
 
-/// Pipelined SETs to one partition's master, as fast as it takes them; on any error (a master
-/// that moved, a host removed) it re-reads the state and connects to the new master.
+/// Pipelined SETs to partition `p`'s master, as fast as it takes them (closed loop).
 fn load(dir: PathBuf, p: usize, stop: Arc<AtomicBool>, ops: Arc<AtomicU64>) {
-    let tag = slots::tag_for(p, PARTITIONS);
-    let value = "x".repeat(64);
-    let mut n = 0u64;
-    while !stop.load(Ordering::Relaxed) {
-        // The copy that says it is the master (state.json does not record which one is).
-        let con = Kv::open(&dir).and_then(|kv| kv.connect(&kv.master_of(p)?));
-        let Ok(mut con) = con else {
-            std::thread::sleep(Duration::from_millis(100));
-            continue;
-        };
-        while !stop.load(Ordering::Relaxed) {
-            let mut pipe = redis::pipe();
-            for _ in 0..64 {
-                pipe.cmd("SET")
-                    .arg(format!("load:{{{tag}}}:{}", n % 50_000))
-                    .arg(&value)
-                    .ignore();
-                n += 1;
-            }
-            if let Err(e) = pipe.query::<redis::Value>(&mut con) {
-                let e = e.to_string();
-                eprintln!("loader {p}: {}", &e[..e.len().min(100)]);
-                std::thread::sleep(Duration::from_millis(50));
-                break;
-            }
-            ops.fetch_add(64, Ordering::Relaxed);
-        }
-    }
+    let closed = Arc::new(AtomicU64::new(common::CLOSED));
+    common::writer(dir, p, PARTITIONS, stop, closed, ops);
 }
 
 #[test]
 fn the_loop_scales_in_when_idle_and_out_under_load_keeping_k_plus_one() {
-    if !pliant_testkit::require_root()
-        || !pliant_testkit::require_tool("redis-server", "redis-server")
-    {
+    let Some(dir) = common::cluster_dir("auto") else {
         return;
-    }
-    let dir = std::env::temp_dir().join(format!(
-        "pliant-kv-auto-{}-{}",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .subsec_nanos()
-    ));
+    };
     let _guard = cluster::DownOnDrop(dir.clone());
     let kv = Kv::up(&UpOpts {
         hosts: 3,

@@ -3,6 +3,8 @@
 //! is scaled out to 4 hosts and back in to 3 over and over; at the end every acknowledged id is
 //! present exactly once with its value.
 
+mod common;
+
 use pliant_kv::cluster::{self, Kv, UpOpts};
 use pliant_kv::invariant;
 use pliant_kv::scale::{self, ScaleOpts};
@@ -109,21 +111,10 @@ fn copies_now(st: &KvState, password: &str) -> (Vec<usize>, Vec<Vec<String>>) {
 
 #[test]
 fn acknowledged_writes_survive_repeated_scale_out_and_in() {
-    if !pliant_testkit::require_root()
-        || !pliant_testkit::require_tool("redis-server", "redis-server")
-    {
+    let Some(dir) = common::cluster_dir("e2e") else {
         return;
-    }
+    };
     let t_start = Instant::now();
-    let dir = std::env::temp_dir().join(format!(
-        "pliant-kv-e2e-{}-{}",
-        std::process::id(),
-        t_start.elapsed().as_nanos()
-            ^ std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .subsec_nanos() as u128
-    ));
     let _guard = cluster::DownOnDrop(dir.clone());
     let mut kv = Kv::up(&UpOpts {
         hosts: HOSTS,
