@@ -1,5 +1,7 @@
-//! PNG bar chart of a `ForwardReport`: one panel per metric, one bar per system. Systems that
-//! were not measured get no bar and an "n/a" label (never a zero that looks like a result).
+//! PNG charts: a bar chart of a `ForwardReport` (one panel per metric, one bar per system;
+//! systems that were not measured get no bar and an "n/a" label, never a zero that looks like a
+//! result), and line charts over time ([`draw_lines_png`]: panels stacked on one time axis, one
+//! line per series, for runs such as `bench kv`'s).
 
 use crate::{BenchError, ForwardReport};
 use plotters::prelude::*;
@@ -117,6 +119,117 @@ pub fn draw_png(report: &ForwardReport, path: &Path) -> Result<(), BenchError> {
     root.present().map_err(|e| err(&e))
 }
 
+/// One line of a [`Panel`]: `(x, y)` points in x order.
+#[derive(Clone, Debug)]
+pub struct Series {
+    pub name: String,
+    pub points: Vec<(f64, f64)>,
+}
+
+/// One chart of a [`draw_lines_png`] figure.
+#[derive(Clone, Debug)]
+pub struct Panel {
+    pub title: String,
+    pub series: Vec<Series>,
+}
+
+/// Line colours, by series name in order of first appearance over the panels (a name has the
+/// same colour in every panel).
+const LINE_COLORS: [RGBColor; 6] = [
+    RGBColor(0, 0, 0),
+    RGBColor(70, 110, 190),
+    RGBColor(220, 120, 30),
+    RGBColor(40, 150, 70),
+    RGBColor(180, 50, 50),
+    RGBColor(130, 80, 170),
+];
+
+/// Panels stacked over one shared x axis (`x_label`), each with its own y range from zero
+/// and a legend. A panel with no points says so instead of drawing empty axes.
+pub fn draw_lines_png(
+    title: &str,
+    x_label: &str,
+    panels: &[Panel],
+    path: &Path,
+) -> Result<(), BenchError> {
+    ensure_font()?;
+    if panels.is_empty() {
+        return Err(BenchError::Chart("no panels to draw".into()));
+    }
+    let err = |e: &dyn std::fmt::Display| BenchError::Chart(e.to_string());
+    let points = panels
+        .iter()
+        .flat_map(|p| p.series.iter().flat_map(|s| s.points.iter()));
+    let x_max = points.clone().map(|p| p.0).fold(0.0f64, f64::max).max(1.0);
+    let mut names: Vec<&str> = Vec::new();
+    for s in panels.iter().flat_map(|p| p.series.iter()) {
+        if !names.contains(&s.name.as_str()) {
+            names.push(&s.name);
+        }
+    }
+    let height = 60 + 300 * panels.len() as u32;
+    let root = BitMapBackend::new(path, (1200, height)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let (head, body) = root.split_vertically(50);
+    head.draw(&Text::new(
+        title.to_string(),
+        (20, 15),
+        ("sans-serif", 24).into_font(),
+    ))
+    .map_err(|e| err(&e))?;
+    for (area, panel) in body.split_evenly((panels.len(), 1)).iter().zip(panels) {
+        let y_max = panel
+            .series
+            .iter()
+            .flat_map(|s| s.points.iter().map(|p| p.1))
+            .fold(0.0f64, f64::max);
+        let top = if y_max > 0.0 { y_max * 1.15 } else { 1.0 };
+        let mut chart = ChartBuilder::on(area)
+            .caption(&panel.title, ("sans-serif", 20))
+            .margin(12)
+            .x_label_area_size(35)
+            .y_label_area_size(80)
+            .build_cartesian_2d(0f64..x_max, 0f64..top)
+            .map_err(|e| err(&e))?;
+        chart
+            .configure_mesh()
+            .x_desc(x_label)
+            .label_style(("sans-serif", 14))
+            .draw()
+            .map_err(|e| err(&e))?;
+        if panel.series.iter().all(|s| s.points.is_empty()) {
+            chart
+                .draw_series(std::iter::once(Text::new(
+                    "no samples",
+                    (x_max * 0.45, top * 0.5),
+                    ("sans-serif", 18).into_font(),
+                )))
+                .map_err(|e| err(&e))?;
+            continue;
+        }
+        for s in &panel.series {
+            let i = names.iter().position(|n| *n == s.name).unwrap_or(0);
+            let c = LINE_COLORS[i % LINE_COLORS.len()];
+            chart
+                .draw_series(LineSeries::new(s.points.iter().copied(), c.stroke_width(2)))
+                .map_err(|e| err(&e))?
+                .label(s.name.clone())
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2))
+                });
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .label_font(("sans-serif", 14))
+            .draw()
+            .map_err(|e| err(&e))?;
+    }
+    root.present().map_err(|e| err(&e))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -149,5 +262,42 @@ mod tests {
             bytes.len()
         );
         std::fs::remove_file(&p).expect("cleanup");
+    }
+
+    #[test]
+    fn draws_lines_with_an_empty_panel() {
+        if !Path::new(FONT_PATH).exists() {
+            panic!("{FONT_PATH} missing: install fonts-dejavu-core");
+        }
+        let line = |name: &str, k: f64| Series {
+            name: name.into(),
+            points: (0..60)
+                .map(|t| (t as f64, k * (t as f64 / 10.0).sin().abs()))
+                .collect(),
+        };
+        let panels = [
+            Panel {
+                title: "writes/s".into(),
+                series: vec![line("offered", 100.0), line("online", 90.0)],
+            },
+            Panel {
+                title: "nothing measured".into(),
+                series: vec![Series {
+                    name: "online".into(),
+                    points: vec![],
+                }],
+            },
+        ];
+        let p = std::env::temp_dir().join(format!("pliant-bench-lines-{}.png", std::process::id()));
+        draw_lines_png("test", "seconds", &panels, &p).expect("draw");
+        let bytes = std::fs::read(&p).expect("png written");
+        assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
+        assert!(
+            bytes.len() > 5000,
+            "suspiciously small png: {} bytes",
+            bytes.len()
+        );
+        std::fs::remove_file(&p).expect("cleanup");
+        assert!(draw_lines_png("x", "s", &[], &p).is_err());
     }
 }

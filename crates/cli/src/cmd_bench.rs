@@ -115,6 +115,10 @@ struct KvBenchArgs {
     /// normal load (a hot spot sliding once over every partition during the run).
     #[arg(long)]
     even: bool,
+    /// Also write a PNG chart: offered and achieved writes/s, hosts in use and data moved over
+    /// time, one line per system.
+    #[arg(long)]
+    png: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -202,6 +206,23 @@ fn kv(k: KvBenchArgs) -> Result<(), String> {
     // report printed.
     pliant_lab::cmd::defer_interrupts();
     let report = pliant_kv::bench::run(&opts)?;
+    if let Some(p) = &k.png {
+        match chart::draw_lines_png(
+            &format!(
+                "pliant bench kv ({} partitions, k = {}, {:.0} s per system, {} load)",
+                opts.partitions,
+                opts.k,
+                opts.duration_s,
+                if opts.skewed { "skewed" } else { "even" }
+            ),
+            "seconds into the run",
+            &kv_panels(&kv_timelines(&report)),
+            p,
+        ) {
+            Ok(()) => eprintln!("[bench kv] chart written to {}", p.display()),
+            Err(e) => eprintln!("[bench kv] chart not written: {e}"),
+        }
+    }
     if !k.json {
         eprintln!(
             "{:<16} {:>14} {:>9} {:>10} {:>6} {:>6}",
@@ -233,6 +254,85 @@ fn kv(k: KvBenchArgs) -> Result<(), String> {
         return Err("interrupted: the report above is partial".into());
     }
     Ok(())
+}
+
+/// Each system's timeline in a bench kv report, baseline first.
+fn kv_timelines(r: &pliant_kv::bench::Report) -> Vec<(&'static str, &[pliant_kv::bench::Sample])> {
+    let p = &r.planners;
+    [
+        ("full", &r.full),
+        ("offline", &p.offline),
+        ("online", &p.online),
+        ("greedy", &p.greedy),
+        ("redis_rebalance", &p.redis_rebalance),
+    ]
+    .into_iter()
+    .filter_map(|(n, s)| s.as_ref().map(|s| (n, s.timeline.as_slice())))
+    .collect()
+}
+
+/// bench kv's charts: writes/s (the offered sine, then each system's achieved), hosts in use
+/// and data moved, over the run.
+fn kv_panels(systems: &[(&str, &[pliant_kv::bench::Sample])]) -> Vec<chart::Panel> {
+    use pliant_kv::bench::Sample;
+    let series = |get: fn(&Sample) -> f64| -> Vec<chart::Series> {
+        systems
+            .iter()
+            .map(|(n, tl)| chart::Series {
+                name: n.to_string(),
+                points: tl.iter().map(|s| (s.t_s, get(s))).collect(),
+            })
+            .collect()
+    };
+    // The offered load is the same sine for every system: drawn once, first (black).
+    let offered = chart::Series {
+        name: "offered".into(),
+        points: systems
+            .iter()
+            .map(|(_, tl)| *tl)
+            .max_by_key(|tl| tl.len())
+            .unwrap_or_default()
+            .iter()
+            .map(|s| (s.t_s, s.offered_ops_per_s))
+            .collect(),
+    };
+    // The last sample of each timeline comes after the load (when the scaler's last operation
+    // ended, offered and achieved 0): not a write rate.
+    let writes: Vec<chart::Series> = std::iter::once(offered)
+        .chain(series(|s| s.achieved_ops_per_s))
+        .map(|mut w| {
+            w.points.pop();
+            w
+        })
+        .collect();
+    // Hosts and data moved change at one instant within a sample's second: drawn as steps.
+    let stepped = |mut v: Vec<chart::Series>| {
+        for s in &mut v {
+            let mut out: Vec<(f64, f64)> = Vec::with_capacity(s.points.len() * 2);
+            for &(t, y) in &s.points {
+                if let Some(&(_, prev)) = out.last() {
+                    out.push((t, prev));
+                }
+                out.push((t, y));
+            }
+            s.points = out;
+        }
+        v
+    };
+    vec![
+        chart::Panel {
+            title: "acknowledged writes/s (offered: the sine)".into(),
+            series: writes,
+        },
+        chart::Panel {
+            title: "hosts in use".into(),
+            series: stepped(series(|s| s.hosts as f64)),
+        },
+        chart::Panel {
+            title: "data moved (MB)".into(),
+            series: stepped(series(|s| s.data_moved_bytes as f64 / 1e6)),
+        },
+    ]
 }
 
 fn fmt(v: Option<f64>, digits: usize) -> String {
@@ -370,4 +470,45 @@ fn smr(a: SmrBenchArgs) -> Result<(), String> {
         return Err("interrupted: the report above is partial".into());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pliant_kv::bench::Sample;
+
+    fn sample(t_s: f64, achieved: f64, hosts: usize, moved: u64) -> Sample {
+        Sample {
+            t_s,
+            offered_ops_per_s: if achieved > 0.0 { 100.0 } else { 0.0 },
+            achieved_ops_per_s: achieved,
+            hosts,
+            data_moved_bytes: moved,
+        }
+    }
+
+    #[test]
+    fn kv_panels_leave_out_the_post_load_sample_and_step_hosts_and_data() {
+        let online = [
+            sample(1.0, 90.0, 2, 0),
+            sample(2.0, 95.0, 3, 2_000_000),
+            // After the load: the scaler's last operation ended.
+            sample(5.0, 0.0, 2, 5_000_000),
+        ];
+        let full = [sample(1.0, 100.0, 4, 0), sample(2.0, 0.0, 4, 0)];
+        let p = kv_panels(&[("full", &full), ("online", &online)]);
+        assert_eq!(p.len(), 3);
+        let names: Vec<&str> = p[0].series.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, ["offered", "full", "online"]);
+        // No write rate of 0 from the post-load sample.
+        assert_eq!(p[0].series[0].points, [(1.0, 100.0), (2.0, 100.0)]);
+        assert_eq!(p[0].series[1].points, [(1.0, 100.0)]);
+        assert_eq!(p[0].series[2].points, [(1.0, 90.0), (2.0, 95.0)]);
+        // Hosts as steps, to the end of the scaler's work.
+        assert_eq!(
+            p[1].series[1].points,
+            [(1.0, 2.0), (2.0, 2.0), (2.0, 3.0), (5.0, 3.0), (5.0, 2.0)]
+        );
+        assert_eq!(p[2].series[1].points.last(), Some(&(5.0, 5.0)));
+    }
 }

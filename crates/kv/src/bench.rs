@@ -142,10 +142,27 @@ pub struct SystemResult {
     pub hosts_end: usize,
     /// (seconds, hosts) at every change.
     pub hosts_timeline: Vec<(f64, usize)>,
+    /// One sample a second while the load runs, and a last one when the scaler's last
+    /// operation ended (offered and achieved 0 there): what the charts draw.
+    pub timeline: Vec<Sample>,
     /// /proc/loadavg at the start and the end of the run.
     pub loadavg: (String, String),
     pub wall_s: f64,
     pub errors: Vec<String>,
+}
+
+/// One second of a run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Sample {
+    /// Seconds since the load started (the end of the second sampled).
+    pub t_s: f64,
+    /// The sine's rate at `t_s`.
+    pub offered_ops_per_s: f64,
+    /// Writes acknowledged during the second.
+    pub achieved_ops_per_s: f64,
+    pub hosts: usize,
+    /// Data moved by the scales finished so far.
+    pub data_moved_bytes: u64,
 }
 
 #[derive(Clone, Debug, Default, Serialize)]
@@ -245,7 +262,7 @@ fn loadavg() -> String {
 }
 
 /// Offline forecast: per step, per partition, the load of one copy in units of a host's capacity
-/// at the loop's target utilisation (`quota × target`), from the step's peak rate.
+/// at `host_cores` (the offline plan: `quota × OFFLINE_MAX_LOAD`), from the step's peak rate.
 pub fn forecast_loads(
     load: &Forecast,
     cpu: &CpuModel,
@@ -514,6 +531,11 @@ pub fn rates(o: &BenchOpts, m: &CpuModel) -> Sine {
 /// partition migrated).
 pub const OFFLINE_HOST_STEP_COST: f64 = 1000.0;
 pub const OFFLINE_MOVE_COST: f64 = 100.0;
+/// The most of a host's CPU quota the offline plan fills at a step's peak: the seed's maximum
+/// load per core (Table 5.1: L = 95 %). The loop keeps headroom (it scales out at `high`, 80 %,
+/// and plans to `target`, 65 %) because it reacts to load it has already seen; the offline
+/// planner knows the load to come (each copy at its highest within the step), so it needs none.
+pub const OFFLINE_MAX_LOAD: f64 = 0.95;
 
 /// The offline planner's plan over the forecast, solved before the load starts (it is the
 /// planner that knows the future), with the problem its moves are derived from and the pool
@@ -537,7 +559,7 @@ fn offline_plan(kv: &Kv, o: &BenchOpts, l0: Load0) -> Result<OfflinePlan, String
         &l0.cpu,
         o.partitions,
         o.k + 1,
-        q * AutoOpts::default().target,
+        q * OFFLINE_MAX_LOAD,
     );
     // A forecast beyond the pool is planned as a full pool (the loop's bound too).
     for t in 0..steps {
@@ -838,6 +860,8 @@ fn run_inner(
     res.hosts_timeline.push((0.0, h));
     res.hosts_max = h;
     let end = Duration::from_secs_f64(o.duration_s);
+    let bpk = bytes_per_key(o.value_bytes);
+    let mut second = (t0, 0u64);
     while t0.elapsed() < end && !pliant_lab::cmd::interrupted() {
         std::thread::sleep(Duration::from_millis(200).min(end.saturating_sub(t0.elapsed())));
         let now = Instant::now();
@@ -848,6 +872,20 @@ fn run_inner(
             h = n;
             res.hosts_timeline.push((t0.elapsed().as_secs_f64(), h));
             res.hosts_max = res.hosts_max.max(h);
+        }
+        let dt = now.duration_since(second.0).as_secs_f64();
+        if dt >= 1.0 {
+            let acked = load.counters.acked.load(Ordering::Relaxed);
+            let t = now.duration_since(t0).as_secs_f64();
+            let moved = tally.lock().map(|t| t.keys * bpk).unwrap_or(0);
+            res.timeline.push(Sample {
+                t_s: t,
+                offered_ops_per_s: load0.sine.rate(t),
+                achieved_ops_per_s: (acked - second.1) as f64 / dt,
+                hosts: h,
+                data_moved_bytes: moved,
+            });
+            second = (now, acked);
         }
     }
     let t_end = t0.elapsed().as_secs_f64();
@@ -869,6 +907,15 @@ fn run_inner(
     if let Err(e) = scaled {
         res.errors.push(e);
     }
+    // The timeline's last sample: the scaler's last operation has ended (after the load, it
+    // may still have been moving); no load is offered any more.
+    res.timeline.push(Sample {
+        t_s: t0.elapsed().as_secs_f64(),
+        offered_ops_per_s: 0.0,
+        achieved_ops_per_s: 0.0,
+        hosts: KvState::load(&dir).map(|s| s.hosts.len()).unwrap_or(h),
+        data_moved_bytes: tally.lock().map(|t| t.keys * bpk).unwrap_or(0),
+    });
     if let Ok(t) = tally.lock() {
         res.moves = t.moves;
         res.keys_moved = t.keys;
@@ -1071,9 +1118,21 @@ mod tests {
                 "host_seconds",
                 "moves",
                 "acked_lost",
+                "timeline",
             ] {
                 assert!(v[sys].get(k).is_some(), "{sys}.{k}");
             }
+        }
+        // What the charts read from each sample.
+        let s = serde_json::to_value(Sample::default()).unwrap();
+        for k in [
+            "t_s",
+            "offered_ops_per_s",
+            "achieved_ops_per_s",
+            "hosts",
+            "data_moved_bytes",
+        ] {
+            assert!(s.get(k).is_some(), "sample.{k}");
         }
         assert_eq!(vs_full(45.0, 50.0), Some(90.0));
         assert_eq!(vs_full(45.0, 0.0), None);
