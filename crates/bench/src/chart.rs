@@ -235,11 +235,27 @@ mod tests {
     use super::*;
     use crate::{ForwardOpts, SystemReport};
 
-    #[test]
-    fn draws_a_png_even_with_a_failed_system() {
+    fn need_font() {
         if !Path::new(FONT_PATH).exists() {
             panic!("{FONT_PATH} missing: install fonts-dejavu-core");
         }
+    }
+
+    /// A PNG of some substance was written at `p`; removes it.
+    fn check_png_and_remove(p: &Path) {
+        let bytes = std::fs::read(p).expect("png written");
+        assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
+        assert!(
+            bytes.len() > 5000,
+            "suspiciously small png: {} bytes",
+            bytes.len()
+        );
+        std::fs::remove_file(p).expect("cleanup");
+    }
+
+    #[test]
+    fn draws_a_png_even_with_a_failed_system() {
+        need_font();
         let kn = SystemReport {
             gbps_1stream: Some(16.2),
             gbps_4streams: Some(20.0),
@@ -254,21 +270,12 @@ mod tests {
         let r = ForwardReport::new(&ForwardOpts::default(), [kn.clone(), kn, failed], 1.0);
         let p = std::env::temp_dir().join(format!("pliant-bench-chart-{}.png", std::process::id()));
         draw_png(&r, &p).expect("draw");
-        let bytes = std::fs::read(&p).expect("png written");
-        assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
-        assert!(
-            bytes.len() > 5000,
-            "suspiciously small png: {} bytes",
-            bytes.len()
-        );
-        std::fs::remove_file(&p).expect("cleanup");
+        check_png_and_remove(&p);
     }
 
     #[test]
     fn draws_lines_with_an_empty_panel() {
-        if !Path::new(FONT_PATH).exists() {
-            panic!("{FONT_PATH} missing: install fonts-dejavu-core");
-        }
+        need_font();
         let line = |name: &str, k: f64| Series {
             name: name.into(),
             points: (0..60)
@@ -290,14 +297,7 @@ mod tests {
         ];
         let p = std::env::temp_dir().join(format!("pliant-bench-lines-{}.png", std::process::id()));
         draw_lines_png("test", "seconds", &panels, &p).expect("draw");
-        let bytes = std::fs::read(&p).expect("png written");
-        assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
-        assert!(
-            bytes.len() > 5000,
-            "suspiciously small png: {} bytes",
-            bytes.len()
-        );
-        std::fs::remove_file(&p).expect("cleanup");
+        check_png_and_remove(&p);
         assert!(draw_lines_png("x", "s", &[], &p).is_err());
     }
 }
