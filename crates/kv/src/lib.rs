@@ -11,7 +11,8 @@
 //! - [`cluster`]: up, open, down; [`moves`]: one move; [`scale`]: plan and execute;
 //! - [`monitor`]: the sampler; [`autoscale`]: the automatic loop (a pure decision per round);
 //! - [`loadgen`]: open-loop acknowledged writers; [`peer`]: `redis-cli --cluster rebalance` as
-//!   the scaler; [`bench`]: `pliant bench kv`.
+//!   the scaler; [`bench`]: `pliant bench kv`;
+//! - [`tpcc`]: a TPC-C-like transaction mix as Redis Functions, its clients and its check.
 
 pub mod autoscale;
 pub mod bench;
@@ -28,6 +29,7 @@ pub mod planning;
 pub mod scale;
 pub mod slots;
 pub mod state;
+pub mod tpcc;
 
 pub use cluster::{Kv, UpOpts};
 pub use monitor::{Monitor, Snapshot};
