@@ -97,6 +97,22 @@ enum KvCmd {
         #[command(flatten)]
         planner: PlannerArgs,
     },
+    /// Run the TPC-C-like mix (Redis Functions, one warehouse per transaction) against the
+    /// cluster, then check it: every acknowledged transaction recorded, every warehouse
+    /// consistent. Loads the library and creates missing warehouses first. Non-zero exit if a
+    /// transaction was lost or a warehouse is inconsistent.
+    Tpcc {
+        #[arg(long, default_value_t = 8)]
+        warehouses: usize,
+        /// Client threads.
+        #[arg(long, default_value_t = 4)]
+        clients: usize,
+        #[arg(long, default_value_t = 30)]
+        duration_s: u64,
+        /// Print only the JSON report.
+        #[arg(long)]
+        json: bool,
+    },
     /// Stop every server it started (by PID) and delete the namespaces and cgroups.
     Down,
 }
@@ -257,6 +273,21 @@ pub fn run(a: KvArgs) -> Result<(), String> {
             }
             Ok(())
         }
+        KvCmd::Tpcc {
+            warehouses,
+            clients,
+            duration_s,
+            json,
+        } => tpcc(
+            &a.dir,
+            &pliant_kv::tpcc::TpccOpts {
+                warehouses,
+                clients,
+                ..Default::default()
+            },
+            Duration::from_secs(duration_s),
+            json,
+        ),
         KvCmd::Down => {
             let st = pliant_kv::state::KvState::load(&a.dir)?;
             let left = pliant_kv::cluster::teardown(&st);
@@ -272,6 +303,75 @@ pub fn run(a: KvArgs) -> Result<(), String> {
             }
         }
     }
+}
+
+fn tpcc(
+    dir: &Path,
+    o: &pliant_kv::tpcc::TpccOpts,
+    duration: Duration,
+    json: bool,
+) -> Result<(), String> {
+    use pliant_kv::tpcc;
+    if o.warehouses == 0 || o.clients == 0 {
+        return Err("--warehouses and --clients must be at least 1".into());
+    }
+    let kv = Kv::open(dir)?;
+    tpcc::install(&kv)?;
+    let created = tpcc::populate(&kv, o)?;
+    eprintln!(
+        "[tpcc] library loaded; {created} of {} warehouses created",
+        o.warehouses
+    );
+    pliant_lab::cmd::defer_interrupts();
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| d.as_nanos() as u64);
+    let mix = tpcc::Mix::start(dir, o, seed);
+    let t0 = Instant::now();
+    let mut last = 0;
+    while t0.elapsed() < duration && !pliant_lab::cmd::interrupted() {
+        std::thread::sleep(Duration::from_secs(1).min(duration.saturating_sub(t0.elapsed())));
+        let n = mix.committed();
+        eprintln!(
+            "[tpcc] {:>4.0} s: {n} committed ({}/s)",
+            t0.elapsed().as_secs_f64(),
+            n - last
+        );
+        last = n;
+    }
+    let (report, acked) = mix.finish();
+    let check = tpcc::check(&kv, o, &acked)?;
+    let out = serde_json::json!({"mix": report, "check": check});
+    if json {
+        println!("{out}");
+    } else {
+        println!(
+            "{:.0} s: {} acknowledged writing transactions ({:.0}/s, {:.0} new orders/min), \
+             {} rollbacks, {} retries, {} given up; check: {} ids recorded, {} lost, {} \
+             violations",
+            report.seconds,
+            acked.len(),
+            report.acked_per_s,
+            report.new_orders_per_min,
+            report.rollbacks,
+            report.retries,
+            report.unknown,
+            check.recorded,
+            check.lost,
+            check.violations.len()
+        );
+        for v in &check.violations {
+            println!("  {v}");
+        }
+    }
+    if check.lost > 0 || !check.violations.is_empty() {
+        return Err(format!(
+            "{} acknowledged transactions lost, {} violations",
+            check.lost,
+            check.violations.len()
+        ));
+    }
+    Ok(())
 }
 
 fn opts(to: usize, p: &PlannerArgs) -> Result<ScaleOpts, String> {
@@ -416,6 +516,16 @@ mod tests {
             (duration_s, high, low, in_after, json),
             (30, 0.8, 0.45, 3, true)
         );
+        let KvCmd::Tpcc {
+            warehouses,
+            clients,
+            duration_s,
+            json,
+        } = parse(&["tpcc"]).cmd
+        else {
+            panic!("not tpcc")
+        };
+        assert_eq!((warehouses, clients, duration_s, json), (8, 4, 30, false));
         let bad = parse(&["plan", "--to", "3", "--planner", "cplex"]);
         let KvCmd::Plan { planner, .. } = bad.cmd else {
             panic!("not plan")

@@ -31,8 +31,13 @@ local function first_time(w, txn)
   return redis.call('SADD', w .. ':txns', txn) == 1
 end
 
+-- Creates the warehouse; one that exists is left as it is ('EXISTS'): its totals and orders
+-- belong together.
 local function tpcc_load(keys, args)
   local w = keys[1]
+  if redis.call('EXISTS', w) == 1 then
+    return 'EXISTS'
+  end
   local dn, cn, items = tonumber(args[1]), tonumber(args[2]), tonumber(args[3])
   redis.call('HSET', w, 'ytd', 3000000 * dn, 'districts', dn, 'customers', cn, 'items', items,
     'ytd0', 3000000 * dn)

@@ -72,13 +72,15 @@ pub fn install(kv: &Kv) -> Result<(), String> {
     Ok(())
 }
 
-/// Creates every warehouse (districts, customers, stock), acknowledged by `WAIT k`.
-pub fn populate(kv: &Kv, o: &TpccOpts) -> Result<(), String> {
+/// Creates every warehouse (districts, customers, stock) that does not exist yet, acknowledged by
+/// `WAIT k`. Returns how many it created.
+pub fn populate(kv: &Kv, o: &TpccOpts) -> Result<usize, String> {
+    let mut created = 0;
     let parts = kv.state.partitions;
     for w in 0..o.warehouses {
         let m = kv.master_of(w % parts)?;
         let mut c = kv.connect(&m)?;
-        redis::cmd("FCALL")
+        let r = redis::cmd("FCALL")
             .arg("tpcc_load")
             .arg(1)
             .arg(warehouse_key(w, parts))
@@ -87,6 +89,7 @@ pub fn populate(kv: &Kv, o: &TpccOpts) -> Result<(), String> {
             .arg(o.items)
             .query::<String>(&mut c)
             .map_err(|e| format!("warehouse {w}: tpcc_load: {e}"))?;
+        created += usize::from(r == "OK");
         let n: usize = redis::cmd("WAIT")
             .arg(kv.state.k)
             .arg(5000)
@@ -96,7 +99,7 @@ pub fn populate(kv: &Kv, o: &TpccOpts) -> Result<(), String> {
             return Err(format!("warehouse {w}: {n} of {} replicas", kv.state.k));
         }
     }
-    Ok(())
+    Ok(created)
 }
 
 /// The transactions, in TPC-C's mix (45 % new order, 43 % payment, 4 % each of the others).
