@@ -307,6 +307,12 @@ fn client(dir: &Path, o: &TpccOpts, seed: u64, t: usize, stop: &AtomicBool, sh: 
                 kv = Kv::open(dir).ok();
             }
             let Some(k) = kv.as_ref() else {
+                if started.elapsed() > RETRY_FOR || stop.load(Ordering::Relaxed) {
+                    if kind.writes() {
+                        sh.unknown.fetch_add(1, Ordering::Relaxed);
+                    }
+                    break;
+                }
                 std::thread::sleep(Duration::from_millis(50));
                 continue;
             };
