@@ -614,6 +614,7 @@ static __always_inline __u32 choose(struct parsed *pk, struct config *cfg, __u32
 	if (pk->key.proto == IPPROTO_TCP_ && !pk->syn)
 		count(ST_CONN_MISS_NONSYN);
 
+	int pin = 1;
 	if (role == ROLE_SERVER && bpf_map_lookup_elem(&nat_addrs, pk->dst)) {
 		__u32 port = pk->dport;
 		__u32 *po = bpf_map_lookup_elem(&port_owner, &port);
@@ -622,7 +623,11 @@ static __always_inline __u32 choose(struct parsed *pk, struct config *cfg, __u32
 			return *po - 1;
 		}
 		// Unowned port: nobody allocated it; fall through to the ring (which is as good a
-		// place as any to reject it).
+		// place as any to reject it), without a pin: the block may be given to a replica
+		// later (a reused index), and that replica's connections with this port and peer
+		// must reach it by port_owner, not follow a pin a stray packet left (a late
+		// retransmission to a retired replica's port).
+		pin = 0;
 	}
 
 	__u32 half = cfg->ring_active & 1;
@@ -641,7 +646,7 @@ static __always_inline __u32 choose(struct parsed *pk, struct config *cfg, __u32
 	if (!live_replica(idx))
 		return NO_REPLICA;
 	// Pin the flow so later ring changes cannot re-home it (Katran-style connection table).
-	if (bpf_map_update_elem(&conn, &pk->key, &idx, BPF_NOEXIST) != 0)
+	if (pin && bpf_map_update_elem(&conn, &pk->key, &idx, BPF_NOEXIST) != 0)
 		count(ST_CONN_INSERT_FAIL);
 	count(ST_RING);
 	return idx;

@@ -250,6 +250,59 @@ fn nat_return_traffic_is_steered_by_port_owner() {
     assert_eq!(arrived(&r.rout, &m), vec![want.expect("owned")]);
 }
 
+/// A server's packet to a NAT port nobody owns goes by the ring but leaves no pin: when the
+/// port's block is given to a replica later (a failed replica's index reused), that replica's
+/// return traffic for the port reaches it by port owner instead of following the stray packet.
+#[test]
+fn a_packet_to_an_unowned_nat_port_leaves_no_pin() {
+    if !pliant_testkit::require_root() {
+        return;
+    }
+    let mut r = rig(3);
+    r.steer.add_nat_addr(IpAddr::V4(NAT)).expect("nat addr");
+    let port = 42_424u16;
+    let k = FlowKey::v4(proto::UDP, SERVER, 80, NAT, port).0;
+    let by_ring = r.steer.ring_owner(&k).expect("ring").expect("owned");
+    let m = marker("stray", 0);
+    r.server.send(&build::udp(
+        GMAC,
+        GMAC,
+        IpAddr::V4(SERVER),
+        80,
+        IpAddr::V4(NAT),
+        port,
+        &m,
+    ));
+    assert_eq!(
+        arrived(&r.rout, &m),
+        vec![by_ring],
+        "an unowned port goes by the ring"
+    );
+    assert!(
+        !r.steer
+            .conn_entries()
+            .expect("conn")
+            .iter()
+            .any(|(c, _)| *c == k),
+        "an unowned NAT port was pinned"
+    );
+    let owner = (1..=3).find(|i| *i != by_ring).expect("another replica");
+    r.steer
+        .set_port_owner(42_000..=42_999, Some(owner))
+        .expect("block");
+    let m = marker("owned", 0);
+    r.server.send(&build::udp(
+        GMAC,
+        GMAC,
+        IpAddr::V4(SERVER),
+        80,
+        IpAddr::V4(NAT),
+        port,
+        &m,
+    ));
+    assert_eq!(arrived(&r.rout, &m), vec![owner], "the block's new owner");
+}
+
 /// `frame` (IPv4, DF clear) with IP id `id`, cut into fragments of at most 1500 bytes.
 fn fragments(mut frame: Vec<u8>, id: u16) -> Vec<Vec<u8>> {
     frame[18..20].copy_from_slice(&id.to_be_bytes());
