@@ -262,17 +262,11 @@ fn a_packet_to_an_unowned_nat_port_leaves_no_pin() {
     r.steer.add_nat_addr(IpAddr::V4(NAT)).expect("nat addr");
     let port = 42_424u16;
     let k = FlowKey::v4(proto::UDP, SERVER, 80, NAT, port).0;
+    let to_nat =
+        |m: &[u8]| build::udp(GMAC, GMAC, IpAddr::V4(SERVER), 80, IpAddr::V4(NAT), port, m);
     let by_ring = r.steer.ring_owner(&k).expect("ring").expect("owned");
     let m = marker("stray", 0);
-    r.server.send(&build::udp(
-        GMAC,
-        GMAC,
-        IpAddr::V4(SERVER),
-        80,
-        IpAddr::V4(NAT),
-        port,
-        &m,
-    ));
+    r.server.send(&to_nat(&m));
     assert_eq!(
         arrived(&r.rout, &m),
         vec![by_ring],
@@ -291,15 +285,7 @@ fn a_packet_to_an_unowned_nat_port_leaves_no_pin() {
         .set_port_owner(42_000..=42_999, Some(owner))
         .expect("block");
     let m = marker("owned", 0);
-    r.server.send(&build::udp(
-        GMAC,
-        GMAC,
-        IpAddr::V4(SERVER),
-        80,
-        IpAddr::V4(NAT),
-        port,
-        &m,
-    ));
+    r.server.send(&to_nat(&m));
     assert_eq!(arrived(&r.rout, &m), vec![owner], "the block's new owner");
 }
 
