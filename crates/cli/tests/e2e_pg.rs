@@ -291,6 +291,14 @@ fn pg_busy_primary_is_not_failed_over_but_a_hung_or_killed_one_is() {
     lab.wait_protected();
     let before = failovers();
     let i = lab.proxy().shared.primary.load(SeqCst);
+    // The session must be on the new primary for its backend to vanish there: after the kill
+    // it moves when the proxy gets to it, which a quiet client does not hurry (a run saw the
+    // window's slow path, 2.06 s, with no session left to see its backend die).
+    assert_eq!(
+        c.scalar("SELECT count(*) FROM busy")
+            .expect("session on the new primary"),
+        Some("1".into())
+    );
     let t = Instant::now();
     lab.cl.orphan_port(i).expect("orphan the port");
     while failovers() == before {
