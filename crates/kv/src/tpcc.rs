@@ -14,6 +14,7 @@
 
 use crate::cluster::Kv;
 use crate::slots;
+use pliant_placement::instances::Rng;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -148,47 +149,36 @@ impl Kind {
     }
 }
 
-/// splitmix64: the clients' draws (seeded per thread, reproducible).
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in `1..=n`.
-    fn pick(&mut self, n: usize) -> usize {
-        1 + (self.next() % n.max(1) as u64) as usize
-    }
+/// Uniform in `1..=n` (districts, customers, items and quantities count from 1).
+fn pick(r: &mut Rng, n: usize) -> usize {
+    1 + r.below(n.max(1))
 }
 
 /// The arguments of one transaction after the warehouse key (the id first for writing ones).
 fn args(kind: Kind, txn: &str, o: &TpccOpts, r: &mut Rng) -> Vec<String> {
-    let d = r.pick(o.districts).to_string();
-    let c = r.pick(o.customers).to_string();
+    let d = pick(r, o.districts).to_string();
+    let c = pick(r, o.customers).to_string();
     match kind {
         Kind::NewOrder => {
-            let n = 5 + r.next() % 11;
+            let n = 5 + r.next_u64() % 11;
             // 1 % of orders name an invalid item last: refused before any write.
-            let rollback = r.next().is_multiple_of(100);
+            let rollback = r.next_u64().is_multiple_of(100);
             let mut v = vec![txn.to_string(), d, c, n.to_string()];
             for k in 0..n {
                 let item = if rollback && k + 1 == n {
                     0
                 } else {
-                    r.pick(o.items)
+                    pick(r, o.items)
                 };
                 v.push(item.to_string());
-                v.push(r.pick(10).to_string());
+                v.push(pick(r, 10).to_string());
             }
             v
         }
         Kind::Payment => vec![txn.to_string(), d, c],
-        Kind::Delivery => vec![txn.to_string(), r.pick(10).to_string()],
+        Kind::Delivery => vec![txn.to_string(), pick(r, 10).to_string()],
         Kind::OrderStatus => vec![d, c],
-        Kind::StockLevel => vec![d, (10 + r.next() % 11).to_string()],
+        Kind::StockLevel => vec![d, (10 + r.next_u64() % 11).to_string()],
     }
 }
 
@@ -291,13 +281,13 @@ impl Mix {
 
 /// One client thread: transactions one after the other, each on its warehouse's master.
 fn client(dir: &Path, o: &TpccOpts, seed: u64, t: usize, stop: &AtomicBool, sh: &Shared) {
-    let mut r = Rng(seed ^ (t as u64).wrapping_mul(0x2545_F491_4F6C_DD1D));
+    let mut r = Rng::new(seed ^ (t as u64).wrapping_mul(0x2545_F491_4F6C_DD1D));
     let mut kv = None;
     let mut conns: HashMap<usize, redis::Connection> = HashMap::new();
     let mut n = 0u64;
     while !stop.load(Ordering::Relaxed) {
-        let kind = Kind::from_draw(r.next());
-        let w = (r.next() % o.warehouses.max(1) as u64) as usize;
+        let kind = Kind::from_draw(r.next_u64());
+        let w = (r.next_u64() % o.warehouses.max(1) as u64) as usize;
         n += 1;
         let txn = format!("{}:{seed:x}:{t}:{n}", kind.letter());
         let a = args(kind, &txn, o, &mut r);
@@ -469,7 +459,7 @@ mod tests {
             assert_eq!(slots::partition_of(slots::key_slot(k.as_bytes()), 8), w % 8);
         }
         let o = TpccOpts::default();
-        let mut r = Rng(7);
+        let mut r = Rng::new(7);
         let mut rollbacks = 0;
         for _ in 0..2000 {
             let a = args(Kind::NewOrder, "n:1", &o, &mut r);
