@@ -23,6 +23,9 @@ struct PlannerArgs {
     /// Time limit of one MILP solver run, seconds.
     #[arg(long, default_value_t = 15.0)]
     time_limit_s: f64,
+    /// Moves of different partitions at once (one partition's moves stay in order).
+    #[arg(long, default_value_t = pliant_kv::moves::PARALLEL)]
+    parallel: usize,
 }
 
 impl PlannerArgs {
@@ -110,6 +113,29 @@ enum KvCmd {
         #[arg(long, default_value_t = 30)]
         duration_s: u64,
         /// Print only the JSON report.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Run Debian's redis-benchmark in cluster mode against the cluster, as a temporary ACL
+    /// user limited to the benchmark's commands and key names (redis-benchmark takes passwords
+    /// only on its command line, so it never gets the cluster's); the user is deleted from every
+    /// node afterwards. Run it on a cluster at rest: a node started during the run lacks the user.
+    RedisBenchmark {
+        /// Requests per test.
+        #[arg(long, default_value_t = 100_000)]
+        requests: u64,
+        #[arg(long, default_value_t = 50)]
+        clients: u32,
+        /// Requests per round trip.
+        #[arg(long, default_value_t = 1)]
+        pipeline: u32,
+        /// Comma-separated redis-benchmark tests (set, get, incr, lpush, ...).
+        #[arg(long, default_value = "set,get")]
+        tests: String,
+        /// Random keys drawn from this many.
+        #[arg(long, default_value_t = 100_000)]
+        keyspace: u64,
+        /// Print only a JSON array (one object per test).
         #[arg(long)]
         json: bool,
     },
@@ -288,6 +314,50 @@ pub fn run(a: KvArgs) -> Result<(), String> {
             Duration::from_secs(duration_s),
             json,
         ),
+        KvCmd::RedisBenchmark {
+            requests,
+            clients,
+            pipeline,
+            tests,
+            keyspace,
+            json,
+        } => {
+            let o = pliant_kv::redis_bench::Opts {
+                requests,
+                clients,
+                pipeline,
+                tests,
+                keyspace,
+                ..Default::default()
+            };
+            pliant_kv::redis_bench::validate(&o)?;
+            let kv = Kv::open(&a.dir)?;
+            if !json {
+                println!(
+                    "redis-benchmark: {} requests per test ({}), {} clients, pipeline {}, on {} masters",
+                    o.requests,
+                    o.tests,
+                    o.clients,
+                    o.pipeline,
+                    kv.state.partitions
+                );
+            }
+            let rows = pliant_kv::redis_bench::run(&kv, &o)?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string(&rows).map_err(|e| e.to_string())?
+                );
+            } else {
+                for r in &rows {
+                    println!(
+                        "{:<12} {:>10.0} req/s  latency ms: avg {:.3} p50 {:.3} p95 {:.3} p99 {:.3} max {:.3}",
+                        r.test, r.rps, r.avg_ms, r.p50_ms, r.p95_ms, r.p99_ms, r.max_ms
+                    );
+                }
+            }
+            Ok(())
+        }
         KvCmd::Down => {
             let st = pliant_kv::state::KvState::load(&a.dir)?;
             let left = pliant_kv::cluster::teardown(&st);
@@ -340,6 +410,8 @@ fn tpcc(
         last = n;
     }
     let (report, acked) = mix.finish();
+    // The placement as it is now: a scale during the run moved copies.
+    let kv = Kv::open(dir)?;
     let check = tpcc::check(&kv, o, &acked)?;
     let out = serde_json::json!({"mix": report, "check": check});
     if json {
@@ -375,10 +447,14 @@ fn tpcc(
 }
 
 fn opts(to: usize, p: &PlannerArgs) -> Result<ScaleOpts, String> {
+    if p.parallel == 0 {
+        return Err("--parallel 0: at least one move must run".into());
+    }
     Ok(ScaleOpts {
         target: to,
         planner: p.planner()?,
         window: PLAN_WINDOW,
+        parallel: p.parallel,
     })
 }
 
@@ -526,6 +602,20 @@ mod tests {
             panic!("not tpcc")
         };
         assert_eq!((warehouses, clients, duration_s, json), (8, 4, 30, false));
+        let KvCmd::RedisBenchmark {
+            requests,
+            clients,
+            pipeline,
+            tests,
+            ..
+        } = parse(&["redis-benchmark", "--tests", "set,incr"]).cmd
+        else {
+            panic!("not redis-benchmark")
+        };
+        assert_eq!(
+            (requests, clients, pipeline, tests.as_str()),
+            (100_000, 50, 1, "set,incr")
+        );
         let bad = parse(&["plan", "--to", "3", "--planner", "cplex"]);
         let KvCmd::Plan { planner, .. } = bad.cmd else {
             panic!("not plan")

@@ -212,6 +212,7 @@ pub fn plan_and_execute(
         target: to,
         planner,
         window: Duration::from_millis(500),
+        parallel: crate::moves::PARALLEL,
     };
     let p = scale::plan(kv, &so)?;
     progress(&format!("plan: {}", p.summary()));

@@ -26,6 +26,7 @@ pub mod node;
 pub mod parse;
 pub mod peer;
 pub mod planning;
+pub mod redis_bench;
 pub mod scale;
 pub mod slots;
 pub mod state;

@@ -22,9 +22,8 @@ use crate::loadgen;
 use crate::moves;
 use crate::node::{self, wait_for};
 use crate::state::NodeRec;
-use std::io::Read;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
 const REBALANCE_TIMEOUT: Duration = Duration::from_secs(600);
 const AGREE_TIMEOUT: Duration = Duration::from_secs(60);
@@ -59,42 +58,12 @@ fn addr(kv: &Kv, n: &NodeRec) -> String {
 /// the fabric namespace, and so is the child.
 fn cluster_cmd(kv: &Kv, sub: &str, extra: &[String]) -> Result<String, String> {
     let first = kv.state.nodes.first().ok_or("no nodes")?;
-    let mut child = Command::new("redis-cli")
-        .env("REDISCLI_AUTH", kv.password())
+    let mut cmd = Command::new("redis-cli");
+    cmd.env("REDISCLI_AUTH", kv.password())
         .args(["--cluster", sub, &addr(kv, first)])
         .args(extra)
-        .args(["--cluster-yes", "--cluster-pipeline", "100"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("redis-cli: {e}"))?;
-    let mut out = child.stdout.take().expect("piped");
-    let reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = out.read_to_string(&mut s);
-        s
-    });
-    let t0 = Instant::now();
-    let status = loop {
-        if let Some(s) = child.try_wait().map_err(|e| e.to_string())? {
-            break s;
-        }
-        if t0.elapsed() > REBALANCE_TIMEOUT {
-            // Our own child, by its handle.
-            let _ = child.kill();
-            let _ = child.wait();
-            return Err(format!(
-                "redis-cli rebalance: no end after {REBALANCE_TIMEOUT:?}"
-            ));
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
-    let text = reader.join().unwrap_or_default();
-    let mut err = String::new();
-    if let Some(mut e) = child.stderr.take() {
-        let _ = e.read_to_string(&mut err);
-    }
+        .args(["--cluster-yes", "--cluster-pipeline", "100"]);
+    let (status, text, err) = node::run_tool(cmd, REBALANCE_TIMEOUT)?;
     let bad = text.contains("[ERR]") || err.contains("[ERR]");
     if !status.success() || bad {
         let all = text + &err;
@@ -388,8 +357,7 @@ fn drop_emptied(
         role.as_deref() == Some("master")
     });
     for n in &order {
-        moves::forget_everywhere(kv, n)?;
-        node::stop(&kv.state, n);
+        moves::forget_and_stop(kv, &kv.state.nodes, n)?;
         kv.state.nodes.retain(|x| x.id != n.id);
         kv.state.save()?;
     }

@@ -1,5 +1,6 @@
 //! `scale out|in` and `plan`: measure, plan with pliant-placement, create the hosts a plan adds,
-//! execute its moves in the planner's copy-before-drop order, remove the hosts it empties.
+//! execute its moves in the planner's copy-before-drop order (one partition's in order, several
+//! partitions' at once), remove the hosts it empties.
 
 use crate::cluster::Kv;
 use crate::host;
@@ -7,6 +8,9 @@ use crate::invariant;
 use crate::monitor;
 use crate::moves::{self, MoveReport};
 use crate::planning::{self, Input, Planner, Step};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Mutex};
 use std::time::Duration;
 
 #[derive(Clone, Debug)]
@@ -15,6 +19,8 @@ pub struct ScaleOpts {
     pub planner: Planner,
     /// How long the loads are measured before planning.
     pub window: Duration,
+    /// Moves at once (of different partitions; `moves::PARALLEL` by default).
+    pub parallel: usize,
 }
 
 /// A plan in host ids.
@@ -29,6 +35,8 @@ pub struct ScalePlan {
     pub solve_time: Duration,
     /// Target placement, host ids per partition.
     pub target: Vec<Vec<u32>>,
+    /// Moves of different partitions run at once, at most this many.
+    pub parallel: usize,
 }
 
 impl ScalePlan {
@@ -106,6 +114,7 @@ pub fn plan(kv: &Kv, o: &ScaleOpts) -> Result<ScalePlan, String> {
         bytes_moved: plan.bytes_moved,
         status: format!("{:?}", plan.status),
         solve_time: plan.solve_time,
+        parallel: o.parallel,
     })
 }
 
@@ -165,6 +174,7 @@ pub fn plan_to(
         bytes_moved,
         status: "Offline".into(),
         solve_time: Duration::ZERO,
+        parallel: moves::PARALLEL,
     })
 }
 
@@ -196,31 +206,89 @@ pub fn execute(
             return Err(e);
         }
     }
-    let mut done = Vec::new();
+    // One partition's steps in plan order, on one worker; partitions on up to `parallel` at once.
+    let mut groups: Vec<Vec<(usize, Step)>> = Vec::new();
     for (i, s) in p.steps.iter().enumerate() {
-        let r = moves::execute(kv, *s, s.from.map(|f| p.host_of(f)), p.host_of(s.to))
-            .map_err(|e| format!("move {}/{} ({}): {e}", i + 1, p.steps.len(), p.describe(s)))?;
-        // The record must show every partition with k+1 copies after every move.
-        let counts: Vec<usize> = kv.state.placement().iter().map(Vec::len).collect();
-        let low = invariant::below_k_plus_one(&counts, kv.state.k);
-        assert!(
-            low.is_empty(),
-            "after move {}: partitions below k+1 copies: {low:?}",
-            i + 1
-        );
-        progress(&format!(
-            "move {}/{}: {}{} in {:.2} s",
-            i + 1,
-            p.steps.len(),
-            p.describe(s),
-            if r.was_master {
-                " (master: coordinated failover)"
-            } else {
-                ""
-            },
-            r.took.as_secs_f64()
-        ));
-        done.push(r);
+        match groups.iter_mut().find(|g| g[0].1.partition == s.partition) {
+            Some(g) => g.push((i, *s)),
+            None => groups.push(vec![(i, *s)]),
+        }
+    }
+    let workers = p.parallel.clamp(1, groups.len().max(1));
+    let queue = Mutex::new(groups.into_iter().collect::<VecDeque<_>>());
+    let failed = AtomicBool::new(false);
+    let total = p.steps.len();
+    let k = kv.state.k;
+    let sh = moves::Shared::new(kv);
+    let (mut done, mut errors) = (Vec::new(), Vec::new());
+    std::thread::scope(|scope| {
+        let (tx, rx) = mpsc::channel::<Result<MoveReport, String>>();
+        for _ in 0..workers {
+            let (tx, sh, queue, failed) = (tx.clone(), &sh, &queue, &failed);
+            scope.spawn(move || {
+                // After a failure no new partition starts; moves under way finish.
+                while !failed.load(Ordering::Relaxed) {
+                    let Some(group) = queue.lock().unwrap_or_else(|e| e.into_inner()).pop_front()
+                    else {
+                        break;
+                    };
+                    for (i, s) in group {
+                        let r =
+                            moves::execute(sh, s, s.from.map(|f| p.host_of(f)), p.host_of(s.to))
+                                .map_err(|e| {
+                                    format!("move {}/{total} ({}): {e}", i + 1, p.describe(&s))
+                                });
+                        let bad = r.is_err();
+                        failed.fetch_or(bad, Ordering::Relaxed);
+                        let _ = tx.send(r);
+                        if bad {
+                            // The partition's later steps need this one.
+                            break;
+                        }
+                    }
+                }
+            });
+        }
+        drop(tx);
+        for r in rx {
+            match r {
+                Ok(r) => {
+                    // The record must show every partition with k+1 copies after every move.
+                    let counts: Vec<usize> =
+                        sh.with(|kv| kv.state.placement().iter().map(Vec::len).collect());
+                    let low = invariant::below_k_plus_one(&counts, k);
+                    assert!(
+                        low.is_empty(),
+                        "after move {}: partitions below k+1 copies: {low:?}",
+                        done.len() + 1
+                    );
+                    progress(&format!(
+                        "move {}/{total}: {}{} in {:.2} s ({})",
+                        done.len() + 1,
+                        p.describe(&r.step),
+                        if r.was_master {
+                            " (master: coordinated failover)"
+                        } else {
+                            ""
+                        },
+                        r.took.as_secs_f64(),
+                        r.phases_line()
+                    ));
+                    for n in &r.notes {
+                        progress(&format!("  {n}"));
+                    }
+                    done.push(r);
+                }
+                Err(e) => {
+                    progress(&format!("failed: {e}"));
+                    errors.push(e);
+                }
+            }
+        }
+    });
+    drop(sh);
+    if !errors.is_empty() {
+        return Err(errors.join("; "));
     }
     let removed = moves::remove_empty_hosts(kv)?;
     if !removed.is_empty() {

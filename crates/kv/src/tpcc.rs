@@ -199,12 +199,12 @@ pub struct MixReport {
     pub acked_per_s: f64,
     /// New orders per minute (TPC-C's tpmC, of this scaled-down schema).
     pub new_orders_per_min: f64,
-    /// The first few errors seen, for the record.
+    /// The first and the last few errors seen, with when (seconds into the run), for the record.
     pub errors: Vec<String>,
 }
 
-#[derive(Default)]
 struct Shared {
+    t0: Instant,
     committed: Mutex<BTreeMap<&'static str, u64>>,
     rollbacks: AtomicU64,
     retries: AtomicU64,
@@ -228,7 +228,15 @@ impl Mix {
     /// unique per run.
     pub fn start(dir: &Path, o: &TpccOpts, seed: u64) -> Mix {
         let stop = Arc::new(AtomicBool::new(false));
-        let shared = Arc::new(Shared::default());
+        let shared = Arc::new(Shared {
+            t0: Instant::now(),
+            committed: Mutex::default(),
+            rollbacks: AtomicU64::default(),
+            retries: AtomicU64::default(),
+            unknown: AtomicU64::default(),
+            acked: Mutex::default(),
+            errors: Mutex::default(),
+        });
         let threads = (0..o.clients)
             .map(|t| {
                 let (dir, o, stop, sh) =
@@ -329,9 +337,15 @@ fn client(dir: &Path, o: &TpccOpts, seed: u64, t: usize, stop: &AtomicBool, sh: 
                     conns.remove(&(w % parts));
                     kv = None;
                     if let Ok(mut v) = sh.errors.lock() {
-                        if v.len() < 8 {
-                            v.push(e.chars().take(160).collect());
+                        // The first 4 and the last 4.
+                        if v.len() == 8 {
+                            v.remove(4);
                         }
+                        let at = sh.t0.elapsed().as_secs_f64();
+                        v.push(format!(
+                            "{at:.1} s: {}",
+                            e.chars().take(160).collect::<String>()
+                        ));
                     }
                     if started.elapsed() > RETRY_FOR || stop.load(Ordering::Relaxed) {
                         if kind.writes() {

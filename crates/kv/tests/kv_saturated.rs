@@ -24,6 +24,10 @@ use std::time::{Duration, Instant};
 const PARTITIONS: usize = 8;
 /// Offered load over the capacity measured at 2 hosts.
 const OVERLOAD: f64 = 1.4;
+/// 2 hosts are saturated when they serve less than this share of the offered load.
+const SATURATED: f64 = 0.8;
+/// The offered load counts as served again at this share.
+const RESTORED: f64 = 0.9;
 /// Acknowledged writes per second over `d`.
 fn rate_over(ops: &AtomicU64, d: Duration) -> f64 {
     let a = ops.load(Ordering::Relaxed);
@@ -80,7 +84,8 @@ fn a_saturated_cluster_scaled_out_serves_the_offered_load_again() {
     assert!(capacity > 1000.0, "2 hosts served {capacity:.0} writes/s");
     // Offered: above what 2 hosts serve, evenly over the partitions. A closed loop can fall
     // short of the servers' capacity (each writer waits for its batch; the CPU quotas run in
-    // bursts), so an offer that 2 hosts still serve (85 %) is raised until they do not.
+    // bursts), so an offer that 2 hosts still serve (SATURATED) is raised until they do not:
+    // to what they served over SATURATED less a margin, not further (4 hosts must serve it).
     let mut offered = capacity * OVERLOAD;
     let mut before;
     let mut tries = 0;
@@ -95,14 +100,14 @@ fn a_saturated_cluster_scaled_out_serves_the_offered_load_again() {
              achieved {before:.0}"
         );
         tries += 1;
-        if before < 0.85 * offered {
+        if before < SATURATED * offered {
             break;
         }
         assert!(
             tries < 4,
             "not saturated: {before:.0} of {offered:.0} writes/s offered at 2 hosts"
         );
-        offered *= 1.25;
+        offered = (offered * 1.1).max(before / (SATURATED - 0.05));
     }
 
     // Out to 4 under the offered load.
@@ -113,6 +118,7 @@ fn a_saturated_cluster_scaled_out_serves_the_offered_load_again() {
             target: 4,
             planner: Planner::Online { time_limit_s: 15.0 },
             window: Duration::from_secs(1),
+            parallel: pliant_kv::moves::PARALLEL,
         },
         &mut |l| eprintln!("[{:>5.1} s] {l}", t0.elapsed().as_secs_f64()),
     )
@@ -134,7 +140,7 @@ fn a_saturated_cluster_scaled_out_serves_the_offered_load_again() {
     let during: Vec<(f64, f64)> = tl.iter().copied().filter(|(t, _)| *t > t_scale).collect();
     let restored_at = during
         .iter()
-        .find(|(_, r)| *r >= 0.9 * offered)
+        .find(|(_, r)| *r >= RESTORED * offered)
         .map(|(t, _)| t - t_scale);
     let lowest = during
         .iter()
@@ -150,11 +156,13 @@ fn a_saturated_cluster_scaled_out_serves_the_offered_load_again() {
     });
     eprintln!("{report}");
     assert!(
-        after >= 0.9 * offered,
+        after >= RESTORED * offered,
         "4 hosts served {after:.0} of {offered:.0} writes/s offered: {report}"
     );
+    // Follows from the two bounds (2 hosts served < SATURATED, 4 hosts >= RESTORED of the
+    // same offer); checked on its own so a report names it.
     assert!(
-        after >= 1.25 * before,
+        after >= RESTORED / SATURATED * before,
         "scaling out did not raise throughput ({before:.0} -> {after:.0}): {report}"
     );
     assert!(restored_at.is_some(), "{report}");

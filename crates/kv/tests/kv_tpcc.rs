@@ -7,6 +7,7 @@ mod common;
 
 use pliant_kv::cluster::{self, Kv, UpOpts};
 use pliant_kv::invariant;
+use pliant_kv::redis_bench;
 use pliant_kv::scale::{self, ScaleOpts};
 use pliant_kv::state::KvState;
 use pliant_kv::tpcc::{self, Mix, TpccOpts};
@@ -49,6 +50,7 @@ fn the_tpcc_mix_stays_consistent_across_scale_out_and_in() {
                 target,
                 planner: Planner::Online { time_limit_s: 15.0 },
                 window: Duration::from_millis(500),
+                parallel: pliant_kv::moves::PARALLEL,
             },
             &mut |l| eprintln!("[{:>5.1} s] {l}", t0.elapsed().as_secs_f64()),
         )
@@ -123,4 +125,67 @@ fn the_tpcc_mix_stays_consistent_across_scale_out_and_in() {
         invariant::below_k_plus_one(&counts, st.k).is_empty(),
         "copies per partition {counts:?}"
     );
+
+    // redis-benchmark, the workload people measure Redis with, on the cluster at rest. It runs
+    // as a temporary user without a password that may not read the configuration (which holds
+    // the password) nor any key but the benchmark's; the user is gone afterwards.
+    let m = kv.master_of(0).expect("master");
+    let addr = format!("{}:{}", kv.state.host_ip(m.host), m.port);
+    redis_bench::with_user(&kv, |user| {
+        let url = format!("redis://{user}:any@{addr}/");
+        let mut c = redis::Client::open(url.as_str())
+            .and_then(|c| c.get_connection())
+            .expect("connect as the benchmark user");
+        let own: String = redis::cmd("SET")
+            .arg(format!("key:{{{}}}:1", pliant_kv::slots::tag_for(0, 8)))
+            .arg("x")
+            .query(&mut c)
+            .expect("the benchmark's own key");
+        assert_eq!(own, "OK");
+        let config = redis::cmd("CONFIG")
+            .arg("GET")
+            .arg("requirepass")
+            .query::<Vec<String>>(&mut c);
+        assert!(
+            config
+                .as_ref()
+                .is_err_and(|e| e.to_string().to_lowercase().contains("noperm")),
+            "{config:?}"
+        );
+        let other = redis::cmd("HGET")
+            .arg(&key)
+            .arg("ytd")
+            .query::<String>(&mut c);
+        assert!(
+            other
+                .as_ref()
+                .is_err_and(|e| e.to_string().to_lowercase().contains("noperm")),
+            "{other:?}"
+        );
+        Ok(())
+    })
+    .expect("temporary user");
+    let rows = redis_bench::run(
+        &kv,
+        &redis_bench::Opts {
+            requests: 20_000,
+            tests: "set,get,incr".into(),
+            ..Default::default()
+        },
+    )
+    .expect("redis-benchmark");
+    eprintln!("redis-benchmark: {rows:?}");
+    let names: Vec<&str> = rows.iter().map(|r| r.test.as_str()).collect();
+    assert_eq!(names, ["SET", "GET", "INCR"]);
+    assert!(
+        rows.iter().all(|r| r.rps > 0.0 && r.p99_ms >= r.p50_ms),
+        "{rows:?}"
+    );
+    for n in &kv.state.nodes {
+        let users: Vec<String> = redis::cmd("ACL")
+            .arg("USERS")
+            .query(&mut kv.connect(n).expect("connect"))
+            .expect("ACL USERS");
+        assert_eq!(users, ["default"], "node {}:{}", n.host, n.port);
+    }
 }
