@@ -176,63 +176,6 @@ pub fn meet_args(st: &KvState, n: &NodeRec) -> [String; 3] {
     ]
 }
 
-/// Runs `cmd` (stdin empty, output captured) to its end, at most `limit`: then it is killed (our
-/// own child, by its handle) and that is the error. Returns its status, stdout and stderr. A
-/// child spawned from a thread in the fabric namespace runs there.
-pub fn run_tool(
-    mut cmd: std::process::Command,
-    limit: Duration,
-) -> Result<(std::process::ExitStatus, String, String), String> {
-    use std::io::Read;
-    use std::process::Stdio;
-    let name = cmd.get_program().to_string_lossy().into_owned();
-    let mut child = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("{name}: {e}"))?;
-    // Both pipes drained while it runs: a full pipe would stall it.
-    let drain = |r: Option<Box<dyn Read + Send>>| {
-        std::thread::spawn(move || {
-            let mut s = String::new();
-            if let Some(mut r) = r {
-                let _ = r.read_to_string(&mut s);
-            }
-            s
-        })
-    };
-    let out = drain(
-        child
-            .stdout
-            .take()
-            .map(|r| Box::new(r) as Box<dyn Read + Send>),
-    );
-    let err = drain(
-        child
-            .stderr
-            .take()
-            .map(|r| Box::new(r) as Box<dyn Read + Send>),
-    );
-    let t0 = Instant::now();
-    let status = loop {
-        if let Some(s) = child.try_wait().map_err(|e| e.to_string())? {
-            break s;
-        }
-        if t0.elapsed() > limit {
-            let _ = child.kill();
-            let _ = child.wait();
-            return Err(format!("{name}: no end after {limit:?}"));
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
-    Ok((
-        status,
-        out.join().unwrap_or_default(),
-        err.join().unwrap_or_default(),
-    ))
-}
-
 /// Polls `f` until it returns `Ok(Some(_))`, at most `limit`; the last error or "timed out"
 /// names `what`. Every wait of this crate is one of these: bounded, never a fixed sleep.
 pub fn wait_for<T>(

@@ -63,9 +63,11 @@ fn cluster_cmd(kv: &Kv, sub: &str, extra: &[String]) -> Result<String, String> {
         .args(["--cluster", sub, &addr(kv, first)])
         .args(extra)
         .args(["--cluster-yes", "--cluster-pipeline", "100"]);
-    let (status, text, err) = node::run_tool(cmd, REBALANCE_TIMEOUT)?;
+    let out = pliant_lab::cmd::run_command(cmd, REBALANCE_TIMEOUT).map_err(|e| e.to_string())?;
+    let (text, err) = (out.stdout, out.stderr);
     let bad = text.contains("[ERR]") || err.contains("[ERR]");
-    if !status.success() || bad {
+    if out.code != Some(0) || bad {
+        let status = out.code.map_or("a signal".into(), |c| format!("exit {c}"));
         let all = text + &err;
         let tail: String = all
             .lines()

@@ -224,8 +224,10 @@ pub fn run(kv: &Kv, o: &Opts) -> Result<Vec<Row>, String> {
             .arg("-r")
             .arg(o.keyspace.to_string())
             .args(["-t", &o.tests, "--csv"]);
-        let (status, out, err) = node::run_tool(cmd, o.timeout)?;
-        if !status.success() {
+        let run = pliant_lab::cmd::run_command(cmd, o.timeout).map_err(|e| e.to_string())?;
+        let (out, err) = (run.stdout, run.stderr);
+        if run.code != Some(0) {
+            let status = run.code.map_or("a signal".into(), |c| format!("exit {c}"));
             let tail: Vec<&str> = err.lines().chain(out.lines()).rev().take(4).collect();
             return Err(format!(
                 "redis-benchmark failed ({status}): {}",

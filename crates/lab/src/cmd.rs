@@ -72,14 +72,26 @@ pub fn run(args: &[String], timeout: Duration) -> Result<ExecOutput> {
         code: None,
         stderr: "empty command".into(),
     })?;
-    let mut child = Command::new(prog)
-        .args(rest)
+    let mut cmd = Command::new(prog);
+    cmd.args(rest);
+    run_command(cmd, timeout)
+}
+
+/// [`run`] for a prepared command (its environment set, for a secret that must stay off the
+/// command line): stdin empty, both pipes drained, killed after `timeout`.
+pub fn run_command(mut cmd: Command, timeout: Duration) -> Result<ExecOutput> {
+    let rendered = std::iter::once(cmd.get_program())
+        .chain(cmd.get_args())
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect::<Vec<_>>()
+        .join(" ");
+    let mut child = cmd
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .map_err(|source| LabError::Spawn {
-            cmd: render(args),
+            cmd: rendered.clone(),
             source,
         })?;
     // Drain both pipes on threads so a chatty child cannot block on a full pipe while we wait.
@@ -95,7 +107,7 @@ pub fn run(args: &[String], timeout: Duration) -> Result<ExecOutput> {
             stderr,
         }),
         None => Err(LabError::Timeout {
-            cmd: render(args),
+            cmd: rendered,
             timeout_ms: timeout.as_millis() as u64,
         }),
     }
