@@ -9,6 +9,9 @@
 //! socket = "/run/pliant/agent.sock" # optional: also on a unix socket (tools on the host)
 //! state_dir = "/run/pliant/agent"  # pid files of the replicas it runs
 //!
+//! [fabric]                         # only on the fabric's (load balancer's) host
+//! netns = "lab-fabric"             # where the steering program runs (its ports' namespace)
+//!
 //! [[replica]]
 //! name = "r1"
 //! command = ["/usr/bin/pliant", "replica", "--config", "/etc/pliant/r1.toml"]
@@ -34,6 +37,16 @@ pub struct AgentConfig {
     pub agent: AgentSection,
     #[serde(default)]
     pub replica: Vec<SlotConfig>,
+    /// The fabric's steering, held for the leading controller (the fabric's host only).
+    #[serde(default)]
+    pub fabric: Option<FabricSection>,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct FabricSection {
+    /// The network namespace of the fabric's ports (the steering program attaches there).
+    pub netns: String,
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -147,6 +160,25 @@ impl AgentConfig {
                 "agent.state_dir = {}: must be absolute",
                 a.state_dir.display()
             ));
+        }
+        if let Some(f) = &self.fabric {
+            let ok = !f.netns.is_empty()
+                && f.netns.len() <= 64
+                && f.netns
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b));
+            if !ok {
+                return bad(format!(
+                    "fabric.netns = {:?}: a namespace name (1..=64 of A-Z a-z 0-9 _ . -)",
+                    f.netns
+                ));
+            }
+            if a.identity.is_none() {
+                return bad(
+                    "[fabric]: steering is commanded by controllers: it needs agent.identity"
+                        .into(),
+                );
+            }
         }
         let mut seen = std::collections::BTreeSet::new();
         for s in &self.replica {

@@ -5,6 +5,7 @@
 //! - [`slots`]: start/stop/watch of the replica processes (exact exit status of its children,
 //!   PID files to adopt replicas across an agent restart).
 //! - [`server`]: the control link (sealed with an AGENT identity), the term fence.
+//! - [`fabric`]: on the fabric's host, the steering maps held for the leading controller.
 //! - [`testing`]: an agent in-process with stand-in replicas, for tests here and elsewhere.
 //!
 //! Why an agent: a controller on another machine cannot fork a process on this one, and it
@@ -13,6 +14,7 @@
 //! weighed against the replicas' own). The agent is the host's witness.
 
 pub mod config;
+pub mod fabric;
 pub mod server;
 pub mod slots;
 pub mod testing;
@@ -25,6 +27,20 @@ pub fn run(
     cfg: &config::AgentConfig,
     stop: &std::sync::atomic::AtomicBool,
     on_ready: impl FnOnce(&pliant_wire::Endpoint),
+) -> Result<(), String> {
+    let fabric = cfg
+        .fabric
+        .as_ref()
+        .map(|f| Arc::new(fabric::Fabric::netns(&f.netns)));
+    run_with(cfg, stop, on_ready, fabric)
+}
+
+/// [`run`] with the fabric steering given (a test's in-memory one).
+pub fn run_with(
+    cfg: &config::AgentConfig,
+    stop: &std::sync::atomic::AtomicBool,
+    on_ready: impl FnOnce(&pliant_wire::Endpoint),
+    fabric: Option<Arc<fabric::Fabric>>,
 ) -> Result<(), String> {
     let security = match &cfg.agent.identity {
         Some(dir) => {
@@ -58,6 +74,7 @@ pub fn run(
         security,
         probe_ms: cfg.agent.probe_ms,
         stop: Default::default(),
+        fabric,
     });
     let ep: pliant_wire::Endpoint = cfg
         .agent

@@ -2,6 +2,7 @@
 //! agent has an identity (clients must prove CONTROLLER or ADMIN), requests checked against the
 //! term fence, at most [`MAX_CONNECTIONS`] served at once, each idle at most [`IO_TIMEOUT`].
 
+use crate::fabric::Fabric;
 use crate::slots::{now_unix_ms, Slots};
 use pliant_proto::agent::{AgentRequest, AgentStatus};
 use pliant_proto::{Link, TermFence};
@@ -15,8 +16,10 @@ use std::time::Duration;
 pub const MAX_CONNECTIONS: usize = 16;
 /// A client silent this long is cut off (the controller polls far more often).
 pub const IO_TIMEOUT: Duration = Duration::from_secs(10);
-/// Largest request body (requests are a few dozen bytes).
+/// Largest request body (requests are a few dozen bytes), without a fabric to steer.
 pub const MAX_REQUEST: usize = 4096;
+/// With a fabric: a steering request may carry a migration's exceptions.
+pub const MAX_STEER_REQUEST: usize = pliant_proto::link::MAX_REQUEST;
 
 /// What the listener counts.
 #[derive(Default)]
@@ -36,6 +39,8 @@ pub struct Shared {
     pub security: Option<Security>,
     pub probe_ms: u64,
     pub stop: AtomicBool,
+    /// The fabric's steering, on the fabric's host (`[fabric]`).
+    pub fabric: Option<Arc<Fabric>>,
 }
 
 impl Shared {
@@ -47,6 +52,14 @@ impl Shared {
             now_unix_ms: now_unix_ms(),
             probe_ms: self.probe_ms,
             slots: self.slots.status(),
+            fabric: self.fabric.as_ref().map(|f| f.status()),
+        }
+    }
+
+    fn max_request(&self) -> usize {
+        match self.fabric {
+            Some(_) => MAX_STEER_REQUEST,
+            None => MAX_REQUEST,
         }
     }
 
@@ -68,8 +81,28 @@ impl Shared {
             tracing::warn!(error = %e, "request refused");
             return self.error(&e);
         }
+        if let AgentRequest::Steer { op } = &req {
+            let Some(f) = &self.fabric else {
+                return self.error(&format!(
+                    "agent {} steers no fabric (its config has no [fabric])",
+                    self.name
+                ));
+            };
+            return match f.apply(op) {
+                Ok(a) => {
+                    let mut v = serde_json::to_value(a).unwrap_or_default();
+                    v["ok"] = json!(true);
+                    v
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "steering refused");
+                    self.error(&e)
+                }
+            };
+        }
         let done = match &req {
             AgentRequest::AgentStatus => Ok(()),
+            AgentRequest::Steer { .. } => unreachable!("answered above"),
             AgentRequest::Start { replica } => self.slots.start(replica).map(|_| ()),
             AgentRequest::Stop { replica } => self.slots.stop(replica).map(|_| ()),
         };
@@ -153,13 +186,13 @@ fn accept_one(stream: Stream, sh: &Arc<Shared>, conns: &ConnThreads) {
 
 fn open_link(stream: Stream, sh: &Shared) -> Option<Link> {
     let Some(sec) = &sh.security else {
-        return Some(Link::local(stream, MAX_REQUEST));
+        return Some(Link::local(stream, sh.max_request()));
     };
     let expect = Expect {
         name: None,
         roles: role::CONTROLLER | role::ADMIN,
     };
-    let o = sec.options_for(!stream.is_unix(), expect, MAX_REQUEST);
+    let o = sec.options_for(!stream.is_unix(), expect, sh.max_request());
     match pliant_wire::Conn::server(stream, &sec.identity, &o) {
         Ok(c) => Some(Link::Sealed(Box::new(c))),
         Err(e) => {

@@ -47,15 +47,28 @@ pub struct RunningAgent {
 impl RunningAgent {
     /// Starts an agent on `cfg` and waits until it listens.
     pub fn start(cfg: AgentConfig) -> RunningAgent {
+        RunningAgent::start_with(cfg, None)
+    }
+
+    /// [`RunningAgent::start`] holding `fabric` as the fabric's steering.
+    pub fn start_with(
+        cfg: AgentConfig,
+        fabric: Option<Arc<crate::fabric::Fabric>>,
+    ) -> RunningAgent {
         cfg.check().unwrap();
         let state_dir = cfg.agent.state_dir.clone();
         let stop = Arc::new(AtomicBool::new(false));
         let (tx, rx) = std::sync::mpsc::channel();
         let s = stop.clone();
         let thread = std::thread::spawn(move || {
-            crate::run(&cfg, &s, |ep| {
-                let _ = tx.send(ep.clone());
-            })
+            crate::run_with(
+                &cfg,
+                &s,
+                |ep| {
+                    let _ = tx.send(ep.clone());
+                },
+                fabric,
+            )
         });
         let ep = rx.recv_timeout(Duration::from_secs(10)).expect("agent up");
         RunningAgent {

@@ -49,6 +49,7 @@ fn config(d: &Path, listen: &str, identity: Option<PathBuf>) -> AgentConfig {
             .iter()
             .map(|n| fake_slot(d, n, Some(d.join(format!("{n}.log")))))
             .collect(),
+        fabric: None,
     };
     c.check().unwrap();
     c

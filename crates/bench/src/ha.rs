@@ -1257,12 +1257,16 @@ fn pliant_up(opts: &HaOpts, sys: &str) -> Result<PliantSys, String> {
     let ctl = format!(
         "[controller]\napi_socket = \"{d}/api.sock\"\ntoken_file = \"{d}/token\"\n\
          store = \"{d}/store.json\"\nheartbeat_ms = 100\ndead_after_missed = 5\n{tcp_ctl}\
-         [lab]\nname = \"{name}\"\nrun_root = \"{root}\"\nnat_addr = \"{nat}\"\n\
+         [lab]\nname = \"{name}\"\nrun_root = \"{root}\"\nnat_addr = \"{nat}\"\n{steering}\
          [ports]\nlo = 20000\nhi = 59999\nblock = 1000\nper_replica = 1\n\
          [policy]\nauto = false\nmax_replicas = 60\n{ha}watch_ms = 10\n{tcp_ha}",
         d = dir.display(),
         tcp_ha = tcp_ha,
         name = sys_.lab().name(),
+        steering = match opts.hosts {
+            true => pliant_lab::agents::steering_keys(),
+            false => String::new(),
+        },
         root = opts.run_root.display(),
         nat = pliant_lab::OUTSIDE_GW_IP,
     );

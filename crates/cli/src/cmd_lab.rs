@@ -74,6 +74,11 @@ enum LabCmd {
         /// its management link (the host shares nothing else with the fabric) instead of veths.
         #[arg(long, requires = "hosts")]
         tunnels: bool,
+        /// With --hosts: run this many controllers (2 for a standby), each on a host of its
+        /// own, electing a leader in an etcd on another host (mutual TLS); they steer through
+        /// the fabric host's agent. Without it, run your own controller.
+        #[arg(long, requires = "hosts", value_parser = clap::value_parser!(u8).range(1..=3))]
+        controllers: Option<u8>,
     },
     /// Remove a lab (processes, namespaces, run directory), also after a crash.
     Down {
@@ -141,6 +146,7 @@ pub fn run(a: LabArgs) -> Result<(), String> {
             realtime_priority,
             hosts,
             tunnels,
+            controllers,
         } => {
             let mut mode = ReplicaMode::parse(&mode).ok_or(format!("unknown mode {mode}"))?;
             if let Some(f) = &nf_config {
@@ -167,6 +173,7 @@ pub fn run(a: LabArgs) -> Result<(), String> {
                 spec.replicas = h;
                 spec.agents = true;
                 spec.tunnels = tunnels;
+                spec.controllers = controllers.unwrap_or(0);
                 spec.transport = pliant_lab::mgmt::Transport::Tcp;
             }
             spec.realtime_priority = realtime_priority;
@@ -182,11 +189,28 @@ pub fn run(a: LabArgs) -> Result<(), String> {
             }
             let lab = Lab::up(spec).map_err(|e| e.to_string())?;
             print_lab(&lab);
-            if let Some(h) = hosts {
+            if let Some(k) = controllers {
+                let run = &lab.state().run_dir;
                 println!(
-                    "hosts: h1..h{h} (agents on 10.254.0.N:{}); a controller reaches them with, in \
-                     ctl.toml:\n{}",
+                    "controllers: c1..c{k} on hosts of their own (10.254.0.251..), etcd on {}; \
+                     ask any of them (a standby names the leader):",
+                    pliant_lab::control::etcd_url()
+                );
+                for c in 1..=k {
+                    println!(
+                        "  pliant status --api {} --token-file {}",
+                        pliant_lab::control::api_socket(run, c).display(),
+                        pliant_lab::control::token_file(run, c).display()
+                    );
+                }
+            } else if let Some(h) = hosts {
+                println!(
+                    "hosts: h1..h{h} (agents on 10.254.0.N:{}), the fabric's agent on {}; a \
+                     controller reaches them with, in ctl.toml's [lab] section:\n{}and the \
+                     section:\n{}",
                     pliant_lab::agents::AGENT_PORT,
+                    pliant_lab::agents::fabric_endpoint(),
+                    pliant_lab::agents::steering_keys(),
                     pliant_lab::agents::hosts_section(h, 50, 1000)
                 );
             }

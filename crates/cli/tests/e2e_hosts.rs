@@ -67,6 +67,17 @@ fn a_whole_host_lost_mid_transfer_keeps_every_connection_and_a_process_death_is_
     };
     // Every host up, each agent running its replica, under the controller's term.
     let st = wait_host_state(&run, "h3", "up");
+    // The controller steers through the fabric host's agent (the tc-BPF maps live there).
+    let steer = &st["steering"];
+    assert_eq!(steer["agent"], "fabric", "{steer}");
+    assert_eq!(steer["backend"], "tc-bpf", "{steer}");
+    let fab: pliant_proto::agent::AgentStatus =
+        pliant_lab::agents::fabric_client(&run.lab().state().run_dir)
+            .ask(&pliant_proto::AgentRequest::AgentStatus)
+            .expect("the fabric agent answers");
+    let f = fab.fabric.expect("it holds the fabric");
+    assert_eq!(f["attached"], true, "{f}");
+    assert!(f["ops"].as_u64() > Some(3), "{f}");
     for n in 1..=3 {
         let h = host(&st, &format!("h{n}"));
         assert_eq!(h["state"], "up", "{h}");
@@ -345,6 +356,147 @@ fn a_partitioned_host_fails_over_and_its_replica_rejoins_as_a_backup_without_a_r
     let fresh = run.sports_for(1, 80, 1, &mut next);
     let mut d = run.curl(&f.url, fresh[0], &format!("{}", f.size_bytes * 4), "after");
     d.finish(&f.sha256, "a new download through the rejoined r1");
+    let (checked, violations, per) = run.audit();
+    assert_eq!(
+        violations, 0,
+        "output before its checkpoint was acked: {per:?}"
+    );
+    assert!(checked > 0, "{per:?}");
+}
+
+/// 3. The control plane on hosts of its own (`LabSpec::controllers`): etcd in its own
+///    namespace, two controllers each on a host with nothing but the management network and a
+///    private view of the run directory, steering through the fabric host's agent. The
+///    leader's host is lost as a whole mid-download (link cut, controller SIGKILLed): the
+///    standby leads once the lease expires, the download (which never needed a controller)
+///    completes, and the new leader then fails a replica host over — a controller on another
+///    host than the fabric, the replicas and etcd doing all of it.
+#[test]
+fn controllers_on_hosts_of_their_own_survive_the_leaders_host_and_fail_a_replica_host_over() {
+    if !pliant_testkit::require_root()
+        || !pliant_testkit::require_tool("etcd", "etcd-server")
+        || !pliant_testkit::require_tool("etcdctl", "etcd-client")
+    {
+        return;
+    }
+    use pliant_lab::control;
+    let mut spec = pliant_lab::LabSpec::new(pliant_lab::ReplicaMode::Pliant {
+        config: PliantNf::nat(),
+    });
+    spec.pliant_bin = Some(std::path::PathBuf::from(common::pliant()));
+    spec.disable_offloads = true;
+    spec.replicas = 3;
+    spec.ha = true;
+    spec.transport = pliant_lab::mgmt::Transport::Tcp;
+    spec.agents = true;
+    spec.controllers = 2;
+    spec = spec.with_file("16M.bin", 16 << 20);
+    let lab = pliant_lab::Lab::up(spec).unwrap_or_else(|e| panic!("lab up: {e}"));
+    let run_dir = lab.state().run_dir.clone();
+    let first = control::leader(&run_dir, 2).expect("a leader after lab up");
+    let other = 3 - first;
+    let mut run = HaRun {
+        dir: control::dir(&run_dir, &control::controller_host(first)),
+        controller: None,
+        lab: Some(lab),
+        procs: Vec::new(),
+        stopped: Vec::new(),
+        nat: true,
+    };
+    run.wait_protected(Duration::from_secs(20));
+    let st = run.cli(&["status"]);
+    assert_eq!(
+        st["controller"]["name"],
+        control::controller_host(first),
+        "{st}"
+    );
+    assert_eq!(st["store"]["backend"], "etcd", "{st}");
+    assert_eq!(st["store"]["ok"], true, "{st}");
+    assert_eq!(st["steering"]["agent"], "fabric", "{st}");
+    for n in 1..=3 {
+        assert_eq!(host(&st, &format!("h{n}"))["state"], "up", "{st}");
+    }
+    // A controller's host holds only its own files: no replica's socket, key or config, no
+    // etcd server key, nothing of the other controller.
+    let mine = control::dir(&run_dir, &control::controller_host(first));
+    let names: BTreeSet<String> = std::fs::read_dir(&mine)
+        .expect("controller host dir")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().to_string())
+        .collect();
+    for n in ["ctl.toml", "id", "etcd", "api.sock", "token"] {
+        assert!(names.contains(n), "{n} missing from {names:?}");
+    }
+    assert!(
+        names.iter().all(|n| !n.starts_with('r') && n != "hosts"),
+        "{names:?}"
+    );
+
+    // 1. The leader's host is lost mid-download.
+    let f = run.lab().served_file("16M.bin").expect("file").clone();
+    let mut next = 42_000u16;
+    let sports = run.sports_for(1, 80, 2, &mut next);
+    let rate = format!("{}", f.size_bytes / 8);
+    let mut dls: Vec<Download> = sports
+        .iter()
+        .enumerate()
+        .map(|(i, p)| run.curl(&f.url, *p, &rate, &format!("c{i}")))
+        .collect();
+    common::wait_for(
+        "r1's downloads checkpointed to backups on other hosts",
+        Duration::from_secs(15),
+        || standby_flows(&run, 1) >= 2,
+    );
+    let mut cut = std::time::Instant::now();
+    let what =
+        control::kill_controller_host(run.lab(), first, &mut || cut = std::time::Instant::now())
+            .expect("kill the leader's host");
+    eprintln!("{what}");
+    let took = loop {
+        if control::leader(&run_dir, 2) == Some(other) {
+            break cut.elapsed();
+        }
+        assert!(
+            cut.elapsed() < Duration::from_secs(10),
+            "c{other} did not take over: {:?}",
+            control::api_status(&run_dir, other)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    eprintln!(
+        "leader c{first}'s host lost: c{other} leads after {} ms (the lease's TTL: its host \
+         went silent, nothing refused)",
+        took.as_millis()
+    );
+    run.dir = control::dir(&run_dir, &control::controller_host(other));
+    let st = run.cli(&["status"]);
+    assert_eq!(
+        st["controller"]["name"],
+        control::controller_host(other),
+        "{st}"
+    );
+    let fab: pliant_proto::agent::AgentStatus = pliant_lab::agents::fabric_client(&run_dir)
+        .ask(&pliant_proto::AgentRequest::AgentStatus)
+        .expect("the fabric agent answers");
+    assert!(
+        fab.term >= st["controller"]["term"].as_u64().unwrap_or(u64::MAX),
+        "the fabric follows the new leader's term: {fab:?} / {}",
+        st["controller"]
+    );
+
+    // 2. The new leader fails a replica host over (through the fabric agent's steering).
+    let killed = run.kill_host(1);
+    let rec = run.wait_failover(1, killed.unix_ms, Duration::from_secs(10));
+    eprintln!(
+        "host h1 lost under c{other}: detected by {} , failed over in {} ms",
+        rec["evidence"], rec["failover_ms"]
+    );
+    for d in dls.iter_mut() {
+        d.finish(
+            &f.sha256,
+            "across the leader's host loss and r1's host loss",
+        );
+    }
     let (checked, violations, per) = run.audit();
     assert_eq!(
         violations, 0,

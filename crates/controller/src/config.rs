@@ -228,9 +228,17 @@ pub struct LabSection {
     #[serde(default)]
     pub pliant_bin: Option<PathBuf>,
     /// "attach": the controller attaches tc-BPF steering in `<lab>-fabric` and owns its maps;
+    /// "agent": the fabric host's agent (`fabric_agent`) holds the maps and applies this
+    /// controller's changes (a controller on another host than the fabric);
     /// "none": no steering (placement only, e.g. for tests without a fabric).
     #[serde(default = "d_steering")]
     pub steering: String,
+    /// With `steering = "agent"`: the fabric host's agent (`host:port` or a unix path).
+    #[serde(default)]
+    pub fabric_agent: Option<String>,
+    /// Its certified name.
+    #[serde(default = "d_fabric_agent_name")]
+    pub fabric_agent_name: String,
     /// The shared NAT address, steered by port block.
     #[serde(default)]
     pub nat_addr: Option<std::net::IpAddr>,
@@ -288,6 +296,9 @@ fn d_run_root() -> PathBuf {
 }
 fn d_steering() -> String {
     "attach".into()
+}
+fn d_fabric_agent_name() -> String {
+    "fabric".into()
 }
 // The NAT NF's default pool (nf-nat: 20000-59999), in 10 blocks.
 fn d_port_lo() -> u16 {
@@ -495,11 +506,34 @@ impl ControllerConfig {
             h.check().map_err(|e| bad(format!("ha: {e}")))?;
         }
         if let Some(l) = &c.lab {
-            if l.steering != "attach" && l.steering != "none" {
+            if !["attach", "agent", "none"].contains(&l.steering.as_str()) {
                 return Err(bad(format!(
-                    "lab.steering = {:?}: expected \"attach\" or \"none\"",
+                    "lab.steering = {:?}: expected \"attach\", \"agent\" or \"none\"",
                     l.steering
                 )));
+            }
+            match (l.steering.as_str(), &l.fabric_agent) {
+                ("agent", None) => {
+                    return Err(bad(
+                        "lab.steering = \"agent\" needs lab.fabric_agent (the fabric host's \
+                         agent endpoint)"
+                            .into(),
+                    ))
+                }
+                ("agent", Some(ep)) => {
+                    // The identity: controller.identity, or the lab's controller identity.
+                    ep.parse::<pliant_wire::Endpoint>()
+                        .map_err(|e| bad(format!("lab.fabric_agent {ep:?}: {e}")))?;
+                    pliant_proto::agent::check_slot_name(&l.fabric_agent_name)
+                        .map_err(|e| bad(format!("lab.fabric_agent_name: {e}")))?;
+                }
+                (_, Some(_)) => {
+                    return Err(bad(format!(
+                        "lab.fabric_agent is only for lab.steering = \"agent\" (it is {:?})",
+                        l.steering
+                    )))
+                }
+                _ => {}
             }
         }
         if let Some(p) = &c.ports {

@@ -7,7 +7,7 @@ use crate::controller::{Controller, Settings};
 use crate::http::{Listen, Server};
 use crate::migrator::Migrator;
 use crate::ports::PortBlocks;
-use crate::steering::{FabricSteering, LabLinkSteering, MemSteering, Steering};
+use crate::steering::{FabricSteering, LabLinkSteering, MemSteering, RemoteSteering, Steering};
 use crate::store::{EtcdStore, FileStore, Store};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -143,6 +143,16 @@ pub fn build_on(
             let steering: Box<dyn Steering> = if l.steering == "attach" {
                 let ns = format!("{}-fabric", l.name);
                 Box::new(FabricSteering::attach_lab(&ns, &known, l.nat_addr)?)
+            } else if let ("agent", Some(ep)) = (l.steering.as_str(), &l.fabric_agent) {
+                Box::new(RemoteSteering::attach(
+                    ep,
+                    &l.fabric_agent_name,
+                    settings.control.security.clone(),
+                    settings.control.term.clone(),
+                    settings.rpc_timeout,
+                    &known,
+                    l.nat_addr,
+                )?)
             } else if cfg.ha.is_some() {
                 // No BPF steering but HA on: fencing falls back to taking the replica's
                 // fabric links down (lab only).

@@ -620,6 +620,7 @@ mod tests {
             deposed_refused: 0,
             now_unix_ms: 0,
             probe_ms: 5,
+            fabric: None,
             slots: slots
                 .iter()
                 .map(|(n, s)| SlotStatus {

@@ -45,6 +45,7 @@ fn agent(d: &Path, ca: &Ca, host: &str, slots: &[&str]) -> RunningAgent {
             stop_grace_ms: 2_000,
         },
         replica: slots.iter().map(|n| fake_slot(d, n, None)).collect(),
+        fabric: None,
     };
     RunningAgent::start(cfg)
 }

@@ -100,23 +100,113 @@ pub fn client(run_dir: &Path, n: u8) -> pliant_proto::Client {
 
 /// Waits until host `n`'s agent answers (its process `child` must not end meanwhile).
 pub fn wait_agent(run_dir: &Path, n: u8, child: &mut std::process::Child) -> Result<()> {
+    wait_answer(&client(run_dir, n), &host_name(n), child)
+}
+
+/// The fabric host's agent: its certified name.
+pub const FABRIC_AGENT: &str = "fabric";
+
+/// The fabric agent's endpoint on the management network (the bridge's address: it runs in
+/// the fabric namespace's network stack).
+pub fn fabric_endpoint() -> String {
+    format!("{}:{AGENT_PORT}", crate::mgmt::CONTROLLER_ADDR)
+}
+
+/// The fabric agent's unix socket (for the lab itself).
+pub fn fabric_socket(run_dir: &Path) -> PathBuf {
+    run_dir.join("fabric-agent.sock")
+}
+
+/// The fabric agent's config: no replica slots, the lab's fabric namespace to steer.
+pub fn fabric_config_text(run_dir: &Path, lab: &str) -> String {
+    let mut agent = toml::Table::new();
+    agent.insert("name".into(), FABRIC_AGENT.into());
+    agent.insert("listen".into(), fabric_endpoint().into());
+    agent.insert(
+        "socket".into(),
+        fabric_socket(run_dir).display().to_string().into(),
+    );
+    agent.insert(
+        "identity".into(),
+        crate::ha::identity_dir(run_dir, FABRIC_AGENT)
+            .display()
+            .to_string()
+            .into(),
+    );
+    agent.insert(
+        "state_dir".into(),
+        run_dir
+            .join("fabric-agent-state")
+            .display()
+            .to_string()
+            .into(),
+    );
+    let mut fabric = toml::Table::new();
+    fabric.insert(
+        "netns".into(),
+        format!("{lab}-{}", crate::topology::Role::Fabric.suffix()).into(),
+    );
+    let mut t = toml::Table::new();
+    t.insert("agent".into(), agent.into());
+    t.insert("fabric".into(), fabric.into());
+    toml::to_string(&t).unwrap_or_default()
+}
+
+/// Issues the fabric agent's AGENT identity and writes its config; returns the config's path.
+pub fn prepare_fabric(run_dir: &Path, lab: &str) -> Result<PathBuf> {
+    crate::ha::issue_identity(run_dir, FABRIC_AGENT, pliant_wire::role::AGENT)?;
+    let p = run_dir.join("fabric-agent.toml");
+    std::fs::write(&p, fabric_config_text(run_dir, lab)).map_err(crate::error::io_err(&p))?;
+    Ok(p)
+}
+
+/// A client of the fabric agent (its unix socket), as the lab's admin.
+pub fn fabric_client(run_dir: &Path) -> pliant_proto::Client {
+    pliant_proto::Client::new(
+        pliant_wire::Endpoint::Unix(fabric_socket(run_dir)),
+        crate::ha::lab_security(run_dir, crate::ha::ADMIN),
+    )
+    .expecting(FABRIC_AGENT)
+    .expecting_role(pliant_wire::role::AGENT)
+}
+
+/// Waits until the fabric agent answers.
+pub fn wait_fabric_agent(run_dir: &Path, child: &mut std::process::Child) -> Result<()> {
+    wait_answer(&fabric_client(run_dir), FABRIC_AGENT, child)
+}
+
+/// The `[lab]` keys of a controller that steers through the fabric agent (any host's
+/// controller: nothing of the fabric's kernel is needed where it runs).
+pub fn steering_keys() -> String {
+    format!(
+        "steering = \"agent\"\nfabric_agent = \"{}\"\nfabric_agent_name = \"{FABRIC_AGENT}\"\n",
+        fabric_endpoint()
+    )
+}
+
+fn wait_answer(
+    c: &pliant_proto::Client,
+    name: &str,
+    child: &mut std::process::Child,
+) -> Result<()> {
     let t0 = std::time::Instant::now();
-    let c = client(run_dir, n).with_timeout(Duration::from_millis(500));
+    let c = c.clone().with_timeout(Duration::from_millis(500));
     loop {
         match c.ask::<AgentStatus, _>(&AgentRequest::AgentStatus) {
             Ok(_) => return Ok(()),
             Err(e) => {
+                let waited_ms = t0.elapsed().as_millis() as u64;
                 if let Ok(Some(st)) = child.try_wait() {
                     return Err(LabError::NotReady {
-                        what: format!("agent {}", host_name(n)),
-                        waited_ms: t0.elapsed().as_millis() as u64,
+                        what: format!("agent {name}"),
+                        waited_ms,
                         detail: format!("exited with {st}"),
                     });
                 }
                 if t0.elapsed() > Duration::from_secs(15) {
                     return Err(LabError::NotReady {
-                        what: format!("agent {}", host_name(n)),
-                        waited_ms: t0.elapsed().as_millis() as u64,
+                        what: format!("agent {name}"),
+                        waited_ms,
                         detail: e.to_string(),
                     });
                 }

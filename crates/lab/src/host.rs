@@ -57,7 +57,12 @@ pub fn prepare(run_dir: &Path, n: u8) -> Result<()> {
 /// the run directory (`ip netns exec` gives the process a mount namespace that does not
 /// propagate back; the shell binds, then becomes the program, so the recorded PID is it).
 pub fn command(ns: &str, run_dir: &Path, n: u8, program: &[&str]) -> Vec<String> {
-    let host = dir(run_dir, n).display().to_string();
+    command_in(ns, &dir(run_dir, n), run_dir, program)
+}
+
+/// [`command`] with host directory `host` (a control-plane host's, [`crate::control`]).
+pub fn command_in(ns: &str, host: &Path, run_dir: &Path, program: &[&str]) -> Vec<String> {
+    let host = host.display().to_string();
     let run = run_dir.display().to_string();
     let mut argv: Vec<&str> = vec![
         "sh",

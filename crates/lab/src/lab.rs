@@ -193,6 +193,9 @@ pub struct LabSpec {
     /// With `agents`: the hosts' replica ports reach the fabric through VXLAN tunnels over
     /// the management network instead of veths ([`crate::mgmt::tunnel_ports`]).
     pub tunnels: bool,
+    /// With `agents`: this many controllers (0: none, the caller runs its own), each on a
+    /// host of its own, electing a leader in an etcd on another host ([`crate::control`]).
+    pub controllers: u8,
 }
 
 impl LabSpec {
@@ -216,6 +219,7 @@ impl LabSpec {
             realtime_priority: None,
             transport: crate::mgmt::Transport::Unix,
             agents: false,
+            controllers: 0,
             tunnels: false,
         }
     }
@@ -336,6 +340,16 @@ impl Lab {
                  binary (not a replica command)"
                     .into(),
             ));
+        }
+        if spec.controllers > crate::control::MAX_CONTROLLERS
+            || (spec.controllers > 0 && !spec.agents)
+        {
+            return Err(LabError::Config(format!(
+                "controllers = {}: 1..={} controllers on hosts of their own need a lab of \
+                 hosts (agents)",
+                spec.controllers,
+                crate::control::MAX_CONTROLLERS
+            )));
         }
         if spec.tunnels && !spec.agents {
             return Err(LabError::Config(
@@ -582,26 +596,20 @@ impl Lab {
         roles.extend((1..=replicas).map(Role::Replica));
         for role in &roles {
             let ns = self.record_ns(*role)?;
-            cmd::run_ok(&argv(&["ip", "netns", "add", &ns]), SETUP_TIMEOUT)?;
-            cmd::run_ok(
-                &argv(&["ip", "-n", &ns, "link", "set", "lo", "up"]),
-                SETUP_TIMEOUT,
-            )?;
-            // No IPv6 anywhere: router solicitations and DAD would otherwise be the first
-            // "traffic" through an NF, and the fabric's kernel must not act on frames at all.
-            cmd::run_ok(
-                &cmd::in_ns(
-                    &ns,
-                    &[
-                        "sysctl",
-                        "-qw",
-                        "net.ipv6.conf.all.disable_ipv6=1",
-                        "net.ipv6.conf.default.disable_ipv6=1",
-                    ],
-                ),
-                SETUP_TIMEOUT,
-            )?;
+            make_netns(&ns)?;
         }
+        // The control plane's hosts (etcd, controllers): on the management network only.
+        for name in crate::control::hosts(spec.controllers) {
+            let ns = crate::control::netns(&self.state.name, &name);
+            self.state.namespaces.push(ns.clone());
+            self.state.save()?;
+            make_netns(&ns)?;
+        }
+        self.build_links(spec)
+    }
+
+    fn build_links(&mut self, spec: &LabSpec) -> Result<()> {
+        let replicas = spec.replicas;
         let (cl, fab, srv) = (
             self.netns(Role::Client),
             self.netns(Role::Fabric),
@@ -690,6 +698,9 @@ impl Lab {
         }
         if spec.transport == crate::mgmt::Transport::Tcp {
             crate::mgmt::install(&fab, &self.state.name, replicas)?;
+            for name in crate::control::hosts(spec.controllers) {
+                crate::control::connect(&fab, &self.state.name, &name)?;
+            }
         }
         if spec.tunnels {
             for n in 1..=replicas {
@@ -711,7 +722,64 @@ impl Lab {
         for n in 1..=replicas {
             self.setup_replica(spec, n)?;
         }
+        if spec.agents {
+            self.start_fabric_agent(spec)?;
+        }
+        if spec.controllers > 0 {
+            self.start_control_plane(spec)?;
+        }
         Ok(())
+    }
+
+    /// etcd on a host of its own, then `spec.controllers` controllers, each on a host of its
+    /// own (private view of the run directory, the management network only): they elect a
+    /// leader by an etcd lease and steer through the fabric's agent, as across machines.
+    fn start_control_plane(&mut self, spec: &LabSpec) -> Result<()> {
+        let run = self.state.run_dir.clone();
+        let name = self.state.name.clone();
+        let bin = spec_bin(spec)?;
+        self.say("starting etcd on its own host");
+        let etcd = crate::control::start_etcd(&run, &name)?;
+        self.record_proc(etcd as i32, "etcd")?;
+        for k in 1..=spec.controllers {
+            let cfg = crate::control::prepare_controller(&run, &name, k, spec)?;
+            let host = crate::control::controller_host(k);
+            let ns = crate::control::netns(&name, &host);
+            let program = [bin.as_str(), "controller", "--config", cfg.as_str()];
+            let argv =
+                crate::host::command_in(&ns, &crate::control::dir(&run, &host), &run, &program);
+            let log = crate::control::dir(&run, &host).join("controller.log");
+            let child = spawn_logged(&argv, &log)?;
+            let pid = child.id() as i32;
+            self.children.push(child);
+            self.record_proc(pid, &format!("pliant-controller-{host}"))?;
+            self.say(&format!("controller {host} (pid {pid}) on its own host"));
+        }
+        let leader = crate::control::wait_leader(&run, spec.controllers)?;
+        self.say(&format!("controller {leader} leads"));
+        Ok(())
+    }
+
+    /// The fabric host's agent, in the fabric namespace's network stack (with the host's
+    /// mounts: the pinned steering maps), on the management network: it holds the fabric's
+    /// steering for whichever controller leads, wherever that controller runs.
+    fn start_fabric_agent(&mut self, spec: &LabSpec) -> Result<()> {
+        let run = self.state.run_dir.clone();
+        let bin = spec_bin(spec)?;
+        let cfg = crate::agents::prepare_fabric(&run, &self.state.name)?;
+        let cfg = cfg.display().to_string();
+        let argv: Vec<String> = crate::mgmt::controller_command(&self.state.name)
+            .into_iter()
+            .chain([bin, "agent".into(), "--config".into(), cfg])
+            .collect();
+        let log = run.join("fabric-agent.log");
+        let mut child = spawn_logged(&argv, &log)?;
+        let pid = child.id() as i32;
+        self.record_proc(pid, "pliant-agent-fabric")?;
+        self.say(&format!("waiting for the fabric agent (pid {pid})"));
+        let ready = crate::agents::wait_fabric_agent(&run, &mut child);
+        self.children.push(child);
+        ready
     }
 
     fn setup_replica(&mut self, spec: &LabSpec, n: u8) -> Result<()> {
@@ -824,12 +892,7 @@ impl Lab {
         sock: PathBuf,
     ) -> Result<()> {
         let run = self.state.run_dir.clone();
-        let bin = spec
-            .pliant_bin
-            .as_ref()
-            .ok_or(LabError::NoPliantBinary)?
-            .display()
-            .to_string();
+        let bin = spec_bin(spec)?;
         let cfg = crate::agents::prepare(&run, n, &bin)?;
         let program = [bin.as_str(), "agent", "--config", cfg.as_str()];
         let argv = crate::host::command(ns, &run, n, &program);
@@ -1103,6 +1166,40 @@ fn parse_link_stats(json: &str) -> Option<LinkStats> {
         tx_packets: g("tx", "packets")?,
         tx_dropped: g("tx", "dropped")?,
     })
+}
+
+/// Creates namespace `ns` (recorded by the caller), loopback up, IPv6 off.
+pub(crate) fn make_netns(ns: &str) -> Result<()> {
+    cmd::run_ok(&argv(&["ip", "netns", "add", ns]), SETUP_TIMEOUT)?;
+    cmd::run_ok(
+        &argv(&["ip", "-n", ns, "link", "set", "lo", "up"]),
+        SETUP_TIMEOUT,
+    )?;
+    // No IPv6 anywhere: router solicitations and DAD would otherwise be the first
+    // "traffic" through an NF, and the fabric's kernel must not act on frames at all.
+    cmd::run_ok(
+        &cmd::in_ns(
+            ns,
+            &[
+                "sysctl",
+                "-qw",
+                "net.ipv6.conf.all.disable_ipv6=1",
+                "net.ipv6.conf.default.disable_ipv6=1",
+            ],
+        ),
+        SETUP_TIMEOUT,
+    )?;
+    Ok(())
+}
+
+/// The `pliant` binary a lab of pliant replicas runs.
+fn spec_bin(spec: &LabSpec) -> Result<String> {
+    Ok(spec
+        .pliant_bin
+        .as_ref()
+        .ok_or(LabError::NoPliantBinary)?
+        .display()
+        .to_string())
 }
 
 fn spawn_logged(argv: &[String], log: &Path) -> Result<Child> {

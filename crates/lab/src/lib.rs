@@ -10,6 +10,7 @@
 
 pub mod agents;
 pub mod cmd;
+pub mod control;
 pub mod error;
 pub mod etcd;
 pub mod fabric;

@@ -149,16 +149,21 @@ pub fn install(fabric: &str, lab: &str, replicas: u8) -> Result<()> {
 /// Connects replica `n` (also used by scale-out for a new replica).
 pub fn connect(fabric: &str, lab: &str, n: u8) -> Result<()> {
     let ns = format!("{lab}-{}", Role::Replica(n).suffix());
-    let fab_if = format!("mg{n}");
+    connect_ns(fabric, &ns, &format!("mg{n}"), &addr(n))
+}
+
+/// Connects namespace `ns` to the bridge (its side [`REPLICA_IF`], the bridge's `fab_if`)
+/// with management address `addr`.
+pub fn connect_ns(fabric: &str, ns: &str, fab_if: &str, addr: &str) -> Result<()> {
     run(&[
-        "ip", "-n", &ns, "link", "add", REPLICA_IF, "type", "veth", "peer", "name", &fab_if,
-        "netns", fabric,
+        "ip", "-n", ns, "link", "add", REPLICA_IF, "type", "veth", "peer", "name", fab_if, "netns",
+        fabric,
     ])?;
-    run(&["ip", "-n", fabric, "link", "set", &fab_if, "master", BRIDGE])?;
-    run(&["ip", "-n", fabric, "link", "set", &fab_if, "up"])?;
-    let cidr = format!("{}/24", addr(n));
-    run(&["ip", "-n", &ns, "addr", "add", &cidr, "dev", REPLICA_IF])?;
-    run(&["ip", "-n", &ns, "link", "set", REPLICA_IF, "up"])
+    run(&["ip", "-n", fabric, "link", "set", fab_if, "master", BRIDGE])?;
+    run(&["ip", "-n", fabric, "link", "set", fab_if, "up"])?;
+    let cidr = format!("{addr}/24");
+    run(&["ip", "-n", ns, "addr", "add", &cidr, "dev", REPLICA_IF])?;
+    run(&["ip", "-n", ns, "link", "set", REPLICA_IF, "up"])
 }
 
 /// VXLAN's UDP port (IANA), for the data tunnels of host labs.

@@ -261,23 +261,7 @@ fn build(
     let n = r.index;
     let ns = &r.netns;
     let fab = format!("{}-{}", st.name, Role::Fabric.suffix());
-    cmd::run_ok(&argv(&["ip", "netns", "add", ns]), SETUP_TIMEOUT)?;
-    cmd::run_ok(
-        &argv(&["ip", "-n", ns, "link", "set", "lo", "up"]),
-        SETUP_TIMEOUT,
-    )?;
-    cmd::run_ok(
-        &cmd::in_ns(
-            ns,
-            &[
-                "sysctl",
-                "-qw",
-                "net.ipv6.conf.all.disable_ipv6=1",
-                "net.ipv6.conf.default.disable_ipv6=1",
-            ],
-        ),
-        SETUP_TIMEOUT,
-    )?;
+    crate::lab::make_netns(ns)?;
     for (rif, fif, mac) in [
         (replica_in_if(n), r.fabric_in.clone(), IN_PORT_MAC),
         (replica_out_if(n), r.fabric_out.clone(), OUT_PORT_MAC),

@@ -12,6 +12,7 @@
 //! to a NAT address) -> ring (Maglev table, slot = hash(key) % size). The replica's `live` flag
 //! is checked last; a dead or absent replica drops the packet (counted), never redirects.
 
+pub mod control;
 pub mod lab;
 pub mod layout;
 pub mod maglev;

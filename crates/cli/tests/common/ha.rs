@@ -187,10 +187,16 @@ pub fn ha_up_spec(
         pliant_lab::mgmt::Transport::Tcp => pliant_lab::mgmt::controller_keys(),
         pliant_lab::mgmt::Transport::Unix => (String::new(), String::new()),
     };
+    // A lab of hosts: the controller steers through the fabric host's agent, as one on
+    // another host than the fabric must.
+    let steering = match agents {
+        Some(_) => pliant_lab::agents::steering_keys(),
+        None => String::new(),
+    };
     let ctl = format!(
         "[controller]\napi_socket = \"{d}/api.sock\"\ntoken_file = \"{d}/token\"\n\
          store = \"{d}/store.json\"\nheartbeat_ms = 100\ndead_after_missed = 5\n{tcp_ctl}{ctl_extra}\
-         [lab]\nname = \"{name}\"\n{nat_cfg}\
+         [lab]\nname = \"{name}\"\n{steering}{nat_cfg}\
          [policy]\n{policy}\
          [ha]\nmode = \"pico\"\npolicy = \"chords\"\nhz = 1000\nwatch_ms = 10\n{tcp_ha}{sections}",
         d = dir.display(),
