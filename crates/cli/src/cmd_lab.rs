@@ -79,6 +79,10 @@ enum LabCmd {
         /// the fabric host's agent. Without it, run your own controller.
         #[arg(long, requires = "hosts", value_parser = clap::value_parser!(u8).range(1..=3))]
         controllers: Option<u8>,
+        /// With --hosts: this many more hosts with an agent but no replica running, for a
+        /// controller to scale out onto (after a host's loss, say).
+        #[arg(long, requires = "hosts", default_value_t = 0)]
+        spare_hosts: u8,
     },
     /// Remove a lab (processes, namespaces, run directory), also after a crash.
     Down {
@@ -147,6 +151,7 @@ pub fn run(a: LabArgs) -> Result<(), String> {
             hosts,
             tunnels,
             controllers,
+            spare_hosts,
         } => {
             let mut mode = ReplicaMode::parse(&mode).ok_or(format!("unknown mode {mode}"))?;
             if let Some(f) = &nf_config {
@@ -174,6 +179,7 @@ pub fn run(a: LabArgs) -> Result<(), String> {
                 spec.agents = true;
                 spec.tunnels = tunnels;
                 spec.controllers = controllers.unwrap_or(0);
+                spec.spare_hosts = spare_hosts;
                 spec.transport = pliant_lab::mgmt::Transport::Tcp;
             }
             spec.realtime_priority = realtime_priority;
@@ -211,7 +217,7 @@ pub fn run(a: LabArgs) -> Result<(), String> {
                     pliant_lab::agents::AGENT_PORT,
                     pliant_lab::agents::fabric_endpoint(),
                     pliant_lab::agents::steering_keys(),
-                    pliant_lab::agents::hosts_section(h, 50, 1000)
+                    pliant_lab::agents::hosts_section(h + spare_hosts, 50, 1000)
                 );
             }
             let name = lab.name().to_string();

@@ -390,6 +390,7 @@ fn controllers_on_hosts_of_their_own_survive_the_leaders_host_and_fail_a_replica
     spec.transport = pliant_lab::mgmt::Transport::Tcp;
     spec.agents = true;
     spec.controllers = 2;
+    spec.spare_hosts = 1;
     spec = spec.with_file("16M.bin", 16 << 20);
     let lab = pliant_lab::Lab::up(spec).unwrap_or_else(|e| panic!("lab up: {e}"));
     let run_dir = lab.state().run_dir.clone();
@@ -497,6 +498,46 @@ fn controllers_on_hosts_of_their_own_survive_the_leaders_host_and_fail_a_replica
             "across the leader's host loss and r1's host loss",
         );
     }
+
+    // 3. Back to three replicas on the spare host: the new leader scales out, the only stopped
+    //    slot on a host that runs none is r4 on h4; r4 joins the ring, is protected, serves.
+    let st = run.cli(&["status"]);
+    assert_eq!(host(&st, "h4")["state"], "up", "{st}");
+    let out = controller_cli(&run.dir, &["scale", "out", "--json"]);
+    assert!(
+        out.status.success(),
+        "scale out onto the spare host: {} {}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let t = std::time::Instant::now();
+    loop {
+        let st = run.cli(&["status"]);
+        let h4 = host(&st, "h4");
+        let alive = st["replicas"]
+            .as_array()
+            .is_some_and(|rs| rs.iter().any(|r| r["name"] == "r4" && r["alive"] == true));
+        if alive && h4["replicas"][0]["state"] == "running" {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(15),
+            "r4 not running on the spare host: {st}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let ha = run.wait_protected(Duration::from_secs(20));
+    let members = run.members();
+    assert_eq!(members, vec![2, 3, 4], "{ha}");
+    eprintln!(
+        "after the scale-out onto h4: members {members:?}, unprotected {}",
+        ha["summary"]["unprotected"]
+    );
+    let mut dl = run.curl(&f.url, next, &format!("{}", f.size_bytes * 4), "spare");
+    dl.finish(
+        &f.sha256,
+        "a new download after the scale-out onto the spare host",
+    );
     let (checked, violations, per) = run.audit();
     assert_eq!(
         violations, 0,

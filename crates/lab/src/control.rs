@@ -180,7 +180,7 @@ pub fn config_text(run_dir: &Path, lab: &str, k: u8, spec: &crate::LabSpec) -> S
         addr = controller_addr(k),
         etcd = etcd_url(),
         steering = crate::agents::steering_keys(),
-        hosts = crate::agents::hosts_section(spec.replicas, 20, 400),
+        hosts = crate::agents::hosts_section(spec.hosts(), 20, 400),
     )
 }
 

@@ -196,9 +196,18 @@ pub struct LabSpec {
     /// With `agents`: this many controllers (0: none, the caller runs its own), each on a
     /// host of its own, electing a leader in an etcd on another host ([`crate::control`]).
     pub controllers: u8,
+    /// With `agents`: this many more hosts (`r<replicas+1>`…), each with its agent, links and
+    /// replica config but no replica running: somewhere a controller can scale out to, after
+    /// a host's loss for instance (a stopped slot on a host running none).
+    pub spare_hosts: u8,
 }
 
 impl LabSpec {
+    /// Hosts (replica namespaces) in all: the running replicas' and the spare ones.
+    pub fn hosts(&self) -> u8 {
+        self.replicas.saturating_add(self.spare_hosts)
+    }
+
     pub fn new(mode: ReplicaMode) -> Self {
         LabSpec {
             name: None,
@@ -220,6 +229,7 @@ impl LabSpec {
             transport: crate::mgmt::Transport::Unix,
             agents: false,
             controllers: 0,
+            spare_hosts: 0,
             tunnels: false,
         }
     }
@@ -349,6 +359,17 @@ impl Lab {
                  hosts (agents)",
                 spec.controllers,
                 crate::control::MAX_CONTROLLERS
+            )));
+        }
+        if spec.spare_hosts > 0
+            && (!spec.agents
+                || spec.replicas < 2
+                || spec.replicas.saturating_add(spec.spare_hosts) > MAX_REPLICAS)
+        {
+            return Err(LabError::Config(format!(
+                "spare_hosts = {}: spare hosts need a lab of hosts (agents) with 2+ replicas \
+                 and at most {MAX_REPLICAS} hosts in all",
+                spec.spare_hosts
             )));
         }
         if spec.tunnels && !spec.agents {
@@ -591,9 +612,8 @@ impl Lab {
     }
 
     fn build(&mut self, spec: &LabSpec) -> Result<()> {
-        let replicas = spec.replicas;
         let mut roles = vec![Role::Client, Role::Fabric, Role::Server];
-        roles.extend((1..=replicas).map(Role::Replica));
+        roles.extend((1..=spec.hosts()).map(Role::Replica));
         for role in &roles {
             let ns = self.record_ns(*role)?;
             make_netns(&ns)?;
@@ -609,7 +629,10 @@ impl Lab {
     }
 
     fn build_links(&mut self, spec: &LabSpec) -> Result<()> {
+        // Every host's ports and links exist from the start (spare ones too); the steering
+        // covers the running replicas, a controller adds a spare's ports when it starts one.
         let replicas = spec.replicas;
+        let hosts = spec.hosts();
         let (cl, fab, srv) = (
             self.netns(Role::Client),
             self.netns(Role::Fabric),
@@ -633,7 +656,7 @@ impl Lab {
             ),
         ];
         // Tunnelled host labs carry the replica ports over the management network (below).
-        for n in (1..=replicas).filter(|_| !spec.tunnels) {
+        for n in (1..=hosts).filter(|_| !spec.tunnels) {
             let rn = self.netns(Role::Replica(n));
             links.push((
                 rn.clone(),
@@ -697,13 +720,13 @@ impl Lab {
             )?;
         }
         if spec.transport == crate::mgmt::Transport::Tcp {
-            crate::mgmt::install(&fab, &self.state.name, replicas)?;
+            crate::mgmt::install(&fab, &self.state.name, hosts)?;
             for name in crate::control::hosts(spec.controllers) {
                 crate::control::connect(&fab, &self.state.name, &name)?;
             }
         }
         if spec.tunnels {
-            for n in 1..=replicas {
+            for n in 1..=hosts {
                 crate::mgmt::tunnel_ports(&fab, &self.state.name, n, spec.disable_offloads)?;
             }
         }
@@ -719,7 +742,7 @@ impl Lab {
             crate::ha::provision_ca(&self.state.run_dir)?;
         }
         self.start_servers(spec)?;
-        for n in 1..=replicas {
+        for n in 1..=hosts {
             self.setup_replica(spec, n)?;
         }
         if spec.agents {
@@ -839,7 +862,10 @@ impl Lab {
                 // (`[ha]` and `[nat]` both sit in the flattened NF sections.)
                 let shared = spec.replicas > 1;
                 let pinned = crate::ha::pin_nat_ports(&mut cfg.nf_sections, n, shared)?;
-                if let (Some((lo, hi)), Some(steer)) = (pinned, self.steer.as_mut()) {
+                // A spare host's block stays unowned until a controller starts its replica
+                // (and tells it, and the fabric, the blocks it allocates).
+                let spare = n > spec.replicas;
+                if let (Some((lo, hi)), Some(steer), false) = (pinned, self.steer.as_mut(), spare) {
                     steer.set_port_owner(lo..=hi, Some(u32::from(n)))?;
                 }
                 if spec.transport == crate::mgmt::Transport::Tcp {
@@ -910,6 +936,13 @@ impl Lab {
         let ready = crate::agents::wait_agent(&run, n, &mut child);
         self.children.push(child);
         ready?;
+        if n > spec.replicas {
+            self.say(&format!(
+                "spare host {} ready (replica r{n} not started)",
+                crate::agents::host_name(n)
+            ));
+            return Ok(());
+        }
         let rpid = crate::agents::start_replica(&run, n)?;
         self.record_proc(rpid as i32, &format!("pliant-r{n}"))?;
         self.replica_sockets.push(sock);
