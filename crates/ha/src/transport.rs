@@ -145,6 +145,9 @@ pub struct SenderStats {
     pub bytes_sent: u64,
     pub frames_sent: u64,
     pub checkpoints: u64,
+    /// Checkpoints the caller of `send` wrote itself (nothing queued before them), of
+    /// `checkpoints`; the rest went through the ship thread's queue.
+    pub checkpoints_direct: u64,
     pub heartbeats: u64,
     /// Frames received from the backup (acks of either kind).
     pub acks: u64,
@@ -588,6 +591,7 @@ struct SenderCounters {
     bytes_sent: AtomicU64,
     frames_sent: AtomicU64,
     checkpoints: AtomicU64,
+    checkpoints_direct: AtomicU64,
     heartbeats: AtomicU64,
     acks: AtomicU64,
     connect_attempts: AtomicU64,
@@ -621,6 +625,73 @@ struct SenderShared {
     c: SenderCounters,
     /// The live connection, so Drop can shut it down and unblock both threads.
     conn: Mutex<Option<Stream>>,
+    /// The sending half once greeted. Whichever thread sends a frame takes it: the caller of
+    /// [`ReplSender::send`] ships a checkpoint itself when nothing queued is waiting before it
+    /// (no hand-off to the ship thread on the output-commit path: one thread wake-up fewer per
+    /// round trip), the ship thread ships queued checkpoints and heartbeats. Sealing and
+    /// writing under one lock keeps the frames' order, which the session's sequence numbers
+    /// require.
+    txh: Mutex<Option<TxHalf>>,
+    /// Checkpoints in the queue and not yet written (decremented under `txh` once written): a
+    /// direct send happens only when it is 0, so nothing overtakes a queued checkpoint.
+    queued: std::sync::atomic::AtomicUsize,
+}
+
+struct TxHalf {
+    stream: Stream,
+    tx: Sealer,
+    frame: Vec<u8>,
+    last_tx: Instant,
+}
+
+impl SenderShared {
+    /// Seals and writes one frame (the caller holds `txh`); bookkeeping of what the backup
+    /// owes an answer for. An error is the link's death reason.
+    fn ship(
+        &self,
+        h: &mut TxHalf,
+        msg: &ReplMsg,
+        cp_id: Option<(GroupId, u64)>,
+    ) -> Result<(), String> {
+        h.frame.clear();
+        match h.tx.seal_msg(kinds::REPL, msg, &mut h.frame) {
+            Ok(()) if h.frame.len() <= MAX_FRAME => {}
+            // A checkpoint over MAX_FRAME cannot be shipped; the groups must go unprotected
+            // rather than wait forever for its ack.
+            Ok(()) => {
+                return Err(format!(
+                    "cannot ship {cp_id:?}: frame of {} bytes is over the {MAX_FRAME}-byte bound",
+                    h.frame.len()
+                ))
+            }
+            Err(e) => return Err(format!("cannot ship {cp_id:?}: {e}")),
+        }
+        {
+            // Recorded before the write: the ack may arrive before send(2) returns.
+            let now = Instant::now();
+            let mut l = lock(&self.link);
+            l.expecting += 1;
+            l.waiting_since.get_or_insert(now);
+            if let Some((g, seq)) = cp_id {
+                let s = l.shipped.entry(g).or_insert(seq);
+                *s = (*s).max(seq);
+                l.last_cp = Some((g, seq, now));
+            }
+        }
+        h.stream
+            .send_all(&h.frame)
+            .map_err(|e| format!("writing to the backup: {e}"))?;
+        h.last_tx = Instant::now();
+        self.c.frames_sent.fetch_add(1, Ordering::Relaxed);
+        self.c
+            .bytes_sent
+            .fetch_add(h.frame.len() as u64, Ordering::Relaxed);
+        match cp_id {
+            Some(_) => self.c.checkpoints.fetch_add(1, Ordering::Relaxed),
+            None => self.c.heartbeats.fetch_add(1, Ordering::Relaxed),
+        };
+        Ok(())
+    }
 }
 
 impl SenderShared {
@@ -732,6 +803,8 @@ impl ReplSender {
             wake,
             c: SenderCounters::default(),
             conn: Mutex::new(None),
+            txh: Mutex::new(None),
+            queued: Default::default(),
         });
         let (tx, rx) = mpsc::sync_channel(opts.max_queued.max(1));
         if let Some(e) = wake_err {
@@ -784,13 +857,37 @@ impl ReplSender {
         let Some(tx) = &self.tx else {
             return Err(SendError::Dead);
         };
+        let sh = &self.shared;
+        // Shipped here when the link is up, nothing queued waits before it and no other send
+        // is under way; else queued for the ship thread.
+        if let Ok(mut g) = sh.txh.try_lock() {
+            if let (Some(h), 0) = (g.as_mut(), sh.queued.load(Ordering::Acquire)) {
+                let id = (cp.group, cp.seq);
+                return match sh.ship(h, &ReplMsg::Checkpoint(cp), Some(id)) {
+                    Ok(()) => {
+                        sh.c.checkpoints_direct.fetch_add(1, Ordering::Relaxed);
+                        Ok(())
+                    }
+                    Err(e) => {
+                        drop(g);
+                        sh.set_dead(e);
+                        Err(SendError::Dead)
+                    }
+                };
+            }
+        }
+        sh.queued.fetch_add(1, Ordering::AcqRel);
         match tx.try_send(cp) {
             Ok(()) => Ok(()),
             Err(TrySendError::Full(_)) => {
-                self.shared.c.queue_full.fetch_add(1, Ordering::Relaxed);
+                sh.queued.fetch_sub(1, Ordering::AcqRel);
+                sh.c.queue_full.fetch_add(1, Ordering::Relaxed);
                 Err(SendError::Full)
             }
-            Err(TrySendError::Disconnected(_)) => Err(SendError::Dead),
+            Err(TrySendError::Disconnected(_)) => {
+                sh.queued.fetch_sub(1, Ordering::AcqRel);
+                Err(SendError::Dead)
+            }
         }
     }
 
@@ -821,6 +918,7 @@ impl ReplSender {
             bytes_sent: l(&c.bytes_sent),
             frames_sent: l(&c.frames_sent),
             checkpoints: l(&c.checkpoints),
+            checkpoints_direct: l(&c.checkpoints_direct),
             heartbeats: l(&c.heartbeats),
             acks: l(&c.acks),
             connect_attempts: attempts,
@@ -1004,26 +1102,38 @@ fn run_link(t: &Target, opts: &SenderOptions, rx: Receiver<Checkpoint>, sh: &Arc
 
 fn ship_loop(
     stream: &Stream,
-    mut tx: Sealer,
+    tx: Sealer,
     opts: &SenderOptions,
     rx: &Receiver<Checkpoint>,
     sh: &SenderShared,
     start: Instant,
 ) {
-    let mut last_tx = Instant::now();
-    let mut frame = Vec::new();
+    let half = stream.try_clone().map(|stream| TxHalf {
+        stream,
+        tx,
+        frame: Vec::new(),
+        last_tx: Instant::now(),
+    });
+    match half {
+        Ok(h) => *lock(&sh.txh) = Some(h),
+        Err(e) => {
+            sh.set_dead(format!("socket clone: {e}"));
+            return;
+        }
+    }
     loop {
         if sh.stop.load(Ordering::SeqCst) || sh.dead.load(Ordering::SeqCst) {
-            return;
+            break;
         }
         let now = Instant::now();
         let waiting_since = lock(&sh.link).waiting_since;
+        let last_tx = lock(&sh.txh).as_ref().map_or(now, |h| h.last_tx);
         let mut wait = opts.heartbeat.saturating_sub(now.duration_since(last_tx));
         if let Some(t) = waiting_since {
             let silent = now.duration_since(t);
             if silent >= opts.dead_after {
                 sh.set_dead(format!("no answer from the backup for {silent:?}"));
-                return;
+                break;
             }
             wait = wait.min(opts.dead_after - silent);
         }
@@ -1033,57 +1143,32 @@ fn ship_loop(
                 (ReplMsg::Checkpoint(cp), Some(id))
             }
             Err(RecvTimeoutError::Timeout) => {
-                if last_tx.elapsed() < opts.heartbeat {
+                let idle = lock(&sh.txh)
+                    .as_ref()
+                    .is_none_or(|h| h.last_tx.elapsed() >= opts.heartbeat);
+                if !idle {
                     continue;
                 }
                 let at_us = start.elapsed().as_micros() as u64;
                 (ReplMsg::Heartbeat { at_us }, None)
             }
-            Err(RecvTimeoutError::Disconnected) => return,
+            Err(RecvTimeoutError::Disconnected) => break,
         };
-        frame.clear();
-        match tx.seal_msg(kinds::REPL, &msg, &mut frame) {
-            Ok(()) if frame.len() <= MAX_FRAME => {}
-            Ok(()) => {
-                sh.set_dead(format!(
-                    "cannot ship {cp_id:?}: frame of {} bytes is over the {MAX_FRAME}-byte bound",
-                    frame.len()
-                ));
-                return;
-            }
-            Err(e) => {
-                // A checkpoint over MAX_FRAME cannot be shipped; the groups must go unprotected
-                // rather than wait forever for its ack.
-                sh.set_dead(format!("cannot ship {cp_id:?}: {e}"));
-                return;
-            }
-        };
-        {
-            // Recorded before the write: the ack may arrive before send(2) returns.
-            let now = Instant::now();
-            let mut l = lock(&sh.link);
-            l.expecting += 1;
-            l.waiting_since.get_or_insert(now);
-            if let Some((g, seq)) = cp_id {
-                let s = l.shipped.entry(g).or_insert(seq);
-                *s = (*s).max(seq);
-                l.last_cp = Some((g, seq, now));
-            }
-        }
-        if let Err(e) = stream.send_all(&frame) {
-            sh.set_dead(format!("writing to the backup: {e}"));
-            return;
-        }
-        last_tx = Instant::now();
-        sh.c.frames_sent.fetch_add(1, Ordering::Relaxed);
-        sh.c.bytes_sent
-            .fetch_add(frame.len() as u64, Ordering::Relaxed);
+        let mut g = lock(&sh.txh);
+        let Some(h) = g.as_mut() else { break };
+        let shipped = sh.ship(h, &msg, cp_id);
         if cp_id.is_some() {
-            sh.c.checkpoints.fetch_add(1, Ordering::Relaxed);
-        } else {
-            sh.c.heartbeats.fetch_add(1, Ordering::Relaxed);
+            // Written (or the link is dead): a direct send may now follow it.
+            sh.queued.fetch_sub(1, Ordering::AcqRel);
+        }
+        drop(g);
+        if let Err(e) = shipped {
+            sh.set_dead(e);
+            break;
         }
     }
+    // No sender writes on a dead or stopped link.
+    *lock(&sh.txh) = None;
 }
 
 fn read_answers(rd: Stream, mut rx: Opener, sh: &SenderShared) {
@@ -1340,6 +1425,54 @@ mod tests {
         let mut more = Vec::new();
         s.poll(&mut more);
         assert!(more.is_empty(), "{more:?}");
+    }
+
+    /// Checkpoints sent while another send holds the link go through the ship thread's queue;
+    /// once it is empty the caller writes them itself. Both kinds interleave in one order: the
+    /// backup applies every seq once, in order (it refuses a gap), and nothing overtakes a
+    /// queued checkpoint.
+    #[test]
+    fn queued_and_direct_checkpoints_keep_one_order() {
+        let d = TempDir::new();
+        let (srv, store, path) = server(&d);
+        let s = sender(&path, "r1", 1, opts(5_000));
+        wait_up(&s);
+        s.send(cp(1, 1, true, 2)).unwrap();
+        let mut seq = 1;
+        for round in 0..20 {
+            // The link busy (as while the ship thread writes a heartbeat): these queue.
+            let held = lock(&s.shared.txh);
+            for _ in 0..5 {
+                seq += 1;
+                s.send(cp(1, seq, false, 2)).unwrap();
+            }
+            assert!(s.shared.queued.load(Ordering::SeqCst) >= 1, "round {round}");
+            drop(held);
+            // Sent at once after the release: queued ones may still be waiting, then these
+            // queue behind them; later ones go direct.
+            for _ in 0..5 {
+                seq += 1;
+                s.send(cp(1, seq, false, 2)).unwrap();
+            }
+        }
+        let mut acks = Vec::new();
+        let st = wait_for(&s, &mut acks, |_, a| acked(a, 1) == seq);
+        assert!(matches!(st, LinkState::Up { .. }), "{st:?}");
+        assert_eq!(lock(&store).held("r1"), vec![(1, seq)]);
+        let ss = s.stats();
+        assert_eq!(ss.checkpoints, seq);
+        assert!(
+            ss.checkpoints_direct > 0 && ss.checkpoints_direct < seq,
+            "both paths taken: {ss:?}"
+        );
+        let vs = srv.stats();
+        assert_eq!(vs.checkpoints, seq);
+        assert_eq!(
+            vs.auth_failures + vs.decode_errors + vs.refused,
+            0,
+            "{vs:?}"
+        );
+        assert_eq!(s.shared.queued.load(Ordering::SeqCst), 0);
     }
 
     #[test]
