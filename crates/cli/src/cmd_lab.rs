@@ -74,10 +74,10 @@ enum LabCmd {
         /// its management link (the host shares nothing else with the fabric) instead of veths.
         #[arg(long, requires = "hosts")]
         tunnels: bool,
-        /// With --hosts: run this many controllers (2 for a standby), each on a host of its
-        /// own, electing a leader in an etcd on another host (mutual TLS); they steer through
-        /// the fabric host's agent. Without it, run your own controller.
-        #[arg(long, requires = "hosts", value_parser = clap::value_parser!(u8).range(1..=3))]
+        /// With --hosts: run this many controllers (default 2: a leader and a standby), each
+        /// on a host of its own, electing a leader in an etcd on another host (mutual TLS);
+        /// they steer through the fabric host's agent. 0: none, run your own controller.
+        #[arg(long, requires = "hosts", value_parser = clap::value_parser!(u8).range(0..=3))]
         controllers: Option<u8>,
         /// With --hosts: this many more hosts with an agent but no replica running, for a
         /// controller to scale out onto (after a host's loss, say).
@@ -178,7 +178,7 @@ pub fn run(a: LabArgs) -> Result<(), String> {
                 spec.replicas = h;
                 spec.agents = true;
                 spec.tunnels = tunnels;
-                spec.controllers = controllers.unwrap_or(0);
+                spec.controllers = controllers.unwrap_or(2);
                 spec.spare_hosts = spare_hosts;
                 spec.transport = pliant_lab::mgmt::Transport::Tcp;
             }
@@ -195,7 +195,7 @@ pub fn run(a: LabArgs) -> Result<(), String> {
             }
             let lab = Lab::up(spec).map_err(|e| e.to_string())?;
             print_lab(&lab);
-            if let Some(k) = controllers {
+            if let Some(k) = hosts.map(|_| controllers.unwrap_or(2)).filter(|k| *k > 0) {
                 let run = &lab.state().run_dir;
                 println!(
                     "controllers: c1..c{k} on hosts of their own (10.254.0.251..), etcd on {}; \

@@ -361,6 +361,13 @@ impl Lab {
                 crate::control::MAX_CONTROLLERS
             )));
         }
+        if spec.controllers > 0 && !Path::new(crate::etcd::ETCD_BIN).exists() {
+            return Err(LabError::Config(format!(
+                "controllers on hosts of their own elect a leader in etcd: {} is missing \
+                 (apt-get install etcd-server), or run none (controllers = 0, `--controllers 0`)",
+                crate::etcd::ETCD_BIN
+            )));
+        }
         if spec.spare_hosts > 0
             && (!spec.agents
                 || spec.replicas < 2
