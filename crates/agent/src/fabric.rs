@@ -70,9 +70,16 @@ impl Fabric {
         }
     }
 
-    /// Applies one operation (its term already admitted by the agent's fence).
-    pub fn apply(&self, op: &SteerOp) -> Result<SteerAnswer, String> {
-        let r = self.apply_inner(op);
+    /// Applies one operation of `term`, admitted by `fence` once the steering is held: a
+    /// request admitted before a new leader's (slow) attach, and waiting for it, is checked
+    /// again after it, so a deposed leader's change never lands on the new leader's maps.
+    pub fn apply(
+        &self,
+        op: &SteerOp,
+        fence: &pliant_proto::TermFence,
+        term: Option<u64>,
+    ) -> Result<SteerAnswer, String> {
+        let r = self.apply_inner(op, fence, term);
         match &r {
             Ok(_) => self.ops.fetch_add(1, Ordering::Relaxed),
             Err(_) => self.op_errors.fetch_add(1, Ordering::Relaxed),
@@ -80,8 +87,14 @@ impl Fabric {
         r.map_err(|e| format!("steer {}: {e}", op.name()))
     }
 
-    fn apply_inner(&self, op: &SteerOp) -> Result<SteerAnswer, String> {
+    fn apply_inner(
+        &self,
+        op: &SteerOp,
+        fence: &pliant_proto::TermFence,
+        term: Option<u64>,
+    ) -> Result<SteerAnswer, String> {
         let mut g = self.steering.lock().unwrap_or_else(|p| p.into_inner());
+        fence.admit(term)?;
         if let SteerOp::Attach { replicas, nat_addr } = op {
             // The old holder first: dropped, it leaves the program and the pinned maps for
             // the new one to adopt (and if the attach fails, the fabric still steers).
@@ -91,7 +104,8 @@ impl Fabric {
         }
         let Some(s) = g.as_mut() else {
             return Err(format!(
-                "no steering attached on this fabric ({}): a leading controller attaches first",
+                "{} on this fabric ({}): a leading controller attaches first",
+                pliant_proto::agent::NOT_ATTACHED,
                 self.what
             ));
         };

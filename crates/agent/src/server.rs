@@ -88,7 +88,7 @@ impl Shared {
                     self.name
                 ));
             };
-            return match f.apply(op) {
+            return match f.apply(op, &self.fence, term) {
                 Ok(a) => {
                     let mut v = serde_json::to_value(a).unwrap_or_default();
                     v["ok"] = json!(true);

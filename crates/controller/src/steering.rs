@@ -84,6 +84,15 @@ pub struct RemoteSteering {
     timeout: std::time::Duration,
     kept: pliant_proto::KeptLinks,
     nat_addrs: Vec<IpAddr>,
+    /// What this controller attached and set, to attach again if the agent lost it (an agent
+    /// restarted: the maps stay pinned, its hold on them does not).
+    known: std::sync::Mutex<Known>,
+}
+
+#[derive(Default)]
+struct Known {
+    replicas: std::collections::BTreeSet<u32>,
+    ring: Vec<u32>,
 }
 
 impl RemoteSteering {
@@ -110,6 +119,10 @@ impl RemoteSteering {
             timeout,
             kept: Default::default(),
             nat_addrs: nat_addr.into_iter().collect(),
+            known: std::sync::Mutex::new(Known {
+                replicas: replicas.iter().copied().collect(),
+                ring: replicas.to_vec(),
+            }),
         };
         s.ask(pliant_proto::agent::SteerOp::Attach {
             replicas: replicas.to_vec(),
@@ -131,7 +144,48 @@ impl RemoteSteering {
         }
     }
 
+    fn known(&self) -> std::sync::MutexGuard<'_, Known> {
+        self.known.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Attaches again (the agent adopts the pinned maps) with every replica this controller
+    /// knows and its last ring.
+    fn reattach(&self) -> Result<()> {
+        let (replicas, ring) = {
+            let k = self.known();
+            (
+                k.replicas.iter().copied().collect::<Vec<_>>(),
+                k.ring.clone(),
+            )
+        };
+        tracing::warn!(agent = %self.name, "the fabric agent holds no steering (restarted?): attaching again");
+        self.ask_once(pliant_proto::agent::SteerOp::Attach {
+            replicas,
+            nat_addr: self.nat_addrs.first().copied(),
+        })?;
+        if !ring.is_empty() {
+            self.ask_once(pliant_proto::agent::SteerOp::SetRing { live: ring })?;
+        }
+        Ok(())
+    }
+
+    /// One operation; if the agent has no steering attached (it restarted), attach again and
+    /// retry once.
     fn ask(&self, op: pliant_proto::agent::SteerOp) -> Result<pliant_proto::agent::SteerAnswer> {
+        let attach = matches!(op, pliant_proto::agent::SteerOp::Attach { .. });
+        match self.ask_once(op.clone()) {
+            Err(e) if !attach && e.0.contains(pliant_proto::agent::NOT_ATTACHED) => {
+                self.reattach()?;
+                self.ask_once(op)
+            }
+            r => r,
+        }
+    }
+
+    fn ask_once(
+        &self,
+        op: pliant_proto::agent::SteerOp,
+    ) -> Result<pliant_proto::agent::SteerAnswer> {
         let req = pliant_proto::AgentRequest::Steer { op };
         let v = self
             .kept
@@ -165,8 +219,9 @@ impl RemoteSteering {
 
 impl Steering for RemoteSteering {
     fn add_replica(&mut self, index: u32) -> Result<()> {
-        self.ask(pliant_proto::agent::SteerOp::AddReplica { index })
-            .map(|_| ())
+        self.ask(pliant_proto::agent::SteerOp::AddReplica { index })?;
+        self.known().replicas.insert(index);
+        Ok(())
     }
     fn set_live(&mut self, index: u32, live: bool) -> Result<()> {
         self.ask(pliant_proto::agent::SteerOp::SetLive { index, live })
@@ -175,8 +230,9 @@ impl Steering for RemoteSteering {
     fn set_ring(&mut self, live: &[u32]) -> Result<()> {
         self.ask(pliant_proto::agent::SteerOp::SetRing {
             live: live.to_vec(),
-        })
-        .map(|_| ())
+        })?;
+        self.known().ring = live.to_vec();
+        Ok(())
     }
     fn set_exceptions(&mut self, entries: &[(FlowKey, u32)]) -> Result<()> {
         for entries in Self::entries(entries) {

@@ -23,13 +23,25 @@ impl Drop for Dir {
 }
 
 fn agent(d: &Path, ca: &Ca, name: &str, fabric: Option<Arc<Fabric>>) -> RunningAgent {
+    agent_on(d, ca, name, fabric, "127.0.0.1:0")
+}
+
+fn agent_on(
+    d: &Path,
+    ca: &Ca,
+    name: &str,
+    fabric: Option<Arc<Fabric>>,
+    listen: &str,
+) -> RunningAgent {
     let id = d.join(format!("id-{name}"));
-    ca.issue_to(&id, name, role::AGENT, 3600).unwrap();
+    if !id.exists() {
+        ca.issue_to(&id, name, role::AGENT, 3600).unwrap();
+    }
     let cfg = AgentConfig {
         agent: AgentSection {
             name: name.into(),
             socket: None,
-            listen: "127.0.0.1:0".into(),
+            listen: listen.into(),
             identity: Some(id),
             encrypt: None,
             state_dir: d.join(format!("state-{name}")),
@@ -203,4 +215,51 @@ fn an_agent_steers_only_after_an_attach() {
     let f = st.fabric.expect("the fabric's status");
     assert_eq!(f["attached"], false, "{f}");
     assert_eq!(f["op_errors"], 1, "{f}");
+}
+
+/// A fabric agent that restarted holds no steering (the maps stay pinned, its hold on them is
+/// gone): the leader's next operation is refused with "no steering attached", and the leader
+/// attaches again with every replica it knows and its last ring, then retries — the operation
+/// succeeds and the fabric has the leader's ring, not the attach list's.
+#[test]
+fn a_restarted_fabric_agent_is_attached_again_with_the_last_ring() {
+    let d = Dir(std::env::temp_dir().join(format!("pliant-ctl-fabric3-{}", std::process::id())));
+    let _ = std::fs::remove_dir_all(&d.0);
+    std::fs::create_dir_all(&d.0).unwrap();
+    let ca = Ca::generate(None).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let listen = format!("127.0.0.1:{port}");
+    let first = Arc::new(Fabric::memory());
+    let fab = agent_on(&d.0, &ca, "fabric", Some(first.clone()), &listen);
+    let ctl = Security::new(ca.issue("ctl", role::CONTROLLER, 3600).unwrap());
+    let mut s = RemoteSteering::attach(
+        &listen,
+        "fabric",
+        Some(ctl),
+        Arc::new(AtomicU64::new(3)),
+        Duration::from_secs(5),
+        &[1, 2, 3],
+        None,
+    )
+    .expect("attach");
+    s.add_replica(4).unwrap();
+    s.set_ring(&[2, 3, 4]).unwrap();
+    drop(fab);
+    let second = Arc::new(Fabric::memory());
+    let _fab = agent_on(&d.0, &ca, "fabric", Some(second.clone()), &listen);
+    assert_eq!(second.status()["attached"], false);
+    s.set_fenced(1, true).expect("attached again, then applied");
+    let st = s.stats();
+    assert_eq!(st["ring"], serde_json::json!([2, 3, 4]), "{st}");
+    assert_eq!(st["fenced"], serde_json::json!([1]), "{st}");
+    let f = second.status();
+    assert_eq!(f["attached"], true, "{f}");
+    assert_eq!(
+        f["op_errors"], 1,
+        "the one refusal that triggered the attach: {f}"
+    );
 }

@@ -193,8 +193,14 @@ fn main() {
         }
         let st = sender.stats();
         eprintln!(
-            "sender: {} checkpoints, {} bytes, {} heartbeats, rtt_us_max {}",
-            st.checkpoints, st.bytes_sent, st.heartbeats, st.rtt_us_max
+            "sender: {} checkpoints ({} written by the caller, {} of them in part), {} bytes, \
+             {} heartbeats, rtt_us_max {}",
+            st.checkpoints,
+            st.checkpoints_direct,
+            st.direct_backlogged,
+            st.bytes_sent,
+            st.heartbeats,
+            st.rtt_us_max
         );
         Ok(())
     })();

@@ -8,10 +8,11 @@
 //! [`crate::wire::ReplMsg`]s in sealed frames of kind `pliant_wire::kinds::REPL`: each frame
 //! authenticated (encrypted over TCP by default) with an implicit sequence number, so a frame
 //! injected, replayed or reordered on the link closes it. `Hello` must name the certified
-//! identity: a replica checkpoints only as itself. All socket I/O happens on
-//! threads owned here, never on the packet thread, which talks to them only through a bounded
-//! channel ([`ReplSender::send`]), a non-blocking [`ReplSender::poll`] and a wake-up fd
-//! ([`ReplSender::wake_fd`], an eventfd) it can add to poll(2).
+//! identity: a replica checkpoints only as itself. The packet thread never blocks on a socket:
+//! [`ReplSender::send`] writes a checkpoint itself only with a non-blocking send(2) (what the
+//! socket does not take at once, the ship thread writes), else hands it to the ship thread
+//! through a bounded channel; acks come through a non-blocking [`ReplSender::poll`] and a
+//! wake-up fd ([`ReplSender::wake_fd`], an eventfd) it can add to poll(2).
 //!
 //! Protocol on one connection (primary -> backup on the left):
 //! ```text
@@ -148,6 +149,8 @@ pub struct SenderStats {
     /// Checkpoints the caller of `send` wrote itself (nothing queued before them), of
     /// `checkpoints`; the rest went through the ship thread's queue.
     pub checkpoints_direct: u64,
+    /// Direct writes the socket did not take whole (the ship thread wrote the rest).
+    pub direct_backlogged: u64,
     pub heartbeats: u64,
     /// Frames received from the backup (acks of either kind).
     pub acks: u64,
@@ -592,6 +595,7 @@ struct SenderCounters {
     frames_sent: AtomicU64,
     checkpoints: AtomicU64,
     checkpoints_direct: AtomicU64,
+    direct_backlogged: AtomicU64,
     heartbeats: AtomicU64,
     acks: AtomicU64,
     connect_attempts: AtomicU64,
@@ -641,7 +645,26 @@ struct TxHalf {
     stream: Stream,
     tx: Sealer,
     frame: Vec<u8>,
+    /// The tail of a frame the caller's non-blocking write left unsent (counted in `queued`
+    /// until the ship thread has written it, so nothing goes out before it).
+    backlog: Vec<u8>,
     last_tx: Instant,
+}
+
+/// What the ship thread is asked to do.
+enum Job {
+    Checkpoint(Checkpoint),
+    /// Write the backlog a non-blocking direct write left.
+    Flush,
+}
+
+/// How a frame is written.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Write {
+    /// Blocking (the ship thread), bounded by the socket's write timeout.
+    Blocking,
+    /// The caller's: what the socket does not take at once goes to the backlog.
+    NoWait,
 }
 
 impl SenderShared {
@@ -652,7 +675,12 @@ impl SenderShared {
         h: &mut TxHalf,
         msg: &ReplMsg,
         cp_id: Option<(GroupId, u64)>,
+        how: Write,
     ) -> Result<(), String> {
+        debug_assert!(
+            h.backlog.is_empty(),
+            "a frame sealed before the backlog was written"
+        );
         h.frame.clear();
         match h.tx.seal_msg(kinds::REPL, msg, &mut h.frame) {
             Ok(()) if h.frame.len() <= MAX_FRAME => {}
@@ -678,9 +706,26 @@ impl SenderShared {
                 l.last_cp = Some((g, seq, now));
             }
         }
-        h.stream
-            .send_all(&h.frame)
-            .map_err(|e| format!("writing to the backup: {e}"))?;
+        let err = |e: std::io::Error| format!("writing to the backup: {e}");
+        match how {
+            Write::Blocking => h.stream.send_all(&h.frame).map_err(err)?,
+            Write::NoWait => {
+                let mut done = 0;
+                while done < h.frame.len() {
+                    match h.stream.send_nowait(&h.frame[done..]) {
+                        Ok(0) => return Err(err(std::io::ErrorKind::WriteZero.into())),
+                        Ok(n) => done += n,
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                        Err(e) => return Err(err(e)),
+                    }
+                }
+                if done < h.frame.len() {
+                    h.backlog.extend_from_slice(&h.frame[done..]);
+                    self.queued.fetch_add(1, Ordering::AcqRel);
+                }
+            }
+        }
         h.last_tx = Instant::now();
         self.c.frames_sent.fetch_add(1, Ordering::Relaxed);
         self.c
@@ -757,7 +802,7 @@ impl SenderShared {
 
 /// The primary's end of one replication link (one backup destination).
 pub struct ReplSender {
-    tx: Option<SyncSender<Checkpoint>>,
+    tx: Option<SyncSender<Job>>,
     shared: Arc<SenderShared>,
     thread: Option<JoinHandle<()>>,
 }
@@ -840,8 +885,9 @@ impl ReplSender {
         }
     }
 
-    /// Non-blocking; `Err(Full)` when the bounded queue is full (counted), `Err(Dead)` once the
-    /// link is dead.
+    /// Never blocks: the checkpoint is written at once (non-blocking send(2)) when nothing queued
+    /// waits before it and no other write holds the link, else queued for the ship thread.
+    /// `Err(Full)` when the bounded queue is full (counted), `Err(Dead)` once the link is dead.
     pub fn send(&self, cp: Checkpoint) -> Result<(), SendError> {
         // Built by this process: a flow twice would be refused by the backup as a whole.
         debug_assert!(
@@ -863,9 +909,15 @@ impl ReplSender {
         if let Ok(mut g) = sh.txh.try_lock() {
             if let (Some(h), 0) = (g.as_mut(), sh.queued.load(Ordering::Acquire)) {
                 let id = (cp.group, cp.seq);
-                return match sh.ship(h, &ReplMsg::Checkpoint(cp), Some(id)) {
+                return match sh.ship(h, &ReplMsg::Checkpoint(cp), Some(id), Write::NoWait) {
                     Ok(()) => {
                         sh.c.checkpoints_direct.fetch_add(1, Ordering::Relaxed);
+                        if !h.backlog.is_empty() {
+                            // The socket took only part of it: the ship thread writes the rest
+                            // (if the queue is full, it does before its next queued job).
+                            sh.c.direct_backlogged.fetch_add(1, Ordering::Relaxed);
+                            let _ = tx.try_send(Job::Flush);
+                        }
                         Ok(())
                     }
                     Err(e) => {
@@ -877,7 +929,7 @@ impl ReplSender {
             }
         }
         sh.queued.fetch_add(1, Ordering::AcqRel);
-        match tx.try_send(cp) {
+        match tx.try_send(Job::Checkpoint(cp)) {
             Ok(()) => Ok(()),
             Err(TrySendError::Full(_)) => {
                 sh.queued.fetch_sub(1, Ordering::AcqRel);
@@ -919,6 +971,7 @@ impl ReplSender {
             frames_sent: l(&c.frames_sent),
             checkpoints: l(&c.checkpoints),
             checkpoints_direct: l(&c.checkpoints_direct),
+            direct_backlogged: l(&c.direct_backlogged),
             heartbeats: l(&c.heartbeats),
             acks: l(&c.acks),
             connect_attempts: attempts,
@@ -1044,7 +1097,7 @@ fn read_msg<R: Read + ?Sized>(
     pliant_wire::frame::decode_body(&buf[body])
 }
 
-fn run_link(t: &Target, opts: &SenderOptions, rx: Receiver<Checkpoint>, sh: &Arc<SenderShared>) {
+fn run_link(t: &Target, opts: &SenderOptions, rx: Receiver<Job>, sh: &Arc<SenderShared>) {
     let start = Instant::now();
     let deadline = start + opts.dead_after;
     let g = loop {
@@ -1104,7 +1157,7 @@ fn ship_loop(
     stream: &Stream,
     tx: Sealer,
     opts: &SenderOptions,
-    rx: &Receiver<Checkpoint>,
+    rx: &Receiver<Job>,
     sh: &SenderShared,
     start: Instant,
 ) {
@@ -1112,6 +1165,7 @@ fn ship_loop(
         stream,
         tx,
         frame: Vec::new(),
+        backlog: Vec::new(),
         last_tx: Instant::now(),
     });
     match half {
@@ -1138,10 +1192,11 @@ fn ship_loop(
             wait = wait.min(opts.dead_after - silent);
         }
         let (msg, cp_id) = match rx.recv_timeout(wait) {
-            Ok(cp) => {
+            Ok(Job::Checkpoint(cp)) => {
                 let id = (cp.group, cp.seq);
-                (ReplMsg::Checkpoint(cp), Some(id))
+                (Some(ReplMsg::Checkpoint(cp)), Some(id))
             }
+            Ok(Job::Flush) => (None, None),
             Err(RecvTimeoutError::Timeout) => {
                 let idle = lock(&sh.txh)
                     .as_ref()
@@ -1150,13 +1205,25 @@ fn ship_loop(
                     continue;
                 }
                 let at_us = start.elapsed().as_micros() as u64;
-                (ReplMsg::Heartbeat { at_us }, None)
+                (Some(ReplMsg::Heartbeat { at_us }), None)
             }
             Err(RecvTimeoutError::Disconnected) => break,
         };
         let mut g = lock(&sh.txh);
         let Some(h) = g.as_mut() else { break };
-        let shipped = sh.ship(h, &msg, cp_id);
+        // First what a direct write left unsent: it went out before anything queued.
+        let mut shipped = Ok(());
+        if !h.backlog.is_empty() {
+            shipped = h
+                .stream
+                .send_all(&h.backlog)
+                .map_err(|e| format!("writing to the backup: {e}"));
+            h.backlog.clear();
+            sh.queued.fetch_sub(1, Ordering::AcqRel);
+        }
+        if let (Ok(()), Some(msg)) = (&shipped, &msg) {
+            shipped = sh.ship(h, msg, cp_id, Write::Blocking);
+        }
         if cp_id.is_some() {
             // Written (or the link is dead): a direct send may now follow it.
             sh.queued.fetch_sub(1, Ordering::AcqRel);
@@ -1473,6 +1540,57 @@ mod tests {
             "{vs:?}"
         );
         assert_eq!(s.shared.queued.load(Ordering::SeqCst), 0);
+    }
+
+    /// A backup that stops reading (its store held by the test, so its connection thread waits
+    /// in `apply`) fills the socket: the caller's writes then go partly or not at all, the rest
+    /// to the ship thread, and `send` never blocks — it returns `Full` once the queue is full.
+    /// Once the backup reads again, everything sent is applied in order and acked.
+    #[test]
+    fn send_never_blocks_on_a_backup_that_stops_reading() {
+        let d = TempDir::new();
+        let (srv, store, path) = server(&d);
+        let mut o = opts(60_000);
+        o.max_queued = 64;
+        let s = Arc::new(sender(&path, "r1", 1, o));
+        wait_up(&s);
+        s.send(cp(1, 1, true, 100)).unwrap();
+        let mut acks = Vec::new();
+        wait_for(&s, &mut acks, |_, a| acked(a, 1) == 1);
+        let held = lock(&store);
+        let (done_tx, done_rx) = mpsc::channel();
+        let s2 = s.clone();
+        let t = std::thread::spawn(move || {
+            // Until the queue is full: every call returns (a blocking write would hang here
+            // for the 60 s of dead_after and the watchdog below would fail the test).
+            let mut seq = 1;
+            loop {
+                match s2.send(cp(1, seq + 1, false, 100)) {
+                    Ok(()) => seq += 1,
+                    Err(SendError::Full) => break,
+                    Err(e) => panic!("{e:?}"),
+                }
+                assert!(seq < 100_000, "the socket never filled");
+            }
+            done_tx.send(seq).unwrap();
+        });
+        let last = done_rx
+            .recv_timeout(PATIENCE)
+            .expect("send blocked on a backup that stopped reading");
+        t.join().unwrap();
+        let st = s.stats();
+        assert!(
+            st.direct_backlogged >= 1 || st.checkpoints_direct < last,
+            "{st:?}"
+        );
+        assert!(st.queue_full >= 1, "{st:?}");
+        drop(held);
+        let st = wait_for(&s, &mut acks, |_, a| acked(a, 1) == last);
+        assert!(matches!(st, LinkState::Up { .. }), "{st:?}");
+        assert_eq!(lock(&store).held("r1"), vec![(1, last)]);
+        assert_eq!(s.shared.queued.load(Ordering::SeqCst), 0);
+        let vs = srv.stats();
+        assert_eq!(vs.decode_errors + vs.refused, 0, "{vs:?}");
     }
 
     #[test]

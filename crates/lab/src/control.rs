@@ -80,8 +80,9 @@ pub fn etcd_url() -> String {
 }
 
 /// Starts the lab's etcd on its host (mutual TLS: the PKI in `<run>/hosts/etcd/pki`) and
-/// returns its PID. It outlives this call: the lab records it and stops it at teardown.
-pub fn start_etcd(run_dir: &Path, lab: &str) -> Result<u32> {
+/// returns its process. It outlives this call: the lab records it, stops it at teardown and
+/// reaps it.
+pub fn start_etcd(run_dir: &Path, lab: &str) -> Result<std::process::Child> {
     let d = dir(run_dir, ETCD_HOST);
     let addr: std::net::IpAddr = ETCD_ADDR
         .parse()
@@ -158,7 +159,8 @@ pub fn config_text(run_dir: &Path, lab: &str, k: u8, spec: &crate::LabSpec) -> S
         true => "[ports]\nlo = 20000\nhi = 59999\nblock = 1000\nper_replica = 1\n",
         false => "",
     };
-    // Each host runs one replica slot: there is no spare host for the policy to scale onto.
+    // Scaling is asked for (`pliant scale out` lands on a spare host, `LabSpec::spare_hosts`),
+    // not automatic: a policy's scale-in would stop replicas of a demo lab on its own.
     let policy = "[policy]\nauto = false\n";
     let ha = match spec.ha {
         true => format!(

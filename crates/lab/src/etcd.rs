@@ -198,10 +198,10 @@ impl EtcdServer {
     }
 
     /// Leaves the member running past this handle (a lab's etcd, stopped by the lab's
-    /// teardown by PID); returns its PID.
-    pub fn detach(mut self) -> Option<u32> {
+    /// teardown by PID); returns its process, for the caller to reap.
+    pub fn detach(mut self) -> Option<Child> {
         self.scratch = false;
-        self.child.take().map(|c| c.id())
+        self.child.take()
     }
 
     /// PID of the running member, if any.

@@ -361,12 +361,21 @@ impl Lab {
                 crate::control::MAX_CONTROLLERS
             )));
         }
-        if spec.controllers > 0 && !Path::new(crate::etcd::ETCD_BIN).exists() {
-            return Err(LabError::Config(format!(
-                "controllers on hosts of their own elect a leader in etcd: {} is missing \
-                 (apt-get install etcd-server), or run none (controllers = 0, `--controllers 0`)",
-                crate::etcd::ETCD_BIN
-            )));
+        if spec.controllers > 0 {
+            // Both must start (etcd serves, etcdctl tells when it is healthy).
+            let missing: Vec<&str> = [(crate::etcd::ETCD_BIN, "--version"), ("etcdctl", "version")]
+                .into_iter()
+                .filter(|(b, v)| cmd::run(&argv(&[b, v]), SETUP_TIMEOUT).is_err())
+                .map(|(b, _)| b)
+                .collect();
+            if !missing.is_empty() {
+                return Err(LabError::Config(format!(
+                    "controllers on hosts of their own elect a leader in etcd: {} missing \
+                     (apt-get install etcd-server etcd-client), or run none (controllers = 0, \
+                     `--controllers 0`)",
+                    missing.join(" and ")
+                )));
+            }
         }
         if spec.spare_hosts > 0
             && (!spec.agents
@@ -770,7 +779,9 @@ impl Lab {
         let bin = spec_bin(spec)?;
         self.say("starting etcd on its own host");
         let etcd = crate::control::start_etcd(&run, &name)?;
-        self.record_proc(etcd as i32, "etcd")?;
+        let pid = etcd.id() as i32;
+        self.children.push(etcd);
+        self.record_proc(pid, "etcd")?;
         for k in 1..=spec.controllers {
             let cfg = crate::control::prepare_controller(&run, &name, k, spec)?;
             let host = crate::control::controller_host(k);

@@ -34,6 +34,10 @@ pub enum AgentRequest {
     Steer { op: SteerOp },
 }
 
+/// How a fabric agent with no steering attached (it restarted, say) refuses an operation: the
+/// leader attaches again and retries.
+pub const NOT_ATTACHED: &str = "no steering attached";
+
 /// Replica slots one `attach` or `set_ring` may name.
 pub const MAX_STEER_REPLICAS: usize = 4096;
 

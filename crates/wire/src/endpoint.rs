@@ -283,6 +283,24 @@ impl Stream {
         Ok(n as usize)
     }
 
+    /// One `send(2)` that never blocks (MSG_DONTWAIT | MSG_NOSIGNAL): as much of `buf` as the
+    /// socket takes now; `WouldBlock` when it takes nothing.
+    pub fn send_nowait(&self, buf: &[u8]) -> io::Result<usize> {
+        // SAFETY: `buf` is valid for reads of its length for the duration of the call.
+        let n = unsafe {
+            libc::send(
+                self.as_raw_fd(),
+                buf.as_ptr().cast(),
+                buf.len(),
+                libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+            )
+        };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(n as usize)
+    }
+
     /// Writes all of `buf` with [`Stream::send_nosignal`].
     pub fn send_all(&self, mut buf: &[u8]) -> io::Result<()> {
         while !buf.is_empty() {
