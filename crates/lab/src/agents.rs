@@ -237,12 +237,30 @@ pub fn start_replica(run_dir: &Path, n: u8) -> Result<u32> {
 
 /// The PID of host `n`'s agent, as the lab started it.
 pub fn agent_pid(lab: &crate::Lab, n: u8) -> Option<i32> {
-    let role = format!("pliant-agent-{}", host_name(n));
+    recorded_pid(lab, &format!("pliant-agent-{}", host_name(n)))
+}
+
+/// The PID the lab recorded for the process of `role` (its agents, fabric agent, controllers).
+pub fn recorded_pid(lab: &crate::Lab, role: &str) -> Option<i32> {
     lab.state()
         .procs
         .iter()
         .find(|q| q.role == role)
         .map(|q| q.pid)
+}
+
+/// SIGKILLs `what`, a process this lab started, by its recorded `pid` (`None`: an error).
+/// Returns `what (pid N)`.
+pub fn kill_recorded(what: &str, pid: Option<i32>) -> Result<String> {
+    let pid = pid.ok_or_else(|| LabError::Config(format!("{what}: no live process recorded")))?;
+    // SAFETY: SIGKILL to a process this lab started, by its recorded PID.
+    if unsafe { libc::kill(pid, libc::SIGKILL) } != 0 {
+        return Err(LabError::Config(format!(
+            "kill {what} (pid {pid}): {}",
+            std::io::Error::last_os_error()
+        )));
+    }
+    Ok(format!("{what} (pid {pid})"))
 }
 
 /// Cuts (`up = false`) or restores host `n`'s three links — management, inside, outside —
@@ -294,16 +312,7 @@ pub fn kill_host(lab: &crate::Lab, n: u8, at_cut: &mut dyn FnMut()) -> Result<St
         (format!("replica r{n}"), lab.replica_pid(n)),
         (agent_role, agent),
     ] {
-        let pid =
-            pid.ok_or_else(|| LabError::Config(format!("{what}: no live process recorded")))?;
-        // SAFETY: SIGKILL to a process this lab started, by its recorded PID.
-        if unsafe { libc::kill(pid, libc::SIGKILL) } != 0 {
-            return Err(LabError::Config(format!(
-                "kill {what} (pid {pid}): {}",
-                std::io::Error::last_os_error()
-            )));
-        }
-        done.push(format!("{what} (pid {pid})"));
+        done.push(kill_recorded(&what, pid)?);
     }
     Ok(format!(
         "host {} (links cut; {} SIGKILLed)",

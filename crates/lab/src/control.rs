@@ -229,12 +229,7 @@ pub fn api_status(run_dir: &Path, k: u8) -> Result<(u16, String)> {
 
 /// The PID of controller `k`, as the lab started it.
 pub fn controller_pid(lab: &crate::Lab, k: u8) -> Option<i32> {
-    let role = format!("pliant-controller-{}", controller_host(k));
-    lab.state()
-        .procs
-        .iter()
-        .find(|q| q.role == role)
-        .map(|q| q.pid)
+    crate::agents::recorded_pid(lab, &format!("pliant-controller-{}", controller_host(k)))
 }
 
 /// Loses controller `k`'s host as a whole: its one link cut, then its controller SIGKILLed
@@ -247,18 +242,9 @@ pub fn kill_controller_host(lab: &crate::Lab, k: u8, at_cut: &mut dyn FnMut()) -
         crate::cmd::SETUP_TIMEOUT,
     )?;
     at_cut();
-    let pid = controller_pid(lab, k)
-        .ok_or_else(|| LabError::Config(format!("controller {host}: no process recorded")))?;
-    // SAFETY: SIGKILL to a process this lab started, by its recorded PID.
-    if unsafe { libc::kill(pid, libc::SIGKILL) } != 0 {
-        return Err(LabError::Config(format!(
-            "kill controller {host} (pid {pid}): {}",
-            std::io::Error::last_os_error()
-        )));
-    }
-    Ok(format!(
-        "host {host} (link cut; controller pid {pid} SIGKILLed)"
-    ))
+    let killed =
+        crate::agents::kill_recorded(&format!("controller {host}"), controller_pid(lab, k))?;
+    Ok(format!("host {host} (link cut; {killed} SIGKILLed)"))
 }
 
 /// The controller among `1..=controllers` that leads now, if one answers as leader.

@@ -268,33 +268,18 @@ impl Stream {
 
     /// One `send(2)` with MSG_NOSIGNAL (a peer that went away is an error, not SIGPIPE).
     pub fn send_nosignal(&self, buf: &[u8]) -> io::Result<usize> {
-        // SAFETY: `buf` is valid for reads of its length for the duration of the call.
-        let n = unsafe {
-            libc::send(
-                self.as_raw_fd(),
-                buf.as_ptr().cast(),
-                buf.len(),
-                libc::MSG_NOSIGNAL,
-            )
-        };
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(n as usize)
+        self.send_flags(buf, libc::MSG_NOSIGNAL)
     }
 
     /// One `send(2)` that never blocks (MSG_DONTWAIT | MSG_NOSIGNAL): as much of `buf` as the
     /// socket takes now; `WouldBlock` when it takes nothing.
     pub fn send_nowait(&self, buf: &[u8]) -> io::Result<usize> {
+        self.send_flags(buf, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT)
+    }
+
+    fn send_flags(&self, buf: &[u8], flags: libc::c_int) -> io::Result<usize> {
         // SAFETY: `buf` is valid for reads of its length for the duration of the call.
-        let n = unsafe {
-            libc::send(
-                self.as_raw_fd(),
-                buf.as_ptr().cast(),
-                buf.len(),
-                libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
-            )
-        };
+        let n = unsafe { libc::send(self.as_raw_fd(), buf.as_ptr().cast(), buf.len(), flags) };
         if n < 0 {
             return Err(io::Error::last_os_error());
         }
