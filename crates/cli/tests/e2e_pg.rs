@@ -245,9 +245,41 @@ fn pg_busy_primary_is_not_failed_over_but_a_hung_or_killed_one_is() {
         (c.probe_timeout_ms, c.probe_dead_after_ms)
     };
     let failovers = || lab.proxy().shared.stats.failovers.load(SeqCst);
+    // Time from `t` until the failover after the `before`-th (`what` names the case).
+    let failed_over = |before: u64, t: Instant, what: &str| {
+        while failovers() == before {
+            assert!(
+                t.elapsed() < Duration::from_millis(dead_ms * 5),
+                "{what} not failed over: {}",
+                lab.proxy().stats_json()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        t.elapsed()
+    };
     let mut c = lab.client();
     c.query("CREATE TABLE busy (i int)").expect("create");
     let i = lab.proxy().shared.primary.load(SeqCst);
+    // A backend the server ends on its own (pg_terminate_backend: FATAL 57P01) is not a
+    // failover: the session gets the server's own error once a probe shows the primary is
+    // up, and the primary stays.
+    let mut v = lab.client();
+    let pid = v
+        .scalar("SELECT pg_backend_pid()")
+        .expect("pid")
+        .expect("a pid");
+    let mut d = lab.cl.client(i, Duration::from_secs(10)).expect("direct");
+    d.query(&format!("SELECT pg_terminate_backend({pid})"))
+        .expect("terminate");
+    let t = Instant::now();
+    let e = v
+        .query("SELECT 1")
+        .expect_err("a terminated session")
+        .to_string();
+    assert!(e.contains("57P01") && e.contains("administrator"), "{e}");
+    let terminated = t.elapsed();
+    drop(v);
+    assert_eq!(failovers(), 0, "{}", lab.proxy().stats_json());
     // Silent for half the window: several probe timeouts (the old policy failed over after
     // two), but not the window.
     let freeze = Duration::from_millis(dead_ms / 2);
@@ -264,15 +296,7 @@ fn pg_busy_primary_is_not_failed_over_but_a_hung_or_killed_one_is() {
     // Silent for good: a hung primary is failed over once the window has passed.
     let t = Instant::now();
     lab.cl.pause(i, true);
-    while failovers() == 0 {
-        assert!(
-            t.elapsed() < Duration::from_millis(dead_ms * 5),
-            "hung primary not failed over: {}",
-            lab.proxy().stats_json()
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let hung = t.elapsed();
+    let hung = failed_over(0, t, "hung primary");
     assert!(hung >= Duration::from_millis(dead_ms), "after {hung:?}");
     assert_eq!(
         c.scalar("SELECT count(*) FROM busy")
@@ -301,15 +325,7 @@ fn pg_busy_primary_is_not_failed_over_but_a_hung_or_killed_one_is() {
     );
     let t = Instant::now();
     lab.cl.orphan_port(i).expect("orphan the port");
-    while failovers() == before {
-        assert!(
-            t.elapsed() < Duration::from_millis(dead_ms * 5),
-            "orphaned port not failed over: {}",
-            lab.proxy().stats_json()
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let orphaned = t.elapsed();
+    let orphaned = failed_over(before, t, "orphaned port");
     assert!(
         orphaned < Duration::from_millis(dead_ms),
         "a primary whose backends all died was failed over only after {orphaned:?}, the \
@@ -320,9 +336,57 @@ fn pg_busy_primary_is_not_failed_over_but_a_hung_or_killed_one_is() {
             .expect("the session moved again"),
         Some("1".into())
     );
+    // A fresh probe login caught between a kill and a link cut: every backend dies (the probe
+    // sees EOF), the probe logs in again at once and the kernel of the still-listening
+    // postmaster completes the handshake; then the link is cut, so that login is never
+    // answered. No session is left to see a backend vanish: only the probe's retry decides,
+    // and it must not wait out the window for that login (the CI run where this took 5.4 s
+    // and closed every session).
+    drop(c);
+    lab.wait_protected();
+    let before = failovers();
+    let i = lab.proxy().shared.primary.load(SeqCst);
+    let t = Instant::now();
+    lab.cl.orphan_port(i).expect("orphan the port");
+    let node = &lab.cl.nodes[i];
+    let queued = || {
+        let out = Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &node.ns,
+                "ss",
+                "-Htn",
+                "state",
+                "established",
+            ])
+            .arg(format!("( sport = :5432 and dst {} )", lab.cl.host_ip))
+            .output()
+            .expect("ss");
+        !String::from_utf8_lossy(&out.stdout).trim().is_empty()
+    };
+    // Every connection the killed processes held is closed: an established one from the
+    // proxy's address is a login waiting in the stopped postmaster's accept queue.
+    while !queued() {
+        assert!(
+            t.elapsed() < Duration::from_secs(3),
+            "the probe did not log in again: {}",
+            lab.proxy().stats_json()
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    lab.cl.set_link(i, false).expect("cut the link");
+    let caught = failed_over(before, t, "a caught login");
+    assert!(
+        caught < Duration::from_millis(dead_ms),
+        "a login caught between the kill and the cut held the verdict for {caught:?}, the \
+         slow window"
+    );
     eprintln!(
-        "hung primary failed over after {hung:?}, killed one after {killed:?}, one whose \
-         backends died under a stopped postmaster after {orphaned:?}"
+        "a terminated backend's error passed on after {terminated:?}; \
+         hung primary failed over after {hung:?}, killed one after {killed:?}, one whose \
+         backends died under a stopped postmaster after {orphaned:?}, one whose probe login \
+         was caught between kill and cut after {caught:?}"
     );
 }
 

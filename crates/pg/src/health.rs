@@ -14,7 +14,9 @@
 //!   Both come from the kernel, which answers even on a saturated machine, so they are
 //!   trusted at once: the primary is dead when a probe ends so right after any failed probe
 //!   (one immediate retry on a fresh connection rules out a probe backend that died or was
-//!   terminated on its own, or a single dropped SYN).
+//!   terminated on its own, or a single dropped SYN). That retry waits only a probe timeout
+//!   for its answer: a login whose handshake a dying postmaster's kernel still completed
+//!   just before the link was cut never gets one.
 //! - The TCP handshake succeeded but PostgreSQL did not answer in time ([`Probe::Slow`]): a
 //!   busy server looks exactly like this (under pgbench on two saturated CPUs a `SELECT 1`
 //!   was seen taking over 2 s). A server that merely answers late is alive, so slowness alone
@@ -119,10 +121,18 @@ impl Detector {
         if dead || waited >= self.policy.slow_dead_after_ms {
             return Verdict::Dead;
         }
-        Verdict::Suspect {
+        let wait_ms = if matches!(p, Probe::Gone | Probe::Unreachable) {
+            // The retry only has to confirm what the kernel said (a probe backend that died
+            // alone, a dropped SYN): a healthy probe's wait. Waiting the rest of the window
+            // here would let a login caught between a SIGKILL and a link cut (handshake
+            // completed by the dying postmaster's kernel, answer never coming) hold the
+            // verdict for the whole window; a late answer still earns the long wait next.
+            self.policy.probe_timeout_ms
+        } else {
             // The rest of the window, but never less than a healthy probe gets.
-            wait_ms: (self.policy.slow_dead_after_ms - waited).max(self.policy.probe_timeout_ms),
-        }
+            (self.policy.slow_dead_after_ms - waited).max(self.policy.probe_timeout_ms)
+        };
+        Verdict::Suspect { wait_ms }
     }
 }
 
@@ -260,6 +270,27 @@ mod tests {
     }
 
     #[test]
+    fn a_retry_after_the_kernel_spoke_waits_only_a_probe_timeout() {
+        use Probe::*;
+        // SIGKILL then link cut: the probe backend's EOF arrived, the fresh login reached a
+        // postmaster that was still exiting (handshake done, no answer ever) and the link
+        // was cut: late after a probe timeout, then no handshake. Dead in well under a second,
+        // not after the slow window.
+        let v = run(&[(0, Answered), (10, Gone), (260, Slow), (360, Unreachable)]);
+        assert_eq!(v[1], Verdict::Suspect { wait_ms: 250 });
+        assert_eq!(
+            v[2],
+            Verdict::Suspect { wait_ms: 4750 },
+            "late earns the rest"
+        );
+        assert_eq!(v[3], Verdict::Dead);
+        assert_eq!(
+            run(&[(0, Unreachable)])[0],
+            Verdict::Suspect { wait_ms: 250 }
+        );
+    }
+
+    #[test]
     fn a_cut_link_is_dead_once_a_quiet_connection_is_followed_by_no_handshake() {
         use Probe::*;
         // The open probe connection just goes quiet, then no SYN-ACK on a fresh one.
@@ -366,6 +397,11 @@ mod tests {
                             || wait_ms == POLICY.probe_timeout_ms,
                         "seed {seed} step {step}"
                     );
+                    // After the kernel spoke (refused, reset, no handshake) only a
+                    // healthy probe's wait: the retry confirms, it does not wait out load.
+                    if matches!(p, Unreachable | Gone) {
+                        assert_eq!(wait_ms, POLICY.probe_timeout_ms, "seed {seed} step {step}");
+                    }
                     prev = p;
                 }
             }

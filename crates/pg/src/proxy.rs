@@ -208,6 +208,9 @@ pub struct Shared {
     /// a FATAL message (EOF or reset: a backend that died; [`mono_ms`], 0 = never): evidence
     /// for the failure detector that a primary whose probe is late is dead.
     pub primary_closed_ms: AtomicU64,
+    /// When the last probe that the primary answered started ([`mono_ms`], 0 = never): a
+    /// session that lost its server connection before that is not part of a failover.
+    pub primary_answered_ms: AtomicU64,
     /// Monotonic origin of `primary_heard_ms`.
     pub clock: Instant,
     pub stats: Stats,
@@ -274,6 +277,7 @@ impl Proxy {
             xid_horizon: AtomicU64::new(0),
             primary_heard_ms: AtomicU64::new(0),
             primary_closed_ms: AtomicU64::new(0),
+            primary_answered_ms: AtomicU64::new(0),
             clock: Instant::now(),
             stats: Stats::default(),
             shutdown: AtomicBool::new(false),
@@ -1012,13 +1016,23 @@ fn is_fatal(body: &[u8]) -> bool {
 }
 
 /// Waits for the controller's verdict on a lost server connection: true if a failover
-/// started (epoch moved), false if the primary stayed up (an isolated backend death).
+/// started (epoch moved), false if the primary stayed up (an isolated backend death): a probe
+/// that started after the loss was answered. The session follows the failure detector
+/// rather than a clock of its own, so a verdict that takes the detector's whole slow window
+/// still moves the session instead of closing it just before the failover.
 fn wait_for_epoch_change(sh: &Shared, old_epoch: u64) -> bool {
+    let lost_ms = mono_ms(sh);
     let t0 = Instant::now();
-    let verdict_ms = (sh.cfg.probe_timeout_ms + sh.cfg.probe_interval_ms) * 3 + 500;
+    // The detector's longest verdict (the slow window, then a few probes), as a backstop.
+    let verdict_ms =
+        sh.cfg.probe_dead_after_ms + (sh.cfg.probe_timeout_ms + sh.cfg.probe_interval_ms) * 3 + 500;
     while sh.epoch.load(SeqCst) == old_epoch {
-        if t0.elapsed() > Duration::from_millis(verdict_ms) || sh.shutdown.load(SeqCst) {
-            return false;
+        if sh.primary_answered_ms.load(SeqCst) >= lost_ms
+            || t0.elapsed() > Duration::from_millis(verdict_ms)
+            || sh.shutdown.load(SeqCst)
+        {
+            // An epoch change that raced with the answer still counts.
+            return sh.epoch.load(SeqCst) != old_epoch;
         }
         std::thread::sleep(Duration::from_millis(5));
     }
@@ -1303,6 +1317,7 @@ fn controller(sh: Arc<Shared>) {
         match detector.observe(clock.elapsed().as_millis() as u64, outcome) {
             health::Verdict::Healthy => {
                 last_answer_ms = start_ms;
+                sh.primary_answered_ms.store(start_ms, SeqCst);
                 wait = to;
                 watch_standby(&sh, &mut watch, &mut probe, p);
             }
