@@ -258,7 +258,11 @@ pub struct HaSystemReport {
 /// A system compared with `no_ha` (only from measured numbers).
 #[derive(Clone, Debug, Default, Serialize, PartialEq)]
 pub struct VsNoHa {
+    /// From each system's median round (`transactions_per_s`).
     pub transactions_per_s_ratio: Option<f64>,
+    /// The same ratio within each round that measured both (round order): the spread, and
+    /// pairs that share the machine's state of the moment (drift between rounds cancels).
+    pub transactions_per_s_ratio_rounds: Vec<f64>,
     pub gbps_ratio: Option<f64>,
     pub latency_us_p50_added: Option<f64>,
     pub latency_us_p95_added: Option<f64>,
@@ -388,6 +392,7 @@ impl HaReport {
                 name.to_string(),
                 VsNoHa {
                     transactions_per_s_ratio: ratio(s.transactions_per_s, no_ha.transactions_per_s),
+                    transactions_per_s_ratio_rounds: Vec::new(),
                     gbps_ratio: ratio(s.gbps, no_ha.gbps),
                     latency_us_p50_added: diff(s.latency_us_p50, no_ha.latency_us_p50),
                     latency_us_p95_added: diff(s.latency_us_p95, no_ha.latency_us_p95),
@@ -501,11 +506,24 @@ pub fn run_ha(opts: &HaOpts) -> HaReport {
                 .insert(sys.to_string(), tps);
         }
     }
+    for (i, sys) in SYSTEMS.iter().enumerate().skip(1) {
+        if let Some(vs) = report.vs_no_ha.get_mut(*sys) {
+            vs.transactions_per_s_ratio_rounds = round_ratios(&per_round, i);
+        }
+    }
     if let Some(u) = ftmb_unix {
         report.ftmb_tcp_vs_unix = ratio(report.ftmb.transactions_per_s, u.transactions_per_s);
         report.ftmb_unix = Some(u);
     }
     report
+}
+
+/// System `i`'s transactions/s over `no_ha`'s within each round that measured both.
+fn round_ratios(rounds: &[[HaSystemReport; 6]], i: usize) -> Vec<f64> {
+    rounds
+        .iter()
+        .filter_map(|o| ratio(o[i].transactions_per_s, o[0].transactions_per_s))
+        .collect()
 }
 
 /// Per system, the report of its median round by transactions/s (rounds that measured none
@@ -2130,6 +2148,27 @@ mod tests {
             m[1].failover.as_ref().and_then(|f| f.recovery_ms),
             Some(12.0)
         );
+    }
+
+    #[test]
+    fn per_round_ratios_pair_systems_within_a_round_in_round_order() {
+        let round = |no_ha: Option<f64>, pico: Option<f64>| {
+            let mut o: [HaSystemReport; 6] = Default::default();
+            o[0].transactions_per_s = no_ha;
+            o[1].transactions_per_s = pico;
+            o
+        };
+        let rounds = [
+            round(Some(100.0), Some(90.0)),
+            round(Some(50.0), Some(50.0)),
+            round(None, Some(80.0)),
+            round(Some(80.0), None),
+            round(Some(200.0), Some(210.0)),
+        ];
+        // Not 90/50 or 210/100: each pair comes from one round; rounds missing either side
+        // are left out.
+        assert_eq!(round_ratios(&rounds, 1), vec![0.9, 1.0, 1.05]);
+        assert!(round_ratios(&rounds, 2).is_empty());
     }
 
     #[test]
