@@ -1027,7 +1027,9 @@ fn wait_for_epoch_change(sh: &Shared, old_epoch: u64) -> bool {
     let verdict_ms =
         sh.cfg.probe_dead_after_ms + (sh.cfg.probe_timeout_ms + sh.cfg.probe_interval_ms) * 3 + 500;
     while sh.epoch.load(SeqCst) == old_epoch {
-        if sh.primary_answered_ms.load(SeqCst) >= lost_ms
+        // Strictly later: a probe that started in the loss's millisecond may have been
+        // answered just before it.
+        if sh.primary_answered_ms.load(SeqCst) > lost_ms
             || t0.elapsed() > Duration::from_millis(verdict_ms)
             || sh.shutdown.load(SeqCst)
         {
