@@ -68,7 +68,9 @@ pub struct FloodReport {
     /// pliant only: resident set before the flood (VmRSS), MiB.
     pub rss_mb_before: Option<f64>,
     /// pliant only, after the flood: the replica's drop counters, the inside port's kernel
-    /// ring drops and the NAT's `abuse` query section.
+    /// ring drops (`inside_rx_kernel_drops` since the replica started,
+    /// `inside_rx_kernel_drops_during_flood` those of the flood run) and the NAT's `abuse`
+    /// query section.
     pub replica_counters: Option<Value>,
 }
 
@@ -184,8 +186,14 @@ fn run(lab: &Lab, opts: &FloodOpts, r: &mut FloodReport) -> Result<(), BenchErro
         }
     }
     let pliant = matches!(lab.mode(), ReplicaMode::Pliant { .. });
+    // The replica's ring drops are a lifetime total: what the flood added is the difference
+    // (`bench forward` floods a lab that already ran its pps and iperf3 phases).
+    let mut ring_drops_before = None;
     if pliant {
         r.rss_mb_before = lab.replica_pid(1).and_then(rss_mb);
+        ring_drops_before = replica_counters(lab)
+            .ok()
+            .and_then(|v| v["inside_rx_kernel_drops"].as_u64());
     }
     let cfg = dir.join("flood.cfg");
     std::fs::write(&cfg, syn_trafgen_config()).map_err(|e| BenchError::Io(cfg.clone(), e))?;
@@ -242,6 +250,13 @@ fn run(lab: &Lab, opts: &FloodOpts, r: &mut FloodReport) -> Result<(), BenchErro
     if pliant {
         r.rss_mb_max = lab.replica_pid(1).and_then(peak_rss_mb);
         r.replica_counters = replica_counters(lab).ok();
+        if let Some(c) = r.replica_counters.as_mut() {
+            let during = c["inside_rx_kernel_drops"]
+                .as_u64()
+                .zip(ring_drops_before)
+                .map(|(after, before)| after.saturating_sub(before));
+            c["inside_rx_kernel_drops_during_flood"] = json!(during);
+        }
     }
     Ok(())
 }
