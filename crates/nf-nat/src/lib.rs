@@ -413,6 +413,58 @@ pub struct Nat {
     /// the flow table's size after mappings left it unseen (exported by a migration); the
     /// next new mapping then resyncs both from the table first.
     tracked: usize,
+    /// The last remote endpoint whose sharing scan found nothing (see [`ScanBackoff`]).
+    share_backoff: ScanBackoff,
+}
+
+/// After a sharing scan towards a remote endpoint found no port (every port it looked at
+/// already has a tuple towards that remote: a flood towards one server fills them all), the
+/// next new mappings towards the same remote try eviction before scanning again, for a number
+/// of mappings that doubles with each scan that fails again (up to
+/// [`ScanBackoff::MAX_SKIP`]). In a SYN flood the scan was most of the NAT's work per packet
+/// (`SHARE_SCAN` table lookups for each SYN, ~60 % of the replica's samples), enough to fill
+/// its receive ring with CPU to spare. Outcomes stay those of the full procedure: when eviction
+/// finds nothing the scan still runs, so no flow is refused that a scan could have placed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct ScanBackoff {
+    remote: Option<(u8, Ipv4Addr, u16)>,
+    /// New mappings towards `remote` that go to eviction first.
+    skip: u32,
+    /// `skip` after the next failed scan.
+    next: u32,
+}
+
+impl ScanBackoff {
+    const MAX_SKIP: u32 = 1024;
+
+    /// Whether this mapping towards `remote` should try eviction before the scan.
+    fn evict_first(&mut self, remote: (u8, Ipv4Addr, u16)) -> bool {
+        if self.remote != Some(remote) || self.skip == 0 {
+            return false;
+        }
+        self.skip -= 1;
+        true
+    }
+
+    /// A scan towards `remote` found no port.
+    fn failed(&mut self, remote: (u8, Ipv4Addr, u16)) {
+        if self.remote != Some(remote) {
+            *self = ScanBackoff {
+                remote: Some(remote),
+                skip: 0,
+                next: 1,
+            };
+        }
+        self.skip = self.next;
+        self.next = (self.next * 2).min(Self::MAX_SKIP);
+    }
+
+    /// A scan towards `remote` found a port: scan first again.
+    fn found(&mut self, remote: (u8, Ipv4Addr, u16)) {
+        if self.remote == Some(remote) {
+            *self = ScanBackoff::default();
+        }
+    }
 }
 
 impl Nat {
@@ -431,6 +483,7 @@ impl Nat {
             guard: guard::Guard::default(),
             eim: HashMap::new(),
             tracked: 0,
+            share_backoff: ScanBackoff::default(),
             cfg,
             epoch,
             epoch_wall_ms: wall_ms,
@@ -696,6 +749,8 @@ impl Nat {
     /// 4. no port free: the source port, then up to [`SHARE_SCAN`] in-use ports, whose tuple
     ///    towards this remote is free (sharing);
     /// 5. evicting embryonic mappings ([`Nat::evict_for`]).
+    ///
+    /// While scans towards this remote keep failing, 5 comes before the scan ([`ScanBackoff`]).
     fn pick_port(
         &mut self,
         ctx: &mut Ctx<Mapping>,
@@ -729,6 +784,14 @@ impl Nat {
             ctx.count("nat_port_shared", 1);
             return Ok(sport);
         }
+        let remote = (p, dst, dport);
+        let evicted_first = self.share_backoff.evict_first(remote);
+        if evicted_first {
+            ctx.count("nat_share_scan_skipped", 1);
+            if let Some(port) = self.evict_for(ctx, p, dst, dport) {
+                return Ok(port);
+            }
+        }
         for _ in 0..SHARE_SCAN {
             let Some(port) = self.pool(p).scan_next() else {
                 continue;
@@ -736,11 +799,15 @@ impl Nat {
             if self.tuple_free(ctx, p, port, dst, dport) {
                 self.pool(p).acquire(port);
                 ctx.count("nat_port_shared", 1);
+                self.share_backoff.found(remote);
                 return Ok(port);
             }
         }
-        if let Some(port) = self.evict_for(ctx, p, dst, dport) {
-            return Ok(port);
+        self.share_backoff.failed(remote);
+        if !evicted_first {
+            if let Some(port) = self.evict_for(ctx, p, dst, dport) {
+                return Ok(port);
+            }
         }
         self.pool(p).exhausted += 1;
         Err("nat_port_exhausted")

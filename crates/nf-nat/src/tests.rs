@@ -524,20 +524,7 @@ fn a_syn_flood_evicts_its_own_embryonic_mappings_not_established_ones() {
     let mut h = nat(cfg);
     let kept = established(&mut h, 999);
     let flooder = Ipv4Addr::new(10, 0, 1, 66);
-    let syn = |sport: u16| {
-        build::tcp(
-            MAC_A,
-            MAC_B,
-            v4(flooder),
-            sport,
-            v4(SERVER),
-            80,
-            tcp_flags::SYN,
-            1,
-            0,
-            b"",
-        )
-    };
+    let syn = |sport: u16| syn_to_server(flooder, sport, 80);
     for i in 0..40u16 {
         h.inject(Side::Inside, &syn(1000 + i)).unwrap();
     }
@@ -1203,4 +1190,80 @@ fn a_mapping_that_migrates_back_and_ends_frees_its_port() {
         (0, 0, 0)
     );
     assert_eq!(out_port(&mut h1, &udp_from(HOST_B, 5, SERVER, 53)), 30000);
+}
+
+#[test]
+fn scan_backoff_doubles_per_failed_scan_and_resets_on_success() {
+    let r80 = (proto::TCP, SERVER, 80);
+    let r443 = (proto::TCP, SERVER, 443);
+    let mut b = ScanBackoff::default();
+    assert!(!b.evict_first(r80), "nothing failed yet");
+    let mut skipped = Vec::new();
+    for _ in 0..13 {
+        b.failed(r80);
+        let mut n = 0;
+        while b.evict_first(r80) {
+            n += 1;
+        }
+        skipped.push(n);
+    }
+    assert_eq!(
+        skipped,
+        [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 1024, 1024]
+    );
+    // Another remote is not affected, and its own failure starts over.
+    b.failed(r80);
+    assert!(!b.evict_first(r443));
+    b.found(r443);
+    assert!(
+        b.evict_first(r80),
+        "a success elsewhere keeps this remote's back-off"
+    );
+    b.failed(r443);
+    assert!(b.evict_first(r443));
+    assert!(!b.evict_first(r443));
+    assert!(!b.evict_first(r80), "one remote at a time");
+    b.failed(r80);
+    b.found(r80);
+    assert!(!b.evict_first(r80), "a scan that found a port resets");
+}
+
+#[test]
+fn a_flood_towards_one_server_skips_the_sharing_scan_and_still_places_every_flow() {
+    let mut cfg = Config::with_external_ip(EXT);
+    cfg.port_blocks = vec![(30000, 30007)];
+    let mut h = nat(cfg);
+    let flooder = Ipv4Addr::new(10, 0, 1, 66);
+    let syn = |sport: u16, dport: u16| syn_to_server(flooder, sport, dport);
+    for i in 0..500u16 {
+        h.inject(Side::Inside, &syn(1000 + i, 80)).unwrap();
+    }
+    assert_eq!(h.take_output().len(), 500, "every flood SYN got a port");
+    assert_eq!(h.counter("nat_evicted_embryonic"), 492);
+    assert_eq!(h.drop_count("nat_port_exhausted"), 0);
+    // Every port holds a tuple towards SERVER:80, so each scan failed: after the first
+    // failures almost every SYN went to eviction without one.
+    let skipped = h.counter("nat_share_scan_skipped");
+    assert!(skipped >= 480, "scans skipped: {skipped}");
+    // A new remote is scanned at once and shares a port (no eviction for it).
+    h.inject(Side::Inside, &syn(7000, 443)).unwrap();
+    assert_eq!(h.take_output().len(), 1);
+    assert_eq!(h.counter("nat_port_shared"), 1);
+    assert_eq!(h.counter("nat_evicted_embryonic"), 492);
+}
+
+/// A SYN from inside host `src`:`sport` to SERVER:`dport` (what a flooder sends).
+fn syn_to_server(src: Ipv4Addr, sport: u16, dport: u16) -> Vec<u8> {
+    build::tcp(
+        MAC_A,
+        MAC_B,
+        v4(src),
+        sport,
+        v4(SERVER),
+        dport,
+        tcp_flags::SYN,
+        1,
+        0,
+        b"",
+    )
 }
