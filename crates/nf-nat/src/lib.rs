@@ -392,7 +392,8 @@ const ICMP_ECHO_REQUEST: u8 = 8;
 /// every port) can cause per packet, like conntrack's bounded tuple search.
 const SHARE_SCAN: usize = 128;
 
-/// An inside endpoint: protocol, address, port (ICMP: echo identifier).
+/// An endpoint (an inside one, or a remote one in `ScanBackoff`): protocol, address, port
+/// (ICMP: echo identifier).
 type Endpoint = (u8, Ipv4Addr, u16);
 
 pub struct Nat {
@@ -427,7 +428,7 @@ pub struct Nat {
 /// finds nothing the scan still runs, so no flow is refused that a scan could have placed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct ScanBackoff {
-    remote: Option<(u8, Ipv4Addr, u16)>,
+    remote: Option<Endpoint>,
     /// New mappings towards `remote` that go to eviction first.
     skip: u32,
     /// `skip` after the next failed scan.
@@ -438,7 +439,7 @@ impl ScanBackoff {
     const MAX_SKIP: u32 = 1024;
 
     /// Whether this mapping towards `remote` should try eviction before the scan.
-    fn evict_first(&mut self, remote: (u8, Ipv4Addr, u16)) -> bool {
+    fn evict_first(&mut self, remote: Endpoint) -> bool {
         if self.remote != Some(remote) || self.skip == 0 {
             return false;
         }
@@ -447,7 +448,7 @@ impl ScanBackoff {
     }
 
     /// A scan towards `remote` found no port.
-    fn failed(&mut self, remote: (u8, Ipv4Addr, u16)) {
+    fn failed(&mut self, remote: Endpoint) {
         if self.remote != Some(remote) {
             *self = ScanBackoff {
                 remote: Some(remote),
@@ -460,7 +461,7 @@ impl ScanBackoff {
     }
 
     /// A scan towards `remote` found a port: scan first again.
-    fn found(&mut self, remote: (u8, Ipv4Addr, u16)) {
+    fn found(&mut self, remote: Endpoint) {
         if self.remote == Some(remote) {
             *self = ScanBackoff::default();
         }
