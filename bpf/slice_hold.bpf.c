@@ -29,7 +29,7 @@ static long (*bpf_skb_load_bytes)(const struct __sk_buff *skb, __u32 offset, voi
                                   __u32 len) = (void *)BPF_FUNC_skb_load_bytes;
 
 // ---- layout (keep in sync with crates/slice/src/hold/queue.rs) ----
-#define HOLD_LAYOUT_VERSION 1
+#define HOLD_LAYOUT_VERSION 2
 const volatile __u32 hold_layout_version SEC(".rodata") = HOLD_LAYOUT_VERSION;
 
 // Client -> instance, addresses as 16 bytes (IPv4 in the first 4, the rest zero), ports in
@@ -71,7 +71,101 @@ struct {
 	__type(value, struct hold_config);
 } config SEC(".maps");
 
+// Output commit of replicated sessions (crates/slice/src/replicate.rs): a server -> client
+// 4-tuple in `commit` is a session whose output may leave only once the backup holds what it
+// depends on. A segment passes when every byte it carries is below `covered_seq` (the backup
+// holds that output and can send it again), what it acknowledges is below `covered_ack` (the
+// backup holds that input, in the application's state), and no earlier segment of the
+// connection is still queued (order); otherwise it is queued like a held segment and written
+// back by the backup once a checkpoint covers it. A RST never leaves: the one a dying primary's
+// kernel sends for a protected session must not reach the client, which the backup's restored
+// socket carries on with.
+struct commit_val { // written by the backup only
+	__u32 covered_seq;
+	__u32 covered_ack;
+	__u32 released; // frames of the connection written back so far
+	__u32 pad;
+};
+
+struct commit_cnt { // written by this program only
+	__u32 queued;   // frames diverted to the queue
+	__u32 passed;   // frames let through at once
+	__u32 resets;   // RSTs dropped
+	__u32 over;     // dropped beyond the bound (the server's kernel retransmits them)
+	// The audit: the highest data end and acknowledgment let through at once (the backup
+	// compares them with what it held when the primary died). Not atomic: a lost race
+	// can only make them lower.
+	__u32 left_end;
+	__u32 left_ack;
+	__u32 left_flags; // 1: left_end is set, 2: left_ack is set
+	__u32 pad;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 65536);
+	__type(key, struct hold_key);
+	__type(value, struct commit_val);
+} commit SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 65536);
+	__type(key, struct hold_key);
+	__type(value, struct commit_cnt);
+} commit_cnt SEC(".maps");
+
 #define IPPROTO_TCP_ 6
+#define TCP_RST_ 0x04
+#define TCP_ACK_ 0x10
+
+static __always_inline __u32 be32(const __u8 *b)
+{
+	return ((__u32)b[0] << 24) | ((__u32)b[1] << 16) | ((__u32)b[2] << 8) | b[3];
+}
+
+// The output-commit decision for a protected server -> client segment (see above). `iplen` is
+// the IP packet's length (header included), `l4` the TCP header's offset in it.
+static __always_inline int commit_output(struct __sk_buff *skb, struct hold_config *cfg,
+					 struct hold_key *k, __u32 l4, __u32 iplen)
+{
+	struct commit_val *c = bpf_map_lookup_elem(&commit, k);
+	if (!c)
+		return TC_ACT_UNSPEC;
+	struct commit_cnt *n = bpf_map_lookup_elem(&commit_cnt, k);
+	if (!n)
+		return TC_ACT_SHOT; // never let a protected segment out unchecked
+	__u8 th[14];
+	if (bpf_skb_load_bytes(skb, ETH_HLEN + (l4 & 0x7f), th, sizeof(th)) < 0)
+		return TC_ACT_SHOT;
+	__u8 flags = th[13];
+	if (flags & TCP_RST_) {
+		__sync_fetch_and_add(&n->resets, 1);
+		return TC_ACT_SHOT;
+	}
+	__u32 seq = be32(&th[4]);
+	__u32 ack = be32(&th[8]);
+	__u32 hdrs = (l4 & 0x7f) + (th[12] >> 4) * 4;
+	__u32 payload = iplen > hdrs ? iplen - hdrs : 0;
+	__u32 end = seq + payload;
+	int covered = (__s32)(c->covered_seq - end) >= 0 &&
+		      (!(flags & TCP_ACK_) || (__s32)(c->covered_ack - ack) >= 0);
+	if (covered && n->queued == c->released) {
+		__sync_fetch_and_add(&n->passed, 1);
+		if (!(n->left_flags & 1) || (__s32)(end - n->left_end) > 0)
+			n->left_end = end;
+		if ((flags & TCP_ACK_) && (!(n->left_flags & 2) || (__s32)(ack - n->left_ack) > 0))
+			n->left_ack = ack;
+		n->left_flags |= 1 | ((flags & TCP_ACK_) ? 2 : 0);
+		return TC_ACT_UNSPEC;
+	}
+	if (n->queued - c->released >= cfg->max_packets) {
+		__sync_fetch_and_add(&n->over, 1);
+		return TC_ACT_SHOT;
+	}
+	__sync_fetch_and_add(&n->queued, 1);
+	return bpf_redirect(cfg->queue_ifindex, 0);
+}
 
 SEC("classifier")
 int pliant_slice_hold(struct __sk_buff *skb)
@@ -85,7 +179,7 @@ int pliant_slice_hold(struct __sk_buff *skb)
 
 	// At tc ingress the program sees the frame from its Ethernet header (loopback has one).
 	struct hold_key k = {};
-	__u32 l4;
+	__u32 l4, iplen;
 	if (skb->protocol == __builtin_bswap16(ETH_P_IP)) {
 		__u8 ip[20];
 		if (bpf_skb_load_bytes(skb, ETH_HLEN, ip, sizeof(ip)) < 0)
@@ -99,6 +193,7 @@ int pliant_slice_hold(struct __sk_buff *skb)
 		__builtin_memcpy(k.daddr, &ip[16], 4);
 		k.family = 4;
 		l4 = (ip[0] & 0x0f) * 4;
+		iplen = ((__u32)ip[2] << 8) | ip[3];
 	} else if (skb->protocol == __builtin_bswap16(ETH_P_IPV6)) {
 		__u8 ip[40];
 		if (bpf_skb_load_bytes(skb, ETH_HLEN, ip, sizeof(ip)) < 0)
@@ -109,6 +204,7 @@ int pliant_slice_hold(struct __sk_buff *skb)
 		__builtin_memcpy(k.daddr, &ip[24], 16);
 		k.family = 6;
 		l4 = 40;
+		iplen = 40 + (((__u32)ip[4] << 8) | ip[5]);
 	} else {
 		return TC_ACT_UNSPEC;
 	}
@@ -119,8 +215,12 @@ int pliant_slice_hold(struct __sk_buff *skb)
 	k.dport = ports[1];
 
 	struct hold_val *v = bpf_map_lookup_elem(&held, &k);
-	if (!v)
-		return TC_ACT_UNSPEC;
+	if (!v) {
+		// A GSO packet may carry 0 as its length (BIG TCP): then the frame's length counts.
+		if (iplen == 0)
+			iplen = skb->len - ETH_HLEN;
+		return commit_output(skb, cfg, &k, l4, iplen);
+	}
 	if (v->packets >= cfg->max_packets || v->bytes + skb->len > cfg->max_bytes) {
 		__sync_fetch_and_add(&v->over, 1);
 		return TC_ACT_SHOT;

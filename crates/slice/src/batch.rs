@@ -237,6 +237,9 @@ fn move_batch<A: SessionApp>(
             out,
         });
     }
+    // Replicated sessions leave the pair: the backup lets go of their output first.
+    let ids: Vec<u64> = captured.iter().map(|c| c.slice.session_id).collect();
+    inner.leaving_many(&ids);
     done.phases.captured = t0.elapsed();
     done.capsule_bytes = captured.iter().map(|c| c.bytes.len()).sum();
 

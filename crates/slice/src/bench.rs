@@ -165,6 +165,7 @@ fn instance(ca: &Ca, name: &str) -> Result<Instance<LineApp>, String> {
         peer: Endpoint::Tcp("127.0.0.1:0".into()),
         security: Security::new(id),
         control: None,
+        backup: None,
     })
     .map_err(|e| format!("instance {name}: {e}"))
 }

@@ -97,6 +97,14 @@ pub struct ServeArgs {
     /// migrate`; clients must prove the admin or controller role. None without it.
     #[arg(long)]
     pub control: Option<Endpoint>,
+    /// Replicate every session to the backup instance at this peer endpoint (its `--peer`):
+    /// if this instance dies, even by SIGKILL, its sessions continue there. Needs
+    /// `--backup-name`.
+    #[arg(long, requires = "backup_name")]
+    pub backup: Option<Endpoint>,
+    /// The backup instance's name (its certificate's).
+    #[arg(long, requires = "backup")]
+    pub backup_name: Option<String>,
 }
 
 /// Starts a [`LineApp`] instance as `a` says.
@@ -109,6 +117,7 @@ pub fn start(a: &ServeArgs) -> Result<Instance<LineApp>, String> {
         peer: a.peer.clone(),
         security,
         control: a.control.clone(),
+        backup: a.backup.clone().zip(a.backup_name.clone()),
     })
     .map_err(|e| e.to_string())
 }

@@ -9,6 +9,7 @@
 
 use crate::control::ControlServer;
 use crate::hold::{HoldError, PacketHold};
+use crate::replicate::{Counts, RepStats, Replicator, Update};
 use pliant_wire::endpoint::{Endpoint, Listener, Stream, TcpTuning};
 use pliant_wire::server::{self, ConnThreads, ServerSocket, StartError};
 use pliant_wire::Security;
@@ -86,6 +87,9 @@ pub struct Config {
     /// Where operators list, count and move sessions ([`crate::control`]); none: no control
     /// channel.
     pub control: Option<Endpoint>,
+    /// The backup instance this one replicates its sessions to ([`crate::replicate`]): its
+    /// peer endpoint and its name. None: sessions are not replicated.
+    pub backup: Option<(Endpoint, String)>,
 }
 
 pub(crate) struct Inner<A> {
@@ -97,6 +101,10 @@ pub(crate) struct Inner<A> {
     /// The control channel's counters.
     pub(crate) control: Arc<crate::control::Counters>,
     stopping: AtomicBool,
+    /// Replication, both roles (primary: sessions protected, checkpoints; backup: takeovers).
+    pub(crate) rep_stats: Arc<RepStats>,
+    /// The channel to the backup, when this instance has one.
+    replicator: Mutex<Option<Arc<Replicator>>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -113,6 +121,8 @@ pub enum InstanceError {
     Peers(Endpoint, StartError),
     #[error("listening for control clients on {0}: {1}")]
     Control(Endpoint, StartError),
+    #[error("{0}")]
+    Backup(String),
 }
 
 /// A running instance.
@@ -142,7 +152,15 @@ impl<A: SessionApp> Instance<A> {
             stats: Stats::default(),
             control: Arc::default(),
             stopping: AtomicBool::new(false),
+            rep_stats: Arc::default(),
+            replicator: Mutex::new(None),
         });
+        // The backup first: no session may start before it can be protected.
+        if let Some((ep, name)) = &cfg.backup {
+            let r = Replicator::start(&inner, ep, name, inner.rep_stats.clone())
+                .map_err(InstanceError::Backup)?;
+            *lock(&inner.replicator) = Some(Arc::new(r));
+        }
         let i = inner.clone();
         let clients = ServerSocket::start(
             &Endpoint::from(cfg.clients),
@@ -234,6 +252,11 @@ impl<A: SessionApp> Instance<A> {
     pub fn hold(&self) -> &PacketHold {
         &self.inner.hold
     }
+
+    /// Replication counters (both roles).
+    pub fn replication(&self) -> &RepStats {
+        &self.inner.rep_stats
+    }
 }
 
 impl<A: SessionApp> Drop for Instance<A> {
@@ -245,10 +268,19 @@ impl<A: SessionApp> Drop for Instance<A> {
         self.peers.stop_accepting();
         self.peer_conns.shutdown_and_join();
         let ids: Vec<u64> = lock(&self.inner.sessions).keys().copied().collect();
+        let rep = lock(&self.inner.replicator).take();
         for id in ids {
-            // Frozen and dropped: the socket closes normally (FIN) with the instance.
-            let _ = self.inner.freeze(id);
+            // Frozen and dropped: the socket closes normally (FIN) with the instance; a
+            // replicated one's too (not the RST its death would send), once its backup lets go.
+            if let Some(f) = self.inner.freeze(id) {
+                if let Some(r) = &rep {
+                    let _ = crate::repair::set_linger_reset(&f.sock, false);
+                    r.ended(&[id], false);
+                }
+            }
         }
+        // The last reference: the sender says Goodbye after every update before it.
+        drop(rep);
     }
 }
 
@@ -280,6 +312,15 @@ fn accept_clients<A: SessionApp>(inner: &Arc<Inner<A>>, l: &Listener, stop: &Uni
                         app: A::new_session(),
                         out: Vec::new(),
                     };
+                    // Protected before its first byte of output (one round trip to the
+                    // backup per new session).
+                    if let Some(r) = inner.replicator() {
+                        let st = &inner.rep_stats;
+                        match r.protect(f.id, &f.sock, f.app.save()) {
+                            Some(_) => st.protected.fetch_add(1, Ordering::Relaxed),
+                            None => st.unprotected.fetch_add(1, Ordering::Relaxed),
+                        };
+                    }
                     if let Err(e) = inner.run(f) {
                         tracing::warn!(error = %e, "cannot start a session");
                     }
@@ -296,6 +337,26 @@ fn accept_clients<A: SessionApp>(inner: &Arc<Inner<A>>, l: &Listener, stop: &Uni
 }
 
 impl<A: SessionApp> Inner<A> {
+    pub(crate) fn is_stopping(&self) -> bool {
+        self.stopping.load(Ordering::SeqCst)
+    }
+
+    fn replicator(&self) -> Option<Arc<Replicator>> {
+        lock(&self.replicator).clone()
+    }
+
+    /// Replicated sessions leave this pair (moved away): the backup lets go of their output
+    /// before this returns.
+    pub(crate) fn leaving_many(&self, ids: &[u64]) {
+        if let Some(r) = self.replicator() {
+            r.ended(ids, true);
+        }
+    }
+
+    pub(crate) fn leaving(&self, id: u64) {
+        self.leaving_many(&[id]);
+    }
+
     /// The sessions served now with their clients' addresses, by id.
     pub(crate) fn sessions_with_clients(&self) -> Vec<(u64, Option<SocketAddr>)> {
         let mut v: Vec<_> = lock(&self.sessions)
@@ -316,13 +377,19 @@ impl<A: SessionApp> Inner<A> {
         let peer = f.sock.peer_addr().ok();
         let netns = crate::repair::socket_netns(&f.sock).ok();
         let me = self.clone();
+        let rep = self
+            .replicator()
+            .and_then(|r| r.counts(id).map(|c| Rep { r, c }));
         let mut sessions = lock(&self.sessions);
         let thread = std::thread::Builder::new()
             .name("slice-session".into())
             .spawn(move || {
-                let exit = serve(f, &wake_r, &freeze_seen, &me.stats);
+                let exit = serve(f, &wake_r, &freeze_seen, &me.stats, rep.as_ref());
                 if let Exit::Ended = exit {
                     lock(&me.sessions).remove(&id);
+                    if let Some(r) = rep {
+                        r.r.ended(&[id], false);
+                    }
                 }
                 exit
             })?;
@@ -392,6 +459,40 @@ fn poll2(fds: &mut [libc::pollfd; 2]) -> io::Result<()> {
     }
 }
 
+/// A replicated session's link to its backup.
+struct Rep {
+    r: Arc<Replicator>,
+    c: Arc<Counts>,
+}
+
+impl Rep {
+    /// Sends the backup what changed since the last checkpoint: taken after the application
+    /// consumed input and before its output is written (output commit then finds it covered).
+    fn checkpoint<A: SessionApp>(&self, f: &Frozen<A>) {
+        let c = &self.c;
+        let read = c.read.load(Ordering::Relaxed);
+        let written = c.written.load(Ordering::Relaxed);
+        let produced_total = written + f.out.len() as u64;
+        let done = c.ckpt_produced.load(Ordering::Relaxed);
+        if read == c.ckpt_read.load(Ordering::Relaxed) && produced_total == done {
+            return;
+        }
+        let new = (produced_total - done) as usize;
+        let produced = f.out[f.out.len() - new..].to_vec();
+        // SIOCOUTQ: written and not yet acknowledged. An error keeps every byte at the backup.
+        let unacked = crate::repair::unacked_bytes(&f.sock).map_or(written, |n| n as u64);
+        self.r.checkpoint(Update::Checkpoint {
+            id: f.id,
+            app: f.app.save(),
+            read,
+            produced,
+            acked: written.saturating_sub(unacked),
+        });
+        c.ckpt_read.store(read, Ordering::Relaxed);
+        c.ckpt_produced.store(produced_total, Ordering::Relaxed);
+    }
+}
+
 /// The session loop: read what the client sent, let the application answer, write it out;
 /// until the client ends the session or the instance freezes it.
 fn serve<A: SessionApp>(
@@ -399,6 +500,7 @@ fn serve<A: SessionApp>(
     wake: &UnixStream,
     freeze: &AtomicBool,
     stats: &Stats,
+    rep: Option<&Rep>,
 ) -> Exit<A> {
     let mut buf = vec![0u8; 64 << 10];
     let failed = |e: io::Error| {
@@ -441,9 +543,15 @@ fn serve<A: SessionApp>(
                 }
                 Ok(n) => {
                     f.app.on_input(&buf[..n], &mut f.out);
+                    if let Some(r) = rep {
+                        r.c.read.fetch_add(n as u64, Ordering::Relaxed);
+                    }
                     // Between two reads is a consistent point: what was read is in the
                     // application's state and output, the rest still in the kernel.
                     if freeze.load(Ordering::SeqCst) {
+                        if let Some(r) = rep {
+                            r.checkpoint(&f);
+                        }
                         return Exit::Frozen(f);
                     }
                 }
@@ -452,10 +560,16 @@ fn serve<A: SessionApp>(
                 Err(e) => return failed(e),
             }
         }
+        if let Some(r) = rep {
+            r.checkpoint(&f);
+        }
         while !f.out.is_empty() {
             match f.sock.write(&f.out) {
                 Ok(n) => {
                     f.out.drain(..n);
+                    if let Some(r) = rep {
+                        r.c.written.fetch_add(n as u64, Ordering::Relaxed);
+                    }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -463,7 +577,11 @@ fn serve<A: SessionApp>(
             }
         }
         if eof {
-            // The client is done sending; what is left to answer goes out before the close.
+            // The client is done sending; what is left to answer goes out before the close
+            // (a FIN, also for a replicated session, whose death would send a RST).
+            if rep.is_some() {
+                let _ = crate::repair::set_linger_reset(&f.sock, false);
+            }
             let r = f
                 .sock
                 .set_nonblocking(false)

@@ -21,6 +21,7 @@ pub mod load;
 pub mod migrate;
 pub mod nfnl;
 pub mod repair;
+pub mod replicate;
 
 pub use capsule::{Slice, TcpCapsule, TcpOptions, TcpWindow};
 pub use format::{decode, encode, FormatError, FORMAT_VERSION};

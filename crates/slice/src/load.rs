@@ -74,7 +74,12 @@ impl IdleSessions {
 
     /// Writes one line on every connection without reading the replies.
     pub fn send_all(&mut self) -> io::Result<()> {
-        for c in &mut self.conns {
+        self.send_every(1)
+    }
+
+    /// Writes one line on every `step`-th connection without reading the replies.
+    pub fn send_every(&mut self, step: usize) -> io::Result<()> {
+        for c in self.conns.iter_mut().step_by(step.max(1)) {
             let l = idle_line(c.n, c.lines + c.unanswered);
             c.w.write_all(l.as_bytes())?;
             c.unanswered += 1;

@@ -73,6 +73,10 @@ pub(crate) enum ToDest {
         capsules: Vec<Vec<u8>>,
         more: bool,
     },
+    /// Replication updates from a primary ([`crate::replicate`]); answered with `Applied`.
+    Replicate(Vec<crate::replicate::Update>),
+    /// The primary stops replicating on purpose: nothing to take over.
+    Goodbye,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -84,6 +88,8 @@ pub(crate) enum ToSource {
     Serving,
     /// Per capsule of a batch, in order: `None` restored, `Some(why)` not.
     RestoredBatch(Vec<Option<String>>),
+    /// Replication updates applied (output commit moved on).
+    Applied,
 }
 
 /// Frame bound of the channel: a capsule and its envelope.
@@ -362,6 +368,9 @@ fn move_frozen<A: SessionApp>(
         // The socket is gone either way (dropped); restore from the capsule below.
         tracing::error!(error = %e, "closing the source socket in repair mode");
     }
+    // A replicated session leaves the pair: its backup lets go of the 4-tuple's output
+    // before the destination sends on it.
+    inner.leaving(id);
     ph.captured = t0.elapsed();
     let answer = send(conn, &ToDest::Slice(bytes.clone())).and_then(|_| recv::<ToSource>(conn));
     // `Serving`: the destination runs the session already (queueing hold, see take_slice).
@@ -489,6 +498,10 @@ pub(crate) fn serve_peer<A: SessionApp>(inner: &Arc<Inner<A>>, s: Stream) {
                 queued,
             }) => take_slice(inner, &mut conn, session_id, &app, netns, queued),
             Ok(ToDest::PrepareBatch(items)) => crate::batch::take_batch(inner, &mut conn, items),
+            Ok(ToDest::Replicate(first)) => {
+                crate::replicate::serve_primary(inner, &mut conn, first);
+                return;
+            }
             _ => return,
         };
         if done.is_err() {

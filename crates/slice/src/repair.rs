@@ -219,6 +219,51 @@ pub fn leave_repair(s: &TcpStream) -> Result<(), RepairError> {
     set_tcp(s.as_raw_fd(), libc::TCP_REPAIR, TCP_REPAIR_OFF).map_err(sys("TCP_REPAIR off"))
 }
 
+/// The kernel state of a live socket read out without stopping it: repair mode on, a capture,
+/// repair mode off without a window probe (`TCP_REPAIR_OFF_NO_WP`: nothing leaves). The
+/// socket must have nothing unsent (a session that has written nothing yet): with the send
+/// queue selected in repair mode, the kernel would mark data it pushes meanwhile as sent
+/// without sending it. Used to learn a replicated session's sequence numbers, options and
+/// timestamp clock when it starts; from then on its owner counts the bytes itself.
+pub fn observe(s: &TcpStream) -> Result<TcpCapsule, RepairError> {
+    const TCP_REPAIR_OFF_NO_WP: libc::c_int = -1;
+    enter_repair(s)?;
+    let c = capture(s);
+    let off = set_tcp(s.as_raw_fd(), libc::TCP_REPAIR, TCP_REPAIR_OFF_NO_WP)
+        .map_err(sys("TCP_REPAIR off (no probe)"));
+    let c = c?;
+    off?;
+    Ok(c)
+}
+
+/// `SO_LINGER` with a zero timeout (`reset`) or the default. With it, closing the socket, as the
+/// kernel does when its process dies, sends a RST and frees the 4-tuple at once instead of
+/// leaving a FIN_WAIT socket that holds it: a replicated session's backup can then restore the
+/// connection (and its output commit keeps that RST from the client).
+pub fn set_linger_reset(s: &TcpStream, reset: bool) -> io::Result<()> {
+    let l = libc::linger {
+        l_onoff: libc::c_int::from(reset),
+        l_linger: 0,
+    };
+    // SAFETY: `l` is a live linger of the size given.
+    cvt(unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&l as *const libc::linger).cast(),
+            size_of::<libc::linger>() as libc::socklen_t,
+        )
+    })
+    .map(|_| ())
+}
+
+/// Bytes written to the socket and not yet acknowledged by the peer (SIOCOUTQ; no repair
+/// mode needed).
+pub fn unacked_bytes(s: &TcpStream) -> io::Result<usize> {
+    ioctl_int(s.as_raw_fd(), SIOCOUTQ)
+}
+
 /// Closes a socket that is in repair mode: the kernel disconnects it without sending a FIN or
 /// a RST (the connection lives on in its restored copy).
 pub fn close_in_repair(s: TcpStream) -> Result<(), RepairError> {

@@ -18,6 +18,7 @@ fn instance(ca: &Ca, name: &str) -> Instance<LineApp> {
         peer: Endpoint::Tcp("127.0.0.1:0".into()),
         security: Security::new(id),
         control: None,
+        backup: None,
     })
     .unwrap()
 }
@@ -116,6 +117,7 @@ fn a_refused_batch_stays_whole_where_it_was() {
         peer: Endpoint::Tcp("127.0.0.1:0".into()),
         security: Security::new(id),
         control: None,
+        backup: None,
     })
     .unwrap();
     let Endpoint::Tcp(addr) = a.client_endpoint().clone() else {

@@ -3,64 +3,8 @@
 
 mod common;
 
-use common::{private_netns, start_client, tcp_counter};
-use std::io::{BufRead, BufReader, Lines, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
-
-/// A demo process, killed (by its own pid) and reaped when dropped, even when the test fails.
-struct Demo {
-    child: Child,
-    stdin: ChildStdin,
-    out: Lines<BufReader<ChildStdout>>,
-    clients: String,
-    peer: String,
-}
-
-impl Demo {
-    fn start(dir: &std::path::Path, name: &str) -> Demo {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_pliant-slice-demo"))
-            .args(["serve", "--name", name, "--identity"])
-            .arg(dir.join(name))
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let stdin = child.stdin.take().unwrap();
-        let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
-        let ready = out.next().unwrap().unwrap();
-        let pliant_slice::demo::Ready { clients, peer, .. } =
-            pliant_slice::demo::parse_ready(&ready).unwrap_or_else(|| panic!("{ready:?}"));
-        Demo {
-            child,
-            stdin,
-            out,
-            clients,
-            peer,
-        }
-    }
-
-    /// Sends a command, returns the answer lines (up to `done` for a move).
-    fn cmd(&mut self, c: &str) -> Vec<String> {
-        writeln!(self.stdin, "{c}").unwrap();
-        let mut v = Vec::new();
-        for l in self.out.by_ref() {
-            let l = l.unwrap();
-            let last = !c.starts_with("move") || l == "done";
-            v.push(l);
-            if last {
-                break;
-            }
-        }
-        v
-    }
-}
-
-impl Drop for Demo {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use common::{private_netns, start_client, tcp_counter, Demo};
+use std::process::Command;
 
 #[test]
 fn two_demo_processes_hand_a_live_session_back_and_forth() {
@@ -75,8 +19,8 @@ fn two_demo_processes_hand_a_live_session_back_and_forth() {
         .status()
         .unwrap();
     assert!(st.success());
-    let mut a = Demo::start(&dir.0, "demo-a");
-    let mut b = Demo::start(&dir.0, "demo-b");
+    let mut a = Demo::start(&dir.0, "demo-a", &[]);
+    let mut b = Demo::start(&dir.0, "demo-b", &[]);
     let c = start_client(&a.clients, 0);
     assert!(c.progresses(100));
     for round in 0..20 {

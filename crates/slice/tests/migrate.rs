@@ -27,6 +27,7 @@ fn instance_on<A: SessionApp>(ca: &Ca, name: &str, clients: &str, peer: Endpoint
         peer,
         security: Security::new(id),
         control: None,
+        backup: None,
     })
     .unwrap()
 }

@@ -11,7 +11,12 @@
 //! - `list`: `sessions ID...` (hex ids);
 //! - `move ID|all PEER-ENDPOINT PEER-NAME`: one `moved ID pause_us=N capsule=BYTES` or
 //!   `failed ID REASON` line per session, then `done`;
-//! - `stats`: counters; `quit` (or end of input): stop, closing the sessions still here.
+//! - `stats`: counters; `replication`: replication and output-commit counters
+//!   (`pliant_slice::replicate::RepStats::line`); `quit` (or end of input): stop, closing the
+//!   sessions still here.
+//!
+//! `serve --backup ENDPOINT --backup-name NAME` replicates every session to that instance,
+//! where they continue if this process dies.
 
 use clap::{Parser, Subcommand};
 use pliant_slice::control::Outcome;
@@ -97,6 +102,10 @@ fn serve(a: &ServeArgs) -> Result<(), String> {
                     s.session_errors.load(Ordering::Relaxed),
                 ))
             }
+            ["replication"] => say(format!(
+                "replication {}",
+                inst.replication().line(inst.hold().commit_stats())
+            )),
             ["quit"] => break,
             [] => {}
             _ => say(format!("error unknown command {line:?}")),

@@ -82,6 +82,12 @@ impl Key {
         Some((k, ETH_HLEN + l4))
     }
 
+    /// The instance's segments of the connection `local` (the instance) <-> `remote`
+    /// (client): the other direction, which output commit holds back.
+    pub fn output_of(local: &SocketAddr, remote: &SocketAddr) -> Key {
+        Key::of(remote, local)
+    }
+
     pub fn describe(&self) -> String {
         let ip = |a: &[u8; 16]| -> IpAddr {
             if self.family == 4 {
@@ -114,6 +120,54 @@ fn fold(mut acc: u64) -> u16 {
         acc = (acc & 0xffff) + (acc >> 16);
     }
     !(acc as u16)
+}
+
+/// What output commit looks at in a TCP segment (sequence numbers in host order).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Segment {
+    pub seq: u32,
+    /// `seq` + payload length: the first byte after this segment's data.
+    pub end: u32,
+    /// Only meaningful with `ack_flag`.
+    pub ack: u32,
+    pub ack_flag: bool,
+    pub rst: bool,
+}
+
+/// The TCP segment of a frame (TCP header at `l4`, as [`Key::of_frame`] gave it).
+pub(crate) fn segment(frame: &[u8], l4: usize) -> Option<Segment> {
+    let ip = frame.get(ETH_HLEN..)?;
+    let th = frame.get(l4..l4 + 20)?;
+    let iplen = if ip[0] >> 4 == 4 {
+        match usize::from(u16::from_be_bytes([ip[2], ip[3]])) {
+            0 => ip.len(), // a GSO packet too large for the field (BIG TCP)
+            n => n,
+        }
+    } else {
+        40 + usize::from(u16::from_be_bytes([ip[4], ip[5]]))
+    };
+    let hdrs = (l4 - ETH_HLEN) + usize::from(th[12] >> 4) * 4;
+    let payload = iplen.saturating_sub(hdrs) as u32;
+    let seq = u32::from_be_bytes([th[4], th[5], th[6], th[7]]);
+    Some(Segment {
+        seq,
+        end: seq.wrapping_add(payload),
+        ack: u32::from_be_bytes([th[8], th[9], th[10], th[11]]),
+        ack_flag: th[13] & 0x10 != 0,
+        rst: th[13] & 0x04 != 0,
+    })
+}
+
+/// `a` is at or after `b` in sequence space (RFC 793 arithmetic, modulo 2^32).
+pub(crate) fn seq_ge(a: u32, b: u32) -> bool {
+    (a.wrapping_sub(b) as i32) >= 0
+}
+
+/// Output commit's rule, the same as the BPF program's `commit_output`: a segment may leave
+/// once the backup holds every byte it carries (`covered_seq`) and every byte it
+/// acknowledges (`covered_ack`). A RST never may.
+pub(crate) fn covered(s: &Segment, covered_seq: u32, covered_ack: u32) -> bool {
+    !s.rst && seq_ge(covered_seq, s.end) && (!s.ack_flag || seq_ge(covered_ack, s.ack))
 }
 
 /// Completes the TCP checksum of `frame` (as [`Key::of_frame`] parsed it, TCP header at
@@ -182,6 +236,42 @@ mod tests {
         // A frame that claims more than it has is refused.
         let short = f.len() - 3;
         assert!(!complete_tcp_checksum(&mut f[..short], l4));
+    }
+
+    #[test]
+    fn output_commit_releases_a_segment_only_when_both_directions_are_covered() {
+        let mut f = frame_v4(b"0123456789");
+        let l4 = Key::of_frame(&f).unwrap().1;
+        let seq = u32::MAX - 4; // the data wraps around 2^32
+        f[l4 + 4..l4 + 8].copy_from_slice(&seq.to_be_bytes());
+        f[l4 + 8..l4 + 12].copy_from_slice(&1000u32.to_be_bytes());
+        f[l4 + 13] = 0x18; // PSH ACK
+        let s = segment(&f, l4).unwrap();
+        assert_eq!((s.seq, s.end, s.ack), (seq, 5, 1000));
+        assert!(covered(&s, 5, 1000));
+        assert!(covered(&s, 6, 2000));
+        assert!(!covered(&s, 4, 1000), "a byte beyond the backup's copy");
+        assert!(
+            !covered(&s, u32::MAX, 1000),
+            "before the wrap is before the end"
+        );
+        assert!(!covered(&s, 5, 999), "input the backup does not hold");
+        // Without the ACK flag the acknowledgment field means nothing.
+        f[l4 + 13] = 0x02;
+        assert!(covered(&segment(&f, l4).unwrap(), 5, 0));
+        // A RST never leaves, however covered.
+        f[l4 + 13] = 0x14;
+        assert!(!covered(&segment(&f, l4).unwrap(), 5, 1000));
+        // The other direction's key is the output key.
+        let (local, remote) = (
+            "127.0.0.2:40000".parse().unwrap(),
+            "127.0.0.1:80".parse().unwrap(),
+        );
+        assert_eq!(
+            Key::of_frame(&f).unwrap().0,
+            Key::output_of(&local, &remote)
+        );
+        assert!(segment(&f[..l4 + 10], l4).is_none());
     }
 
     #[test]

@@ -24,7 +24,9 @@ mod queue;
 
 use std::net::SocketAddr;
 
-pub use queue::{QueueBounds, QueueStats};
+pub(crate) use frames::seq_ge;
+use frames::Key;
+pub use queue::{CommitStats, Left, QueueBounds, QueueStats};
 
 #[derive(Debug, thiserror::Error)]
 pub enum HoldError {
@@ -181,6 +183,67 @@ impl PacketHold {
             Imp::Queue(q) => q.release(conns),
             Imp::Drop(d) => d.change(conns, false),
         }
+    }
+
+    fn queue_only(&self) -> Result<&queue::QueueHold, HoldError> {
+        match &self.imp {
+            Imp::Queue(q) => Ok(q),
+            Imp::Drop(_) => Err(HoldError::Bpf(
+                "output commit needs the queueing hold (this instance has the dropping one)".into(),
+            )),
+        }
+    }
+
+    /// Output commit: from now on the instance's segments of each connection `(local,
+    /// remote, covered_seq, covered_ack)` leave only once covered (see
+    /// `crate::replicate`). Queueing hold only.
+    pub fn protect(&self, conns: &[(SocketAddr, SocketAddr, u32, u32)]) -> Result<(), HoldError> {
+        let keys: Vec<_> = conns
+            .iter()
+            .map(|(l, r, s, a)| (Key::output_of(l, r), *s, *a))
+            .collect();
+        self.queue_only()?.protect(&keys)
+    }
+
+    /// Moves protected connections' covered marks forward; what is covered now leaves.
+    pub fn cover(&self, updates: &[(SocketAddr, SocketAddr, u32, u32)]) -> Result<(), HoldError> {
+        let keys: Vec<_> = updates
+            .iter()
+            .map(|(l, r, s, a)| (Key::output_of(l, r), *s, *a))
+            .collect();
+        self.queue_only()?.cover(&keys)
+    }
+
+    /// Waits at most `t` for queued output, then writes back what is covered.
+    pub fn sweep(&self, t: std::time::Duration) -> Result<(), HoldError> {
+        let q = self.queue_only()?;
+        q.wait_frames(t);
+        q.sweep()
+    }
+
+    /// Ends output commit for these connections; `flush` sends their queued output,
+    /// otherwise it is dropped. Per connection: how far the output that left went.
+    pub fn unprotect(
+        &self,
+        conns: &[(SocketAddr, SocketAddr)],
+        flush: bool,
+    ) -> Result<Vec<Left>, HoldError> {
+        let keys: Vec<_> = conns.iter().map(|(l, r)| Key::output_of(l, r)).collect();
+        self.queue_only()?.unprotect(&keys, flush)
+    }
+
+    /// The highest acknowledgment in the client's queued segments of each held connection.
+    pub fn held_acks(
+        &self,
+        conns: &[(SocketAddr, SocketAddr)],
+    ) -> Result<Vec<Option<u32>>, HoldError> {
+        let keys: Vec<_> = conns.iter().map(|(l, r)| Key::of(l, r)).collect();
+        self.queue_only()?.held_acks(&keys)
+    }
+
+    /// What output commit did (`None` for the dropping hold).
+    pub fn commit_stats(&self) -> Option<CommitStats> {
+        self.queue_only().ok().map(queue::QueueHold::commit_stats)
     }
 
     /// What the queue did so far (`None` for the dropping hold).

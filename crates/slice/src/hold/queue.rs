@@ -30,15 +30,15 @@
 //! program and counted, the client retransmits those); all connections together the packet
 //! socket's receive buffer (`RCVBUF`; beyond: the kernel drops, counted as `socket_drops`).
 
-use super::frames::{complete_tcp_checksum, Key, ETH_HLEN};
+use super::frames::{complete_tcp_checksum, covered, segment, seq_ge, Key, ETH_HLEN};
 use super::HoldError;
 use aya::maps::{Array, HashMap, IterableMap, MapData};
 use aya::programs::tc::{self, NlOptions, SchedClassifier, TcAttachOptions, TcAttachType};
 use aya::{Ebpf, EbpfLoader};
-use std::collections::HashMap as Map;
+use std::collections::{HashMap as Map, VecDeque};
 use std::io;
 use std::net::SocketAddr;
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -47,7 +47,7 @@ use std::time::{Duration, Instant};
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/slice_hold.bpf.o"));
 const PROGRAM: &str = "pliant_slice_hold";
 const SINK: &str = "pliant_slice_hold_sink";
-const LAYOUT_VERSION: u32 = 1;
+const LAYOUT_VERSION: u32 = 2;
 /// tc filter priority of the hold's filters (steering uses 10).
 const TC_PRIORITY: u16 = 20;
 /// skb mark of the frames written back; the program lets them through.
@@ -101,6 +101,104 @@ struct Config {
 // SAFETY: four u32, no padding.
 unsafe impl aya::Pod for Config {}
 
+/// Layout = `struct commit_val` (written here only).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct CommitVal {
+    covered_seq: u32,
+    covered_ack: u32,
+    released: u32,
+    pad: u32,
+}
+// SAFETY: four u32, no padding.
+unsafe impl aya::Pod for CommitVal {}
+
+/// Layout = `struct commit_cnt` (written by the program only).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct CommitCnt {
+    queued: u32,
+    passed: u32,
+    resets: u32,
+    over: u32,
+    left_end: u32,
+    left_ack: u32,
+    left_flags: u32,
+    pad: u32,
+}
+// SAFETY: eight u32, no padding.
+unsafe impl aya::Pod for CommitCnt {}
+
+/// What output commit did since the hold was created.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CommitStats {
+    /// Connections whose output is committed now.
+    pub protected: u64,
+    /// Segments let through at once (covered when sent, nothing queued before them).
+    pub passed: u64,
+    /// Segments queued, then written back once covered.
+    pub released: u64,
+    /// Queued segments dropped when their connection's protection ended without a flush
+    /// (a failover: the restored socket sends that output again).
+    pub dropped: u64,
+    /// RSTs of protected connections that never left.
+    pub resets: u64,
+    /// Segments dropped beyond a connection's bound (the sender's kernel retransmits them).
+    pub over_limit: u64,
+}
+
+/// How far a protected connection's output that left went: the highest end of its data and
+/// the highest acknowledgment it carried (`None`: nothing of the kind left).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Left {
+    pub end: Option<u32>,
+    pub ack: Option<u32>,
+}
+
+impl Left {
+    fn note(&mut self, end: u32, ack: Option<u32>) {
+        let later =
+            |cur: Option<u32>, v: u32| Some(cur.map_or(v, |c| if seq_ge(c, v) { c } else { v }));
+        self.end = later(self.end, end);
+        if let Some(a) = ack {
+            self.ack = later(self.ack, a);
+        }
+    }
+
+    fn merge(&mut self, o: Left) {
+        if let Some(e) = o.end {
+            self.note(e, o.ack);
+        } else if let Some(a) = o.ack {
+            self.ack = Some(self.ack.map_or(a, |c| if seq_ge(c, a) { c } else { a }));
+        }
+    }
+
+    /// Whether everything that left is within `covered_seq` / `covered_ack`.
+    pub fn within(&self, covered_seq: u32, covered_ack: u32) -> bool {
+        self.end.is_none_or(|e| seq_ge(covered_seq, e))
+            && self.ack.is_none_or(|a| seq_ge(covered_ack, a))
+    }
+}
+
+/// The output-commit maps: the covered marks (written here) and the program's counters.
+type CommitMaps = (
+    HashMap<MapData, Key, CommitVal>,
+    HashMap<MapData, Key, CommitCnt>,
+);
+
+/// A protected connection's queued output and how far the backup covers it.
+#[derive(Default)]
+struct Committed {
+    /// What this queue wrote back (the program keeps what it let through).
+    left: Left,
+    covered_seq: u32,
+    covered_ack: u32,
+    /// Frames taken off the queue so far (written back or dropped): the program lets a
+    /// segment through at once only when this equals its count of queued ones.
+    released: u32,
+    frames: VecDeque<Vec<u8>>,
+}
+
 /// What the queue did since it was created.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct QueueStats {
@@ -120,6 +218,10 @@ struct Counters {
     over_limit: AtomicU64,
     missing: AtomicU64,
     socket_drops: AtomicU64,
+    commit_released: AtomicU64,
+    commit_dropped: AtomicU64,
+    /// Program counters of connections no longer protected.
+    commit_retired: Mutex<CommitCnt>,
 }
 
 /// Frames read from the socket, per connection, until that connection's release.
@@ -129,6 +231,8 @@ struct Queue {
     tx4: OwnedFd,
     tx6: OwnedFd,
     frames: Map<Key, Vec<Vec<u8>>>,
+    /// Output of protected connections (server -> client keys).
+    committed: Map<Key, Committed>,
     /// Frames written back per connection being released.
     sent: Map<Key, u32>,
     buf: Vec<u8>,
@@ -141,7 +245,10 @@ pub(super) struct QueueHold {
     /// The interfaces whose ingress the hold's program filters (the hold's own veth aside).
     devs: Vec<String>,
     held: Mutex<HashMap<MapData, Key, Val>>,
+    commit: Mutex<CommitMaps>,
     queue: Mutex<Queue>,
+    /// The packet socket (owned by `queue`), to wait on without its lock.
+    rx_fd: RawFd,
     counters: Counters,
 }
 
@@ -318,14 +425,18 @@ fn packet_socket(ifindex: i32, protocol: u16, flags: i32) -> io::Result<OwnedFd>
 /// BPF_MAP_LOOKUP_AND_DELETE_ELEM (aya 0.14 has no call for it on hash maps): the entry's last
 /// value and its removal in one step, so no frame is charged between the two.
 fn lookup_and_delete(map: &MapData, key: &Key) -> io::Result<Val> {
+    lookup_and_delete_in(map, key)
+}
+
+fn lookup_and_delete_in<V: aya::Pod + Default>(map: &MapData, key: &Key) -> io::Result<V> {
     const BPF_MAP_LOOKUP_AND_DELETE_ELEM: libc::c_long = 21;
-    let mut val = Val::default();
+    let mut val = V::default();
     // union bpf_attr for map element commands: map_fd u32, pad, key u64, value u64, flags u64.
     let mut attr = [0u8; 32];
     let fd = map.fd().as_fd().as_raw_fd() as u32;
     attr[0..4].copy_from_slice(&fd.to_ne_bytes());
     attr[8..16].copy_from_slice(&(key as *const Key as u64).to_ne_bytes());
-    attr[16..24].copy_from_slice(&(&mut val as *mut Val as u64).to_ne_bytes());
+    attr[16..24].copy_from_slice(&(&mut val as *mut V as u64).to_ne_bytes());
     // SAFETY: attr is a bpf_attr prefix whose pointers (key, val) outlive the call.
     let r = unsafe {
         libc::syscall(
@@ -424,6 +535,16 @@ impl QueueHold {
                 .ok_or_else(|| HoldError::Bpf("no map held".into()))?,
         )
         .map_err(|e| bpf_err("map held")(e.to_string()))?;
+        let commit: HashMap<MapData, Key, CommitVal> = HashMap::try_from(
+            ebpf.take_map("commit")
+                .ok_or_else(|| HoldError::Bpf("no map commit".into()))?,
+        )
+        .map_err(|e| bpf_err("map commit")(e.to_string()))?;
+        let commit_cnt: HashMap<MapData, Key, CommitCnt> = HashMap::try_from(
+            ebpf.take_map("commit_cnt")
+                .ok_or_else(|| HoldError::Bpf("no map commit_cnt".into()))?,
+        )
+        .map_err(|e| bpf_err("map commit_cnt")(e.to_string()))?;
         let version = u32_symbol(OBJECT, "hold_layout_version");
         if version != Some(LAYOUT_VERSION) {
             return Err(HoldError::Bpf(format!(
@@ -476,11 +597,14 @@ impl QueueHold {
                 .map(|(_, d)| d)
                 .collect(),
             held: Mutex::new(held),
+            commit: Mutex::new((commit, commit_cnt)),
+            rx_fd: rx.as_raw_fd(),
             queue: Mutex::new(Queue {
                 rx,
                 tx4,
                 tx6,
                 frames: Map::new(),
+                committed: Map::new(),
                 sent: Map::new(),
                 buf: vec![0u8; FRAME_MAX + 1],
             }),
@@ -595,6 +719,217 @@ impl QueueHold {
         }
     }
 
+    /// Starts output commit for connections `(key, covered_seq, covered_ack)` (server ->
+    /// client keys): from now on their segments leave only as the rule of
+    /// [`super::frames::covered`] allows. All or none.
+    pub(super) fn protect(&self, conns: &[(Key, u32, u32)]) -> Result<(), HoldError> {
+        const BPF_NOEXIST: u64 = 1;
+        let mut q = lock(&self.queue);
+        let mut m = lock(&self.commit);
+        for (i, (k, seq, ack)) in conns.iter().enumerate() {
+            let val = CommitVal {
+                covered_seq: *seq,
+                covered_ack: *ack,
+                ..CommitVal::default()
+            };
+            // The counters first: the program drops a segment whose value has no counters.
+            let r =
+                m.1.insert(*k, CommitCnt::default(), BPF_NOEXIST)
+                    .and_then(|_| m.0.insert(*k, val, BPF_NOEXIST));
+            if let Err(e) = r {
+                let _ = m.1.remove(k);
+                for (k, _, _) in &conns[..i] {
+                    let _ = m.0.remove(k);
+                    let _ = m.1.remove(k);
+                    q.committed.remove(k);
+                }
+                return Err(match e {
+                    aya::maps::MapError::SyscallError(s)
+                        if s.io_error.raw_os_error() == Some(libc::EEXIST) =>
+                    {
+                        HoldError::AlreadyHeld(k.describe())
+                    }
+                    e => HoldError::Bpf(format!("protect {}: {e}", k.describe())),
+                });
+            }
+            q.committed.insert(
+                *k,
+                Committed {
+                    covered_seq: *seq,
+                    covered_ack: *ack,
+                    ..Committed::default()
+                },
+            );
+        }
+        Ok(())
+    }
+
+    /// Moves the covered marks of protected connections forward (never back) and writes back
+    /// their queued output that is covered now, in order.
+    pub(super) fn cover(&self, updates: &[(Key, u32, u32)]) -> Result<(), HoldError> {
+        let mut q = lock(&self.queue);
+        q.drain(&self.counters)?;
+        let m = lock(&self.commit);
+        let mut commit = m;
+        for (k, seq, ack) in updates {
+            let Some(c) = q.committed.get_mut(k) else {
+                continue;
+            };
+            if seq_ge(*seq, c.covered_seq) {
+                c.covered_seq = *seq;
+            }
+            if seq_ge(*ack, c.covered_ack) {
+                c.covered_ack = *ack;
+            }
+            q.release_covered(k, &mut commit.0, &self.counters);
+        }
+        Ok(())
+    }
+
+    /// Writes back whatever queued output is covered now (segments that reached the queue
+    /// after the checkpoint covering them was applied).
+    pub(super) fn sweep(&self) -> Result<(), HoldError> {
+        let mut q = lock(&self.queue);
+        q.drain(&self.counters)?;
+        let waiting: Vec<Key> = q
+            .committed
+            .iter()
+            .filter(|(_, c)| !c.frames.is_empty())
+            .map(|(k, _)| *k)
+            .collect();
+        if waiting.is_empty() {
+            return Ok(());
+        }
+        let mut commit = lock(&self.commit);
+        for k in &waiting {
+            q.release_covered(k, &mut commit.0, &self.counters);
+        }
+        Ok(())
+    }
+
+    /// Waits (at most `t`) for a frame to reach the queue.
+    pub(super) fn wait_frames(&self, t: Duration) {
+        let mut p = libc::pollfd {
+            fd: self.rx_fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd; the socket lives as long as `self`.
+        unsafe { libc::poll(&mut p, 1, t.as_millis() as libc::c_int) };
+    }
+
+    /// Ends output commit for these connections. `flush`: their queued output goes out (the
+    /// session ended or left: nothing will send it again); otherwise it is dropped (a
+    /// failover: the restored socket sends it again). Unknown keys are skipped.
+    /// Returns, per key, how far the output that left before went (the audit's record).
+    pub(super) fn unprotect(&self, keys: &[Key], flush: bool) -> Result<Vec<Left>, HoldError> {
+        let mut q = lock(&self.queue);
+        q.drain(&self.counters)?;
+        let mut owed: Map<Key, u32> = Map::new();
+        let mut passed: Map<Key, Left> = Map::new();
+        {
+            let mut m = lock(&self.commit);
+            let mut retired = lock(&self.counters.commit_retired);
+            for k in keys {
+                // The value first: without it the program lets the segments through.
+                let _ = m.0.remove(k);
+                if let Ok(n) = lookup_and_delete_in::<CommitCnt>(IterableMap::map(&m.1), k) {
+                    retired.queued += n.queued;
+                    retired.passed += n.passed;
+                    retired.resets += n.resets;
+                    retired.over += n.over;
+                    owed.insert(*k, n.queued);
+                    let mut l = Left::default();
+                    if n.left_flags & 1 != 0 {
+                        l.end = Some(n.left_end);
+                    }
+                    if n.left_flags & 2 != 0 {
+                        l.ack = Some(n.left_ack);
+                    }
+                    passed.insert(*k, l);
+                }
+            }
+        }
+        if flush {
+            // Segments charged before the removal may still be on their way.
+            let deadline = Instant::now() + STRAGGLER_WAIT;
+            loop {
+                owed.retain(|k, n| {
+                    q.committed
+                        .get(k)
+                        .is_some_and(|c| c.released + (c.frames.len() as u32) < *n)
+                });
+                if owed.is_empty() || Instant::now() >= deadline {
+                    break;
+                }
+                q.wait_readable(Duration::from_millis(1));
+                q.drain(&self.counters)?;
+            }
+        }
+        let mut left = Vec::with_capacity(keys.len());
+        for k in keys {
+            let mut l = passed.get(k).copied().unwrap_or_default();
+            let Some(c) = q.committed.remove(k) else {
+                left.push(l);
+                continue;
+            };
+            l.merge(c.left);
+            left.push(l);
+            if flush {
+                q.frames.insert(*k, c.frames.into_iter().collect());
+                q.reinject(k, &self.counters);
+                q.sent.remove(k);
+            } else {
+                self.counters
+                    .commit_dropped
+                    .fetch_add(c.frames.len() as u64, Ordering::Relaxed);
+            }
+        }
+        Ok(left)
+    }
+
+    /// The highest acknowledgment among the queued client segments of each held connection
+    /// (client -> instance keys): how much of the instance's output the client's kernel has
+    /// received, as the client itself says. `None` for one with nothing queued.
+    pub(super) fn held_acks(&self, keys: &[Key]) -> Result<Vec<Option<u32>>, HoldError> {
+        let mut q = lock(&self.queue);
+        q.drain(&self.counters)?;
+        Ok(keys
+            .iter()
+            .map(|k| {
+                q.frames.get(k).and_then(|fs| {
+                    fs.iter()
+                        .filter_map(|f| {
+                            let (_, l4) = Key::of_frame(f)?;
+                            segment(f, l4).filter(|s| s.ack_flag).map(|s| s.ack)
+                        })
+                        .reduce(|a, b| if seq_ge(a, b) { a } else { b })
+                })
+            })
+            .collect())
+    }
+
+    pub(super) fn commit_stats(&self) -> CommitStats {
+        let m = lock(&self.commit);
+        let mut t = *lock(&self.counters.commit_retired);
+        let mut protected = 0u64;
+        for (_, n) in m.1.iter().flatten() {
+            protected += 1;
+            t.passed += n.passed;
+            t.resets += n.resets;
+            t.over += n.over;
+        }
+        let c = &self.counters;
+        CommitStats {
+            protected,
+            passed: u64::from(t.passed),
+            released: c.commit_released.load(Ordering::Relaxed),
+            dropped: c.commit_dropped.load(Ordering::Relaxed),
+            resets: u64::from(t.resets),
+            over_limit: u64::from(t.over),
+        }
+    }
+
     pub(super) fn stats(&self) -> QueueStats {
         let c = &self.counters;
         QueueStats {
@@ -652,7 +987,10 @@ impl Queue {
             }
             let frame = self.buf[..n].to_vec();
             if let Some((k, _)) = Key::of_frame(&frame) {
-                self.frames.entry(k).or_default().push(frame);
+                match self.committed.get_mut(&k) {
+                    Some(c) => c.frames.push_back(frame),
+                    None => self.frames.entry(k).or_default().push(frame),
+                }
             }
         }
         if let Ok(d) = packet_drops(&self.rx) {
@@ -669,6 +1007,55 @@ impl Queue {
         };
         // SAFETY: one valid pollfd.
         unsafe { libc::poll(&mut p, 1, t.as_millis() as libc::c_int) };
+    }
+
+    /// Writes back the covered prefix of protected connection `k`'s queued output, then tells
+    /// the program how far the queue got (and the covered marks).
+    fn release_covered(
+        &mut self,
+        k: &Key,
+        commit: &mut HashMap<MapData, Key, CommitVal>,
+        c: &Counters,
+    ) {
+        let Some(cm) = self.committed.get_mut(k) else {
+            return;
+        };
+        while let Some(f) = cm.frames.front() {
+            let seg = Key::of_frame(f).and_then(|(_, l4)| Some((l4, segment(f, l4)?)));
+            match seg {
+                Some((_, s)) if !covered(&s, cm.covered_seq, cm.covered_ack) => break,
+                Some((l4, s)) => {
+                    let mut f = cm.frames.pop_front().expect("front exists");
+                    cm.released = cm.released.wrapping_add(1);
+                    cm.left.note(s.end, s.ack_flag.then_some(s.ack));
+                    if complete_tcp_checksum(&mut f, l4) {
+                        match send_ip(&self.tx4, &self.tx6, k, &f[ETH_HLEN..]) {
+                            Ok(()) => {
+                                c.commit_released.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Err(e) => {
+                                tracing::warn!(error = %e, conn = %k.describe(), "writing committed output")
+                            }
+                        }
+                    }
+                }
+                // Not a TCP segment we can read: it cannot be covered, nor stay first.
+                None => {
+                    cm.frames.pop_front();
+                    cm.released = cm.released.wrapping_add(1);
+                    c.commit_dropped.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        let v = CommitVal {
+            covered_seq: cm.covered_seq,
+            covered_ack: cm.covered_ack,
+            released: cm.released,
+            pad: 0,
+        };
+        if let Err(e) = commit.insert(*k, v, 0) {
+            tracing::error!(error = %e, conn = %k.describe(), "updating output commit");
+        }
     }
 
     /// Sends the packets kept for `k` back to the stack, in the order they came.

@@ -4,7 +4,8 @@
 
 pub use pliant_slice::load::Retrans;
 use pliant_slice::load::StreamClient;
-use std::process::Command;
+use std::io::{BufRead, BufReader, Lines, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// Moves the calling thread (and every thread and process it starts from now on) into a new,
@@ -93,5 +94,62 @@ impl Client {
     /// Waits until `more` further replies arrived (the session is being served).
     pub fn progresses(&self, more: u64) -> bool {
         self.0.progresses(more, Duration::from_secs(10))
+    }
+}
+
+/// A demo process, killed (by its own pid) and reaped when dropped, even when the test fails.
+pub struct Demo {
+    pub child: Child,
+    stdin: ChildStdin,
+    out: Lines<BufReader<ChildStdout>>,
+    pub clients: String,
+    pub peer: String,
+}
+
+impl Demo {
+    /// `pliant-slice-demo serve` as `name` (identity `dir/name`) with `extra` arguments.
+    pub fn start(dir: &std::path::Path, name: &str, extra: &[&str]) -> Demo {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_pliant-slice-demo"))
+            .args(["serve", "--name", name, "--identity"])
+            .arg(dir.join(name))
+            .args(extra)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
+        let ready = out.next().unwrap().unwrap();
+        let pliant_slice::demo::Ready { clients, peer, .. } =
+            pliant_slice::demo::parse_ready(&ready).unwrap_or_else(|| panic!("{ready:?}"));
+        Demo {
+            child,
+            stdin,
+            out,
+            clients,
+            peer,
+        }
+    }
+
+    /// Sends a command, returns the answer lines (up to `done` for a move).
+    pub fn cmd(&mut self, c: &str) -> Vec<String> {
+        writeln!(self.stdin, "{c}").unwrap();
+        let mut v = Vec::new();
+        for l in self.out.by_ref() {
+            let l = l.unwrap();
+            let last = !c.starts_with("move") || l == "done";
+            v.push(l);
+            if last {
+                break;
+            }
+        }
+        v
+    }
+}
+
+impl Drop for Demo {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
