@@ -27,6 +27,12 @@ static void *(*bpf_map_lookup_elem)(void *map, const void *key) = (void *)BPF_FU
 static long (*bpf_redirect)(__u32 ifindex, __u64 flags) = (void *)BPF_FUNC_redirect;
 static long (*bpf_skb_load_bytes)(const struct __sk_buff *skb, __u32 offset, void *to,
                                   __u32 len) = (void *)BPF_FUNC_skb_load_bytes;
+static struct bpf_sock *(*bpf_skc_lookup_tcp)(void *ctx, struct bpf_sock_tuple *tuple,
+                                              __u32 tuple_size, __u64 netns, __u64 flags) =
+	(void *)BPF_FUNC_skc_lookup_tcp;
+static long (*bpf_sk_release)(void *sock) = (void *)BPF_FUNC_sk_release;
+static long (*bpf_clone_redirect)(struct __sk_buff *skb, __u32 ifindex, __u64 flags) =
+	(void *)BPF_FUNC_clone_redirect;
 
 // ---- layout (keep in sync with crates/slice/src/hold/queue.rs) ----
 #define HOLD_LAYOUT_VERSION 2
@@ -98,7 +104,9 @@ struct commit_cnt { // written by this program only
 	__u32 left_end;
 	__u32 left_ack;
 	__u32 left_flags; // 1: left_end is set, 2: left_ack is set
-	__u32 pad;
+	__u32 orphans;    // client segments queued while no socket owned the connection
+	__u32 mirrored;   // client segments copied to the backup's queue
+	__u32 pad[3];
 };
 
 struct {
@@ -116,6 +124,7 @@ struct {
 } commit_cnt SEC(".maps");
 
 #define IPPROTO_TCP_ 6
+#define TCP_FIN_ 0x01
 #define TCP_RST_ 0x04
 #define TCP_ACK_ 0x10
 
@@ -125,16 +134,12 @@ static __always_inline __u32 be32(const __u8 *b)
 }
 
 // The output-commit decision for a protected server -> client segment (see above). `iplen` is
-// the IP packet's length (header included), `l4` the TCP header's offset in it.
+// the IP packet's length (header included), `l4` the TCP header's offset in it, both in
+// `lens` (iplen << 8 | l4: BPF functions take five arguments).
 static __always_inline int commit_output(struct __sk_buff *skb, struct hold_config *cfg,
-					 struct hold_key *k, __u32 l4, __u32 iplen)
+					 struct commit_val *c, struct commit_cnt *n, __u32 lens)
 {
-	struct commit_val *c = bpf_map_lookup_elem(&commit, k);
-	if (!c)
-		return TC_ACT_UNSPEC;
-	struct commit_cnt *n = bpf_map_lookup_elem(&commit_cnt, k);
-	if (!n)
-		return TC_ACT_SHOT; // never let a protected segment out unchecked
+	__u32 l4 = lens & 0xff, iplen = lens >> 8;
 	__u8 th[14];
 	if (bpf_skb_load_bytes(skb, ETH_HLEN + (l4 & 0x7f), th, sizeof(th)) < 0)
 		return TC_ACT_SHOT;
@@ -164,6 +169,62 @@ static __always_inline int commit_output(struct __sk_buff *skb, struct hold_conf
 		return TC_ACT_SHOT;
 	}
 	__sync_fetch_and_add(&n->queued, 1);
+	return bpf_redirect(cfg->queue_ifindex, 0);
+}
+
+#define TCP_LISTEN_ 10
+
+// A client's segment of a protected connection. A copy goes to the backup's queue (it keeps
+// the input its checkpoints do not cover yet, and writes it to the restored socket if the
+// primary dies: the client then has nothing to retransmit, which could cost it a
+// retransmission timeout). One that no socket owns is queued instead of left to the stack,
+// which would answer it with a RST (dropped, above) and lose it: the primary died and the
+// backup has not restored the connection yet. `k` is client -> instance.
+static __always_inline int protected_input(struct __sk_buff *skb, struct hold_config *cfg,
+					   struct hold_key *k, __u32 lens)
+{
+	struct hold_key r = {};
+	__builtin_memcpy(r.saddr, k->daddr, 16);
+	__builtin_memcpy(r.daddr, k->saddr, 16);
+	r.sport = k->dport;
+	r.dport = k->sport;
+	r.family = k->family;
+	struct commit_cnt *n = bpf_map_lookup_elem(&commit_cnt, &r);
+	if (!n)
+		return TC_ACT_UNSPEC;
+	struct bpf_sock_tuple t = {};
+	struct bpf_sock *sk;
+	if (k->family == 4) {
+		__builtin_memcpy(&t.ipv4.saddr, k->saddr, 4);
+		__builtin_memcpy(&t.ipv4.daddr, k->daddr, 4);
+		t.ipv4.sport = k->sport;
+		t.ipv4.dport = k->dport;
+		sk = bpf_skc_lookup_tcp(skb, &t, sizeof(t.ipv4), BPF_F_CURRENT_NETNS, 0);
+	} else {
+		__builtin_memcpy(t.ipv6.saddr, k->saddr, 16);
+		__builtin_memcpy(t.ipv6.daddr, k->daddr, 16);
+		t.ipv6.sport = k->sport;
+		t.ipv6.dport = k->dport;
+		sk = bpf_skc_lookup_tcp(skb, &t, sizeof(t.ipv6), BPF_F_CURRENT_NETNS, 0);
+	}
+	if (sk) {
+		__u32 state = sk->state;
+		bpf_sk_release(sk);
+		if (state != TCP_LISTEN_) {
+			// Only what carries input: data, or the client's FIN.
+			__u32 l4 = lens & 0xff, iplen = lens >> 8;
+			__u8 th[2];
+			if (bpf_skb_load_bytes(skb, ETH_HLEN + (l4 & 0x7f) + 12, th, 2) < 0)
+				return TC_ACT_UNSPEC;
+			__u32 hdrs = (l4 & 0x7f) + (th[0] >> 4) * 4;
+			if (iplen > hdrs || (th[1] & TCP_FIN_)) {
+				__sync_fetch_and_add(&n->mirrored, 1);
+				bpf_clone_redirect(skb, cfg->queue_ifindex, 0);
+			}
+			return TC_ACT_UNSPEC;
+		}
+	}
+	__sync_fetch_and_add(&n->orphans, 1);
 	return bpf_redirect(cfg->queue_ifindex, 0);
 }
 
@@ -219,7 +280,14 @@ int pliant_slice_hold(struct __sk_buff *skb)
 		// A GSO packet may carry 0 as its length (BIG TCP): then the frame's length counts.
 		if (iplen == 0)
 			iplen = skb->len - ETH_HLEN;
-		return commit_output(skb, cfg, &k, l4, iplen);
+		struct commit_val *c = bpf_map_lookup_elem(&commit, &k);
+		if (c) {
+			struct commit_cnt *n = bpf_map_lookup_elem(&commit_cnt, &k);
+			if (!n)
+				return TC_ACT_SHOT; // never let a protected segment out unchecked
+			return commit_output(skb, cfg, c, n, (iplen << 8) | (l4 & 0xff));
+		}
+		return protected_input(skb, cfg, &k, (iplen << 8) | (l4 & 0xff));
 	}
 	if (v->packets >= cfg->max_packets || v->bytes + skb->len > cfg->max_bytes) {
 		__sync_fetch_and_add(&v->over, 1);

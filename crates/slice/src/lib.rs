@@ -7,7 +7,8 @@
 //! instances on one host over an authenticated pliant-wire channel, with its packets held
 //! ([`hold`]) while no socket owns the connection, so the live TCP connection survives the move
 //! without a reset. [`instance`] is a session server built on it; [`demo`] is its example
-//! application.
+//! application. [`replicate`] keeps a backup instance's copy of every session, with output
+//! commit, so the sessions of a primary that dies continue there.
 
 pub mod batch;
 pub mod bench;

@@ -36,6 +36,12 @@
 //! primary's kernel sends (SO_LINGER 0 frees the 4-tuple at once, so the backup can restore
 //! the connection) is dropped.
 //!
+//! **Input.** The program also copies every client segment that carries input to the queue;
+//! the backup keeps the copies its checkpoints do not cover yet and writes them to the
+//! restored socket at a takeover, so the client need not retransmit what the dead primary
+//! acknowledged to no one. A client segment that finds no socket at all (the primary died, the
+//! backup has not restored yet) is queued rather than answered with a RST.
+//!
 //! **Why the backup can take over.** The client has received only covered output, so
 //! everything it lacks is in the backup's copy (from the last acknowledged byte the primary
 //! reported, which is at or before the client's); the backup sends all of that again as new
@@ -140,8 +146,15 @@ impl RepStats {
         if let Some(c) = commit {
             l.push_str(&format!(
                 " commit_protected={} commit_passed={} commit_released={} commit_dropped={} \
-                 commit_resets={} commit_over={}",
-                c.protected, c.passed, c.released, c.dropped, c.resets, c.over_limit
+                 commit_resets={} commit_over={} commit_orphans={} commit_mirrored={}",
+                c.protected,
+                c.passed,
+                c.released,
+                c.dropped,
+                c.resets,
+                c.over_limit,
+                c.orphans,
+                c.mirrored
             ));
         }
         l
@@ -392,6 +405,11 @@ fn sender(mut conn: Conn, rx: mpsc::Receiver<Msg>, alive: &AtomicBool, stats: &R
 // ---------------------------------------------------------------------------------------------
 // The backup's side.
 
+/// Restored timestamp clocks run this much ahead of the primary's: with the clock only
+/// advanced by the time since it was read, clients rejected the restored sockets' first
+/// segments as old (PAWS, `PAWSEstab` +1 or +2 per failover of 200 sessions; none with it).
+const TS_MARGIN_MS: u64 = 2;
+
 /// What the backup holds of one session.
 struct Replica {
     /// The kernel capsule from the session's start (addresses, options, windows, timestamp
@@ -402,6 +420,8 @@ struct Replica {
     acked: u64,
     /// Output bytes from `acked` to everything produced.
     out: VecDeque<u8>,
+    /// When the last update for it came (the backup's count of updates).
+    last_update: u64,
 }
 
 impl Replica {
@@ -455,7 +475,7 @@ impl Replica {
                 ..b.window
             },
             timestamp: b.timestamp,
-            captured_at_ms: b.captured_at_ms,
+            captured_at_ms: b.captured_at_ms.saturating_sub(TS_MARGIN_MS),
             netns: b.netns,
             nodelay: b.nodelay,
         }
@@ -551,6 +571,7 @@ fn apply<A: SessionApp>(
                             read: 0,
                             acked: 0,
                             out: VecDeque::new(),
+                            last_update: 0,
                             base: s.tcp,
                         };
                         let (l, rm) = r.tuple();
@@ -578,6 +599,7 @@ fn apply<A: SessionApp>(
                 };
                 r.app = app;
                 r.read = read;
+                r.last_update = rep.applied.load(Ordering::Relaxed);
                 r.out.extend(produced);
                 // Acknowledged output is never needed again (the count only grows).
                 if acked > r.acked {
@@ -610,11 +632,18 @@ fn apply<A: SessionApp>(
     }
 }
 
+/// Sessions restored and released per step of a takeover: the clients of the first ones
+/// (the most recently active) get their sessions back while later ones are restored.
+const TAKEOVER_CHUNK: usize = 32;
+
 /// The primary died: its sessions continue here (see the module doc).
 fn take_over<A: SessionApp>(inner: &Arc<Inner<A>>, sessions: HashMap<u64, Replica>, t0: Instant) {
     let rep = &inner.rep_stats;
     rep.failovers.fetch_add(1, Ordering::Relaxed);
-    let tuples: Vec<_> = sessions.values().map(Replica::tuple).collect();
+    let mut sessions: Vec<(u64, Replica)> = sessions.into_iter().collect();
+    // The most recently active first: their clients are the ones waiting.
+    sessions.sort_unstable_by_key(|(_, r)| std::cmp::Reverse(r.last_update));
+    let tuples: Vec<_> = sessions.iter().map(|(_, r)| r.tuple()).collect();
     // The client's segments first: from here none meets a missing socket (and its RST).
     let held = match inner.hold.hold_many(&tuples) {
         Ok(()) => true,
@@ -629,66 +658,66 @@ fn take_over<A: SessionApp>(inner: &Arc<Inner<A>>, sessions: HashMap<u64, Replic
         Ok(left) => {
             let leaked = left
                 .iter()
-                .zip(sessions.values())
-                .filter(|(l, r)| !l.within(r.covered_seq(), r.covered_ack()))
+                .zip(&sessions)
+                .filter(|(l, (_, r))| !l.within(r.covered_seq(), r.covered_ack()))
                 .count();
             rep.commit_violations
                 .fetch_add(leaked as u64, Ordering::Relaxed);
         }
         Err(e) => tracing::error!(error = %e, "ending output commit for a takeover"),
     }
-    let mut covered = Vec::with_capacity(sessions.len());
-    for (id, r) in sessions {
-        covered.push(r.covered_seq());
-        let app = match A::load(&r.app) {
-            Ok(a) => a,
-            Err(e) => {
-                rep.takeover_failed.fetch_add(1, Ordering::Relaxed);
-                tracing::error!(session = id, error = %e, "takeover: application capsule");
-                continue;
-            }
-        };
-        let started = restore_when_free(&r.capsule())
-            .map_err(|e| e.to_string())
-            .and_then(|sock| {
-                repair::leave_repair(&sock).map_err(|e| e.to_string())?;
-                inner
-                    .run(Frozen {
-                        id,
-                        sock,
-                        app,
-                        out: r.out.iter().copied().collect(),
-                    })
-                    .map_err(|e| e.to_string())
-            });
-        match started {
-            Ok(()) => {
-                rep.taken_over.fetch_add(1, Ordering::Relaxed);
-            }
-            Err(e) => {
-                rep.takeover_failed.fetch_add(1, Ordering::Relaxed);
-                tracing::error!(session = id, error = %e, "takeover: restore");
-            }
+    for (chunk, tuples) in sessions
+        .chunks(TAKEOVER_CHUNK)
+        .zip(tuples.chunks(TAKEOVER_CHUNK))
+    {
+        for (id, r) in chunk {
+            match restore_one(inner, *id, r) {
+                Ok(()) => rep.taken_over.fetch_add(1, Ordering::Relaxed),
+                Err(e) => {
+                    tracing::error!(session = id, error = %e, "takeover");
+                    rep.takeover_failed.fetch_add(1, Ordering::Relaxed)
+                }
+            };
         }
-    }
-    // The second half: the clients' own acknowledgments, held meanwhile.
-    if held {
-        match inner.hold.held_acks(&tuples) {
+        if !held {
+            continue;
+        }
+        // The second half of the audit: the clients' own acknowledgments, held meanwhile
+        // (the answers to the restored sockets' window probes among them).
+        match inner.hold.held_acks(tuples) {
             Ok(acks) => {
                 let leaked = acks
                     .iter()
-                    .zip(&covered)
-                    .filter(|(a, c)| a.is_some_and(|a| !crate::hold::seq_ge(**c, a)))
+                    .zip(chunk)
+                    .filter(|(a, (_, r))| {
+                        a.is_some_and(|a| !crate::hold::seq_ge(r.covered_seq(), a))
+                    })
                     .count();
                 rep.commit_violations
                     .fetch_add(leaked as u64, Ordering::Relaxed);
             }
             Err(e) => tracing::error!(error = %e, "takeover audit"),
         }
-        if let Err(e) = inner.hold.release_many(&tuples) {
+        if let Err(e) = inner.hold.release_many(tuples) {
             tracing::error!(error = %e, "releasing the clients' segments after a takeover");
         }
     }
     rep.last_failover_us
         .store(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
+}
+
+/// Restores one session from the backup's copy and runs it here: its unacknowledged output
+/// goes out first, as new data (the client drops what it already has).
+fn restore_one<A: SessionApp>(inner: &Arc<Inner<A>>, id: u64, r: &Replica) -> Result<(), String> {
+    let app = A::load(&r.app).map_err(|e| format!("application capsule: {e}"))?;
+    let sock = restore_when_free(&r.capsule()).map_err(|e| format!("restore: {e}"))?;
+    repair::leave_repair(&sock).map_err(|e| e.to_string())?;
+    inner
+        .run(Frozen {
+            id,
+            sock,
+            app,
+            out: r.out.iter().copied().collect(),
+        })
+        .map_err(|e| format!("run: {e}"))
 }

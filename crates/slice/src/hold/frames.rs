@@ -88,6 +88,17 @@ impl Key {
         Key::of(remote, local)
     }
 
+    /// The other direction of the same connection.
+    pub fn reversed(&self) -> Key {
+        Key {
+            saddr: self.daddr,
+            daddr: self.saddr,
+            sport: self.dport,
+            dport: self.sport,
+            ..*self
+        }
+    }
+
     pub fn describe(&self) -> String {
         let ip = |a: &[u8; 16]| -> IpAddr {
             if self.family == 4 {
@@ -132,6 +143,14 @@ pub(crate) struct Segment {
     pub ack: u32,
     pub ack_flag: bool,
     pub rst: bool,
+    pub fin: bool,
+}
+
+impl Segment {
+    /// The first sequence number after this segment (a FIN takes one).
+    pub fn end_with_fin(&self) -> u32 {
+        self.end.wrapping_add(u32::from(self.fin))
+    }
 }
 
 /// The TCP segment of a frame (TCP header at `l4`, as [`Key::of_frame`] gave it).
@@ -155,6 +174,7 @@ pub(crate) fn segment(frame: &[u8], l4: usize) -> Option<Segment> {
         ack: u32::from_be_bytes([th[8], th[9], th[10], th[11]]),
         ack_flag: th[13] & 0x10 != 0,
         rst: th[13] & 0x04 != 0,
+        fin: th[13] & 0x01 != 0,
     })
 }
 

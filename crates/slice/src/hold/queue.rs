@@ -124,9 +124,11 @@ struct CommitCnt {
     left_end: u32,
     left_ack: u32,
     left_flags: u32,
-    pad: u32,
+    orphans: u32,
+    mirrored: u32,
+    pad: [u32; 3],
 }
-// SAFETY: eight u32, no padding.
+// SAFETY: twelve u32, no padding.
 unsafe impl aya::Pod for CommitCnt {}
 
 /// What output commit did since the hold was created.
@@ -145,6 +147,12 @@ pub struct CommitStats {
     pub resets: u64,
     /// Segments dropped beyond a connection's bound (the sender's kernel retransmits them).
     pub over_limit: u64,
+    /// Client segments queued while no socket owned their protected connection (the
+    /// primary had died), written back once the backup restored it.
+    pub orphans: u64,
+    /// Client segments carrying input copied to the queue (kept until a checkpoint covers
+    /// them, written to the restored socket at a takeover).
+    pub mirrored: u64,
 }
 
 /// How far a protected connection's output that left went: the highest end of its data and
@@ -233,6 +241,8 @@ struct Queue {
     frames: Map<Key, Vec<Vec<u8>>>,
     /// Output of protected connections (server -> client keys).
     committed: Map<Key, Committed>,
+    /// Input of protected connections (client -> server keys) not yet covered.
+    inputs: Map<Key, VecDeque<Vec<u8>>>,
     /// Frames written back per connection being released.
     sent: Map<Key, u32>,
     buf: Vec<u8>,
@@ -605,6 +615,7 @@ impl QueueHold {
                 tx6,
                 frames: Map::new(),
                 committed: Map::new(),
+                inputs: Map::new(),
                 sent: Map::new(),
                 buf: vec![0u8; FRAME_MAX + 1],
             }),
@@ -742,6 +753,7 @@ impl QueueHold {
                     let _ = m.0.remove(k);
                     let _ = m.1.remove(k);
                     q.committed.remove(k);
+                    q.inputs.remove(&k.reversed());
                 }
                 return Err(match e {
                     aya::maps::MapError::SyscallError(s)
@@ -752,6 +764,7 @@ impl QueueHold {
                     e => HoldError::Bpf(format!("protect {}: {e}", k.describe())),
                 });
             }
+            q.inputs.insert(k.reversed(), VecDeque::new());
             q.committed.insert(
                 *k,
                 Committed {
@@ -838,6 +851,8 @@ impl QueueHold {
                     retired.passed += n.passed;
                     retired.resets += n.resets;
                     retired.over += n.over;
+                    retired.orphans += n.orphans;
+                    retired.mirrored += n.mirrored;
                     owed.insert(*k, n.queued);
                     let mut l = Left::default();
                     if n.left_flags & 1 != 0 {
@@ -868,6 +883,17 @@ impl QueueHold {
         }
         let mut left = Vec::with_capacity(keys.len());
         for k in keys {
+            // The input copies: written to the restored socket ahead of anything held since
+            // (a failover), or no longer needed.
+            if let Some(input) = q.inputs.remove(&k.reversed()) {
+                if !flush {
+                    let ck = k.reversed();
+                    let held = q.frames.remove(&ck).unwrap_or_default();
+                    let mut all: Vec<Vec<u8>> = input.into_iter().collect();
+                    all.extend(held);
+                    q.frames.insert(ck, all);
+                }
+            }
             let mut l = passed.get(k).copied().unwrap_or_default();
             let Some(c) = q.committed.remove(k) else {
                 left.push(l);
@@ -918,6 +944,8 @@ impl QueueHold {
             t.passed += n.passed;
             t.resets += n.resets;
             t.over += n.over;
+            t.orphans += n.orphans;
+            t.mirrored += n.mirrored;
         }
         let c = &self.counters;
         CommitStats {
@@ -927,6 +955,8 @@ impl QueueHold {
             dropped: c.commit_dropped.load(Ordering::Relaxed),
             resets: u64::from(t.resets),
             over_limit: u64::from(t.over),
+            orphans: u64::from(t.orphans),
+            mirrored: u64::from(t.mirrored),
         }
     }
 
@@ -987,9 +1017,12 @@ impl Queue {
             }
             let frame = self.buf[..n].to_vec();
             if let Some((k, _)) = Key::of_frame(&frame) {
-                match self.committed.get_mut(&k) {
-                    Some(c) => c.frames.push_back(frame),
-                    None => self.frames.entry(k).or_default().push(frame),
+                if let Some(c) = self.committed.get_mut(&k) {
+                    c.frames.push_back(frame);
+                } else if let Some(i) = self.inputs.get_mut(&k) {
+                    i.push_back(frame);
+                } else {
+                    self.frames.entry(k).or_default().push(frame);
                 }
             }
         }
@@ -1020,6 +1053,16 @@ impl Queue {
         let Some(cm) = self.committed.get_mut(k) else {
             return;
         };
+        // Input the backup's state holds now needs no copy.
+        if let Some(input) = self.inputs.get_mut(&k.reversed()) {
+            while let Some(f) = input.front() {
+                let end = Key::of_frame(f).and_then(|(_, l4)| segment(f, l4));
+                if end.is_some_and(|s| !seq_ge(cm.covered_ack, s.end_with_fin())) {
+                    break;
+                }
+                input.pop_front();
+            }
+        }
         while let Some(f) = cm.frames.front() {
             let seg = Key::of_frame(f).and_then(|(_, l4)| Some((l4, segment(f, l4)?)));
             match seg {

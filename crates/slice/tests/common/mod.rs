@@ -91,6 +91,14 @@ impl Client {
         out.lines
     }
 
+    /// [`Client::finish`], also returning the longest gap between two replies.
+    pub fn finish_gap(self) -> (u64, Duration) {
+        let out = self.0.finish();
+        assert_eq!(out.error, None, "stream");
+        assert_eq!(out.corrupted_bytes, 0);
+        (out.lines, out.gaps.into_iter().max().unwrap_or_default())
+    }
+
     /// Waits until `more` further replies arrived (the session is being served).
     pub fn progresses(&self, more: u64) -> bool {
         self.0.progresses(more, Duration::from_secs(10))
