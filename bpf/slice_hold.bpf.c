@@ -90,8 +90,10 @@ struct commit_val { // written by the backup only
 	__u32 covered_seq;
 	__u32 covered_ack;
 	__u32 released; // frames of the connection written back so far
-	__u32 pad;
+	__u32 flags;    // COMMIT_GUARDED: nothing covered yet (a session being set up)
 };
+
+#define COMMIT_GUARDED 1
 
 struct commit_cnt { // written by this program only
 	__u32 queued;   // frames diverted to the queue
@@ -153,7 +155,7 @@ static __always_inline int commit_output(struct __sk_buff *skb, struct hold_conf
 	__u32 hdrs = (l4 & 0x7f) + (th[12] >> 4) * 4;
 	__u32 payload = iplen > hdrs ? iplen - hdrs : 0;
 	__u32 end = seq + payload;
-	int covered = (__s32)(c->covered_seq - end) >= 0 &&
+	int covered = !(c->flags & COMMIT_GUARDED) && (__s32)(c->covered_seq - end) >= 0 &&
 		      (!(flags & TCP_ACK_) || (__s32)(c->covered_ack - ack) >= 0);
 	if (covered && n->queued == c->released) {
 		__sync_fetch_and_add(&n->passed, 1);

@@ -28,6 +28,10 @@ pub struct SliceArgs {
     /// Seconds after which the streaming phase stops moving (what was measured is reported).
     #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub budget_s: u64,
+    /// Sessions of the failover phase: a primary `pliant slice serve` process replicating
+    /// them to a backup is SIGKILLed (0 skips it).
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(0..=5000))]
+    pub failover_sessions: u32,
 }
 
 fn opt(v: Option<f64>) -> String {
@@ -42,6 +46,11 @@ pub fn run(a: SliceArgs) -> Result<(), String> {
         dip_window_ms: a.dip_window_ms,
         drain_sessions: a.drain_sessions as usize,
         budget: Duration::from_secs(a.budget_s),
+        failover_sessions: a.failover_sessions as usize,
+        // This very binary's `slice serve` is the primary process.
+        serve_cmd: std::env::current_exe()
+            .ok()
+            .map(|p| (p, vec!["slice".to_string(), "serve".to_string()])),
     };
     let r = bench::run(&o)?;
     if !a.json {
@@ -66,7 +75,18 @@ pub fn run(a: SliceArgs) -> Result<(), String> {
             r.loadavg_start,
             r.loadavg_end
         );
-        println!("[slice] failover: {}", r.failover.error);
+        match &r.failover.error {
+            Some(e) => println!("[slice] failover: {e}"),
+            None => println!(
+                "[slice] failover: {} of {} sessions kept, recovery {} ms (takeover {} ms), {} \
+                 output-commit violations",
+                r.failover_sessions_kept.unwrap_or(0),
+                r.failover_sessions_total.unwrap_or(0),
+                opt(r.failover_recovery_ms),
+                opt(r.failover.takeover_ms),
+                r.failover.commit_violations.unwrap_or(0)
+            ),
+        }
         for e in &r.errors {
             println!("error: {e}");
         }

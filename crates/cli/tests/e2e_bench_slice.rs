@@ -1,4 +1,5 @@
-//! `pliant bench slice` for real, short: few moves, one bulk move, a drain of 100 sessions.
+//! `pliant bench slice` for real, short: few moves, one bulk move, a drain of 100 sessions, a
+//! failover of 100 replicated sessions.
 //! Checks the JSON contract on the last stdout line, that nothing was reset or corrupted and
 //! that the figures are measured (no timing thresholds: this machine's load decides them).
 //!
@@ -33,6 +34,8 @@ fn bench_slice_reports_moves_without_a_reset_or_a_corrupted_byte() {
             "100",
             "--budget-s",
             "20",
+            "--failover-sessions",
+            "100",
         ])
         .output()
         .expect("run pliant bench slice");
@@ -59,16 +62,17 @@ fn bench_slice_reports_moves_without_a_reset_or_a_corrupted_byte() {
     assert!(num(&r["drain_1000_ms"], "drain_1000_ms") > 0.0);
     assert_eq!(r["drain_moved"], 100, "{r}");
     assert!(num(&r["lines_checked"], "lines_checked") > 0.0);
-    // Not built yet: no number, and why.
-    for f in [
-        "failover_recovery_ms",
-        "failover_sessions_kept",
-        "failover_sessions_total",
-    ] {
-        assert!(r[f].is_null(), "{f}: {r}");
-    }
-    assert!(r["failover"]["error"]
-        .as_str()
-        .is_some_and(|e| !e.is_empty()));
+    // The SIGKILLed primary's sessions, every one continued on the backup.
+    assert!(r["failover"]["error"].is_null(), "{r}");
+    assert_eq!(r["failover_sessions_total"], 100, "{r}");
+    assert_eq!(r["failover_sessions_kept"], 100, "{r}");
+    assert!(num(&r["failover_recovery_ms"], "failover_recovery_ms") > 0.0);
+    assert!(num(&r["failover"]["takeover_ms"], "takeover_ms") > 0.0);
+    assert_eq!(r["failover"]["takeover_failed"], 0, "{r}");
+    assert_eq!(r["failover"]["commit_violations"], 0, "{r}");
+    assert!(
+        num(&r["failover"]["resets_kept"], "resets_kept") >= 100.0,
+        "{r}"
+    );
     assert!(r["hold"] == "queue" || r["hold"] == "drop", "{r}");
 }

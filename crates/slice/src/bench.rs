@@ -11,6 +11,11 @@
 //! 3. Drain: `drain_sessions` idle sessions, each with a line in flight, move A -> B in one
 //!    batch ([`Instance::drain_to`]); then every session is checked.
 //!
+//! 4. Failover: `failover_sessions` idle sessions on a primary instance *process* (`slice
+//!    serve`, started with `serve_cmd`) that replicates them to an in-process backup; each
+//!    has a line in flight when the primary is SIGKILLed and sends another right after;
+//!    recovery is the kill to the last of those lines answered (every reply checked).
+//!
 //! Resets are the namespace's `OutRsts` (the only traffic in it is the bench's) plus sessions
 //! that ended on a socket error; corrupted bytes are the lines whose reply did not match.
 
@@ -31,6 +36,12 @@ pub struct BenchOpts {
     pub drain_sessions: usize,
     /// Give up the streaming phase after this long (what was measured is reported).
     pub budget: Duration,
+    /// Sessions of the failover phase (0 skips it).
+    pub failover_sessions: usize,
+    /// The program and the first arguments that run `slice serve` (the primary of the
+    /// failover phase, a process so that it can be SIGKILLed); `None`: the phase reports why
+    /// it did not run.
+    pub serve_cmd: Option<(std::path::PathBuf, Vec<String>)>,
 }
 
 impl Default for BenchOpts {
@@ -42,6 +53,8 @@ impl Default for BenchOpts {
             dip_window_ms: 200,
             drain_sessions: 1000,
             budget: Duration::from_secs(60),
+            failover_sessions: 1000,
+            serve_cmd: None,
         }
     }
 }
@@ -52,7 +65,15 @@ const RTO_STALL: Duration = Duration::from_millis(200);
 
 #[derive(Debug, Default, Serialize)]
 pub struct Failover {
-    pub error: String,
+    /// Why the phase did not run or did not finish; `None` when it measured.
+    pub error: Option<String>,
+    /// The backup's takeover: the primary's death seen -> every session served.
+    pub takeover_ms: Option<f64>,
+    pub takeover_failed: Option<u64>,
+    /// Output that left beyond what the backup held (must be 0).
+    pub commit_violations: Option<u64>,
+    /// RSTs of the dying primary's kernel kept from the clients.
+    pub resets_kept: Option<u64>,
 }
 
 #[derive(Debug, Default, Serialize)]
@@ -177,9 +198,6 @@ fn run_here(o: &BenchOpts) -> BenchReport {
         dip_window_ms: o.dip_window_ms,
         drain_sessions: o.drain_sessions,
         loadavg_start: loadavg(),
-        failover: Failover {
-            error: "not built: session replication (failover of a dead instance's sessions)".into(),
-        },
         ..BenchReport::default()
     };
     let setup = (|| -> Result<_, String> {
@@ -217,9 +235,160 @@ fn run_here(o: &BenchOpts) -> BenchReport {
         }
     }
     r.resets += tcp_counter("OutRsts").unwrap_or(0);
+    drop((a, b));
+    if o.failover_sessions > 0 {
+        if let Err(e) = failover(o, &mut r) {
+            r.failover.error = Some(e);
+        }
+    } else {
+        r.failover.error = Some("skipped (failover sessions 0)".into());
+    }
     r.loadavg_end = loadavg();
     r.total_s = started.elapsed().as_secs_f64();
     r
+}
+
+/// A process killed (SIGKILL, by its own pid) and reaped when dropped.
+struct Reaped(std::process::Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A directory of the bench's own (mode 0700: it holds private keys), removed when dropped.
+struct KeyDir(std::path::PathBuf);
+
+impl KeyDir {
+    fn new() -> Result<KeyDir, String> {
+        use std::os::unix::fs::DirBuilderExt;
+        static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let p = std::env::temp_dir().join(format!(
+            "pliant-bench-slice-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&p)
+            .map_err(|e| format!("{}: {e}", p.display()))?;
+        Ok(KeyDir(p))
+    }
+}
+
+impl Drop for KeyDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn failover(o: &BenchOpts, r: &mut BenchReport) -> Result<(), String> {
+    use std::io::BufRead;
+    let (prog, pre) = o
+        .serve_cmd
+        .as_ref()
+        .ok_or("no command to start a primary instance process")?;
+    let dir = KeyDir::new()?;
+    let names = ["bench-fp".to_string(), "bench-fb".to_string()];
+    crate::demo::keys(&dir.0, &names)?;
+    let security = Security::load(&dir.0.join("bench-fb"), Default::default())
+        .map_err(|e| format!("backup identity: {e}"))?;
+    let backup: Instance<LineApp> = Instance::start(Config {
+        name: "bench-fb".into(),
+        clients: "127.0.0.1:0".parse().expect("an address"),
+        peer: Endpoint::Tcp("127.0.0.1:0".into()),
+        security,
+        control: None,
+        backup: None,
+    })
+    .map_err(|e| format!("backup instance: {e}"))?;
+    let mut child = std::process::Command::new(prog)
+        .args(pre)
+        .args(["--name", "bench-fp", "--identity"])
+        .arg(dir.0.join("bench-fp"))
+        .args(["--backup", &backup.peer_endpoint().to_string()])
+        .args(["--backup-name", "bench-fb"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("starting {}: {e}", prog.display()))?;
+    let out = child.stdout.take().ok_or("no stdout")?;
+    let mut child = Reaped(child);
+    let mut line = String::new();
+    std::io::BufReader::new(out)
+        .read_line(&mut line)
+        .map_err(|e| format!("primary's ready line: {e}"))?;
+    let ready = crate::demo::parse_ready(line.trim())
+        .ok_or_else(|| format!("primary's ready line: {line:?}"))?;
+    let n = o.failover_sessions;
+    let mut s = IdleSessions::connect(&ready.clients, n, Duration::from_secs(10))
+        .map_err(|e| format!("connect: {e}"))?;
+    s.round()?;
+    s.round()?;
+    let protected = || backup.hold().commit_stats().map_or(0, |c| c.protected);
+    let end = Instant::now() + Duration::from_secs(10);
+    while protected() < n as u64 {
+        if Instant::now() > end {
+            return Err(format!("{} of {n} sessions protected", protected()));
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    eprintln!("[slice] failover: {n} sessions protected; SIGKILL of the primary");
+    // A line in flight on each session when the primary dies, and one more sent right after
+    // (to a dead process): only the backup can answer that one.
+    s.send_all().map_err(|e| format!("write: {e}"))?;
+    let ext = |n: &str| crate::load::net_counter("netstat", "TcpExt:", n).unwrap_or(0);
+    let names = [
+        "TCPTimeouts",
+        "TCPLossProbes",
+        "PAWSEstab",
+        "TCPDSACKRecv",
+        "TCPFastRetrans",
+    ];
+    let before: Vec<u64> = names.iter().map(|n| ext(n)).collect();
+    let t0 = Instant::now();
+    child.0.kill().map_err(|e| format!("kill: {e}"))?;
+    s.send_all().map_err(|e| format!("write: {e}"))?;
+    let (kept, err) = s.check_each();
+    let recovery = t0.elapsed();
+    let _ = child.0.wait();
+    let after: Vec<String> = names
+        .iter()
+        .zip(before)
+        .map(|(n, b)| format!("{n} +{}", ext(n) - b))
+        .collect();
+    eprintln!("[slice] failover: namespace TcpExt {}", after.join(", "));
+    let rep = backup.replication();
+    let g = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    // The backup's own record is written once its takeover is over.
+    let end = Instant::now() + Duration::from_secs(10);
+    while g(&rep.failovers) == 0 || g(&rep.last_failover_us) == 0 {
+        if Instant::now() > end {
+            return Err("the backup did not take over".into());
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    r.failover_recovery_ms = Some(recovery.as_secs_f64() * 1e3);
+    r.failover_sessions_kept = Some(kept as u64);
+    r.failover_sessions_total = Some(n as u64);
+    r.bytes_corrupted += s.corrupted_bytes();
+    r.failover = Failover {
+        error: err.map(|e| format!("a session did not continue: {e}")),
+        takeover_ms: Some(g(&rep.last_failover_us) as f64 / 1e3),
+        takeover_failed: Some(g(&rep.takeover_failed)),
+        commit_violations: Some(g(&rep.commit_violations)),
+        resets_kept: backup.hold().commit_stats().map(|c| c.resets),
+    };
+    eprintln!(
+        "[slice] failover: {kept} of {n} sessions kept, recovery {:.1} ms (takeover {:.1} ms), \
+         {} violations",
+        recovery.as_secs_f64() * 1e3,
+        g(&rep.last_failover_us) as f64 / 1e3,
+        g(&rep.commit_violations)
+    );
+    Ok(())
 }
 
 fn client_addr(i: &Instance<LineApp>) -> Result<String, String> {

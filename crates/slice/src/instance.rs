@@ -487,6 +487,10 @@ impl Rep {
             read,
             produced,
             acked: written.saturating_sub(unacked),
+            windows: crate::repair::live_windows(&f.sock)
+                .ok()
+                .flatten()
+                .map(|w| (w.snd_wnd, w.rcv_wnd)),
         });
         c.ckpt_read.store(read, Ordering::Relaxed);
         c.ckpt_produced.store(produced_total, Ordering::Relaxed);

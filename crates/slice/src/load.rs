@@ -89,14 +89,28 @@ impl IdleSessions {
 
     /// Reads every reply owed and checks it; the first wrong or missing one is the error.
     pub fn check_all(&mut self) -> Result<(), String> {
+        match self.check_each() {
+            (_, None) => Ok(()),
+            (_, Some(e)) => Err(e),
+        }
+    }
+
+    /// Reads and checks every reply owed, connection by connection (one that fails does not
+    /// stop the others): how many connections had every reply right, and the first error.
+    pub fn check_each(&mut self) -> (usize, Option<String>) {
         let mut got = String::new();
+        let (mut ok, mut first) = (0, None);
         for c in &mut self.conns {
+            let mut failed = None;
             while c.unanswered > 0 {
                 got.clear();
                 match c.r.read_line(&mut got) {
-                    Ok(0) => return Err(format!("connection {}: closed", c.n)),
+                    Ok(0) => failed = Some(format!("connection {}: closed", c.n)),
                     Ok(_) => {}
-                    Err(e) => return Err(format!("connection {}: {e}", c.n)),
+                    Err(e) => failed = Some(format!("connection {}: {e}", c.n)),
+                }
+                if failed.is_some() {
+                    break;
                 }
                 let line = idle_line(c.n, c.lines);
                 c.hash = fnv1a(c.hash, line.as_bytes());
@@ -105,14 +119,21 @@ impl IdleSessions {
                 let want = reply(c.lines, c.hash);
                 if got != want {
                     self.corrupted += line.len() as u64;
-                    return Err(format!(
+                    failed = Some(format!(
                         "connection {}: reply {got:?}, expected {want:?}",
                         c.n
                     ));
+                    break;
+                }
+            }
+            match failed {
+                None => ok += 1,
+                Some(e) => {
+                    first.get_or_insert(e);
                 }
             }
         }
-        Ok(())
+        (ok, first)
     }
 
     /// One line on every connection, every reply checked.

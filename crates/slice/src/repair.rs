@@ -201,6 +201,40 @@ pub fn send_mss(s: &TcpStream) -> io::Result<u32> {
     Ok(tcp_info(s.as_raw_fd())?.snd_mss)
 }
 
+/// The live socket's windows and acknowledged bytes, without repair mode (TCP_INFO, Linux 6.2+
+/// for the windows; `None` on an older kernel).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LiveWindows {
+    /// The peer's window as this socket last saw it (`tcpi_snd_wnd`).
+    pub snd_wnd: u32,
+    /// The window this socket offers (`tcpi_rcv_wnd`).
+    pub rcv_wnd: u32,
+}
+
+pub fn live_windows(s: &TcpStream) -> io::Result<Option<LiveWindows>> {
+    // struct tcp_info (linux/tcp.h): tcpi_snd_wnd at 228, tcpi_rcv_wnd at 232.
+    let mut b = [0u8; 256];
+    let mut len = b.len() as libc::socklen_t;
+    // SAFETY: `b` is writable for `len` bytes.
+    cvt(unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            b.as_mut_ptr().cast(),
+            &mut len,
+        )
+    })?;
+    if (len as usize) < 236 {
+        return Ok(None);
+    }
+    let u = |o: usize| u32::from_ne_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
+    Ok(Some(LiveWindows {
+        snd_wnd: u(228),
+        rcv_wnd: u(232),
+    }))
+}
+
 /// Puts the socket in repair mode: from here it sends nothing by itself, and its state can be
 /// read out. The application must have stopped using it.
 pub fn enter_repair(s: &TcpStream) -> Result<(), RepairError> {

@@ -77,7 +77,15 @@ use std::time::{Duration, Instant};
 /// One replication update, primary -> backup.
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) enum Update {
-    /// A new session: its kernel capsule as it started (nothing written yet) and its
+    /// A new session's connection, before anything of it is read from the kernel: from here
+    /// its output is held back entirely (nothing is covered yet), so not even an
+    /// acknowledgment of input leaves before the backup holds that input.
+    Guard {
+        id: u64,
+        local: SocketAddr,
+        remote: SocketAddr,
+    },
+    /// The guarded session's kernel capsule as it started (nothing written yet) and its
     /// application's initial state, encoded as a [`Slice`] (versioned, checked).
     Protect(Vec<u8>),
     /// The session's state after it consumed `read` bytes in all: its application capsule,
@@ -89,6 +97,8 @@ pub(crate) enum Update {
         read: u64,
         produced: Vec<u8>,
         acked: u64,
+        /// The socket's windows now (`None`: unknown, the start's are used).
+        windows: Option<(u32, u32)>,
     },
     /// The session ended, or left this pair (moved to another instance).
     Ended(u64),
@@ -239,15 +249,28 @@ impl Replicator {
     /// Protects a session that has not written anything yet: observes its socket and waits
     /// for the backup to hold its output back. `None`: it runs unprotected (why is logged).
     pub(crate) fn protect(&self, id: u64, sock: &TcpStream, app: Vec<u8>) -> Option<Arc<Counts>> {
-        let tcp = match repair::set_linger_reset(sock, true)
-            .map_err(|e| e.to_string())
-            .and_then(|_| repair::observe(sock).map_err(|e| e.to_string()))
-        {
+        let unprotected = |why: &str| {
+            tracing::warn!(session = id, %why, "a new session runs unprotected");
+            let _ = repair::set_linger_reset(sock, false);
+            None
+        };
+        let (local, remote) = match (sock.local_addr(), sock.peer_addr()) {
+            (Ok(l), Ok(r)) => (l, r),
+            _ => return unprotected("its addresses are unknown"),
+        };
+        if let Err(e) = repair::set_linger_reset(sock, true) {
+            return unprotected(&e.to_string());
+        }
+        // The guard first (one round trip): what the kernel acknowledges from now on stays
+        // here until the backup holds it.
+        if !self.sync(Update::Guard { id, local, remote }, PROTECT_TIMEOUT) {
+            return unprotected("the backup did not guard it");
+        }
+        let tcp = match repair::observe(sock) {
             Ok(t) => t,
             Err(e) => {
-                tracing::warn!(error = %e, "cannot observe a new session: it runs unprotected");
-                let _ = repair::set_linger_reset(sock, false);
-                return None;
+                self.post(Msg::Update(Update::Ended(id)));
+                return unprotected(&format!("observing its socket: {e}"));
             }
         };
         let counts = Arc::new(Counts {
@@ -262,14 +285,8 @@ impl Replicator {
             pending_out: Vec::new(),
             app,
         });
-        if !self.sync(Update::Protect(slice), PROTECT_TIMEOUT) {
-            tracing::warn!(
-                session = id,
-                "the backup did not protect a new session: it runs unprotected"
-            );
-            let _ = repair::set_linger_reset(sock, false);
-            return None;
-        }
+        // In order ahead of the session's first checkpoint: no need to wait.
+        self.post(Msg::Update(Update::Protect(slice)));
         lock(&self.sessions).insert(id, counts.clone());
         Some(counts)
     }
@@ -320,6 +337,7 @@ impl Drop for Replicator {
 
 fn size_of_update(u: &Update) -> usize {
     match u {
+        Update::Guard { .. } => 64,
         Update::Protect(b) => b.len(),
         Update::Checkpoint { app, produced, .. } => app.len() + produced.len() + 32,
         Update::Ended(_) => 8,
@@ -422,9 +440,30 @@ struct Replica {
     out: VecDeque<u8>,
     /// When the last update for it came (the backup's count of updates).
     last_update: u64,
+    /// The primary socket's (snd_wnd, rcv_wnd) at the last checkpoint.
+    windows: Option<(u32, u32)>,
 }
 
 impl Replica {
+    /// The restored socket's windows. The primary's, as its last checkpoint saw them, with the
+    /// receive window doubled: it starts at `covered_ack`, maybe before the primary's
+    /// `rcv_nxt`, and the client may send up to the primary's right edge; a segment beyond
+    /// the restored socket's would be dropped (with the window of the session's start, input
+    /// in flight of 110 KB met a 64 KB window). Offering more than was offered is allowed.
+    fn window(&self, rcv: u32) -> TcpWindow {
+        let b = &self.base.window;
+        let (snd_wnd, rcv_wnd) = self.windows.unwrap_or((b.snd_wnd, b.rcv_wnd));
+        let rcv_shift = self.base.options.wscale.map_or(0, |(_, r)| r);
+        let rcv_max = 65535u32 << rcv_shift.min(14);
+        TcpWindow {
+            snd_wl1: rcv,
+            snd_wnd,
+            max_window: b.max_window.max(snd_wnd),
+            rcv_wnd: rcv_wnd.max(b.rcv_wnd).saturating_mul(2).min(rcv_max),
+            rcv_wup: rcv,
+        }
+    }
+
     fn produced(&self) -> u64 {
         self.acked + self.out.len() as u64
     }
@@ -451,8 +490,29 @@ impl Replica {
 
     /// The kernel capsule to restore from: nothing in flight, the receive queue what the start's
     /// capsule had that the application has not consumed.
-    fn capsule(&self) -> TcpCapsule {
+    ///
+    /// `client_has`: output the client is known to have received (the highest acknowledgment
+    /// in its own segments that reached the backup). The bytes before it are restored as sent
+    /// (the client's next ACK frees them), the rest goes out again as new data at once (the
+    /// client drops what it has). Two ways this went wrong before:
+    /// - everything as new data: the socket's `snd_nxt` started at the last acknowledged byte
+    ///   the primary had reported, and while it was behind the client's own point the kernel
+    ///   discarded every client segment as acknowledging unsent data, data included; when the
+    ///   window or the congestion window kept it from catching up, the session stalled for
+    ///   good (the client's retransmissions timed out 6 times);
+    /// - as sent up to the end of what had left the hold: a byte the client never got then
+    ///   waited for the restored socket's first retransmission timeout (1 s, no RTT sample
+    ///   yet).
+    fn capsule(&self, client_has: Option<u32>) -> TcpCapsule {
         let b = &self.base;
+        let una = b.send_seq.wrapping_add(self.acked as u32);
+        let sent = client_has.map_or(0, |e| {
+            if crate::hold::seq_ge(e, una) {
+                (e.wrapping_sub(una) as usize).min(self.out.len())
+            } else {
+                0
+            }
+        });
         let unread = b
             .recv_queue
             .get(self.read.min(b.recv_queue.len() as u64) as usize..)
@@ -463,17 +523,13 @@ impl Replica {
         TcpCapsule {
             local: b.local,
             remote: b.remote,
-            send_seq: b.send_seq.wrapping_add(self.acked as u32),
+            send_seq: b.send_seq.wrapping_add(self.produced() as u32),
             recv_seq: rcv,
-            send_queue: Vec::new(),
-            unsent: 0,
+            send_queue: self.out.iter().copied().collect(),
+            unsent: (self.out.len() - sent) as u32,
             recv_queue: unread,
             options: b.options,
-            window: TcpWindow {
-                snd_wl1: rcv,
-                rcv_wup: rcv,
-                ..b.window
-            },
+            window: self.window(rcv),
             timestamp: b.timestamp,
             captured_at_ms: b.captured_at_ms.saturating_sub(TS_MARGIN_MS),
             netns: b.netns,
@@ -491,6 +547,7 @@ pub(crate) fn serve_primary<A: SessionApp>(
     first: Vec<Update>,
 ) {
     let mut sessions: HashMap<u64, Replica> = HashMap::new();
+    let mut guarded: HashMap<u64, (SocketAddr, SocketAddr)> = HashMap::new();
     let stop = Arc::new(AtomicBool::new(false));
     let sweeper = {
         let (i, s) = (inner.clone(), stop.clone());
@@ -507,7 +564,7 @@ pub(crate) fn serve_primary<A: SessionApp>(
     };
     let mut updates = first;
     let died = loop {
-        let answer = match apply(inner, &mut sessions, updates) {
+        let answer = match apply(inner, &mut sessions, &mut guarded, updates) {
             Ok(()) => ToSource::Applied,
             Err(why) => ToSource::Failed(why),
         };
@@ -531,6 +588,20 @@ pub(crate) fn serve_primary<A: SessionApp>(
     let t0 = Instant::now();
     // An instance that is stopping cuts its channels itself: that is no primary's death.
     let died = died && !inner.is_stopping();
+    // Guarded sessions the primary never described cannot be restored: their output flows
+    // again (the kernel's RST for their next segment tells the clients).
+    if !guarded.is_empty() {
+        let g: Vec<_> = guarded.values().copied().collect();
+        if died {
+            inner
+                .rep_stats
+                .takeover_failed
+                .fetch_add(g.len() as u64, Ordering::Relaxed);
+        }
+        if let Err(e) = inner.hold.unprotect(&g, true) {
+            tracing::error!(error = %e, "ending output commit");
+        }
+    }
     if died && !sessions.is_empty() {
         take_over(inner, sessions, t0);
     } else {
@@ -548,6 +619,7 @@ pub(crate) fn serve_primary<A: SessionApp>(
 fn apply<A: SessionApp>(
     inner: &Inner<A>,
     sessions: &mut HashMap<u64, Replica>,
+    guarded: &mut HashMap<u64, (SocketAddr, SocketAddr)>,
     updates: Vec<Update>,
 ) -> Result<(), String> {
     let mut covers = Vec::new();
@@ -557,13 +629,31 @@ fn apply<A: SessionApp>(
     for u in updates {
         rep.applied.fetch_add(1, Ordering::Relaxed);
         match u {
+            Update::Guard { id, local, remote } => match inner.hold.guard(&[(local, remote)]) {
+                Ok(()) => {
+                    guarded.insert(id, (local, remote));
+                }
+                Err(e) => {
+                    failed.get_or_insert(format!("guard {local} <- {remote}: {e}"));
+                }
+            },
             Update::Protect(bytes) => {
                 let r = format::decode(&bytes)
                     .map_err(|e| format!("capsule: {e}"))
                     .and_then(|s| {
                         A::load(&s.app).map_err(|e| format!("application capsule: {e}"))?;
                         repair::check_netns(&s.tcp).map_err(|e| e.to_string())?;
-                        Ok(s)
+                        match guarded.remove(&s.session_id) {
+                            Some(t) if t == (s.tcp.local, s.tcp.remote) => Ok(s),
+                            Some(t) => {
+                                guarded.insert(s.session_id, t);
+                                Err(format!(
+                                    "session {:#x}: capsule of another connection",
+                                    s.session_id
+                                ))
+                            }
+                            None => Err(format!("session {:#x} was not guarded", s.session_id)),
+                        }
                     })
                     .and_then(|s| {
                         let r = Replica {
@@ -572,12 +662,14 @@ fn apply<A: SessionApp>(
                             acked: 0,
                             out: VecDeque::new(),
                             last_update: 0,
+                            windows: None,
                             base: s.tcp,
                         };
                         let (l, rm) = r.tuple();
+                        // Arms the guard: from here what the capsule covers may leave.
                         inner
                             .hold
-                            .protect(&[(l, rm, r.covered_seq(), r.covered_ack())])
+                            .cover(&[(l, rm, r.covered_seq(), r.covered_ack())])
                             .map_err(|e| e.to_string())?;
                         sessions.insert(s.session_id, r);
                         Ok(())
@@ -593,6 +685,7 @@ fn apply<A: SessionApp>(
                 read,
                 produced,
                 acked,
+                windows,
             } => {
                 let Some(r) = sessions.get_mut(&id) else {
                     continue;
@@ -600,6 +693,9 @@ fn apply<A: SessionApp>(
                 r.app = app;
                 r.read = read;
                 r.last_update = rep.applied.load(Ordering::Relaxed);
+                if windows.is_some() {
+                    r.windows = windows;
+                }
                 r.out.extend(produced);
                 // Acknowledged output is never needed again (the count only grows).
                 if acked > r.acked {
@@ -613,6 +709,8 @@ fn apply<A: SessionApp>(
             Update::Ended(id) => {
                 if let Some(r) = sessions.remove(&id) {
                     ended.push(r.tuple());
+                } else if let Some(t) = guarded.remove(&id) {
+                    ended.push(t);
                 }
             }
         }
@@ -654,7 +752,7 @@ fn take_over<A: SessionApp>(inner: &Arc<Inner<A>>, sessions: HashMap<u64, Replic
     };
     // Ending output commit hands back what left of each session's output: the audit's first
     // half (the exit's own record against what this backup held).
-    match inner.hold.unprotect(&tuples, false) {
+    let left = match inner.hold.unprotect(&tuples, false) {
         Ok(left) => {
             let leaked = left
                 .iter()
@@ -663,15 +761,20 @@ fn take_over<A: SessionApp>(inner: &Arc<Inner<A>>, sessions: HashMap<u64, Replic
                 .count();
             rep.commit_violations
                 .fetch_add(leaked as u64, Ordering::Relaxed);
+            left
         }
-        Err(e) => tracing::error!(error = %e, "ending output commit for a takeover"),
-    }
-    for (chunk, tuples) in sessions
+        Err(e) => {
+            tracing::error!(error = %e, "ending output commit for a takeover");
+            vec![crate::hold::Left::default(); sessions.len()]
+        }
+    };
+    for ((chunk, tuples), left) in sessions
         .chunks(TAKEOVER_CHUNK)
         .zip(tuples.chunks(TAKEOVER_CHUNK))
+        .zip(left.chunks(TAKEOVER_CHUNK))
     {
-        for (id, r) in chunk {
-            match restore_one(inner, *id, r) {
+        for ((id, r), l) in chunk.iter().zip(left) {
+            match restore_one(inner, *id, r, l.peer_ack) {
                 Ok(()) => rep.taken_over.fetch_add(1, Ordering::Relaxed),
                 Err(e) => {
                     tracing::error!(session = id, error = %e, "takeover");
@@ -708,16 +811,26 @@ fn take_over<A: SessionApp>(inner: &Arc<Inner<A>>, sessions: HashMap<u64, Replic
 
 /// Restores one session from the backup's copy and runs it here: its unacknowledged output
 /// goes out first, as new data (the client drops what it already has).
-fn restore_one<A: SessionApp>(inner: &Arc<Inner<A>>, id: u64, r: &Replica) -> Result<(), String> {
+fn restore_one<A: SessionApp>(
+    inner: &Arc<Inner<A>>,
+    id: u64,
+    r: &Replica,
+    client_has: Option<u32>,
+) -> Result<(), String> {
     let app = A::load(&r.app).map_err(|e| format!("application capsule: {e}"))?;
-    let sock = restore_when_free(&r.capsule()).map_err(|e| format!("restore: {e}"))?;
+    let c = r.capsule(client_has);
+    let sock = restore_when_free(&c).map_err(|e| format!("restore: {e}"))?;
     repair::leave_repair(&sock).map_err(|e| e.to_string())?;
+    // Nagle off for a restored session: with it, a short reply waited while anything was
+    // unacknowledged, and right after a takeover the client's acknowledgments can be held up
+    // (its out-of-window ACKs are rate limited to two a second, and one acknowledging more
+    // than the restored socket has sent yet is discarded): in the bench one session in a
+    // thousand then answered only after the restored socket's first retransmission timeout
+    // (1 s, no RTT sample yet), 1.3-1.5 s after the kill.
+    sock.set_nodelay(true)
+        .map_err(|e| format!("TCP_NODELAY: {e}"))?;
+    let out = c.unsent_part().to_vec();
     inner
-        .run(Frozen {
-            id,
-            sock,
-            app,
-            out: r.out.iter().copied().collect(),
-        })
+        .run(Frozen { id, sock, app, out })
         .map_err(|e| format!("run: {e}"))
 }

@@ -121,7 +121,16 @@ fn sessions_of_a_killed_primary_continue_on_its_backup_without_a_reset() {
     assert_eq!(get(&audit, "commit_violations"), 0, "{audit}");
     let stalls = watcher.join().unwrap();
     for (i, st) in stalls.iter().enumerate() {
-        assert!(st.is_some(), "stream {i} stalled after the failover");
+        if st.is_none() {
+            let c = &clients[i];
+            panic!(
+                "stream {i} stalled after the failover ({} replies, {:?})\nbackup: {}\n{}",
+                c.checked.load(Ordering::Relaxed),
+                c.retrans(),
+                replication(&mut b),
+                std::fs::read_to_string("/proc/thread-self/net/tcp").unwrap_or_default()
+            );
+        }
     }
     let longest = stalls.iter().flatten().max().copied().unwrap_or_default();
     sessions.check_all().unwrap();

@@ -205,7 +205,18 @@ impl PacketHold {
         self.queue_only()?.protect(&keys)
     }
 
-    /// Moves protected connections' covered marks forward; what is covered now leaves.
+    /// Output commit with nothing covered yet: every segment of these connections `(local,
+    /// remote)` is held until a [`PacketHold::cover`] sets their marks.
+    pub fn guard(&self, conns: &[(SocketAddr, SocketAddr)]) -> Result<(), HoldError> {
+        let keys: Vec<_> = conns
+            .iter()
+            .map(|(l, r)| (Key::output_of(l, r), 0, 0))
+            .collect();
+        self.queue_only()?.protect_with(&keys, true)
+    }
+
+    /// Moves protected connections' covered marks forward (a guarded connection's are set);
+    /// what is covered now leaves.
     pub fn cover(&self, updates: &[(SocketAddr, SocketAddr, u32, u32)]) -> Result<(), HoldError> {
         let keys: Vec<_> = updates
             .iter()

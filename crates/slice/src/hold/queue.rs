@@ -108,8 +108,11 @@ struct CommitVal {
     covered_seq: u32,
     covered_ack: u32,
     released: u32,
-    pad: u32,
+    /// `GUARDED`: nothing is covered yet.
+    flags: u32,
 }
+
+const GUARDED: u32 = 1;
 // SAFETY: four u32, no padding.
 unsafe impl aya::Pod for CommitVal {}
 
@@ -161,12 +164,17 @@ pub struct CommitStats {
 pub struct Left {
     pub end: Option<u32>,
     pub ack: Option<u32>,
+    /// The highest acknowledgment the client's own segments carried (the client's word for
+    /// how much output it has received, a lower bound of it).
+    pub peer_ack: Option<u32>,
+}
+
+fn later(cur: Option<u32>, v: u32) -> Option<u32> {
+    Some(cur.map_or(v, |c| if seq_ge(c, v) { c } else { v }))
 }
 
 impl Left {
     fn note(&mut self, end: u32, ack: Option<u32>) {
-        let later =
-            |cur: Option<u32>, v: u32| Some(cur.map_or(v, |c| if seq_ge(c, v) { c } else { v }));
         self.end = later(self.end, end);
         if let Some(a) = ack {
             self.ack = later(self.ack, a);
@@ -175,9 +183,13 @@ impl Left {
 
     fn merge(&mut self, o: Left) {
         if let Some(e) = o.end {
-            self.note(e, o.ack);
-        } else if let Some(a) = o.ack {
-            self.ack = Some(self.ack.map_or(a, |c| if seq_ge(c, a) { c } else { a }));
+            self.end = later(self.end, e);
+        }
+        if let Some(a) = o.ack {
+            self.ack = later(self.ack, a);
+        }
+        if let Some(p) = o.peer_ack {
+            self.peer_ack = later(self.peer_ack, p);
         }
     }
 
@@ -197,6 +209,8 @@ type CommitMaps = (
 /// A protected connection's queued output and how far the backup covers it.
 #[derive(Default)]
 struct Committed {
+    /// Nothing is covered yet (see [`QueueHold::protect_with`]).
+    guarded: bool,
     /// What this queue wrote back (the program keeps what it let through).
     left: Left,
     covered_seq: u32,
@@ -734,6 +748,15 @@ impl QueueHold {
     /// client keys): from now on their segments leave only as the rule of
     /// [`super::frames::covered`] allows. All or none.
     pub(super) fn protect(&self, conns: &[(Key, u32, u32)]) -> Result<(), HoldError> {
+        self.protect_with(conns, false)
+    }
+
+    /// [`QueueHold::protect`]; `guarded`: nothing covered until the first `cover`.
+    pub(super) fn protect_with(
+        &self,
+        conns: &[(Key, u32, u32)],
+        guarded: bool,
+    ) -> Result<(), HoldError> {
         const BPF_NOEXIST: u64 = 1;
         let mut q = lock(&self.queue);
         let mut m = lock(&self.commit);
@@ -741,6 +764,7 @@ impl QueueHold {
             let val = CommitVal {
                 covered_seq: *seq,
                 covered_ack: *ack,
+                flags: if guarded { GUARDED } else { 0 },
                 ..CommitVal::default()
             };
             // The counters first: the program drops a segment whose value has no counters.
@@ -770,6 +794,7 @@ impl QueueHold {
                 Committed {
                     covered_seq: *seq,
                     covered_ack: *ack,
+                    guarded,
                     ..Committed::default()
                 },
             );
@@ -788,6 +813,10 @@ impl QueueHold {
             let Some(c) = q.committed.get_mut(k) else {
                 continue;
             };
+            if c.guarded {
+                // The first marks: set, not moved (there is nothing to compare with).
+                (c.covered_seq, c.covered_ack, c.guarded) = (*seq, *ack, false);
+            }
             if seq_ge(*seq, c.covered_seq) {
                 c.covered_seq = *seq;
             }
@@ -1020,7 +1049,14 @@ impl Queue {
                 if let Some(c) = self.committed.get_mut(&k) {
                     c.frames.push_back(frame);
                 } else if let Some(i) = self.inputs.get_mut(&k) {
+                    let ack = Key::of_frame(&frame)
+                        .and_then(|(_, l4)| segment(&frame, l4))
+                        .filter(|s| s.ack_flag)
+                        .map(|s| s.ack);
                     i.push_back(frame);
+                    if let (Some(a), Some(c)) = (ack, self.committed.get_mut(&k.reversed())) {
+                        c.left.peer_ack = later(c.left.peer_ack, a);
+                    }
                 } else {
                     self.frames.entry(k).or_default().push(frame);
                 }
@@ -1053,6 +1089,9 @@ impl Queue {
         let Some(cm) = self.committed.get_mut(k) else {
             return;
         };
+        if cm.guarded {
+            return;
+        }
         // Input the backup's state holds now needs no copy.
         if let Some(input) = self.inputs.get_mut(&k.reversed()) {
             while let Some(f) = input.front() {
@@ -1094,7 +1133,7 @@ impl Queue {
             covered_seq: cm.covered_seq,
             covered_ack: cm.covered_ack,
             released: cm.released,
-            pad: 0,
+            flags: 0,
         };
         if let Err(e) = commit.insert(*k, v, 0) {
             tracing::error!(error = %e, conn = %k.describe(), "updating output commit");
