@@ -106,8 +106,15 @@ fn sessions_of_a_killed_primary_continue_on_its_backup_without_a_reset() {
             })
             .collect::<Vec<_>>()
     });
+    assert_eq!(common::hold_programs("lo"), 2, "the two instances' holds");
     p.child.kill().unwrap(); // SIGKILL
     p.child.wait().unwrap();
+    // The killed primary's program went with it (TCX links): nothing of it diverts segments.
+    assert_eq!(
+        common::hold_programs("lo"),
+        1,
+        "the killed primary's hold stayed"
+    );
     assert!(
         wait_until(Duration::from_secs(10), || get(
             &replication(&mut b),

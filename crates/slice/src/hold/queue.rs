@@ -2,7 +2,8 @@
 //! written back in their order on release, so the client never has to retransmit them.
 //!
 //! This kernel has neither nft_queue nor iptables (no NFQUEUE), so the queue is built from what
-//! it has (tc-BPF with clsact, veth, packet sockets):
+//! it has (tc-BPF as TCX links, or clsact filters on a kernel without TCX; veth, packet
+//! sockets):
 //! ```text
 //!   lo ingress (and every other interface present at creation): pliant_slice_hold
 //!   (bpf/slice_hold.bpf.c)
@@ -34,6 +35,7 @@ use super::frames::{complete_tcp_checksum, covered, segment, seq_ge, Key, ETH_HL
 use super::HoldError;
 use aya::maps::{Array, HashMap, IterableMap, MapData};
 use aya::programs::tc::{self, NlOptions, SchedClassifier, TcAttachOptions, TcAttachType};
+use aya::programs::LinkOrder;
 use aya::{Ebpf, EbpfLoader};
 use std::collections::{HashMap as Map, VecDeque};
 use std::io;
@@ -593,14 +595,37 @@ impl QueueHold {
                 .map_err(|e: aya::programs::ProgramError| bpf_err(prog)(e.to_string()))?;
             p.load().map_err(|e| bpf_err(prog)(format!("load: {e}")))?;
         }
-        for (prog, dev) in &devs {
-            // An existing clsact qdisc (another instance's hold on lo) is fine.
-            let _ = tc::qdisc_add_clsact(dev);
+        // TCX links (Linux 6.6+) where the kernel has them: a link lives as long as this
+        // process holds its descriptor, so a process killed without running its destructors
+        // (a SIGKILLed backup instance, say) takes its program off the interfaces with it.
+        // A tc filter attached through netlink stays after its process, and kept diverting
+        // the connections it held to a queue nobody read. Netlink (classic clsact filters)
+        // only where TCX is refused.
+        let mut tcx = true;
+        for (i, (prog, dev)) in devs.iter().enumerate() {
             let p: &mut SchedClassifier = ebpf
                 .program_mut(prog)
                 .ok_or_else(|| HoldError::Bpf(format!("no program {prog}")))?
                 .try_into()
                 .map_err(|e: aya::programs::ProgramError| bpf_err(prog)(e.to_string()))?;
+            if tcx {
+                let r = p.attach_with_options(
+                    dev,
+                    TcAttachType::Ingress,
+                    TcAttachOptions::TcxOrder(LinkOrder::default()),
+                );
+                match r {
+                    Ok(_) => continue,
+                    // Only the first attach decides: all links are of one kind.
+                    Err(e) if i == 0 => {
+                        tracing::info!(error = %e, "TCX refused: classic tc filters instead");
+                        tcx = false;
+                    }
+                    Err(e) => return Err(bpf_err(prog)(format!("attach to {dev}: {e}"))),
+                }
+            }
+            // An existing clsact qdisc (another instance's hold on lo) is fine.
+            let _ = tc::qdisc_add_clsact(dev);
             p.attach_with_options(
                 dev,
                 TcAttachType::Ingress,
@@ -615,9 +640,10 @@ impl QueueHold {
             name: name.to_string(),
             netns,
             ebpf: Some(ebpf),
+            // Interfaces whose clsact qdisc the hold may have added (none with TCX).
             devs: devs
                 .into_iter()
-                .filter(|(prog, _)| *prog == PROGRAM)
+                .filter(|(prog, _)| *prog == PROGRAM && !tcx)
                 .map(|(_, d)| d)
                 .collect(),
             held: Mutex::new(held),

@@ -46,6 +46,31 @@ pub fn tcpext_counter(name: &str) -> u64 {
         .unwrap_or_else(|| panic!("no TcpExt counter {name}"))
 }
 
+/// How many hold programs (`pliant_slice_hold`; BPF program names keep 15 characters) filter
+/// `dev`'s ingress in the calling thread's namespace: TCX links, or classic tc filters where
+/// the kernel has no TCX.
+pub fn hold_programs(dev: &str) -> usize {
+    use aya::programs::tc::{SchedClassifier, TcAttachType};
+    let tcx = SchedClassifier::query_tcx(dev, TcAttachType::Ingress)
+        .map(|(_, progs)| {
+            progs
+                .iter()
+                .filter(|p| {
+                    p.name_as_str()
+                        .is_some_and(|n| n.starts_with("pliant_slice_ho"))
+                })
+                .count()
+        })
+        .unwrap_or(0);
+    let out = Command::new("tc")
+        .args(["filter", "show", "dev", dev, "ingress"])
+        .output()
+        .expect("run tc");
+    tcx + String::from_utf8_lossy(&out.stdout)
+        .matches("pliant_slice_hold")
+        .count()
+}
+
 /// Polls `cond` until it holds or `limit` passes.
 pub fn wait_until(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
     let end = Instant::now() + limit;
