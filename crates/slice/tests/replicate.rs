@@ -173,3 +173,60 @@ fn sessions_of_a_killed_primary_continue_on_its_backup_without_a_reset() {
     let s = b.cmd("stats").remove(0);
     assert!(s.contains("session_errors=0"), "{s}");
 }
+
+/// The backup dies instead: the primary's sessions go on (unprotected, and told so), nothing
+/// of the dead backup's hold diverts their output.
+#[test]
+fn sessions_go_on_when_the_backup_is_killed() {
+    if !private_netns() {
+        return;
+    }
+    let dir = pliant_testkit::TempDir::new("pliant-slice-rep-b");
+    let st = Command::new(env!("CARGO_BIN_EXE_pliant-slice-demo"))
+        .arg("keys")
+        .arg(&dir.0)
+        .args(["rep-p", "rep-b"])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let mut b = Demo::start(&dir.0, "rep-b", &[]);
+    let mut p = Demo::start(
+        &dir.0,
+        "rep-p",
+        &["--backup", &b.peer, "--backup-name", "rep-b"],
+    );
+    let clients: Vec<_> = (0..2).map(|c| start_client(&p.clients, c)).collect();
+    let mut sessions = IdleSessions::connect(&p.clients, 50, Duration::from_secs(10)).unwrap();
+    sessions.round().unwrap();
+    for c in &clients {
+        assert!(c.progresses(500));
+    }
+    let bl = replication(&mut b);
+    assert_eq!(get(&bl, "commit_protected"), 52, "{bl}");
+    b.child.kill().unwrap(); // SIGKILL
+    b.child.wait().unwrap();
+    assert_eq!(
+        common::hold_programs("lo"),
+        1,
+        "the killed backup's hold stayed"
+    );
+    for (i, c) in clients.iter().enumerate() {
+        assert!(
+            c.progresses(2100),
+            "stream {i} stalled after the backup died"
+        );
+    }
+    for _ in 0..3 {
+        sessions.round().unwrap();
+    }
+    let pl = replication(&mut p);
+    assert_eq!(get(&pl, "backup_lost"), 1, "{pl}");
+    // A session started now runs unprotected, and says so.
+    let mut late = IdleSessions::connect(&p.clients, 1, Duration::from_secs(10)).unwrap();
+    late.round().unwrap();
+    let pl = replication(&mut p);
+    assert_eq!(get(&pl, "unprotected"), 1, "{pl}");
+    for c in clients {
+        c.finish();
+    }
+}
