@@ -21,6 +21,26 @@ fn get(line: &str, key: &str) -> u64 {
     field(line, key).unwrap_or_else(|| panic!("no {key} in {line}"))
 }
 
+/// A backup demo process `rep-b` and a primary `rep-p` replicating to it (identities in the
+/// returned directory).
+fn replicated_pair(prefix: &str) -> (pliant_testkit::TempDir, Demo, Demo) {
+    let dir = pliant_testkit::TempDir::new(prefix);
+    let st = Command::new(env!("CARGO_BIN_EXE_pliant-slice-demo"))
+        .arg("keys")
+        .arg(&dir.0)
+        .args(["rep-p", "rep-b"])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let b = Demo::start(&dir.0, "rep-b", &[]);
+    let p = Demo::start(
+        &dir.0,
+        "rep-p",
+        &["--backup", &b.peer, "--backup-name", "rep-b"],
+    );
+    (dir, b, p)
+}
+
 /// Sessions (streaming and idle) of a SIGKILLed primary continue on its backup.
 #[test]
 fn sessions_of_a_killed_primary_continue_on_its_backup_without_a_reset() {
@@ -35,20 +55,7 @@ fn sessions_of_a_killed_primary_continue_on_its_backup_without_a_reset() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(996);
-    let dir = pliant_testkit::TempDir::new("pliant-slice-rep");
-    let st = Command::new(env!("CARGO_BIN_EXE_pliant-slice-demo"))
-        .arg("keys")
-        .arg(&dir.0)
-        .args(["rep-p", "rep-b"])
-        .status()
-        .unwrap();
-    assert!(st.success());
-    let mut b = Demo::start(&dir.0, "rep-b", &[]);
-    let mut p = Demo::start(
-        &dir.0,
-        "rep-p",
-        &["--backup", &b.peer, "--backup-name", "rep-b"],
-    );
+    let (_dir, mut b, mut p) = replicated_pair("pliant-slice-rep");
     let clients: Vec<_> = (0..streams).map(|c| start_client(&p.clients, c)).collect();
     let mut sessions = IdleSessions::connect(&p.clients, idle, Duration::from_secs(10)).unwrap();
     for _ in 0..3 {
@@ -181,20 +188,7 @@ fn sessions_go_on_when_the_backup_is_killed() {
     if !private_netns() {
         return;
     }
-    let dir = pliant_testkit::TempDir::new("pliant-slice-rep-b");
-    let st = Command::new(env!("CARGO_BIN_EXE_pliant-slice-demo"))
-        .arg("keys")
-        .arg(&dir.0)
-        .args(["rep-p", "rep-b"])
-        .status()
-        .unwrap();
-    assert!(st.success());
-    let mut b = Demo::start(&dir.0, "rep-b", &[]);
-    let mut p = Demo::start(
-        &dir.0,
-        "rep-p",
-        &["--backup", &b.peer, "--backup-name", "rep-b"],
-    );
+    let (_dir, mut b, mut p) = replicated_pair("pliant-slice-rep-b");
     let clients: Vec<_> = (0..2).map(|c| start_client(&p.clients, c)).collect();
     let mut sessions = IdleSessions::connect(&p.clients, 50, Duration::from_secs(10)).unwrap();
     sessions.round().unwrap();

@@ -78,6 +78,14 @@ enum Imp {
     Drop(drop::DropHold),
 }
 
+/// `(local, remote, covered_seq, covered_ack)` as the program keys the instance's output.
+fn output_keys(conns: &[(SocketAddr, SocketAddr, u32, u32)]) -> Vec<(Key, u32, u32)> {
+    conns
+        .iter()
+        .map(|(l, r, s, a)| (Key::output_of(l, r), *s, *a))
+        .collect()
+}
+
 /// An instance's packet hold.
 #[derive(Debug)]
 pub struct PacketHold {
@@ -198,11 +206,7 @@ impl PacketHold {
     /// remote, covered_seq, covered_ack)` leave only once covered (see
     /// `crate::replicate`). Queueing hold only.
     pub fn protect(&self, conns: &[(SocketAddr, SocketAddr, u32, u32)]) -> Result<(), HoldError> {
-        let keys: Vec<_> = conns
-            .iter()
-            .map(|(l, r, s, a)| (Key::output_of(l, r), *s, *a))
-            .collect();
-        self.queue_only()?.protect(&keys)
+        self.queue_only()?.protect(&output_keys(conns))
     }
 
     /// Output commit with nothing covered yet: every segment of these connections `(local,
@@ -218,11 +222,7 @@ impl PacketHold {
     /// Moves protected connections' covered marks forward (a guarded connection's are set);
     /// what is covered now leaves.
     pub fn cover(&self, updates: &[(SocketAddr, SocketAddr, u32, u32)]) -> Result<(), HoldError> {
-        let keys: Vec<_> = updates
-            .iter()
-            .map(|(l, r, s, a)| (Key::output_of(l, r), *s, *a))
-            .collect();
-        self.queue_only()?.cover(&keys)
+        self.queue_only()?.cover(&output_keys(updates))
     }
 
     /// Waits at most `t` for queued output, then writes back what is covered.
